@@ -1,0 +1,38 @@
+# Every target bootstraps .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned exactly: on these machines pip takes the 2.13.0 CPU wheel from local disk; a bare
+	# "torch" could resolve to a multi-GB CUDA build. The editable install below then finds
+	# torch already satisfied and installs nothing more for it.
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m spotrun.demo
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy
+
+test: $(VENV)/.installed lint typecheck
+	$(VENV)/bin/pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) bench/checkpoint.py
+
+clean:
+	rm -rf $(VENV) .spotrun .pytest_cache .mypy_cache .ruff_cache

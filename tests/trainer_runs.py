@@ -1,0 +1,106 @@
+"""Run `python -m trainer` in subprocesses and read back what it produced: shared by the e2e tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_spec(path: Path, **overrides: Any) -> Path:
+    """A small digits job (dropout and noise on, so RNG restore matters), checkpointing every 7 steps."""
+    spec: dict[str, Any] = {
+        "name": "exact",
+        "recipe": "digits",
+        "args": {"hidden": 64, "dropout": 0.1, "noise": 0.1},
+        "total_steps": 100,
+        "batch_size": 64,  # 1797 samples -> 28 batches per epoch
+        "seed": 7,
+        "threads": 1,
+        "num_workers": 0,
+        "checkpoint": {"every_steps": 7, "keep": 2},
+        "log_every": 50,
+    }
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(spec.get(k), dict):
+            spec[k] = {**spec[k], **v}
+        else:
+            spec[k] = v
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def trainer(
+    config: Path, storage: str, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """One attempt, to completion or death."""
+    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd += ["--metrics", str(workdir / "metrics.jsonl"), "--cache", str(workdir / "cache"), *extra]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def trainer_killed_after(
+    config: Path, storage: str, workdir: Path, lines: int, sig: signal.Signals, timeout: float = 120
+) -> int:
+    """Start an attempt and send `sig` once the metrics file holds `lines` more lines: a kill at an
+    arbitrary instant (mid-step, mid-save, mid-upload), not at a step boundary. Returns the exit code."""
+    metrics = workdir / "metrics.jsonl"
+    start = _count_lines(metrics)
+    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd += ["--metrics", str(metrics), "--cache", str(workdir / "cache")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while _count_lines(metrics) - start < lines and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(timeout=timeout)
+    return proc.returncode
+
+
+def _count_lines(p: Path) -> int:
+    try:
+        return p.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def losses(workdir: Path) -> dict[int, str]:
+    """Per-step losses (float.hex); a resumed attempt's value overwrites the dead attempt's."""
+    out: dict[int, str] = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def final_state(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    model = load_file(str(ckpt_dir / "model.safetensors"))
+    opt = torch.load(ckpt_dir / "optimizer.pt", weights_only=True)["state"]
+    return model, opt
+
+
+def assert_states_equal(a: Path, b: Path) -> None:
+    """Bitwise: every parameter and every optimizer state tensor."""
+    (ma, oa), (mb, ob) = final_state(a), final_state(b)
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), f"parameter {k} differs"
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for idx, st in oa["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, ob["state"][idx][name]), f"optimizer state {idx}/{name} differs"

@@ -1,0 +1,97 @@
+"""`python -m trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from trainer.errors import CheckpointError, ConfigError, ResumeIncompatible, StorageError, TrainingDiverged
+from trainer.errors import TransientStorageError
+from trainer.exitcodes import ExitCode
+from trainer.faults import Fault
+from trainer.loop import AttemptOptions, run_attempt
+from trainer.preemption import StopRequest, install_signal_handlers
+from trainer.spec import load_spec
+from trainer.storage import open_storage
+
+log = logging.getLogger("trainer")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    p.add_argument("--config", required=True, help="job spec YAML")
+    p.add_argument("--storage", help="override the spec's storage URI")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps in this attempt (with a checkpoint)")
+    p.add_argument("--resume-from", help="require resuming from this step (or a step_NNN directory URI)")
+    p.add_argument("--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>)")
+    p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")
+    p.add_argument("--inject-fault", metavar="KIND@STEP", help="sigkill|sigterm|crash|hang after step STEP")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    args = parse_args(argv)
+    stop = StopRequest()
+    install_signal_handlers(stop)
+    try:
+        return int(_run(args, stop))
+    except (ConfigError, ResumeIncompatible) as e:
+        log.error("%s", e)
+        return ExitCode.CONFIG_ERROR
+    except TrainingDiverged as e:
+        log.error("%s", e)
+        return ExitCode.DIVERGED
+    except (CheckpointError, StorageError) as e:
+        cause = e.__cause__ if isinstance(e, CheckpointError) else e
+        if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
+            log.error("%s", cause)
+            return ExitCode.CONFIG_ERROR
+        log.exception("storage failure; the last durable checkpoint is intact")
+        return ExitCode.CRASHED
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
+    spec = load_spec(args.config)
+    uri = args.storage or spec.storage
+    if args.storage:
+        spec = spec.model_copy(update={"storage": args.storage})
+    # The process edge: environment read here and passed down, never deep inside.
+    home = Path(os.environ.get("SPOTRUN_HOME", ".spotrun"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    opts = AttemptOptions(
+        cache=Path(args.cache) if args.cache else home / "cache" / spec.name,
+        max_steps=args.max_steps,
+        metrics_path=Path(args.metrics) if args.metrics else None,
+        rank=rank,
+        world_size=world,
+        stop=stop,
+        resume_from=_parse_resume_from(args.resume_from),
+        fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
+    )
+    storage = open_storage(uri, spec.s3)
+    result = run_attempt(spec, storage, opts)
+    log.info(
+        "attempt finished: %s at step %d (resumed from %s, durable %s)",
+        result.code.name, result.step, result.resumed_from, result.durable_step,
+    )  # fmt: skip
+    return result.code
+
+
+def _parse_resume_from(value: str | None) -> int | None:
+    if value is None:
+        return None
+    tail = value.rstrip("/").rsplit("/", 1)[-1]
+    digits = tail.removeprefix("step_")
+    if not digits.isdigit():
+        raise ConfigError(f"--resume-from {value!r}: give a step number or a .../step_NNNNNNNNN URI")
+    return int(digits)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

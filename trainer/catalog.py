@@ -1,0 +1,176 @@
+"""What checkpoints exist under a storage root, which one to resume from, and which to delete.
+
+Policy lives in pure functions (`select_newest_valid`, `plan_retention`) that tests drive with
+tables; the rest moves bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.ckpt_format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from trainer.storage import Storage, get_bytes, put_bytes
+from trainer.validate import Expectation, Problem, validate_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Listed:
+    step: int
+    files: dict[str, int] = field(default_factory=dict)  # name -> size
+
+    @property
+    def committed(self) -> bool:
+        return MANIFEST in self.files
+
+
+def list_checkpoints(storage: Storage) -> dict[int, Listed]:
+    """Every step directory under the root, committed (has a manifest) or not."""
+    found: dict[int, Listed] = {}
+    for obj in storage.list(""):
+        head, _, name = obj.key.partition("/")
+        step = parse_step_dir(head)
+        if step is None or not name or "/" in name:
+            continue
+        found.setdefault(step, Listed(step)).files[name] = obj.size
+    return found
+
+
+def read_latest(storage: Storage) -> int | None:
+    """The step the `latest` marker names, or None when absent or unreadable (it is only a hint)."""
+    try:
+        return int(json.loads(get_bytes(storage, LATEST))["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed 'latest' marker in %s", storage.uri)
+        return None
+
+
+def write_latest(storage: Storage, step: int) -> None:
+    put_bytes(storage, LATEST, json.dumps({"step": step, "dir": step_dir(step)}).encode())
+
+
+def fetch(storage: Storage, step: int, cache: Path) -> Path:
+    """Download one checkpoint into `cache/step_dir` (manifest last), reusing an identical local copy."""
+    name = step_dir(step)
+    dst = cache / name
+    remote_manifest = get_bytes(storage, f"{name}/{MANIFEST}")
+    if (dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == remote_manifest:
+        return dst  # same bytes committed locally (we wrote it, or fetched it before); validation hashes it
+    tmp = cache / f".fetch-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        listed = Manifest.from_json(remote_manifest).files
+    except ValueError:
+        listed = {}
+    for fname in listed:
+        try:
+            storage.get(f"{name}/{fname}", tmp / fname)
+        except FileNotFoundError:
+            continue  # validation reports it as missing
+    (tmp / MANIFEST).write_bytes(remote_manifest)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return dst
+
+
+@dataclass(frozen=True)
+class Rejection:
+    step: int
+    problems: tuple[Problem, ...]
+
+    def reason(self) -> str:
+        return "; ".join(str(p) for p in self.problems[:3])
+
+
+@dataclass
+class Selection:
+    step: int | None
+    path: Path | None = None
+    rejected: list[Rejection] = field(default_factory=list)
+
+    def describe(self, uri: str) -> str:
+        rej = "".join(f"; rejected step {r.step}: {r.reason()}" for r in self.rejected)
+        if self.step is None:
+            return f"no valid checkpoint in {uri}, starting from scratch{rej}"
+        return f"resuming from step {self.step} of {uri}{rej}"
+
+
+def select_newest_valid(
+    steps: list[int], check: Callable[[int], tuple[Path | None, list[Problem]]]
+) -> Selection:
+    """Walk from the newest step back to the first one `check` finds no problems with."""
+    rejected: list[Rejection] = []
+    for step in sorted(steps, reverse=True):
+        path, problems = check(step)
+        if not problems:
+            return Selection(step, path, rejected)
+        rejected.append(Rejection(step, tuple(problems)))
+    return Selection(None, None, rejected)
+
+
+def find_resume_point(storage: Storage, cache: Path, expect: Expectation | None) -> Selection:
+    """Newest valid checkpoint under `storage`, fetched into `cache`; records why newer ones were rejected."""
+    listed = list_checkpoints(storage)
+
+    def check(step: int) -> tuple[Path | None, list[Problem]]:
+        if not listed[step].committed:
+            return None, [Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")]
+        path = fetch(storage, step, cache)
+        return path, validate_dir(path, expect)
+
+    return select_newest_valid(list(listed), check)
+
+
+def plan_retention(committed: list[int], incomplete: list[int], verified: int, keep: int) -> list[int]:
+    """Steps to delete, given the newest verified step.
+
+    Keeps the newest `keep` committed checkpoints at or below `verified` (the newest may still be the
+    only durable one while the next uploads: keep >= 2). Never touches anything newer than `verified`:
+    it may be in flight. Incomplete directories older than `verified` are partial writes."""
+    if keep < 2:
+        raise ValueError("keep must be >= 2")
+    eligible = sorted((s for s in committed if s <= verified), reverse=True)
+    doomed = eligible[keep:]
+    doomed += [s for s in incomplete if s < verified]
+    return sorted(set(doomed))
+
+
+def apply_retention(storage: Storage, verified: int, keep: int, orphan_age_s: float = 3600.0) -> list[int]:
+    """Delete what plan_retention says, manifest first (so a half-deleted one is never a checkpoint)."""
+    listed = list_checkpoints(storage)
+    committed = [s for s, c in listed.items() if c.committed]
+    incomplete = [s for s, c in listed.items() if not c.committed]
+    doomed = plan_retention(committed, incomplete, verified, keep)
+    for step in doomed:
+        files = listed[step].files
+        name = step_dir(step)
+        if MANIFEST in files:
+            storage.delete([f"{name}/{MANIFEST}"])
+        storage.delete([f"{name}/{f}" for f in files if f != MANIFEST])
+    if doomed:
+        log.info("retention: deleted steps %s from %s", doomed, storage.uri)
+    storage.cleanup_incomplete(orphan_age_s)
+    return doomed
+
+
+def prune_local(cache: Path, keep_steps: set[int]) -> None:
+    """Remove local checkpoint copies not in `keep_steps`, and stale temp directories."""
+    if not cache.is_dir():
+        return
+    for d in cache.iterdir():
+        step = parse_step_dir(d.name)
+        stale_tmp = d.name.startswith((".tmp-", ".fetch-")) and time.time() - d.stat().st_mtime > 3600
+        if (step is not None and step not in keep_steps) or stale_tmp:
+            (d / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Asynchronous checkpointing: the loop blocks only for the snapshot into host memory.
+
+Pipeline per checkpoint (background thread): write the step directory locally (fsynced, manifest
+last, one rename) -> upload every file, manifest last -> read the remote copy back and compare every
+SHA-256 with the manifest -> move `latest` -> retention. A failure anywhere is kept and raised in the
+loop at its next `check()`, so training never runs on believing a checkpoint exists that does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.catalog import apply_retention, prune_local, write_latest
+from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
+from trainer.errors import CheckpointError
+from trainer.state import Snapshotter
+from trainer.storage import Storage, sha256_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveTimings:
+    step: int
+    snapshot_s: float = 0.0
+    write_s: float = 0.0
+    upload_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.snapshot_s + self.write_s + self.upload_s + self.verify_s
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        storage: Storage,
+        cache: Path,
+        keep: int,
+        background: bool = True,
+        pin_memory: bool = False,
+        durable_step: int | None = None,
+    ) -> None:
+        self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
+        self.snapshotter = Snapshotter(pin_memory)
+        self.durable_step = durable_step
+        self.history: list[SaveTimings] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
+        """Snapshot `state` and persist it (in the background unless `wait`). Returns the seconds blocked."""
+        t0 = time.perf_counter()
+        # One in flight at a time: the buffers are reused, and publication order must follow step order.
+        self.wait()
+        snap = self.snapshotter.snapshot(state)
+        timings = SaveTimings(int(manifest_base["step"]), snapshot_s=self.snapshotter.last_seconds)
+        if self.background and not wait:
+            self._thread = threading.Thread(
+                target=self._run, args=(snap, manifest_base, timings), name="spotrun-ckpt", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._run(snap, manifest_base, timings)
+            self.check()
+        return time.perf_counter() - t0
+
+    def check(self) -> None:
+        """Raise the background failure, if one happened."""
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise CheckpointError(f"checkpoint failed: {type(err).__name__}: {err}") from err
+
+    def wait(self) -> None:
+        """Block until the in-flight checkpoint is durable (or failed: then raise)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings) -> None:
+        try:
+            self._persist(snap, base, t)
+        except BaseException as e:  # boundary of the writer thread: handed to the loop via check()
+            with self._lock:
+                self._error = e
+
+    def _persist(self, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings) -> None:
+        t0 = time.perf_counter()
+        local, manifest = write_checkpoint_dir(self.cache, snap, base)
+        t1 = time.perf_counter()
+        upload(self.storage, local, manifest)
+        t2 = time.perf_counter()
+        verify_remote(self.storage, manifest)
+        write_latest(self.storage, manifest.step)
+        t3 = time.perf_counter()
+        t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
+        self.durable_step = manifest.step
+        self.history.append(t)
+        log.info(
+            "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs)",
+            manifest.step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
+        )  # fmt: skip
+        apply_retention(self.storage, manifest.step, self.keep)
+        prune_local(self.cache, {manifest.step})
+
+
+def upload(storage: Storage, local: Path, manifest: Manifest) -> None:
+    """Upload a checkpoint directory, manifest last. An older manifest for the same step (a rejected
+    checkpoint from an earlier attempt) is deleted first, so no mix of old and new is ever committed."""
+    name = step_dir(manifest.step)
+    storage.delete([f"{name}/{MANIFEST}"])
+    for fname in sorted(manifest.files):
+        storage.put(f"{name}/{fname}", local / fname)
+    storage.put(f"{name}/{MANIFEST}", local / MANIFEST)
+
+
+def verify_remote(storage: Storage, manifest: Manifest) -> None:
+    """Read every uploaded file back and compare its SHA-256 with the manifest."""
+    name = step_dir(manifest.step)
+    for fname, entry in sorted(manifest.files.items()):
+        sha, size = sha256_of(storage, f"{name}/{fname}")
+        if sha != entry.sha256 or size != entry.size:
+            raise CheckpointError(f"read-back of {storage.uri}/{name}/{fname} does not match its manifest")

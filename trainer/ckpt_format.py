@@ -1,0 +1,176 @@
+"""The on-disk checkpoint format, version 1 (documented in docs/checkpoint-format.md).
+
+    <root>/step_000001200/
+        model.safetensors      weights; metadata {"format": "spotrun/1", "step": "1200"}
+        optimizer.pt           optimizer.state_dict()            (torch.load weights_only=True)
+        scheduler.pt           lr_scheduler.state_dict()
+        scaler.pt              GradScaler.state_dict(), only with AMP
+        rng.rank<R>.pt         python / numpy / torch / CUDA RNG of rank R
+        trainer.pt             step, data position, best metric, spec + hashes, versions, threads, world
+        manifest.json          written LAST: every file's size and sha256, the step, metrics, spec hash
+    <root>/latest              {"step": 1200, "dir": "step_000001200"}: moved after read-back verification
+    <root>/COMPLETED.json      written when the job has finished
+
+A checkpoint exists only once its manifest exists: a directory without one is a partial write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from trainer.storage.local import fsync_dir
+
+FORMAT_VERSION = 1
+FORMAT_TAG = f"spotrun/{FORMAT_VERSION}"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+COMPLETED = "COMPLETED.json"
+MODEL_FILE = "model.safetensors"
+REQUIRED_FILES = (MODEL_FILE, "optimizer.pt", "scheduler.pt", "trainer.pt")
+_DIR_RE = re.compile(r"^step_(\d{9,})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def rng_file(rank: int) -> str:
+    return f"rng.rank{rank}.pt"
+
+
+@dataclass
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    step: int
+    spec_hash: str
+    shape_hash: str
+    world_size: int
+    files: dict[str, FileEntry]
+    metrics: dict[str, float] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    created_at: float = field(default_factory=time.time)
+    torch_version: str = field(default_factory=lambda: str(torch.__version__))
+
+    def to_json(self) -> bytes:
+        d = {
+            "format": FORMAT_TAG,
+            "format_version": self.format_version,
+            "step": self.step,
+            "spec_hash": self.spec_hash,
+            "shape_hash": self.shape_hash,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "torch_version": self.torch_version,
+            "metrics": self.metrics,
+            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+        }
+        return json.dumps(d, indent=2).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse a manifest; ValueError (with the reason) when it is not one we can read."""
+        try:
+            d = json.loads(data)
+            version = int(d["format_version"])
+            if version > FORMAT_VERSION:
+                raise ValueError(f"format_version {version} is newer than this spotrun reads ({FORMAT_VERSION})")
+            files = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["files"].items()}
+            return cls(
+                step=int(d["step"]),
+                spec_hash=str(d["spec_hash"]),
+                shape_hash=str(d["shape_hash"]),
+                world_size=int(d["world_size"]),
+                files=files,
+                metrics={k: float(v) for k, v in d.get("metrics", {}).items()},
+                format_version=version,
+                created_at=float(d.get("created_at", 0.0)),
+                torch_version=str(d.get("torch_version", "")),
+            )
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint_dir(
+    parent: Path, snap: dict[str, Any], manifest_base: dict[str, Any]
+) -> tuple[Path, Manifest]:
+    """Write a snapshot as a complete checkpoint directory under `parent`, durably.
+
+    Files go to a temp directory, each fsynced, then the manifest (last), then one rename makes the
+    directory visible under its step name. `snap` holds: model, optimizer, scheduler, scaler (or
+    None), rng (per this rank), trainer (meta dict); `manifest_base` the Manifest fields but files."""
+    step = int(manifest_base["step"])
+    final = parent / step_dir(step)
+    tmp = parent / f".tmp-{step_dir(step)}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(snap["model"], str(tmp / MODEL_FILE), metadata={"format": FORMAT_TAG, "step": str(step)})
+    torch.save({"step": step, "state": snap["optimizer"]}, tmp / "optimizer.pt")
+    torch.save({"step": step, "state": snap["scheduler"]}, tmp / "scheduler.pt")
+    if snap.get("scaler") is not None:
+        torch.save({"step": step, "state": snap["scaler"]}, tmp / "scaler.pt")
+    torch.save({"step": step, "state": snap["rng"]}, tmp / rng_file(int(snap["trainer"]["rank"])))
+    torch.save({"step": step, "state": snap["trainer"]}, tmp / "trainer.pt")
+    files = {}
+    for p in sorted(tmp.iterdir()):
+        _fsync_file(p)
+        files[p.name] = FileEntry(p.stat().st_size, sha256_file(p))
+    manifest = Manifest(files=files, **manifest_base)
+    (tmp / MANIFEST).write_bytes(manifest.to_json())
+    _fsync_file(tmp / MANIFEST)
+    fsync_dir(tmp)
+    if final.exists():  # a rejected checkpoint of the same step from an earlier attempt
+        _remove_tree(final)
+    os.replace(tmp, final)
+    fsync_dir(parent)
+    return final, manifest
+
+
+def _remove_tree(d: Path) -> None:
+    # manifest first: a half-removed directory must never look like a checkpoint
+    (d / MANIFEST).unlink(missing_ok=True)
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def load_part(path: Path) -> dict[str, Any]:
+    """Load one .pt part safely (weights_only) and return its dict {'step', 'state'}."""
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or "step" not in obj or "state" not in obj:
+        raise ValueError(f"{path.name} is not a spotrun checkpoint part")
+    return obj

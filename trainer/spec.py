@@ -1,0 +1,144 @@
+"""The job spec: one typed model shared by the trainer, the flow and the Prefect UI form.
+
+Validated at the edge (`load_spec`); everything below receives a `JobSpec` and trusts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer.errors import ConfigError
+
+# Fields that change the shape of the state or the meaning of the data position. A checkpoint
+# whose values for these differ cannot be resumed (ResumeIncompatible).
+SHAPE_FIELDS = ("recipe", "args", "batch_size", "world_size")
+
+
+class CheckpointPolicy(BaseModel):
+    """When to checkpoint and how many to keep."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every_steps: int | None = Field(default=100, ge=1, description="checkpoint every N optimizer steps")
+    every_seconds: float | None = Field(default=None, gt=0, description="checkpoint every T seconds of training")
+    keep: int = Field(default=3, ge=2, description="verified checkpoints to keep (>= 2: the newest may be uploading)")
+    async_upload: bool = Field(default=True, description="serialize and upload in the background")
+
+    @model_validator(mode="after")
+    def _some_trigger(self) -> CheckpointPolicy:
+        if self.every_steps is None and self.every_seconds is None:
+            raise ValueError("set every_steps and/or every_seconds, or training would never checkpoint")
+        return self
+
+
+class S3Options(BaseModel):
+    """Options for `s3://` storage. Credentials come from the environment or an instance profile."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_url: str | None = Field(default=None, description="any S3-compatible endpoint; None means AWS")
+    region: str | None = Field(default=None, description="e.g. ca-central-1")
+    sse: Literal["AES256", "aws:kms"] | None = Field(default=None, description="server-side encryption")
+    kms_key_id: str | None = None
+    multipart_chunk_mb: int = Field(default=64, ge=5, le=5120)
+    max_concurrency: int = Field(default=8, ge=1, le=64)
+
+
+class JobSpec(BaseModel):
+    """Everything needed to run (and re-run, bit for bit) one training job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="job name, used in paths and alerts")
+    recipe: str = Field(description="built-in recipe (digits, charlm) or package.module:function")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the recipe")
+    total_steps: int = Field(ge=1, description="optimizer steps to train")
+    batch_size: int = Field(default=64, ge=1)
+    seed: int = Field(default=0, ge=0)
+    num_workers: int = Field(default=0, ge=0, le=64, description="data-loader worker processes")
+    threads: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads; None: the checkpoint's count on resume"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    amp: bool = Field(default=False, description="mixed precision with a GradScaler (CUDA)")
+    world_size: int = Field(default=1, ge=1, description="ranks; part of the checkpoint format")
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    storage: str = Field(default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix")
+    s3: S3Options = Field(default_factory=S3Options)
+    log_every: int = Field(default=10, ge=1)
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_form(cls, v: str) -> str:
+        if not v or (":" in v and (v.startswith(":") or v.endswith(":"))):
+            raise ValueError("use a built-in name (digits, charlm) or 'package.module:function'")
+        return v
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_form(cls, v: str) -> str:
+        if "://" in v and not v.startswith(("file://", "s3://")):
+            raise ValueError(f"unsupported scheme in {v!r}: use a path, file:///dir or s3://bucket/prefix")
+        if v.startswith("s3://") and len(v) <= len("s3://"):
+            raise ValueError("s3 URI needs a bucket: s3://bucket/prefix")
+        return v
+
+    def spec_hash(self) -> str:
+        """SHA-256 over the whole spec (canonical JSON)."""
+        return _hash(self.model_dump(mode="json"))
+
+    def shape_hash(self) -> str:
+        """SHA-256 over the shape-relevant fields only: equal hashes can resume each other's checkpoints."""
+        return _hash({k: getattr(self, k) for k in SHAPE_FIELDS})
+
+    def shape_fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SHAPE_FIELDS}
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def parse_spec(data: Any, source: str = "job spec") -> JobSpec:
+    """Validate a mapping into a JobSpec, turning pydantic's report into one actionable line."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields (name, recipe, total_steps, ...)")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        hint = _hint(err)
+        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ConfigError(f"{source}: field '{field}': {err['msg']}{hint}{more}") from None
+
+
+def _hint(err: Any) -> str:
+    kind = err["type"]
+    if kind == "missing":
+        return " - add it to the job file"
+    if kind == "extra_forbidden":
+        return " - remove it or check its spelling"
+    return ""
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Load and validate a YAML job file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read job file {p}: {e.strerror}; check the path") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    return parse_spec(data, source=str(p))

@@ -1,0 +1,124 @@
+"""Local-directory backend: also the stand-in for a network volume in tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from trainer.errors import StorageError
+from trainer.storage.base import CHUNK, ObjectInfo
+
+TMP_MARK = ".spotrun-tmp-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_durable(src: Path, dst: Path) -> None:
+    """Copy to a temp name beside dst, fsync, rename, fsync the directory: dst is whole or absent."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            shutil.copyfileobj(fi, fo, CHUNK * 8)
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dst.parent)
+
+
+class LocalStorage:
+    """Objects are files under `root`; keys map to relative paths."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.uri = str(self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create storage directory {self.root}: {e.strerror}") from None
+
+    def _path(self, key: str) -> Path:
+        p = (self.root / key).resolve()
+        if self.root not in p.parents:
+            raise ValueError(f"key {key!r} escapes the storage root")
+        return p
+
+    def put(self, key: str, src: Path) -> None:
+        copy_durable(Path(src), self._path(key))
+
+    def get(self, key: str, dst: Path) -> None:
+        p = self._path(key)
+        if not p.is_file():
+            raise FileNotFoundError(f"{self.uri}/{key}")
+        copy_durable(p, Path(dst))
+
+    def read(self, key: str) -> Iterator[bytes]:
+        p = self._path(key)
+        if not p.is_file():
+            raise FileNotFoundError(f"{self.uri}/{key}")
+        return _iter_file(p)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for f in files:
+                if f.startswith(TMP_MARK):
+                    continue
+                full = Path(dirpath) / f
+                key = full.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        st = full.stat()
+                    except FileNotFoundError:  # deleted while listing
+                        continue
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        parents = set()
+        for key in keys:
+            p = self._path(key)
+            p.unlink(missing_ok=True)
+            parents.add(p.parent)
+        for d in sorted(parents, key=lambda q: len(q.parts), reverse=True):
+            _remove_empty_dirs(d, self.root)
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        cutoff = time.time() - older_than_s
+        n = 0
+        for tmp in self.root.rglob(f"{TMP_MARK}*"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    n += 1
+            except FileNotFoundError:
+                continue
+        return n
+
+
+def _iter_file(p: Path) -> Iterator[bytes]:
+    with open(p, "rb") as f:
+        while chunk := f.read(CHUNK * 4):
+            yield chunk
+
+
+def _remove_empty_dirs(d: Path, stop: Path) -> None:
+    while d != stop and stop in d.parents:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        d = d.parent

@@ -1,0 +1,302 @@
+"""S3 backend. It is given a boto3 client; every vendor error is translated in `map_s3_error`.
+
+botocore already retries throttling, 5xx and connection errors on each call (standard mode), so
+a `TransientStorageError` from here means those retries ran out. `with_retries` adds a slower
+outer loop on top, and is the only retry for a body that breaks mid-stream: botocore returns
+once the headers arrive, so an error while reading the body is never retried by it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import boto3
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore import exceptions as bce
+from botocore.config import Config
+
+from trainer.errors import StorageError, TransientStorageError
+from trainer.spec import S3Options
+from trainer.storage.base import CHUNK, ObjectInfo
+from trainer.storage.local import TMP_MARK
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import GetObjectOutputTypeDef
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DELETE_BATCH = 1000  # the most keys one DeleteObjects request may carry
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"})
+TRANSIENT_CODES = THROTTLE_CODES | {"RequestTimeout", "InternalError", "ServiceUnavailable"}
+CREDENTIAL_FIXES = {
+    "InvalidAccessKeyId": "the access key id is unknown to S3; check AWS_ACCESS_KEY_ID or the AWS profile",
+    "SignatureDoesNotMatch": "the secret key does not match the access key id; check AWS_SECRET_ACCESS_KEY",
+    "ExpiredToken": "the session token has expired; refresh the credentials (aws sso login, renew the role)",
+    "TokenRefreshRequired": "the session token has expired; refresh the credentials (aws sso login, renew the role)",
+    "InvalidToken": "the session token is malformed; check AWS_SESSION_TOKEN",
+    "AccessDenied": "access denied; grant this identity s3:GetObject/PutObject/ListBucket/DeleteObject/"
+    "AbortMultipartUpload on the bucket (and kms:GenerateDataKey/Decrypt when sse is aws:kms)",
+}
+# Errors of the connection itself (reset, timeout, refused, body cut short), not of the request.
+TRANSIENT_EXCEPTIONS = (
+    bce.ConnectionError,
+    bce.HTTPClientError,
+    bce.IncompleteReadError,
+    ConnectionError,
+    TimeoutError,
+)
+NO_CREDENTIALS_FIX = (
+    "no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+    "or run on an instance with an instance profile"
+)
+
+
+def make_s3_client(opts: S3Options, *, max_attempts: int = 5) -> S3Client:
+    """Build an S3 client from the options; credentials come from boto3's usual chain."""
+    config = Config(
+        region_name=opts.region,
+        retries={"mode": "standard", "max_attempts": max_attempts},
+        connect_timeout=10,
+        read_timeout=60,
+        # Upload threads plus a reader or lister running beside them.
+        max_pool_connections=max(10, opts.max_concurrency + 4),
+        tcp_keepalive=True,
+    )
+    # A fresh session, not boto3's module-level default: clients built in different threads or
+    # with different environments must not share cached credentials.
+    return boto3.session.Session().client("s3", endpoint_url=opts.endpoint_url, config=config)
+
+
+def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
+    """Translate a boto3/botocore error into FileNotFoundError, StorageError or TransientStorageError."""
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    if isinstance(e, S3UploadFailedError) and e.__context__ is not None:
+        # boto3 wraps the ClientError of an upload without chaining it as __cause__.
+        return map_s3_error(e.__context__, bucket, key)
+    if isinstance(e, bce.ClientError):
+        err = e.response.get("Error", {})
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return _map_code(str(err.get("Code", "")), status, str(err.get("Message", "")), bucket, where)
+    if isinstance(e, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError):
+        return StorageError(f"cannot access {where}: {NO_CREDENTIALS_FIX} ({e})")
+    if isinstance(e, TRANSIENT_EXCEPTIONS):
+        return TransientStorageError(f"{where}: {_one_line(str(e))}")
+    return StorageError(f"{where}: {type(e).__name__}: {_one_line(str(e))}")
+
+
+def _map_code(code: str, status: int, message: str, bucket: str, where: str) -> BaseException:
+    if code == "NoSuchBucket":
+        return StorageError(f"bucket {bucket!r} does not exist: create it or fix storage: in the job file")
+    if code in ("NoSuchKey", "NotFound") or (status == 404 and code == "404"):
+        return FileNotFoundError(where)
+    if code in CREDENTIAL_FIXES or status == 403:
+        fix = CREDENTIAL_FIXES.get(code, CREDENTIAL_FIXES["AccessDenied"])
+        return StorageError(f"cannot access {where} ({code or status}): {fix}")
+    if code in TRANSIENT_CODES or status >= 500:
+        return TransientStorageError(f"{where}: {code or status}, still failing after botocore's retries")
+    return StorageError(f"{where}: {code or status}: {_one_line(message)}")
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())
+
+
+@contextmanager
+def s3_errors(bucket: str, key: str = "") -> Iterator[None]:
+    """Re-raise boto3/botocore errors inside the block as spotrun's storage errors."""
+    try:
+        yield
+    except (bce.BotoCoreError, bce.ClientError, S3UploadFailedError, ConnectionError, TimeoutError) as e:
+        raise map_s3_error(e, bucket, key) from e
+
+
+def with_retries(
+    fn: Callable[[], T],
+    attempts: int = 3,
+    base_delay: float = 0.5,
+    max_delay: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call fn, retrying only TransientStorageError with full-jitter exponential backoff."""
+    failures = 0
+    while True:
+        try:
+            return fn()
+        except TransientStorageError as e:
+            failures += 1
+            if failures >= attempts:
+                raise
+            delay = random.uniform(0, min(max_delay, base_delay * 2 ** (failures - 1)))
+            log.warning("storage: %s; retry %d/%d in %.2fs", e, failures, attempts - 1, delay)
+            sleep(delay)
+
+
+class S3Storage:
+    """Objects under s3://bucket/prefix/. Puts are atomic: a multipart upload shows only once complete."""
+
+    def __init__(
+        self,
+        client: S3Client,
+        bucket: str,
+        prefix: str,
+        opts: S3Options,
+        *,
+        attempts: int = 3,
+        retry_base_delay: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.root = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.uri = f"s3://{bucket}/{self.root}".rstrip("/")
+        self.attempts = attempts
+        self.retry_base_delay = retry_base_delay
+        chunk = opts.multipart_chunk_mb * 1024 * 1024
+        self.transfer = TransferConfig(
+            multipart_threshold=chunk, multipart_chunksize=chunk, max_concurrency=opts.max_concurrency
+        )
+        self.extra_args: dict[str, str] = {}
+        if opts.sse:
+            self.extra_args["ServerSideEncryption"] = opts.sse
+        if opts.kms_key_id:
+            self.extra_args["SSEKMSKeyId"] = opts.kms_key_id
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/"):
+            raise ValueError(f"bad storage key {key!r}: must be non-empty and relative")
+        return self.root + key
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        return with_retries(fn, self.attempts, self.retry_base_delay)
+
+    def put(self, key: str, src: Path) -> None:
+        full = self._key(key)
+
+        def upload() -> None:
+            with s3_errors(self.bucket, full):
+                self.client.upload_file(
+                    str(src), self.bucket, full, ExtraArgs=self.extra_args, Config=self.transfer
+                )
+
+        self._retry(upload)
+
+    def get(self, key: str, dst: Path) -> None:
+        dst = Path(dst)
+        chunks = self.read(key)  # before creating anything: a missing key leaves no trace
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def read(self, key: str) -> Iterator[bytes]:
+        full = self._key(key)
+        first = self._retry(lambda: self._get_object(full))
+        return self._iter_body(full, first)
+
+    def _get_object(self, full: str, offset: int = 0, etag: str | None = None) -> GetObjectOutputTypeDef:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if etag is not None:
+            # Resume where the broken stream stopped, and only if the object is still the same one.
+            kwargs.update(Range=f"bytes={offset}-", IfMatch=etag)
+        with s3_errors(self.bucket, full):
+            return self.client.get_object(**kwargs)
+
+    def _iter_body(self, full: str, resp: GetObjectOutputTypeDef) -> Iterator[bytes]:
+        etag, offset, failures = resp["ETag"], 0, 0
+        while True:
+            body = resp["Body"]
+            try:
+                with s3_errors(self.bucket, full):
+                    for chunk in body.iter_chunks(CHUNK):
+                        offset += len(chunk)
+                        yield chunk
+                return
+            except TransientStorageError as e:
+                failures += 1
+                if failures >= self.attempts:
+                    raise
+                log.warning("storage: read of %s broke at byte %d (%s); resuming", full, offset, e)
+                resp = self._retry(lambda: self._get_object(full, offset, etag))
+            finally:
+                body.close()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        def list_all() -> list[ObjectInfo]:
+            out = []
+            with s3_errors(self.bucket, self.root + prefix):
+                pages = self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self.root + prefix
+                )
+                for page in pages:
+                    for obj in page.get("Contents", []):
+                        key = obj["Key"][len(self.root) :]
+                        if key:  # a console "folder" marker for the prefix itself
+                            out.append(ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp()))
+            return sorted(out, key=lambda o: o.key)
+
+        return self._retry(list_all)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        full = [self._key(k) for k in keys]
+        for i in range(0, len(full), DELETE_BATCH):
+            batch = full[i : i + DELETE_BATCH]
+            self._retry(functools.partial(self._delete_batch, batch))
+
+    def _delete_batch(self, batch: list[str]) -> None:
+        with s3_errors(self.bucket, batch[0]):
+            resp = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+        errors = resp.get("Errors", [])
+        if errors:
+            # DeleteObjects answers 200 and reports failures per key; surface the first one.
+            e = errors[0]
+            where = f"s3://{self.bucket}/{e.get('Key', '')}"
+            raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        cutoff = time.time() - older_than_s
+
+        def abort_old() -> int:
+            n = 0
+            with s3_errors(self.bucket, self.root):
+                pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=self.root
+                )
+                for page in pages:
+                    for up in page.get("Uploads", []):
+                        if up["Initiated"].timestamp() < cutoff and self._abort(up["Key"], up["UploadId"]):
+                            n += 1
+            return n
+
+        return self._retry(abort_old)
+
+    def _abort(self, full: str, upload_id: str) -> bool:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except bce.ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "NoSuchUpload":  # finished or aborted meanwhile
+                return False
+            raise
+        log.info("storage: aborted incomplete upload s3://%s/%s", self.bucket, full)
+        return True
