@@ -42,7 +42,12 @@ def write_spec(path: Path, **overrides: Any) -> Path:
 
 
 def trainer(
-    config: Path, storage: str, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 120
+    config: Path,
+    storage: str,
+    workdir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
     """One attempt, to completion or death."""
     cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]

@@ -8,8 +8,14 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.errors import CheckpointError, ConfigError, ResumeIncompatible, StorageError, TrainingDiverged
-from trainer.errors import TransientStorageError
+from trainer.errors import (
+    CheckpointError,
+    ConfigError,
+    ResumeIncompatible,
+    StorageError,
+    TrainingDiverged,
+    TransientStorageError,
+)
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.loop import AttemptOptions, run_attempt
@@ -24,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     p.add_argument("--config", required=True, help="job spec YAML")
     p.add_argument("--storage", help="override the spec's storage URI")
-    p.add_argument("--max-steps", type=int, help="stop after this many steps in this attempt (with a checkpoint)")
+    p.add_argument(
+        "--max-steps", type=int, help="stop after this many steps in this attempt (with a checkpoint)"
+    )
     p.add_argument("--resume-from", help="require resuming from this step (or a step_NNN directory URI)")
     p.add_argument("--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>)")
     p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")

@@ -125,7 +125,9 @@ def find_resume_point(storage: Storage, cache: Path, expect: Expectation | None)
 
     def check(step: int) -> tuple[Path | None, list[Problem]]:
         if not listed[step].committed:
-            return None, [Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")]
+            return None, [
+                Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")
+            ]
         path = fetch(storage, step, cache)
         return path, validate_dir(path, expect)
 

@@ -93,7 +93,9 @@ class Manifest:
             d = json.loads(data)
             version = int(d["format_version"])
             if version > FORMAT_VERSION:
-                raise ValueError(f"format_version {version} is newer than this spotrun reads ({FORMAT_VERSION})")
+                raise ValueError(
+                    f"format_version {version} is newer than this spotrun reads ({FORMAT_VERSION})"
+                )
             files = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["files"].items()}
             return cls(
                 step=int(d["step"]),

@@ -69,7 +69,13 @@ class ResumableLoader:
     """Yields batches forever from (epoch, batch) on, advancing its Position as batches are consumed."""
 
     def __init__(
-        self, dataset: Dataset[Any], batch_size: int, seed: int, num_workers: int, rank: int = 0, world: int = 1
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        seed: int,
+        num_workers: int,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.dataset, self.batch_size = dataset, batch_size
         self.sampler = EpochSampler(len(dataset), seed, rank, world)  # type: ignore[arg-type]

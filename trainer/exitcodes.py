@@ -13,7 +13,8 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     COMPLETED = 0  # final checkpoint durable and COMPLETED.json written
     CRASHED = 1  # unexpected error (also Python's code for an uncaught exception): retry from a checkpoint
-    CONFIG_ERROR = 2  # bad job spec, unknown recipe, incompatible checkpoint, missing bucket/credentials: fix, don't retry
+    # bad job spec, unknown recipe, incompatible checkpoint, missing bucket or credentials: fix, don't retry
+    CONFIG_ERROR = 2
     DIVERGED = 3  # loss became NaN/Inf: a retry from the same checkpoint will likely repeat it
     PREEMPTED = 75  # EX_TEMPFAIL: stopped on a notice/SIGTERM after an emergency checkpoint became durable
 

@@ -68,7 +68,9 @@ class _Progress:
 def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
     """Train until done, preempted, or `max_steps`; raise on errors (the entry point maps them to codes)."""
     if spec.world_size != opts.world_size:
-        raise ConfigError(f"world_size: spec says {spec.world_size}, launched with {opts.world_size}; make them equal")
+        raise ConfigError(
+            f"world_size: spec says {spec.world_size}, launched with {opts.world_size}; make them equal"
+        )
     done = _completed_step(storage)
     if done is not None and done >= spec.total_steps:
         log.info("job %s already completed at step %d (%s/%s)", spec.name, done, storage.uri, COMPLETED)
@@ -83,7 +85,9 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     selection = _select(storage, opts, expect)
     log.info(selection.describe(storage.uri))
     progress = _Progress()
-    loader = ResumableLoader(parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size)
+    loader = ResumableLoader(
+        parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size
+    )
     rng_state = None
     threads = spec.threads or torch.get_num_threads()
     if selection.path is not None:
@@ -92,14 +96,20 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         loader.position.load_state_dict(meta["position"])
         threads = spec.threads or int(meta["threads"])
         if int(meta["threads"]) != threads:
-            log.warning("thread count %d differs from the checkpoint's %d: results will drift", threads, meta["threads"])
+            log.warning(
+                "thread count %d differs from the checkpoint's %d: results will drift",
+                threads,
+                meta["threads"],
+            )
     torch.set_num_threads(threads)  # BLAS results differ bitwise across thread counts
     ckpt = Checkpointer(
         storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
         pin_memory=device.type == "cuda", durable_step=selection.step,
     )  # fmt: skip
     state = _StateView(spec, parts, scaler, loader, progress, device, threads, opts)
-    end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, progress.step + opts.max_steps)
+    end = (
+        spec.total_steps if opts.max_steps is None else min(spec.total_steps, progress.step + opts.max_steps)
+    )
     code = _train(spec, parts, scaler, loader, progress, ckpt, state, device, end, rng_state, opts)
     if code is ExitCode.COMPLETED:
         _mark_completed(storage, spec, progress.step)
@@ -156,7 +166,9 @@ def _train(
         if metrics:
             metrics.close()
     if opts.stop.requested and progress.step < spec.total_steps:
-        log.warning("stopped on %s at step %d; checkpoint durable, exiting PREEMPTED", opts.stop.reason, progress.step)
+        log.warning(
+            "stopped on %s at step %d; checkpoint durable, exiting PREEMPTED", opts.stop.reason, progress.step
+        )
         return ExitCode.PREEMPTED
     return ExitCode.COMPLETED if progress.step >= spec.total_steps else ExitCode.PREEMPTED
 
@@ -169,7 +181,9 @@ def _step(
         loss = parts.loss_fn(parts.model, batch)
     value = float(loss.detach())
     if not math.isfinite(value):
-        raise TrainingDiverged(f"loss is {value} at step {step + 1}; lower the learning rate or check the data")
+        raise TrainingDiverged(
+            f"loss is {value} at step {step + 1}; lower the learning rate or check the data"
+        )
     parts.optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()

@@ -26,8 +26,12 @@ class CheckpointPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     every_steps: int | None = Field(default=100, ge=1, description="checkpoint every N optimizer steps")
-    every_seconds: float | None = Field(default=None, gt=0, description="checkpoint every T seconds of training")
-    keep: int = Field(default=3, ge=2, description="verified checkpoints to keep (>= 2: the newest may be uploading)")
+    every_seconds: float | None = Field(
+        default=None, gt=0, description="checkpoint every T seconds of training"
+    )
+    keep: int = Field(
+        default=3, ge=2, description="verified checkpoints to keep (>= 2: the newest may be uploading)"
+    )
     async_upload: bool = Field(default=True, description="serialize and upload in the background")
 
     @model_validator(mode="after")
@@ -49,13 +53,21 @@ class S3Options(BaseModel):
     multipart_chunk_mb: int = Field(default=64, ge=5, le=5120)
     max_concurrency: int = Field(default=8, ge=1, le=64)
 
+    @model_validator(mode="after")
+    def _kms_needs_sse(self) -> S3Options:
+        if self.kms_key_id and self.sse != "aws:kms":
+            raise ValueError("kms_key_id needs sse: aws:kms")
+        return self
+
 
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="job name, used in paths and alerts")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="job name, used in paths and alerts"
+    )
     recipe: str = Field(description="built-in recipe (digits, charlm) or package.module:function")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the recipe")
     total_steps: int = Field(ge=1, description="optimizer steps to train")
@@ -69,7 +81,9 @@ class JobSpec(BaseModel):
     amp: bool = Field(default=False, description="mixed precision with a GradScaler (CUDA)")
     world_size: int = Field(default=1, ge=1, description="ranks; part of the checkpoint format")
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
-    storage: str = Field(default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix")
+    storage: str = Field(
+        default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix"
+    )
     s3: S3Options = Field(default_factory=S3Options)
     log_every: int = Field(default=10, ge=1)
 
@@ -140,5 +154,7 @@ def load_spec(path: str | Path) -> JobSpec:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+        raise ConfigError(
+            f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"
+        ) from None
     return parse_spec(data, source=str(p))

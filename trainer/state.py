@@ -44,7 +44,9 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda":
         if "cuda" not in state:
-            raise ValueError("checkpoint has no CUDA RNG state (it was made on CPU); resume on CPU for exactness")
+            raise ValueError(
+                "checkpoint has no CUDA RNG state (it was made on CPU); resume on CPU for exactness"
+            )
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -43,7 +43,9 @@ class Expectation:
     shape_hash: str | None = None
 
     @classmethod
-    def from_parts(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, shape_hash: str | None) -> Expectation:
+    def from_parts(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, shape_hash: str | None
+    ) -> Expectation:
         sd = model.state_dict()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return cls(
@@ -68,7 +70,9 @@ def validate_dir(d: Path, expect: Expectation | None = None) -> list[Problem]:
     if manifest is None:
         return problems
     with ThreadPoolExecutor(max_workers=2) as pool:
-        hashes = {name: pool.submit(_check_file, d / name, e.size, e.sha256) for name, e in manifest.files.items()}
+        hashes = {
+            name: pool.submit(_check_file, d / name, e.size, e.sha256) for name, e in manifest.files.items()
+        }
         missing = [f for f in REQUIRED_FILES if f not in manifest.files]
         problems += [Problem("integrity", f, "file not listed in manifest") for f in missing]
         loaded: list[Problem] = []
@@ -103,10 +107,14 @@ def _check_contents(d: Path, m: Manifest, expect: Expectation | None) -> list[Pr
             try:
                 parts[name] = load_part(d / name)
             except Exception as e:  # torch.load raises a dozen types on damage; each is a finding here
-                problems.append(Problem("structure", name, f"unsafe or unreadable ({type(e).__name__}: {e})"[:300]))
+                problems.append(
+                    Problem("structure", name, f"unsafe or unreadable ({type(e).__name__}: {e})"[:300])
+                )
                 continue
             if int(parts[name]["step"]) != m.step:
-                problems.append(Problem("content", name, f"step {parts[name]['step']} != manifest step {m.step}"))
+                problems.append(
+                    Problem("content", name, f"step {parts[name]['step']} != manifest step {m.step}")
+                )
     if "optimizer.pt" in parts:
         problems += _check_optimizer(parts["optimizer.pt"]["state"], expect)
     if "trainer.pt" in parts:
@@ -129,7 +137,9 @@ def _check_model(d: Path, step: int, expect: Expectation | None) -> list[Problem
                 t = f.get_tensor(k)
                 want = expect.model.get(k) if expect is not None else None
                 if want is not None and (tuple(t.shape), t.dtype) != want:
-                    out.append(Problem("structure", MODEL_FILE, f"{k}: {tuple(t.shape)} {t.dtype}, expected {want}"))
+                    out.append(
+                        Problem("structure", MODEL_FILE, f"{k}: {tuple(t.shape)} {t.dtype}, expected {want}")
+                    )
                 elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     out.append(Problem("content", MODEL_FILE, f"NaN/Inf in {k}"))
     except Exception as e:  # safetensors raises SafetensorError/OSError on damage
@@ -143,7 +153,9 @@ def _check_optimizer(sd: Any, expect: Expectation | None) -> list[Problem]:
         return [Problem("structure", "optimizer.pt", "not an optimizer state_dict")]
     n_params = sum(len(g["params"]) for g in sd["param_groups"])
     if expect is not None and n_params != len(expect.param_shapes):
-        out.append(Problem("structure", "optimizer.pt", f"{n_params} params, recipe has {len(expect.param_shapes)}"))
+        out.append(
+            Problem("structure", "optimizer.pt", f"{n_params} params, recipe has {len(expect.param_shapes)}")
+        )
         return out
     for idx, st in sd["state"].items():
         for name, t in st.items():
@@ -151,7 +163,9 @@ def _check_optimizer(sd: Any, expect: Expectation | None) -> list[Problem]:
                 continue
             if expect is not None and tuple(t.shape) != expect.param_shapes[int(idx)]:
                 want = expect.param_shapes[int(idx)]
-                out.append(Problem("structure", "optimizer.pt", f"param {idx} {name}: {tuple(t.shape)} != {want}"))
+                out.append(
+                    Problem("structure", "optimizer.pt", f"param {idx} {name}: {tuple(t.shape)} != {want}")
+                )
             elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 out.append(Problem("content", "optimizer.pt", f"NaN/Inf in param {idx} {name}"))
     return out

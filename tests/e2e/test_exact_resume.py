@@ -51,7 +51,9 @@ def _assert_same_as(reference: Path, work: Path, final: Path) -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["sigkill", "sigterm"])
-def test_killed_runs_resume_bitwise_local(reference: Path, tmp_path: Path, kind: str, num_workers: int) -> None:
+def test_killed_runs_resume_bitwise_local(
+    reference: Path, tmp_path: Path, kind: str, num_workers: int
+) -> None:
     spec = write_spec(tmp_path / "job.yaml", num_workers=num_workers)
     storage = str(tmp_path / "store")
     _run_chain(tmp_path, storage, kind, spec)

@@ -60,7 +60,9 @@ def resolve(name: str) -> Recipe:
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"recipe {name!r}: cannot import module {mod_name!r} ({e}); is it installed?") from None
+        raise ConfigError(
+            f"recipe {name!r}: cannot import module {mod_name!r} ({e}); is it installed?"
+        ) from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"recipe {name!r}: {mod_name} has no function {fn_name!r}")

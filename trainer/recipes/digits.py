@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,7 +63,9 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
         nn.Linear(hidden, 10),
     ).to(ctx.device)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(ctx.total_steps, int(args.get("warmup", 10))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(ctx.total_steps, int(args.get("warmup", 10)))
+    )
     fail_at = args.get("fail_at_step")
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:

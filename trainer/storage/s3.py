@@ -41,12 +41,14 @@ T = TypeVar("T")
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request may carry
 THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"})
 TRANSIENT_CODES = THROTTLE_CODES | {"RequestTimeout", "InternalError", "ServiceUnavailable"}
+EXPIRED_FIX = "the session token has expired; refresh the credentials (aws sso login, renew the role)"
 CREDENTIAL_FIXES = {
     "InvalidAccessKeyId": "the access key id is unknown to S3; check AWS_ACCESS_KEY_ID or the AWS profile",
     "SignatureDoesNotMatch": "the secret key does not match the access key id; check AWS_SECRET_ACCESS_KEY",
-    "ExpiredToken": "the session token has expired; refresh the credentials (aws sso login, renew the role)",
-    "TokenRefreshRequired": "the session token has expired; refresh the credentials (aws sso login, renew the role)",
+    "ExpiredToken": EXPIRED_FIX,
+    "TokenRefreshRequired": EXPIRED_FIX,
     "InvalidToken": "the session token is malformed; check AWS_SESSION_TOKEN",
+    "RequestTimeTooSkewed": "this machine's clock is too far off for request signing; sync it (chrony/NTP)",
     "AccessDenied": "access denied; grant this identity s3:GetObject/PutObject/ListBucket/DeleteObject/"
     "AbortMultipartUpload on the bucket (and kms:GenerateDataKey/Decrypt when sse is aws:kms)",
 }
@@ -64,20 +66,24 @@ NO_CREDENTIALS_FIX = (
 )
 
 
-def make_s3_client(opts: S3Options, *, max_attempts: int = 5) -> S3Client:
-    """Build an S3 client from the options; credentials come from boto3's usual chain."""
+def make_s3_client(
+    opts: S3Options, *, session: boto3.session.Session | None = None, total_attempts: int = 5
+) -> S3Client:
+    """Build an S3 client from the options; credentials come from `session` or boto3's usual chain."""
     config = Config(
         region_name=opts.region,
-        retries={"mode": "standard", "max_attempts": max_attempts},
+        # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries only.
+        retries={"mode": "standard", "total_max_attempts": total_attempts},
         connect_timeout=10,
         read_timeout=60,
         # Upload threads plus a reader or lister running beside them.
         max_pool_connections=max(10, opts.max_concurrency + 4),
         tcp_keepalive=True,
     )
-    # A fresh session, not boto3's module-level default: clients built in different threads or
-    # with different environments must not share cached credentials.
-    return boto3.session.Session().client("s3", endpoint_url=opts.endpoint_url, config=config)
+    # A fresh session rather than boto3's module-level default, whose cached credentials would be
+    # shared by every client in the process.
+    session = session or boto3.session.Session()
+    return session.client("s3", endpoint_url=opts.endpoint_url, config=config)
 
 
 def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
@@ -236,7 +242,7 @@ class S3Storage:
                 if failures >= self.attempts:
                     raise
                 log.warning("storage: read of %s broke at byte %d (%s); resuming", full, offset, e)
-                resp = self._retry(lambda: self._get_object(full, offset, etag))
+                resp = self._retry(functools.partial(self._get_object, full, offset, etag))
             finally:
                 body.close()
 
@@ -262,7 +268,7 @@ class S3Storage:
             batch = full[i : i + DELETE_BATCH]
             self._retry(functools.partial(self._delete_batch, batch))
 
-    def _delete_batch(self, batch: list[str]) -> None:
+    def _delete_batch(self, batch: Sequence[str]) -> None:
         with s3_errors(self.bucket, batch[0]):
             resp = self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}

@@ -1,0 +1,79 @@
+"""Shared fixtures: an in-process moto S3 server on 127.0.0.1, fresh buckets, and a fault proxy."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+
+import boto3
+import pytest
+
+from tests.servers import FaultProxy
+
+FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # Never touch the developer's real profile, and never wait on an instance-metadata timeout.
+    "AWS_CONFIG_FILE": "/nonexistent/spotrun-test-aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/spotrun-test-aws-credentials",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+UNSET_AWS_ENV = (
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+)
+
+
+@pytest.fixture(scope="session")
+def fake_aws_env() -> Iterator[None]:
+    """Fake credentials and region for the whole session, restored afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in FAKE_AWS_ENV.items():
+            mp.setenv(k, v)
+        for k in UNSET_AWS_ENV:
+            mp.delenv(k, raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def moto_server(fake_aws_env: None) -> Iterator[str]:
+    """A ThreadedMotoServer on 127.0.0.1 (an ephemeral port); yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # verbose=False leaves per-request lines on
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def boto_session(fake_aws_env: None) -> boto3.session.Session:
+    """One boto3 session for test clients: a fresh session per client costs ~0.1 s of model loading."""
+    return boto3.session.Session()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: str, boto_session: boto3.session.Session) -> tuple[str, str]:
+    """A fresh, uniquely named bucket on the moto server: (endpoint, bucket)."""
+    bucket = f"spotrun-test-{uuid.uuid4().hex[:12]}"
+    boto_session.client("s3", endpoint_url=moto_server).create_bucket(Bucket=bucket)
+    return moto_server, bucket
+
+
+@pytest.fixture
+def fault_proxy(moto_server: str) -> Iterator[FaultProxy]:
+    """A proxy in front of moto that can answer the next requests with 503 SlowDown or a reset."""
+    proxy = FaultProxy(moto_server).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

@@ -1,0 +1,369 @@
+"""One contract for every storage backend (a local directory, S3 on moto), then S3's failure modes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+
+from tests.servers import Fault, FaultProxy
+from trainer.errors import StorageError, TransientStorageError
+from trainer.spec import S3Options
+from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes, sha256_of
+from trainer.storage.local import TMP_MARK
+from trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
+
+MB = 1024 * 1024
+PREFIX = "runs/job-1"
+
+
+@dataclass
+class Backend:
+    storage: Storage
+    make_partial: Callable[[str], None]  # leave an unfinished write behind under this key
+    partials: Callable[[], int]  # how many unfinished writes exist
+    partial_ages_real: bool  # moto reports every multipart upload as initiated on 2010-11-10
+
+
+def s3_storage(
+    endpoint: str,
+    bucket: str,
+    session: boto3.session.Session | None,
+    total_attempts: int = 5,
+    **opts: object,
+) -> S3Storage:
+    o = S3Options(endpoint_url=endpoint, multipart_chunk_mb=5, max_concurrency=4, **opts)  # type: ignore[arg-type]
+    client = make_s3_client(o, session=session, total_attempts=total_attempts)
+    return S3Storage(client, bucket, PREFIX, o, retry_base_delay=0.01)
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "local":
+        root = tmp_path / "store"
+        local = LocalStorage(root)
+
+        def make_local_partial(key: str) -> None:
+            p = root / key
+            p.parent.mkdir(parents=True, exist_ok=True)
+            (p.parent / f"{TMP_MARK}{p.name}.0123abcd").write_bytes(b"half a checkpoint")
+
+        return Backend(local, make_local_partial, lambda: len(list(root.rglob(f"{TMP_MARK}*"))), True)
+
+    endpoint, bucket = request.getfixturevalue("s3_bucket")
+    session = request.getfixturevalue("boto_session")
+    client = session.client("s3", endpoint_url=endpoint)
+
+    def make_s3_partial(key: str) -> None:
+        up = client.create_multipart_upload(Bucket=bucket, Key=f"{PREFIX}/{key}")
+        client.upload_part(
+            Bucket=bucket, Key=f"{PREFIX}/{key}", UploadId=up["UploadId"], PartNumber=1, Body=b"x"
+        )
+
+    def s3_partials() -> int:
+        return len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+    return Backend(s3_storage(endpoint, bucket, session), make_s3_partial, s3_partials, False)
+
+
+def write_random(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- the contract ---------------------------------------------------------------------------------
+
+
+def test_satisfies_protocol(backend: Backend) -> None:
+    assert isinstance(backend.storage, Storage)
+
+
+def test_put_get_round_trip(backend: Backend, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "src.bin", 300_000)
+    backend.storage.put("step-10/model.safetensors", src)
+    dst = tmp_path / "out" / "model.safetensors"
+    backend.storage.get("step-10/model.safetensors", dst)
+    assert sha(dst) == sha(src)
+    assert sha256_of(backend.storage, "step-10/model.safetensors") == (sha(src), 300_000)
+    assert os.listdir(dst.parent) == ["model.safetensors"]  # no temp file left beside it
+
+
+def test_put_replaces_whole_object(backend: Backend, tmp_path: Path) -> None:
+    a, b = write_random(tmp_path / "a", 200_000), write_random(tmp_path / "b", 1000)
+    backend.storage.put("latest", a)
+    backend.storage.put("latest", b)
+    assert get_bytes(backend.storage, "latest") == b.read_bytes()
+    assert [(o.key, o.size) for o in backend.storage.list()] == [("latest", 1000)]
+    dst = tmp_path / "dst"
+    dst.write_bytes(b"stale")
+    backend.storage.get("latest", dst)
+    assert dst.read_bytes() == b.read_bytes()
+
+
+def test_read_streams_in_chunks(backend: Backend, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "src", 5 * MB + 17)
+    backend.storage.put("big", src)
+    stream = backend.storage.read("big")
+    assert isinstance(stream, Iterator)
+    chunks = list(stream)
+    assert len(chunks) > 1
+    assert b"".join(chunks) == src.read_bytes()
+
+
+def test_list_prefix_sizes_and_times(backend: Backend) -> None:
+    t0 = time.time()
+    for key, n in [("a/1", 1), ("a/2", 2), ("b/1", 3), ("ab", 4)]:
+        put_bytes(backend.storage, key, b"x" * n)
+    everything = backend.storage.list()
+    assert [(o.key, o.size) for o in everything] == [("a/1", 1), ("a/2", 2), ("ab", 4), ("b/1", 3)]
+    assert [o.key for o in backend.storage.list("a/")] == ["a/1", "a/2"]
+    assert [o.key for o in backend.storage.list("a")] == ["a/1", "a/2", "ab"]
+    assert backend.storage.list("zzz") == []
+    # S3 keeps LastModified to the second.
+    assert all(t0 - 2 <= o.mtime <= time.time() + 2 for o in everything)
+
+
+def test_delete_ignores_missing_keys(backend: Backend) -> None:
+    for key in ("s1/a", "s1/b", "s2/a"):
+        put_bytes(backend.storage, key, b"data")
+    backend.storage.delete(["s1/a", "s1/b", "never/existed"])
+    backend.storage.delete([])
+    assert [o.key for o in backend.storage.list()] == ["s2/a"]
+
+
+def test_missing_key_is_file_not_found(backend: Backend, tmp_path: Path) -> None:
+    dst = tmp_path / "dl" / "x"
+    with pytest.raises(FileNotFoundError):
+        backend.storage.get("nope", dst)
+    with pytest.raises(FileNotFoundError):
+        backend.storage.read("nope")
+    with pytest.raises(FileNotFoundError):
+        sha256_of(backend.storage, "nope")
+    assert not dst.exists()
+    assert not (dst.parent.exists() and os.listdir(dst.parent))
+
+
+def test_large_file_round_trip(backend: Backend, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "big", 12 * MB + 123)  # three 5 MB parts on S3
+    backend.storage.put("ckpt/big.bin", src)
+    dst = tmp_path / "big.out"
+    backend.storage.get("ckpt/big.bin", dst)
+    assert sha(dst) == sha(src)
+
+
+def test_cleanup_incomplete_removes_old_partials(backend: Backend) -> None:
+    put_bytes(backend.storage, "step-1/done", b"ok")
+    backend.make_partial("step-2/model.bin")
+    assert backend.partials() == 1
+    if backend.partial_ages_real:
+        assert backend.storage.cleanup_incomplete(older_than_s=3600) == 0  # too young
+        time.sleep(0.05)
+    assert backend.storage.cleanup_incomplete(older_than_s=0) == 1
+    assert backend.partials() == 0
+    assert backend.storage.cleanup_incomplete(older_than_s=0) == 0
+    assert [o.key for o in backend.storage.list()] == ["step-1/done"]
+
+
+def test_bytes_helpers(backend: Backend) -> None:
+    put_bytes(backend.storage, "meta/manifest.json", b'{"step": 3}')
+    assert get_bytes(backend.storage, "meta/manifest.json") == b'{"step": 3}'
+    assert sha256_of(backend.storage, "meta/manifest.json") == (
+        hashlib.sha256(b'{"step": 3}').hexdigest(),
+        11,
+    )
+    put_bytes(backend.storage, "empty", b"")
+    assert get_bytes(backend.storage, "empty") == b""
+
+
+# -- S3 only --------------------------------------------------------------------------------------
+
+Session = boto3.session.Session
+
+
+def test_s3_large_put_is_multipart(s3_bucket: tuple[str, str], boto_session: Session, tmp_path: Path) -> None:
+    endpoint, bucket = s3_bucket
+    storage = s3_storage(endpoint, bucket, boto_session)
+    storage.put("big", write_random(tmp_path / "big", 12 * MB))
+    head = boto_session.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key=f"{PREFIX}/big")
+    assert head["ETag"].strip('"').endswith("-3")
+
+
+def test_s3_keys_stay_under_prefix(s3_bucket: tuple[str, str], boto_session: Session) -> None:
+    endpoint, bucket = s3_bucket
+    client = boto_session.client("s3", endpoint_url=endpoint)
+    client.put_object(Bucket=bucket, Key="runs/job-10/x", Body=b"other job")
+    client.create_multipart_upload(Bucket=bucket, Key="elsewhere/partial")
+    storage = s3_storage(endpoint, bucket, boto_session)
+    put_bytes(storage, "x", b"mine")
+    assert storage.uri == f"s3://{bucket}/{PREFIX}"
+    assert [o.key for o in storage.list()] == ["x"]
+    assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/x")["Body"].read() == b"mine"
+    assert storage.cleanup_incomplete(older_than_s=0) == 0  # not ours to abort
+
+
+@pytest.mark.parametrize("kind", ["503", "reset"])
+@pytest.mark.parametrize("total_attempts", [5, 1], ids=["botocore-retries", "spotrun-retries"])
+def test_s3_recovers_from_injected_faults(
+    s3_bucket: tuple[str, str],
+    boto_session: Session,
+    fault_proxy: FaultProxy,
+    tmp_path: Path,
+    kind: Fault,
+    total_attempts: int,
+) -> None:
+    storage = s3_storage(fault_proxy.endpoint, s3_bucket[1], boto_session, total_attempts)
+    src = write_random(tmp_path / "src", 100_000)
+    fault_proxy.fail_next(2, kind)
+    storage.put("k", src)
+    assert fault_proxy.injected == 2
+    fault_proxy.fail_next(2, kind)
+    storage.get("k", tmp_path / "dst")
+    assert fault_proxy.injected == 4
+    assert sha(tmp_path / "dst") == sha(src)
+
+
+def test_s3_resumes_a_download_cut_short(
+    s3_bucket: tuple[str, str], boto_session: Session, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    storage = s3_storage(fault_proxy.endpoint, s3_bucket[1], boto_session)
+    src = write_random(tmp_path / "src", 3 * MB)
+    storage.put("k", src)
+    fault_proxy.fail_next(1, "cut")
+    before = fault_proxy.requests
+    storage.get("k", tmp_path / "dst")
+    assert fault_proxy.injected == 1
+    assert fault_proxy.requests - before == 2  # the cut GET, then one ranged GET for the rest
+    assert sha(tmp_path / "dst") == sha(src)
+
+
+def test_s3_persistent_503_is_transient(
+    s3_bucket: tuple[str, str], boto_session: Session, fault_proxy: FaultProxy
+) -> None:
+    storage = s3_storage(fault_proxy.endpoint, s3_bucket[1], boto_session, total_attempts=2)
+    fault_proxy.fail_next(1000, "503")
+    with pytest.raises(TransientStorageError, match="SlowDown"):
+        storage.list()
+    assert fault_proxy.injected == 2 * 3  # botocore's 2 attempts, inside spotrun's 3
+
+
+def test_s3_missing_bucket_names_it(moto_server: str, boto_session: Session, tmp_path: Path) -> None:
+    storage = s3_storage(moto_server, "spotrun-no-such-bucket", boto_session)
+    src = write_random(tmp_path / "src", 10)
+    for op in (lambda: storage.put("k", src), lambda: storage.get("k", tmp_path / "d"), storage.list):
+        with pytest.raises(StorageError, match=r"'spotrun-no-such-bucket'.*create it") as info:
+            op()
+        assert not isinstance(info.value, TransientStorageError)
+        assert "\n" not in str(info.value)
+
+
+def test_s3_no_credentials(s3_bucket: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint, bucket = s3_bucket
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var)
+    storage = s3_storage(endpoint, bucket, session=None)  # a fresh session finds no credentials
+    with pytest.raises(StorageError, match="no AWS credentials") as info:
+        storage.list()
+    assert not isinstance(info.value, TransientStorageError)
+
+
+def client_error(code: str, status: int) -> ClientError:
+    response: dict[str, Any] = {
+        "Error": {"Code": code, "Message": "m"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, "Op")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "code,status,words",
+    [
+        ("InvalidAccessKeyId", 403, "AWS_ACCESS_KEY_ID"),
+        ("SignatureDoesNotMatch", 403, "AWS_SECRET_ACCESS_KEY"),
+        ("ExpiredToken", 400, "expired"),
+        ("AccessDenied", 403, "s3:GetObject"),
+        ("403", 403, "access denied"),
+    ],
+)
+def test_credential_errors_say_what_to_fix(code: str, status: int, words: str) -> None:
+    mapped = map_s3_error(client_error(code, status), "bkt", "k")
+    assert type(mapped) is StorageError
+    assert words in str(mapped) and "s3://bkt/k" in str(mapped)
+
+
+@pytest.mark.parametrize(
+    "error,expected",
+    [
+        (client_error("NoSuchKey", 404), FileNotFoundError),
+        (client_error("404", 404), FileNotFoundError),
+        (client_error("SlowDown", 503), TransientStorageError),
+        (client_error("RequestLimitExceeded", 400), TransientStorageError),
+        (client_error("InternalError", 500), TransientStorageError),
+        (client_error("InvalidArgument", 400), StorageError),
+        (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), TransientStorageError),
+        (ReadTimeoutError(endpoint_url="http://127.0.0.1:1"), TransientStorageError),
+        (ConnectionResetError(104, "Connection reset by peer"), TransientStorageError),
+        (NoCredentialsError(), StorageError),
+    ],
+)
+def test_error_mapping_table(error: Exception, expected: type[BaseException]) -> None:
+    assert type(map_s3_error(error, "bkt", "k")) is expected
+
+
+def test_with_retries_retries_only_transient() -> None:
+    calls: list[int] = []
+    sleeps: list[float] = []
+
+    def flaky() -> str:
+        calls.append(0)
+        if len(calls) < 3:
+            raise TransientStorageError("slow down")
+        return "ok"
+
+    assert with_retries(flaky, attempts=3, base_delay=0, sleep=sleeps.append) == "ok"
+    assert (len(calls), len(sleeps)) == (3, 2)
+
+    def denied() -> None:
+        calls.append(0)
+        raise StorageError("denied")
+
+    calls.clear()
+    with pytest.raises(StorageError):
+        with_retries(denied, attempts=5, base_delay=0)
+    assert len(calls) == 1
+
+    calls.clear()
+    with pytest.raises(TransientStorageError):
+        with_retries(lambda: flaky() and flaky() and flaky(), attempts=2, base_delay=0, sleep=sleeps.append)
+
+
+@pytest.mark.parametrize("sse,key_id", [("AES256", None), ("aws:kms", "alias/spotrun-test")])
+def test_s3_server_side_encryption(
+    s3_bucket: tuple[str, str], boto_session: Session, sse: str, key_id: str | None
+) -> None:
+    endpoint, bucket = s3_bucket
+    storage = s3_storage(endpoint, bucket, boto_session, sse=sse, kms_key_id=key_id)
+    put_bytes(storage, "enc", b"secret weights")
+    head = boto_session.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key=f"{PREFIX}/enc")
+    assert head["ServerSideEncryption"] == sse
+    assert head.get("SSEKMSKeyId") == key_id
+
+
+def test_open_storage_maps_s3_uri(s3_bucket: tuple[str, str]) -> None:
+    endpoint, bucket = s3_bucket
+    storage = open_storage(f"s3://{bucket}/{PREFIX}", S3Options(endpoint_url=endpoint))
+    assert isinstance(storage, S3Storage)
+    assert storage.uri == f"s3://{bucket}/{PREFIX}"
+    put_bytes(storage, "via-uri", b"1")
+    assert get_bytes(storage, "via-uri") == b"1"

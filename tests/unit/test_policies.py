@@ -1,0 +1,104 @@
+"""Table tests of the pure decisions: which checkpoint to resume from, what to delete, exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.catalog import plan_retention, select_newest_valid
+from trainer.ckpt_format import FileEntry, Manifest, parse_step_dir, step_dir
+from trainer.errors import ConfigError
+from trainer.exitcodes import ExitCode
+from trainer.faults import Fault
+from trainer.validate import Problem
+
+BAD = [Problem("integrity", "model.safetensors", "sha256 mismatch")]
+
+
+@pytest.mark.parametrize(
+    ("steps", "bad", "chosen", "rejected"),
+    [
+        ([], set(), None, []),
+        ([10, 20, 30], set(), 30, []),
+        ([10, 20, 30], {30}, 20, [30]),
+        ([30, 10, 20], {30, 20}, 10, [30, 20]),
+        ([10, 20, 30], {10, 20, 30}, None, [30, 20, 10]),
+        ([10, 20, 30], {10}, 30, []),
+    ],
+)
+def test_select_newest_valid(
+    steps: list[int], bad: set[int], chosen: int | None, rejected: list[int]
+) -> None:
+    sel = select_newest_valid(steps, lambda s: (Path(str(s)), BAD if s in bad else []))
+    assert sel.step == chosen
+    assert [r.step for r in sel.rejected] == rejected
+    assert all("sha256 mismatch in model.safetensors" in r.reason() for r in sel.rejected)
+
+
+def test_selection_describes_itself() -> None:
+    sel = select_newest_valid([10, 20], lambda s: (None, BAD if s == 20 else []))
+    assert sel.describe("s3://b/p") == (
+        "resuming from step 10 of s3://b/p; rejected step 20: sha256 mismatch in model.safetensors"
+    )
+    none = select_newest_valid([], lambda s: (None, []))
+    assert none.describe("/x") == "no valid checkpoint in /x, starting from scratch"
+
+
+@pytest.mark.parametrize(
+    ("committed", "incomplete", "verified", "keep", "doomed"),
+    [
+        ([10, 20, 30], [], 30, 2, [10]),
+        ([10, 20, 30], [], 30, 3, []),
+        ([10, 20, 30, 40], [], 30, 2, [10]),  # 40 is newer than verified: maybe in flight, untouched
+        (
+            [10, 20, 30],
+            [25, 35],
+            30,
+            2,
+            [10, 25],
+        ),  # partial writes older than verified go; 35 may be uploading
+        ([30], [], 30, 2, []),  # never delete the last verified one
+        ([], [5], 30, 2, [5]),
+    ],
+)
+def test_plan_retention(
+    committed: list[int], incomplete: list[int], verified: int, keep: int, doomed: list[int]
+) -> None:
+    assert plan_retention(committed, incomplete, verified, keep) == doomed
+
+
+def test_plan_retention_refuses_keep_below_two() -> None:
+    with pytest.raises(ValueError):
+        plan_retention([1, 2], [], 2, 1)
+
+
+def test_step_dir_round_trip() -> None:
+    assert step_dir(1200) == "step_000001200"
+    assert parse_step_dir(step_dir(1200)) == 1200
+    assert parse_step_dir("step_12") is None and parse_step_dir("latest") is None
+
+
+def test_manifest_round_trip_and_rejects_garbage() -> None:
+    m = Manifest(step=5, spec_hash="a", shape_hash="b", world_size=1, files={"f": FileEntry(3, "00")})
+    assert Manifest.from_json(m.to_json()) == m
+    with pytest.raises(ValueError, match="malformed manifest"):
+        Manifest.from_json(b'{"step": 1}')
+    with pytest.raises(ValueError, match="newer than this spotrun reads"):
+        Manifest.from_json(m.to_json().replace(b'"format_version": 1', b'"format_version": 99'))
+
+
+@pytest.mark.parametrize(
+    ("code", "retryable"),
+    [(ExitCode.COMPLETED, False), (ExitCode.CRASHED, True), (ExitCode.CONFIG_ERROR, False),
+     (ExitCode.DIVERGED, False), (ExitCode.PREEMPTED, True)],
+)  # fmt: skip
+def test_exit_codes(code: ExitCode, retryable: bool) -> None:
+    assert code.retryable is retryable
+
+
+def test_fault_parse() -> None:
+    assert Fault.parse("sigkill@40") == Fault("sigkill", 40)
+    for bad in ("sigkill", "boom@3", "crash@0", "crash@x"):
+        with pytest.raises(ConfigError, match="KIND@STEP"):
+            Fault.parse(bad)
