@@ -57,21 +57,38 @@ def trainer(
 
 
 def trainer_killed_after(
-    config: Path, storage: str, workdir: Path, lines: int, sig: signal.Signals, timeout: float = 120
+    config: Path,
+    storage: str,
+    workdir: Path,
+    lines: int,
+    sig: signal.Signals,
+    timeout: float = 120,
+    group: bool = False,
 ) -> int:
     """Start an attempt and send `sig` once the metrics file holds `lines` more lines: a kill at an
-    arbitrary instant (mid-step, mid-save, mid-upload), not at a step boundary. Returns the exit code."""
+    arbitrary instant (mid-step, mid-save, mid-upload), not at a step boundary. With `group`, the
+    signal goes to the whole process group, as a container runtime sends it. Returns the exit code."""
     metrics = workdir / "metrics.jsonl"
     start = _count_lines(metrics)
     cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
     cmd += ["--metrics", str(metrics), "--cache", str(workdir / "cache")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=group,
+    )
     deadline = time.monotonic() + timeout
     while _count_lines(metrics) - start < lines and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     if proc.poll() is None:
-        proc.send_signal(sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
     proc.wait(timeout=timeout)
     return proc.returncode
 

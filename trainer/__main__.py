@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from trainer.ckpt_format import parse_step_dir
 from trainer.errors import (
     CheckpointError,
     ConfigError,
@@ -18,9 +19,9 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
-from trainer.loop import AttemptOptions, run_attempt
+from trainer.loop import AttemptOptions, ResumeSource, run_attempt
 from trainer.preemption import StopRequest, install_signal_handlers
-from trainer.spec import load_spec
+from trainer.spec import JobSpec, load_spec
 from trainer.storage import open_storage
 
 log = logging.getLogger("trainer")
@@ -79,7 +80,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
         rank=rank,
         world_size=world,
         stop=stop,
-        resume_from=_parse_resume_from(args.resume_from),
+        resume_from=_resume_source(args.resume_from, spec),
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
     )
     storage = open_storage(uri, spec.s3)
@@ -91,14 +92,19 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
     return result.code
 
 
-def _parse_resume_from(value: str | None) -> int | None:
+def _resume_source(value: str | None, spec: JobSpec) -> ResumeSource | None:
+    """STEP, or a checkpoint directory URI (`s3://b/job/step_000001200`, a path) whose parent is opened."""
     if value is None:
         return None
-    tail = value.rstrip("/").rsplit("/", 1)[-1]
-    digits = tail.removeprefix("step_")
-    if not digits.isdigit():
-        raise ConfigError(f"--resume-from {value!r}: give a step number or a .../step_NNNNNNNNN URI")
-    return int(digits)
+    if value.isdigit():
+        return ResumeSource(int(value))
+    parent, _, name = value.rstrip("/").rpartition("/")
+    step = parse_step_dir(name)
+    if step is None or not parent:
+        raise ConfigError(
+            f"--resume-from {value!r}: give a step number or a .../step_NNNNNNNNN directory URI"
+        )
+    return ResumeSource(step, open_storage(parent, spec.s3))
 
 
 if __name__ == "__main__":

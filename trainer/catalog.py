@@ -119,9 +119,14 @@ def select_newest_valid(
     return Selection(None, None, rejected)
 
 
-def find_resume_point(storage: Storage, cache: Path, expect: Expectation | None) -> Selection:
-    """Newest valid checkpoint under `storage`, fetched into `cache`; records why newer ones were rejected."""
+def find_resume_point(
+    storage: Storage, cache: Path, expect: Expectation | None, only_step: int | None = None
+) -> Selection:
+    """Newest valid checkpoint under `storage` (or exactly `only_step`), fetched into `cache`; records
+    why newer ones were rejected."""
     listed = list_checkpoints(storage)
+    if only_step is not None:
+        listed = {only_step: listed[only_step]} if only_step in listed else {}
 
     def check(step: int) -> tuple[Path | None, list[Problem]]:
         if not listed[step].committed:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import recipes
-from trainer.catalog import Selection, find_resume_point, read_latest
+from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest
 from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
 from trainer.data import ResumableLoader
@@ -45,8 +45,16 @@ class AttemptOptions:
     rank: int = 0
     world_size: int = 1
     stop: StopRequest = field(default_factory=StopRequest)
-    resume_from: int | None = None  # a specific step instead of the newest valid
+    resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """`--resume-from`: a step of this job's storage, or of another storage (a fork or a rollback)."""
+
+    step: int
+    storage: Storage | None = None  # None: the job's own storage
 
 
 @dataclass
@@ -104,7 +112,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     torch.set_num_threads(threads)  # BLAS results differ bitwise across thread counts
     ckpt = Checkpointer(
         storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
-        pin_memory=device.type == "cuda", durable_step=selection.step,
+        pin_memory=device.type == "cuda", durable_step=_durable_here(selection, opts),
     )  # fmt: skip
     state = _StateView(spec, parts, scaler, loader, progress, device, threads, opts)
     end = (
@@ -261,24 +269,46 @@ class _StateView:
         }
 
 
+def _durable_here(selection: Selection, opts: AttemptOptions) -> int | None:
+    """The resumed step is durable in this job's storage unless it came from another one (a fork)."""
+    forked = opts.resume_from is not None and opts.resume_from.storage is not None
+    return None if forked else selection.step
+
+
 def _select(storage: Storage, opts: AttemptOptions, expect: Expectation) -> Selection:
-    selection = find_resume_point(storage, opts.cache, expect)
+    src = opts.resume_from
+    source = src.storage if src is not None and src.storage is not None else storage
+    selection = find_resume_point(source, opts.cache, expect, only_step=src.step if src else None)
     for r in selection.rejected:
         compat = [p for p in r.problems if p.kind == "compat"]
         if compat:
             raise ResumeIncompatible(
-                f"checkpoint step {r.step} in {storage.uri} {compat[0].detail}; "
+                f"checkpoint step {r.step} in {source.uri} {compat[0].detail}; "
                 "use a new storage URI for a changed model, or restore the original settings"
             )
-    if opts.resume_from is not None and selection.step != opts.resume_from:
-        raise ConfigError(
-            f"--resume-from {opts.resume_from}: not the newest valid checkpoint in {storage.uri} "
-            f"(that is {selection.step}); pick a valid step with 'spotrun checkpoints list'"
-        )
+    if src is not None:
+        _check_explicit_source(storage, source, src.step, selection)
     latest = read_latest(storage)
-    if latest is not None and latest != selection.step:
+    if latest is not None and latest != selection.step and src is None:
         log.info("'latest' marker says step %d; newest valid is %s", latest, selection.step)
     return selection
+
+
+def _check_explicit_source(storage: Storage, source: Storage, step: int, selection: Selection) -> None:
+    if selection.step is None:
+        why = selection.rejected[0].reason() if selection.rejected else "no such checkpoint"
+        raise ConfigError(
+            f"--resume-from: step {step} of {source.uri} is not usable ({why}); "
+            "see 'spotrun checkpoints list'"
+        )
+    # Rolling back inside one storage would leave newer checkpoints of the abandoned timeline that a
+    # later automatic resume would pick; they are committed work, so refuse rather than delete them.
+    newer = [s for s, c in list_checkpoints(storage).items() if c.committed and s > step]
+    if newer:
+        raise ConfigError(
+            f"--resume-from {step}: {storage.uri} holds newer checkpoints {sorted(newer)[:3]}; "
+            "resume into a new storage (--storage NEW --resume-from OLD_URI/step_...)"
+        )
 
 
 def _load_state(

@@ -1,0 +1,215 @@
+"""`spotrun checkpoints list/verify` against checkpoints a real trainer wrote, and the demo end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotrun.cli import main
+from tests.trainer_runs import REPO, trainer, write_spec
+from trainer.ckpt_format import MANIFEST, step_dir
+from trainer.spec import S3Options
+from trainer.storage import open_storage
+
+STEPS = (28, 30)  # total_steps 30, a checkpoint every 7, keep 2: the final one and the one before
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One small digits run: (its job file, its storage directory). Tests copy it before changing it."""
+    work = tmp_path_factory.mktemp("cli-job")
+    spec = write_spec(work / "job.yaml", total_steps=30, args={"hidden": 32})
+    r = trainer(spec, str(work / "store"), work)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return spec, work / "store"
+
+
+@pytest.fixture
+def store(job: tuple[Path, Path], tmp_path: Path) -> Path:
+    """A private copy of the job's storage."""
+    return Path(shutil.copytree(job[1], tmp_path / "store"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def listed(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, Any]]:
+    code, out, _ = run(capsys, "checkpoints", "list", "--json", *argv)
+    assert code == 0
+    rows: list[dict[str, Any]] = json.loads(out)
+    return rows
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    assert err.startswith("spotrun: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_list_table_shows_each_step_valid_and_latest(
+    capsys: pytest.CaptureFixture[str], job: tuple[Path, Path]
+) -> None:
+    code, out, _ = run(capsys, "checkpoints", "list", str(job[1]))
+    assert code == 0
+    assert f"checkpoints in {job[1]}" in out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert [line.split("│")[1].strip() for line in rows] == ["30", "28"]
+    assert "latest" in rows[0] and "latest" not in rows[1]
+    assert all(line.split("│")[5].strip() == "yes" for line in rows)
+
+
+def test_list_json(capsys: pytest.CaptureFixture[str], job: tuple[Path, Path]) -> None:
+    rows = listed(capsys, str(job[1]))
+    assert [r["step"] for r in rows] == sorted(STEPS, reverse=True)
+    assert all(r["committed"] and r["valid"] and r["problems"] == [] and r["size"] > 0 for r in rows)
+    assert [r["latest"] for r in rows] == [True, False]
+    assert "best_loss" in rows[0]["metrics"] and "loss" in rows[1]["metrics"]
+
+
+def test_verify_valid(capsys: pytest.CaptureFixture[str], job: tuple[Path, Path]) -> None:
+    spec, store = job
+    code, out, _ = run(capsys, "checkpoints", "verify", str(store))
+    assert (code, out) == (0, f"step 30 in {store}: valid\n")
+    code, _, _ = run(capsys, "checkpoints", "verify", f"file://{store}", "--spec", str(spec))
+    assert code == 0
+
+
+def test_spec_storage_is_the_default_uri(
+    capsys: pytest.CaptureFixture[str], job: tuple[Path, Path], tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path / "job.yaml", total_steps=30, args={"hidden": 32}, storage=str(job[1]))
+    code, out, _ = run(capsys, "checkpoints", "verify", "--spec", str(spec))
+    assert (code, out) == (0, f"step 30 in {job[1]}: valid\n")
+
+
+def test_a_different_jobs_spec_is_reported_first(
+    capsys: pytest.CaptureFixture[str], job: tuple[Path, Path], tmp_path: Path
+) -> None:
+    other = write_spec(tmp_path / "other.yaml", total_steps=30, args={"hidden": 16})
+    code, out, _ = run(capsys, "checkpoints", "verify", str(job[1]), "--spec", str(other))
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].startswith("step 30: compat: made by a job with different shape settings")
+    assert any("structure" in line and "model.safetensors" in line for line in lines[1:])
+    rows = listed(capsys, str(job[1]), "--spec", str(other))
+    assert not any(r["valid"] for r in rows)
+
+
+def test_corrupt_newest_fails_verify_naming_file(capsys: pytest.CaptureFixture[str], store: Path) -> None:
+    flip_middle_byte(store / step_dir(30) / "model.safetensors")
+    code, out, _ = run(capsys, "checkpoints", "verify", str(store))
+    assert (code, out) == (1, "step 30: integrity: sha256 mismatch in model.safetensors\n")
+    rows = listed(capsys, str(store))
+    assert [(r["step"], r["valid"]) for r in rows] == [(30, False), (28, True)]
+    assert rows[0]["problems"] == [
+        {"kind": "integrity", "file": "model.safetensors", "detail": "sha256 mismatch"}
+    ]
+
+
+def test_partial_newest_is_listed_and_verify_checks_newest_committed(
+    capsys: pytest.CaptureFixture[str], store: Path
+) -> None:
+    (store / step_dir(30) / MANIFEST).unlink()
+    rows = listed(capsys, str(store))
+    assert [(r["step"], r["committed"], r["valid"]) for r in rows] == [(30, False, False), (28, True, True)]
+    code, out, _ = run(capsys, "checkpoints", "verify", str(store))
+    assert (code, out) == (0, f"step 28 in {store}: valid\n")
+
+
+def test_empty_storage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "checkpoints", "verify", str(tmp_path))
+    assert (code, out) == (1, f"no committed checkpoint in {tmp_path}\n")
+    assert listed(capsys, str(tmp_path)) == []
+    code, out, _ = run(capsys, "checkpoints", "list", str(tmp_path))
+    assert (code, out) == (0, f"no checkpoints in {tmp_path}\n")
+
+
+@pytest.mark.parametrize(
+    ("uri", "fragment"),
+    [
+        ("gs://bucket/job", "unsupported scheme"),
+        ("s3://", "names no bucket"),
+        ("/nonexistent/spotrun/storage", "no such directory"),
+    ],
+)
+def test_bad_uri_is_one_line_error(capsys: pytest.CaptureFixture[str], uri: str, fragment: str) -> None:
+    code, _, err = run(capsys, "checkpoints", "verify", uri)
+    assert_one_line_error(code, err, fragment)
+    assert not Path("/nonexistent").exists()  # a read-only command creates nothing
+
+
+def test_bad_spec_is_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "checkpoints", "list", str(tmp_path), "--spec", str(tmp_path / "missing.yaml"))
+    assert_one_line_error(code, err, "cannot read job file")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrecipe: digits\ntotal_steps: 0\n")
+    code, _, err = run(capsys, "checkpoints", "list", str(tmp_path), "--spec", str(bad))
+    assert_one_line_error(code, err, "total_steps")
+
+
+def test_missing_bucket_is_one_line_error(capsys: pytest.CaptureFixture[str], moto_server: str) -> None:
+    bucket = f"spotrun-missing-{uuid.uuid4().hex[:8]}"
+    code, _, err = run(capsys, "checkpoints", "list", f"s3://{bucket}/job", "--endpoint-url", moto_server)
+    assert_one_line_error(code, err, f"bucket '{bucket}' does not exist")
+
+
+def test_list_and_verify_on_s3(
+    capsys: pytest.CaptureFixture[str], job: tuple[Path, Path], s3_bucket: tuple[str, str]
+) -> None:
+    endpoint, bucket = s3_bucket
+    remote = open_storage(f"s3://{bucket}/jobs/cli", S3Options(endpoint_url=endpoint))
+    for f in sorted(job[1].rglob("*")):
+        if f.is_file():
+            remote.put(f.relative_to(job[1]).as_posix(), f)
+    rows = listed(capsys, f"s3://{bucket}/jobs/cli", "--endpoint-url", endpoint, "--region", "us-east-1")
+    assert [(r["step"], r["valid"], r["latest"]) for r in rows] == [(30, True, True), (28, True, False)]
+    code, out, _ = run(capsys, "checkpoints", "verify", f"s3://{bucket}/jobs/cli", "--endpoint-url", endpoint)
+    assert (code, out) == (0, f"step 30 in s3://{bucket}/jobs/cli: valid\n")
+
+
+def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
+    """`python -m spotrun.cli` as a user runs it: exit codes and stderr without a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "spotrun.cli", "checkpoints", "verify"]
+    r = subprocess.run([*cmd, "ftp://host/x"], env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r.returncode, r.stderr, "unsupported scheme")
+    r = subprocess.run([*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no committed checkpoint" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "spotrun.demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "PASS" in r.stdout
+    for kind in ("PREEMPTED", "SIGKILL", "COMPLETED"):
+        assert kind in r.stdout
+    assert (tmp_path / "demo" / "chain" / "checkpoints" / step_dir(300) / MANIFEST).is_file()
