@@ -21,7 +21,7 @@ from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.loop import AttemptOptions, ResumeSource, run_attempt
 from trainer.preemption import StopRequest, install_signal_handlers
-from trainer.spec import JobSpec, load_spec
+from trainer.spec import JobSpec, load_spec, parse_spec
 from trainer.storage import open_storage
 
 log = logging.getLogger("trainer")
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
     spec = load_spec(args.config)
     uri = args.storage or spec.storage
-    if args.storage:
-        spec = spec.model_copy(update={"storage": args.storage})
+    if args.storage:  # validated like the job file's own field
+        spec = parse_spec({**spec.model_dump(mode="json"), "storage": args.storage}, "--storage")
     # The process edge: environment read here and passed down, never deep inside.
     home = Path(os.environ.get("SPOTRUN_HOME", ".spotrun"))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -70,6 +70,7 @@ class AttemptResult:
 class _Progress:
     step: int = 0
     best: float = math.inf
+    last_loss: float | None = None
     since_ckpt: float = field(default_factory=time.monotonic)
 
 
@@ -150,7 +151,7 @@ def _train(
                 loss = _step(parts, scaler, batch, device, spec.amp, progress.step)
                 progress.step += 1
                 loader.position.batch += 1
-                progress.best = min(progress.best, loss)
+                progress.best, progress.last_loss = min(progress.best, loss), loss
                 if metrics:
                     metrics.write(json.dumps({"step": progress.step, "loss": loss.hex()}) + "\n")
                     metrics.flush()
@@ -167,7 +168,7 @@ def _train(
                 loader.position.epoch, loader.position.batch = loader.position.epoch + 1, 0
         # The final, max-steps and emergency checkpoints are all synchronous: exit only once durable.
         if ckpt.durable_step != progress.step:
-            blocked = ckpt.save(state.capture(), state.manifest_base(None), wait=True)
+            blocked = ckpt.save(state.capture(), state.manifest_base(progress.last_loss), wait=True)
             log.info("checkpoint at step %d durable after %.2fs", progress.step, blocked)
         ckpt.wait()
     finally:

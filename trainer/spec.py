@@ -97,11 +97,9 @@ class JobSpec(BaseModel):
     @field_validator("storage")
     @classmethod
     def _storage_form(cls, v: str) -> str:
-        if "://" in v and not v.startswith(("file://", "s3://")):
-            raise ValueError(f"unsupported scheme in {v!r}: use a path, file:///dir or s3://bucket/prefix")
-        if v.startswith("s3://") and len(v) <= len("s3://"):
-            raise ValueError("s3 URI needs a bucket: s3://bucket/prefix")
-        return v
+        from trainer.storage import check_uri  # storage imports this module for S3Options
+
+        return check_uri(v)
 
     def spec_hash(self) -> str:
         """SHA-256 over the whole spec (canonical JSON)."""

@@ -2,21 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from trainer.errors import ConfigError
 from trainer.spec import S3Options
 from trainer.storage.base import ObjectInfo, Storage, get_bytes, put_bytes, sha256_of
 from trainer.storage.local import LocalStorage
 
-__all__ = ["LocalStorage", "ObjectInfo", "Storage", "get_bytes", "open_storage", "put_bytes", "sha256_of"]
+__all__ = [
+    "LocalStorage",
+    "ObjectInfo",
+    "Storage",
+    "check_uri",
+    "get_bytes",
+    "open_storage",
+    "put_bytes",
+    "sha256_of",
+]
 
 
-def open_storage(uri: str, s3: S3Options | None = None) -> Storage:
-    """Map a storage URI to a backend: a path or file:// URI is local, s3://bucket/prefix is S3."""
+def check_uri(uri: str) -> str:
+    """Return `uri` if it names a backend we have, else raise ValueError saying what forms work."""
+    if "://" in uri and not uri.startswith(("file://", "s3://")):
+        raise ValueError(f"unsupported scheme in {uri!r}: use a path, file:///dir or s3://bucket/prefix")
+    if uri.startswith("s3://") and not uri[len("s3://") :].partition("/")[0]:
+        raise ValueError(f"{uri!r} names no bucket: use s3://bucket/prefix")
+    if not uri.removeprefix("file://"):
+        raise ValueError("empty storage path: use a directory, file:///dir or s3://bucket/prefix")
+    return uri
+
+
+def open_storage(uri: str, s3: S3Options | None = None, create: bool = True) -> Storage:
+    """Map a storage URI to a backend: a path or file:// URI is local, s3://bucket/prefix is S3.
+
+    With `create=False` (readers), a missing local directory is an error instead of being made."""
+    try:
+        check_uri(uri)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if uri.startswith("s3://"):
         from trainer.storage.s3 import S3Storage, make_s3_client
 
         bucket, _, prefix = uri[len("s3://") :].partition("/")
         opts = s3 or S3Options()
         return S3Storage(make_s3_client(opts), bucket, prefix, opts)
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
-    return LocalStorage(uri)
+    path = Path(uri.removeprefix("file://")).expanduser()
+    if not create and not path.is_dir():
+        raise ConfigError(f"no such directory: {path}; check the storage URI")
+    return LocalStorage(path)
