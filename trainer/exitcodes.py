@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     # bad job spec, unknown recipe, incompatible checkpoint, missing bucket or credentials: fix, don't retry
     CONFIG_ERROR = 2
     DIVERGED = 3  # loss became NaN/Inf: a retry from the same checkpoint will likely repeat it
+    STOPPED = 4  # reached --max-steps before the end; checkpoint durable, run again to continue
     PREEMPTED = 75  # EX_TEMPFAIL: stopped on a notice/SIGTERM after an emergency checkpoint became durable
 
     @property

@@ -13,48 +13,41 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from trainer import recipes
-from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest
 from trainer.checkpointer import Checkpointer
-from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
+from trainer.ckpt_format import COMPLETED
 from trainer.data import ResumableLoader
-from trainer.errors import ConfigError, ResumeIncompatible, TrainingDiverged
+from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.preemption import StopRequest
 from trainer.recipes import Parts, RecipeContext
+from trainer.resume import ResumeSource, completed_step, durable_here, load_state, mark_completed, select
 from trainer.spec import JobSpec
 from trainer.state import capture_rng, restore_rng
-from trainer.storage import Storage, get_bytes, put_bytes
+from trainer.storage import Storage
 from trainer.validate import Expectation
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AttemptOptions", "AttemptResult", "ResumeSource", "run_attempt"]
 
 
 @dataclass
 class AttemptOptions:
     cache: Path  # local disk for checkpoint copies
-    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in this attempt's run
+    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in this attempt
     metrics_path: Path | None = None  # per-step losses as JSON lines (float.hex, for exact comparisons)
     rank: int = 0
     world_size: int = 1
     stop: StopRequest = field(default_factory=StopRequest)
     resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
-
-
-@dataclass(frozen=True)
-class ResumeSource:
-    """`--resume-from`: a step of this job's storage, or of another storage (a fork or a rollback)."""
-
-    step: int
-    storage: Storage | None = None  # None: the job's own storage
 
 
 @dataclass
@@ -66,120 +59,176 @@ class AttemptResult:
     message: str = ""
 
 
-@dataclass
-class _Progress:
-    step: int = 0
-    best: float = math.inf
-    last_loss: float | None = None
-    since_ckpt: float = field(default_factory=time.monotonic)
-
-
 def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
     """Train until done, preempted, or `max_steps`; raise on errors (the entry point maps them to codes)."""
     if spec.world_size != opts.world_size:
         raise ConfigError(
             f"world_size: spec says {spec.world_size}, launched with {opts.world_size}; make them equal"
         )
-    done = _completed_step(storage)
+    done = completed_step(storage)
     if done is not None and done >= spec.total_steps:
         log.info("job %s already completed at step %d (%s/%s)", spec.name, done, storage.uri, COMPLETED)
         return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
     device = _device(spec)
     _seed_everything(spec.seed)
-    ctx = RecipeContext(spec.seed, spec.total_steps, spec.batch_size, device)
-    parts = recipes.build(spec.recipe, spec.args, ctx)
+    parts = recipes.build(
+        spec.recipe, spec.args, RecipeContext(spec.seed, spec.total_steps, spec.batch_size, device)
+    )
     scaler = torch.amp.GradScaler(device.type) if spec.amp else None
     expect = Expectation.from_parts(parts.model, parts.optimizer, spec.shape_hash())
-
-    selection = _select(storage, opts, expect)
+    selection = select(storage, opts.cache, expect, opts.resume_from)
     log.info(selection.describe(storage.uri))
-    progress = _Progress()
-    loader = ResumableLoader(
-        parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size
-    )
-    rng_state = None
-    threads = spec.threads or torch.get_num_threads()
-    if selection.path is not None:
-        meta, rng_state = _load_state(selection.path, parts, scaler, opts.rank)
-        progress.step, progress.best = int(meta["step"]), float(meta["best_metric"])
-        loader.position.load_state_dict(meta["position"])
-        threads = spec.threads or int(meta["threads"])
-        if int(meta["threads"]) != threads:
-            log.warning(
-                "thread count %d differs from the checkpoint's %d: results will drift",
-                threads,
-                meta["threads"],
-            )
-    torch.set_num_threads(threads)  # BLAS results differ bitwise across thread counts
     ckpt = Checkpointer(
         storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
-        pin_memory=device.type == "cuda", durable_step=_durable_here(selection, opts),
+        pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
     )  # fmt: skip
-    state = _StateView(spec, parts, scaler, loader, progress, device, threads, opts)
-    end = (
-        spec.total_steps if opts.max_steps is None else min(spec.total_steps, progress.step + opts.max_steps)
-    )
-    code = _train(spec, parts, scaler, loader, progress, ckpt, state, device, end, rng_state, opts)
+    run = _Run(spec, parts, scaler, device, opts, ckpt)
+    rng_state = run.restore(selection.path) if selection.path is not None else None
+    torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
+    end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
+    code = run.train(end, rng_state)
     if code is ExitCode.COMPLETED:
-        _mark_completed(storage, spec, progress.step)
-    return AttemptResult(code, progress.step, selection.step, ckpt.durable_step)
+        mark_completed(storage, spec, run.step)
+    return AttemptResult(code, run.step, selection.step, ckpt.durable_step)
 
 
-def _train(
-    spec: JobSpec,
-    parts: Parts,
-    scaler: torch.amp.GradScaler | None,
-    loader: ResumableLoader,
-    progress: _Progress,
-    ckpt: Checkpointer,
-    state: _StateView,
-    device: torch.device,
-    end: int,
-    rng_state: dict[str, Any] | None,
-    opts: AttemptOptions,
-) -> ExitCode:
-    parts.model.train()
-    metrics = open(opts.metrics_path, "a") if opts.metrics_path else None  # noqa: SIM115 (closed below)
-    meter = _Meter(progress.step)
-    try:
-        while progress.step < end and not opts.stop.requested:
-            it = loader.epoch_iter()
+class _Run:
+    """The live training state of one attempt, and the loop over it."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        parts: Parts,
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device,
+        opts: AttemptOptions,
+        ckpt: Checkpointer,
+    ) -> None:
+        self.spec, self.parts, self.scaler, self.device, self.opts, self.ckpt = (
+            spec,
+            parts,
+            scaler,
+            device,
+            opts,
+            ckpt,
+        )
+        self.loader = ResumableLoader(
+            parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size
+        )
+        self.threads = spec.threads or torch.get_num_threads()
+        self.step, self.best, self.last_loss = 0, math.inf, math.nan
+        self.since_ckpt = time.monotonic()
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        """Load model/optimizer/scheduler/scaler and position; return the RNG state to apply later."""
+        meta, rng_state = load_state(path, self.parts, self.scaler, self.opts.rank)
+        self.step, self.best = int(meta["step"]), float(meta["best_metric"])
+        self.loader.position.load_state_dict(meta["position"])
+        saved = int(meta["threads"])
+        self.threads = self.spec.threads or saved  # unpinned: adopt the checkpoint's, for exactness
+        if saved != self.threads:
+            log.warning(
+                "thread count %d differs from the checkpoint's %d: results will drift", self.threads, saved
+            )
+        return rng_state
+
+    def train(self, end: int, rng_state: dict[str, Any] | None) -> ExitCode:
+        self.parts.model.train()
+        metrics = open(self.opts.metrics_path, "a") if self.opts.metrics_path else None  # noqa: SIM115
+        try:
+            self._loop(end, rng_state, metrics, _Meter(self.step))
+            # Final, max-steps and emergency checkpoints are synchronous: exit only once durable.
+            if self.ckpt.durable_step != self.step:
+                blocked = self.checkpoint(wait=True)
+                log.info("checkpoint at step %d durable after %.2fs", self.step, blocked)
+            self.ckpt.wait()
+        finally:
+            if metrics:
+                metrics.close()
+        return self._outcome()
+
+    def _loop(
+        self, end: int, rng_state: dict[str, Any] | None, metrics: IO[str] | None, meter: _Meter
+    ) -> None:
+        stop, pos = self.opts.stop, self.loader.position
+        while self.step < end and not stop.requested:
+            it = self.loader.epoch_iter()
             if rng_state is not None:  # after iter(): creating the iterator may draw from the global RNG
-                restore_rng(rng_state, device)
+                restore_rng(rng_state, self.device)
                 rng_state = None
             for batch in it:
-                loss = _step(parts, scaler, batch, device, spec.amp, progress.step)
-                progress.step += 1
-                loader.position.batch += 1
-                progress.best, progress.last_loss = min(progress.best, loss), loss
+                loss = _step(self.parts, self.scaler, batch, self.device, self.spec.amp, self.step)
+                self.step, pos.batch = self.step + 1, pos.batch + 1
+                self.best, self.last_loss = min(self.best, loss), loss
                 if metrics:
-                    metrics.write(json.dumps({"step": progress.step, "loss": loss.hex()}) + "\n")
+                    metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                     metrics.flush()
-                meter.tick(spec, progress.step, loss, parts)
-                if opts.fault is not None:
-                    opts.fault.maybe_fire(progress.step)
-                ckpt.check()  # a background failure stops training here, not later
-                if progress.step >= end or opts.stop.requested:
-                    break
-                if _checkpoint_due(spec, progress):
-                    ckpt.save(state.capture(), state.manifest_base(loss))
-                    progress.since_ckpt = time.monotonic()
-            else:
-                loader.position.epoch, loader.position.batch = loader.position.epoch + 1, 0
-        # The final, max-steps and emergency checkpoints are all synchronous: exit only once durable.
-        if ckpt.durable_step != progress.step:
-            blocked = ckpt.save(state.capture(), state.manifest_base(progress.last_loss), wait=True)
-            log.info("checkpoint at step %d durable after %.2fs", progress.step, blocked)
-        ckpt.wait()
-    finally:
-        if metrics:
-            metrics.close()
-    if opts.stop.requested and progress.step < spec.total_steps:
-        log.warning(
-            "stopped on %s at step %d; checkpoint durable, exiting PREEMPTED", opts.stop.reason, progress.step
+                meter.tick(self.spec, self.step, loss, self.parts)
+                if self.opts.fault is not None:
+                    self.opts.fault.maybe_fire(self.step)
+                self.ckpt.check()  # a background failure stops training here, not later
+                if self.step >= end or stop.requested:
+                    return
+                if self._checkpoint_due():
+                    self.checkpoint()
+            pos.epoch, pos.batch = pos.epoch + 1, 0
+
+    def _outcome(self) -> ExitCode:
+        if self.step >= self.spec.total_steps:
+            return ExitCode.COMPLETED
+        if self.opts.stop.requested:
+            log.warning("stopped on %s at step %d; checkpoint durable", self.opts.stop.reason, self.step)
+            return ExitCode.PREEMPTED
+        log.info(
+            "stopped at --max-steps (step %d of %d); checkpoint durable", self.step, self.spec.total_steps
         )
-        return ExitCode.PREEMPTED
-    return ExitCode.COMPLETED if progress.step >= spec.total_steps else ExitCode.PREEMPTED
+        return ExitCode.STOPPED
+
+    def _checkpoint_due(self) -> bool:
+        pol = self.spec.checkpoint
+        by_steps = pol.every_steps is not None and self.step % pol.every_steps == 0
+        by_time = pol.every_seconds is not None and time.monotonic() - self.since_ckpt >= pol.every_seconds
+        return by_steps or by_time
+
+    def checkpoint(self, wait: bool = False) -> float:
+        """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
+        blocked = self.ckpt.save(self.capture(), self.manifest_base(), wait=wait)
+        self.since_ckpt = time.monotonic()
+        return blocked
+
+    def capture(self) -> dict[str, Any]:
+        """The full training state, as the checkpoint stores it (docs/checkpoint-format.md)."""
+        p, spec = self.parts, self.spec
+        return {
+            "model": p.model.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scheduler": p.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": capture_rng(self.device),
+            "trainer": {
+                "step": self.step,
+                "position": self.loader.position.state_dict(),
+                "best_metric": self.best,
+                "spec": spec.model_dump(mode="json"),
+                "spec_hash": spec.spec_hash(),
+                "shape_hash": spec.shape_hash(),
+                "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
+                "threads": self.threads,
+                "rank": self.opts.rank,
+                "world_size": self.opts.world_size,
+                "device": self.device.type,
+            },
+        }
+
+    def manifest_base(self) -> dict[str, Any]:
+        metrics = {k: v for k, v in (("loss", self.last_loss), ("best_loss", self.best)) if math.isfinite(v)}
+        return {
+            "step": self.step,
+            "spec_hash": self.spec.spec_hash(),
+            "shape_hash": self.spec.shape_hash(),
+            "world_size": self.opts.world_size,
+            "metrics": metrics,
+        }
 
 
 def _step(
@@ -210,120 +259,6 @@ def _step(
     return value
 
 
-def _checkpoint_due(spec: JobSpec, p: _Progress) -> bool:
-    pol = spec.checkpoint
-    by_steps = pol.every_steps is not None and p.step % pol.every_steps == 0
-    by_time = pol.every_seconds is not None and time.monotonic() - p.since_ckpt >= pol.every_seconds
-    return by_steps or by_time
-
-
-class _StateView:
-    """The full training state as the checkpoint stores it."""
-
-    def __init__(
-        self,
-        spec: JobSpec,
-        parts: Parts,
-        scaler: torch.amp.GradScaler | None,
-        loader: ResumableLoader,
-        progress: _Progress,
-        device: torch.device,
-        threads: int,
-        opts: AttemptOptions,
-    ) -> None:
-        self.spec, self.parts, self.scaler, self.loader = spec, parts, scaler, loader
-        self.progress, self.device, self.threads, self.opts = progress, device, threads, opts
-
-    def capture(self) -> dict[str, Any]:
-        p = self.parts
-        return {
-            "model": p.model.state_dict(),
-            "optimizer": p.optimizer.state_dict(),
-            "scheduler": p.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": capture_rng(self.device),
-            "trainer": {
-                "step": self.progress.step,
-                "position": self.loader.position.state_dict(),
-                "best_metric": self.progress.best,
-                "spec": self.spec.model_dump(mode="json"),
-                "spec_hash": self.spec.spec_hash(),
-                "shape_hash": self.spec.shape_hash(),
-                "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
-                "threads": self.threads,
-                "rank": self.opts.rank,
-                "world_size": self.opts.world_size,
-                "device": self.device.type,
-            },
-        }
-
-    def manifest_base(self, loss: float | None) -> dict[str, Any]:
-        metrics = {"best_loss": self.progress.best} if math.isfinite(self.progress.best) else {}
-        if loss is not None:
-            metrics["loss"] = loss
-        return {
-            "step": self.progress.step,
-            "spec_hash": self.spec.spec_hash(),
-            "shape_hash": self.spec.shape_hash(),
-            "world_size": self.opts.world_size,
-            "metrics": metrics,
-        }
-
-
-def _durable_here(selection: Selection, opts: AttemptOptions) -> int | None:
-    """The resumed step is durable in this job's storage unless it came from another one (a fork)."""
-    forked = opts.resume_from is not None and opts.resume_from.storage is not None
-    return None if forked else selection.step
-
-
-def _select(storage: Storage, opts: AttemptOptions, expect: Expectation) -> Selection:
-    src = opts.resume_from
-    source = src.storage if src is not None and src.storage is not None else storage
-    selection = find_resume_point(source, opts.cache, expect, only_step=src.step if src else None)
-    for r in selection.rejected:
-        compat = [p for p in r.problems if p.kind == "compat"]
-        if compat:
-            raise ResumeIncompatible(
-                f"checkpoint step {r.step} in {source.uri} {compat[0].detail}; "
-                "use a new storage URI for a changed model, or restore the original settings"
-            )
-    if src is not None:
-        _check_explicit_source(storage, source, src.step, selection)
-    latest = read_latest(storage)
-    if latest is not None and latest != selection.step and src is None:
-        log.info("'latest' marker says step %d; newest valid is %s", latest, selection.step)
-    return selection
-
-
-def _check_explicit_source(storage: Storage, source: Storage, step: int, selection: Selection) -> None:
-    if selection.step is None:
-        why = selection.rejected[0].reason() if selection.rejected else "no such checkpoint"
-        raise ConfigError(
-            f"--resume-from: step {step} of {source.uri} is not usable ({why}); "
-            "see 'spotrun checkpoints list'"
-        )
-    # Rolling back inside one storage would leave newer checkpoints of the abandoned timeline that a
-    # later automatic resume would pick; they are committed work, so refuse rather than delete them.
-    newer = [s for s, c in list_checkpoints(storage).items() if c.committed and s > step]
-    if newer:
-        raise ConfigError(
-            f"--resume-from {step}: {storage.uri} holds newer checkpoints {sorted(newer)[:3]}; "
-            "resume into a new storage (--storage NEW --resume-from OLD_URI/step_...)"
-        )
-
-
-def _load_state(
-    path: Path, parts: Parts, scaler: torch.amp.GradScaler | None, rank: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    parts.model.load_state_dict(load_file(str(path / MODEL_FILE)))
-    parts.optimizer.load_state_dict(load_part(path / "optimizer.pt")["state"])
-    parts.scheduler.load_state_dict(load_part(path / "scheduler.pt")["state"])
-    if scaler is not None:
-        scaler.load_state_dict(load_part(path / "scaler.pt")["state"])
-    meta = load_part(path / "trainer.pt")["state"]
-    return meta, load_part(path / rng_file(rank))["state"]
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -336,22 +271,6 @@ def _device(spec: JobSpec) -> torch.device:
     if spec.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec.device)
-
-
-def _completed_step(storage: Storage) -> int | None:
-    try:
-        return int(json.loads(get_bytes(storage, COMPLETED))["step"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a malformed %s in %s", COMPLETED, storage.uri)
-        return None
-
-
-def _mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
-    body = {"job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time()}
-    put_bytes(storage, COMPLETED, json.dumps(body).encode())
-    log.info("job %s completed at step %d", spec.name, step)
 
 
 class _Meter:

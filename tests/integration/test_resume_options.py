@@ -34,9 +34,11 @@ def test_max_steps_chain_equals_one_run(tmp_path: Path, amp: bool) -> None:
     spec = {**SPEC, "amp": amp}
     full = _run(spec, tmp_path / "full", tmp_path / "c1")
     assert full.code is ExitCode.COMPLETED
+    codes = []
     for _ in range(3):  # 13 + 13 + 4 steps; each stop writes a checkpoint at its step
         part = _run(spec, tmp_path / "parts", tmp_path / "c2", max_steps=13)
-    assert part.code is ExitCode.COMPLETED and part.resumed_from == 26
+        codes.append(part.code)
+    assert codes == [ExitCode.STOPPED, ExitCode.STOPPED, ExitCode.COMPLETED] and part.resumed_from == 26
     assert_states_equal(tmp_path / "full" / step_dir(30), tmp_path / "parts" / step_dir(30))
     if amp:
         assert (tmp_path / "parts" / step_dir(30) / "scaler.pt").is_file()

@@ -91,7 +91,7 @@ def test_manifest_round_trip_and_rejects_garbage() -> None:
 @pytest.mark.parametrize(
     ("code", "retryable"),
     [(ExitCode.COMPLETED, False), (ExitCode.CRASHED, True), (ExitCode.CONFIG_ERROR, False),
-     (ExitCode.DIVERGED, False), (ExitCode.PREEMPTED, True)],
+     (ExitCode.DIVERGED, False), (ExitCode.STOPPED, False), (ExitCode.PREEMPTED, True)],
 )  # fmt: skip
 def test_exit_codes(code: ExitCode, retryable: bool) -> None:
     assert code.retryable is retryable

@@ -1,0 +1,101 @@
+"""Where an attempt starts: the newest valid checkpoint, an explicit one, or scratch; and loading it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest
+from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
+from trainer.errors import ConfigError, ResumeIncompatible
+from trainer.recipes import Parts
+from trainer.spec import JobSpec
+from trainer.storage import Storage, get_bytes, put_bytes
+from trainer.validate import Expectation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """`--resume-from`: a step of this job's storage, or of another storage (a fork or a rollback)."""
+
+    step: int
+    storage: Storage | None = None  # None: the job's own storage
+
+
+def durable_here(selection: Selection, source: ResumeSource | None) -> int | None:
+    """The resumed step is durable in this job's storage unless it came from another one (a fork)."""
+    forked = source is not None and source.storage is not None
+    return None if forked else selection.step
+
+
+def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource | None) -> Selection:
+    """Pick the checkpoint to resume from; refuse another job's checkpoints and unusable explicit ones."""
+    source = src.storage if src is not None and src.storage is not None else storage
+    selection = find_resume_point(source, cache, expect, only_step=src.step if src else None)
+    for r in selection.rejected:
+        compat = [p for p in r.problems if p.kind == "compat"]
+        if compat:
+            raise ResumeIncompatible(
+                f"checkpoint step {r.step} in {source.uri} {compat[0].detail}; "
+                "use a new storage URI for a changed model, or restore the original settings"
+            )
+    if src is not None:
+        _check_explicit_source(storage, source, src.step, selection)
+    latest = read_latest(storage)
+    if latest is not None and latest != selection.step and src is None:
+        log.info("'latest' marker says step %d; newest valid is %s", latest, selection.step)
+    return selection
+
+
+def _check_explicit_source(storage: Storage, source: Storage, step: int, selection: Selection) -> None:
+    if selection.step is None:
+        why = selection.rejected[0].reason() if selection.rejected else "no such checkpoint"
+        raise ConfigError(
+            f"--resume-from: step {step} of {source.uri} is not usable ({why}); "
+            "see 'spotrun checkpoints list'"
+        )
+    # Rolling back inside one storage would leave newer checkpoints of the abandoned timeline that a
+    # later automatic resume would pick; they are committed work, so refuse rather than delete them.
+    newer = [s for s, c in list_checkpoints(storage).items() if c.committed and s > step]
+    if newer:
+        raise ConfigError(
+            f"--resume-from {step}: {storage.uri} holds newer checkpoints {sorted(newer)[:3]}; "
+            "resume into a new storage (--storage NEW --resume-from OLD_URI/step_...)"
+        )
+
+
+def load_state(
+    path: Path, parts: Parts, scaler: torch.amp.GradScaler | None, rank: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    parts.model.load_state_dict(load_file(str(path / MODEL_FILE)))
+    parts.optimizer.load_state_dict(load_part(path / "optimizer.pt")["state"])
+    parts.scheduler.load_state_dict(load_part(path / "scheduler.pt")["state"])
+    if scaler is not None:
+        scaler.load_state_dict(load_part(path / "scaler.pt")["state"])
+    meta = load_part(path / "trainer.pt")["state"]
+    return meta, load_part(path / rng_file(rank))["state"]
+
+
+def completed_step(storage: Storage) -> int | None:
+    try:
+        return int(json.loads(get_bytes(storage, COMPLETED))["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed %s in %s", COMPLETED, storage.uri)
+        return None
+
+
+def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
+    body = {"job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time()}
+    put_bytes(storage, COMPLETED, json.dumps(body).encode())
+    log.info("job %s completed at step %d", spec.name, step)
