@@ -44,15 +44,20 @@ def list_checkpoints(storage: Storage) -> dict[int, Listed]:
     return found
 
 
-def read_latest(storage: Storage) -> int | None:
-    """The step the `latest` marker names, or None when absent or unreadable (it is only a hint)."""
+def read_marker_step(storage: Storage, key: str) -> int | None:
+    """The step a JSON marker (`latest`, `COMPLETED.json`) names; None when absent or malformed."""
     try:
-        return int(json.loads(get_bytes(storage, LATEST))["step"])
+        return int(json.loads(get_bytes(storage, key))["step"])
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a malformed 'latest' marker in %s", storage.uri)
+        log.warning("ignoring a malformed %s marker in %s", key, storage.uri)
         return None
+
+
+def read_latest(storage: Storage) -> int | None:
+    """The step `latest` names: only a hint, never trusted over validation."""
+    return read_marker_step(storage, LATEST)
 
 
 def write_latest(storage: Storage, step: int) -> None:

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest
+from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest, read_marker_step
 from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.recipes import Parts
 from trainer.spec import JobSpec
-from trainer.storage import Storage, get_bytes, put_bytes
+from trainer.storage import Storage, put_bytes
 from trainer.validate import Expectation
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,8 @@ def load_state(
 
 
 def completed_step(storage: Storage) -> int | None:
-    try:
-        return int(json.loads(get_bytes(storage, COMPLETED))["step"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a malformed %s in %s", COMPLETED, storage.uri)
-        return None
+    """The step COMPLETED.json records, if the job has finished."""
+    return read_marker_step(storage, COMPLETED)
 
 
 def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
