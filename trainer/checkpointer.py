@@ -8,7 +8,9 @@ loop at its next `check()`, so training never runs on believing a checkpoint exi
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from trainer.state import Snapshotter
 from trainer.storage import Storage, sha256_of
 
 log = logging.getLogger(__name__)
+
+WRITER_NICE = 10
 
 
 @dataclass
@@ -91,6 +95,8 @@ class Checkpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            _lower_thread_priority()
         try:
             self._persist(snap, base, t)
         except BaseException as e:  # boundary of the writer thread: handed to the loop via check()
@@ -115,6 +121,15 @@ class Checkpointer:
         )  # fmt: skip
         apply_retention(self.storage, manifest.step, self.keep)
         prune_local(self.cache, {manifest.step})
+
+
+def _lower_thread_priority() -> None:
+    # On Linux a thread is a task with its own nice value. Serialization, hashing and copying
+    # compete with the training step for the same cores; at nice 10 the writer mostly fills the
+    # gaps the step leaves, and the loop keeps its speed (background work is not on the critical
+    # path: the next save waits for it, and an emergency save runs on the main thread).
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not permitted: normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
 def upload(storage: Storage, local: Path, manifest: Manifest) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from trainer.storage.local import fsync_dir
 
@@ -128,29 +128,74 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """A write-only file that hashes what passes through: one pass over the bytes, not two."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self._h.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> FileEntry:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return FileEntry(self.size, self._h.hexdigest())
+
+
+def _save_part(path: Path, obj: Any) -> FileEntry:
+    w = _HashingWriter(path)
+    try:
+        torch.save(obj, w)  # type: ignore[arg-type]
+    finally:
+        entry = w.close()
+    return entry
+
+
+def _save_weights(path: Path, tensors: dict[str, torch.Tensor], step: int) -> FileEntry:
+    data = save(tensors, metadata={"format": FORMAT_TAG, "step": str(step)})
+    w = _HashingWriter(path)
+    try:
+        w.write(data)
+    finally:
+        entry = w.close()
+    return entry
+
+
 def write_checkpoint_dir(
     parent: Path, snap: dict[str, Any], manifest_base: dict[str, Any]
 ) -> tuple[Path, Manifest]:
     """Write a snapshot as a complete checkpoint directory under `parent`, durably.
 
-    Files go to a temp directory, each fsynced, then the manifest (last), then one rename makes the
-    directory visible under its step name. `snap` holds: model, optimizer, scheduler, scaler (or
-    None), rng (per this rank), trainer (meta dict); `manifest_base` the Manifest fields but files."""
+    Files go to a temp directory, each fsynced and hashed as written, then the manifest (last), then
+    one rename makes the directory visible under its step name. `snap` holds: model, optimizer,
+    scheduler, scaler (or None), rng (per this rank), trainer (meta dict); `manifest_base` the
+    Manifest fields but files."""
     step = int(manifest_base["step"])
     final = parent / step_dir(step)
     tmp = parent / f".tmp-{step_dir(step)}-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(snap["model"], str(tmp / MODEL_FILE), metadata={"format": FORMAT_TAG, "step": str(step)})
-    torch.save({"step": step, "state": snap["optimizer"]}, tmp / "optimizer.pt")
-    torch.save({"step": step, "state": snap["scheduler"]}, tmp / "scheduler.pt")
-    if snap.get("scaler") is not None:
-        torch.save({"step": step, "state": snap["scaler"]}, tmp / "scaler.pt")
-    torch.save({"step": step, "state": snap["rng"]}, tmp / rng_file(int(snap["trainer"]["rank"])))
-    torch.save({"step": step, "state": snap["trainer"]}, tmp / "trainer.pt")
-    files = {}
-    for p in sorted(tmp.iterdir()):
-        _fsync_file(p)
-        files[p.name] = FileEntry(p.stat().st_size, sha256_file(p))
+    if tmp.exists():
+        _remove_tree(tmp)
+    tmp.mkdir(parents=True)
+    files = {MODEL_FILE: _save_weights(tmp / MODEL_FILE, snap["model"], step)}
+    parts = {
+        "optimizer.pt": "optimizer",
+        "scheduler.pt": "scheduler",
+        "scaler.pt": "scaler",
+        "trainer.pt": "trainer",
+    }
+    parts[rng_file(int(snap["trainer"]["rank"]))] = "rng"
+    for name, key in parts.items():
+        if snap.get(key) is not None:
+            files[name] = _save_part(tmp / name, {"step": step, "state": snap[key]})
     manifest = Manifest(files=files, **manifest_base)
     (tmp / MANIFEST).write_bytes(manifest.to_json())
     _fsync_file(tmp / MANIFEST)

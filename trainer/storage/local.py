@@ -28,10 +28,12 @@ def copy_durable(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
     try:
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
-            shutil.copyfileobj(fi, fo, CHUNK * 8)
-            fo.flush()
-            os.fsync(fo.fileno())
+        shutil.copyfile(src, tmp)  # kernel-side copy (sendfile): no user-space buffer, little CPU
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)
