@@ -22,6 +22,7 @@ from trainer.faults import Fault
 from trainer.loop import AttemptOptions, ResumeSource, run_attempt
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
+from trainer.status import StatusReporter, stdout_reporter
 from trainer.storage import open_storage
 
 log = logging.getLogger("trainer")
@@ -48,24 +49,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop = StopRequest()
     install_signal_handlers(stop)
+    reporter = stdout_reporter()
+    error = ""
     try:
-        return int(_run(args, stop))
-    except (ConfigError, ResumeIncompatible) as e:
+        code = _run(args, stop, reporter)
+    except Exception as e:  # the process boundary: every error becomes an exit code and one status line
+        code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
+    reporter.emit(
+        "exit", code=int(code), name=code.name, error=error, step=reporter.last_step, durable_step=reporter.last_durable
+    )
+    return int(code)
+
+
+def _classify(e: Exception) -> ExitCode:
+    """Log the error the way its kind deserves and pick the exit code."""
+    if isinstance(e, ConfigError | ResumeIncompatible):
         log.error("%s", e)
         return ExitCode.CONFIG_ERROR
-    except TrainingDiverged as e:
+    if isinstance(e, TrainingDiverged):
         log.error("%s", e)
         return ExitCode.DIVERGED
-    except (CheckpointError, StorageError) as e:
-        cause = e.__cause__ if isinstance(e, CheckpointError) else e
-        if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
-            log.error("%s", cause)
-            return ExitCode.CONFIG_ERROR
+    cause = e.__cause__ if isinstance(e, CheckpointError) else e
+    if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
+        log.error("%s", cause)
+        return ExitCode.CONFIG_ERROR
+    if isinstance(e, CheckpointError | StorageError):
         log.exception("storage failure; the last durable checkpoint is intact")
-        return ExitCode.CRASHED
+    else:
+        log.exception("training crashed")
+    return ExitCode.CRASHED
 
 
-def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
+def _run(args: argparse.Namespace, stop: StopRequest, reporter: StatusReporter) -> ExitCode:
     spec = load_spec(args.config)
     uri = args.storage or spec.storage
     if args.storage:  # validated like the job file's own field
@@ -82,6 +97,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> ExitCode:
         stop=stop,
         resume_from=_resume_source(args.resume_from, spec),
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
+        reporter=reporter,
     )
     storage = open_storage(uri, spec.s3)
     result = run_attempt(spec, storage, opts)

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class Checkpointer:
         background: bool = True,
         pin_memory: bool = False,
         durable_step: int | None = None,
+        on_durable: Callable[[int], None] | None = None,
     ) -> None:
         self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
         # torch.save's zip CRC32s tripled the write time of 1 GB (3.4 s vs 1.0 s, measured), and
@@ -59,6 +61,7 @@ class Checkpointer:
         torch.serialization.set_crc32_options(False)
         self.snapshotter = Snapshotter(pin_memory)
         self.durable_step = durable_step
+        self.on_durable = on_durable
         self.history: list[SaveTimings] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -120,6 +123,8 @@ class Checkpointer:
         t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
         self.durable_step = manifest.step
         self.history.append(t)
+        if self.on_durable is not None:
+            self.on_durable(manifest.step)
         log.info(
             "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs)",
             manifest.step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s,

@@ -30,6 +30,7 @@ from trainer.recipes import Parts, RecipeContext
 from trainer.resume import ResumeSource, completed_step, durable_here, load_state, mark_completed, select
 from trainer.spec import JobSpec
 from trainer.state import capture_rng, restore_rng
+from trainer.status import StatusReporter
 from trainer.storage import Storage
 from trainer.validate import Expectation
 
@@ -48,6 +49,7 @@ class AttemptOptions:
     stop: StopRequest = field(default_factory=StopRequest)
     resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
+    reporter: StatusReporter = field(default_factory=StatusReporter)  # no stream: silent
 
 
 @dataclass
@@ -81,11 +83,13 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     ckpt = Checkpointer(
         storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
         pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
+        on_durable=lambda step: opts.reporter.emit("durable", step=step),
     )  # fmt: skip
     run = _Run(spec, parts, scaler, device, opts, ckpt)
     rng_state = run.restore(selection.path) if selection.path is not None else None
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
+    opts.reporter.emit("started", resumed_from=selection.step, step=run.step, total_steps=spec.total_steps)
     code = run.train(end, rng_state)
     if code is ExitCode.COMPLETED:
         mark_completed(storage, spec, run.step)
@@ -163,11 +167,15 @@ class _Run:
                 if metrics:
                     metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                     metrics.flush()
-                meter.tick(self.spec, self.step, loss, self.parts)
+                logged = meter.tick(self.spec, self.step, loss, self.parts)
+                self.opts.reporter.step(self.step, loss, meter.rate, self.ckpt.durable_step, force=logged)
                 if self.opts.fault is not None:
                     self.opts.fault.maybe_fire(self.step)
                 self.ckpt.check()  # a background failure stops training here, not later
-                if self.step >= end or stop.requested:
+                if stop.requested:
+                    self.opts.reporter.emit("stopping", reason=stop.reason, step=self.step)
+                    return
+                if self.step >= end:
                     return
                 if self._checkpoint_due():
                     self.checkpoint()
@@ -274,14 +282,17 @@ def _device(spec: JobSpec) -> torch.device:
 
 
 class _Meter:
-    def __init__(self, step: int) -> None:
-        self.t, self.step = time.perf_counter(), step
+    """Steps per second over the last logging window; logs step, loss, lr and rate every log_every."""
 
-    def tick(self, spec: JobSpec, step: int, loss: float, parts: Parts) -> None:
+    def __init__(self, step: int) -> None:
+        self.t, self.step, self.rate = time.perf_counter(), step, 0.0
+
+    def tick(self, spec: JobSpec, step: int, loss: float, parts: Parts) -> bool:
         if step % spec.log_every and step != spec.total_steps:
-            return
+            return False
         now = time.perf_counter()
-        rate = (step - self.step) / max(now - self.t, 1e-9)
+        self.rate = (step - self.step) / max(now - self.t, 1e-9)
         lr = parts.optimizer.param_groups[0]["lr"]
-        log.info("step %d/%d loss %.4f lr %.3g %.1f steps/s", step, spec.total_steps, loss, lr, rate)
+        log.info("step %d/%d loss %.4f lr %.3g %.1f steps/s", step, spec.total_steps, loss, lr, self.rate)
         self.t, self.step = now, step
+        return True

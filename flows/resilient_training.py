@@ -1,0 +1,93 @@
+"""The resilient training flow: provision, train, release, validate, select, record, decide; repeat.
+
+Reads like the runbook a person would follow at 3 a.m.: each step is a task over domain code in
+tasks/, each decision a pure function tested with tables.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed, State
+
+from tasks import reporting as report
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.checkpoints import select_checkpoint, validate_checkpoints
+from tasks.policy import RetryPolicy, decide
+from tasks.providers.base import ProvisionError
+from tasks.providers.local import LocalProviderConfig
+from tasks.runlog import JobRunLog
+from tasks.settings import Settings
+from tasks.workers import provision_worker, release_worker, train_on_worker
+from trainer.spec import JobSpec
+
+
+@flow(name="resilient-training", description="Train a job on spot workers until it is done or out of budget.")
+def resilient_training(
+    job: JobSpec,
+    provider: LocalProviderConfig = LocalProviderConfig(),  # noqa: B008 (pydantic default: the UI form)
+    policy: RetryPolicy = RetryPolicy(),  # noqa: B008
+) -> State:
+    logger = get_run_logger()
+    settings = Settings.from_env()
+    runlog = JobRunLog.start(settings, job, provider_name="local", flow_run_id=str(flow_run.get_id() or ""))
+    workers = runlog.provider(provider)
+    rng = random.Random(job.seed)
+    started = time.time()
+    progress = report.new_progress(job.name)
+    while True:
+        attempt = len(runlog.records) + 1
+        report.emit(report.ATTEMPT_STARTED, job.name, attempt=attempt, step=runlog.resume_step)
+        t0 = time.time()
+        try:
+            worker = provision_worker(workers, job, attempt, runlog.spec_path)
+        except ProvisionError as e:
+            record = runlog.provision_failed(attempt, e, t0)
+        else:
+            try:
+                result = train_on_worker(workers, worker, job, progress)
+            finally:
+                release_worker(workers, worker)  # also on cancellation and crashes of this flow
+            record = runlog.classify(worker, result)
+        if record.outcome is not Outcome.COMPLETED:
+            reports = validate_checkpoints(job, runlog.cache)
+            point = select_checkpoint(reports, job.storage)
+            runlog.resumed(point)
+        runlog.record(record)
+        decision = decide(runlog.records, policy, rng)
+        logger.info("attempt %d: %s (%s) -> %s %s", attempt, record.outcome, record.cause, decision.action,
+                    decision.reason)  # fmt: skip
+        if decision.action == "done":
+            report.emit(report.JOB_COMPLETED, job.name, attempts=attempt, step=record.last_step)
+            return _finish(runlog, "completed", "", started, Completed)
+        report.emit(report.attempt_event(record), job.name, **_event_payload(record, runlog))
+        if decision.action == "give_up":
+            report.emit(report.JOB_GAVE_UP, job.name, attempts=attempt, reason=decision.reason)
+            return _finish(runlog, "failed", decision.reason, started, Failed)
+        report.emit(report.JOB_RESTARTED, job.name, **_event_payload(record, runlog), restarts=attempt)
+        time.sleep(decision.delay_s)
+
+
+def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object]:
+    return {
+        "attempt": record.attempt,
+        "cause": record.cause,
+        "outcome": record.outcome.value,
+        "step": record.last_step,
+        "checkpoint": runlog.resume_uri,
+        "lost_steps": record.lost_steps,
+        "error": record.error[:300],
+    }
+
+
+def _finish(
+    runlog: JobRunLog, status: str, message: str, started: float, state: Callable[..., State]
+) -> State:
+    wall = time.time() - started
+    summary = runlog.finish(status, message, wall)
+    text = message or f"completed in {len(runlog.records)} attempt(s), goodput {summary.goodput:.1%}"
+    return state(message=text, data=summary.as_dict())

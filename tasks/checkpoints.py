@@ -1,0 +1,89 @@
+"""Validate every checkpoint of a job and select the one to resume from (the trainer's own validator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from trainer import recipes
+from trainer.catalog import fetch, list_checkpoints, select_newest_valid
+from trainer.errors import ConfigError
+from trainer.recipes import RecipeContext
+from trainer.spec import JobSpec
+from trainer.storage import open_storage
+from trainer.validate import Expectation, Problem, validate_dir
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    step: int
+    problems: tuple[str, ...]  # empty: valid
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int | None  # None: scratch
+    uri: str | None
+    rejected: tuple[tuple[int, str], ...]  # (step, reasons) of every newer checkpoint passed over
+
+
+def expectation_for(job: JobSpec) -> Expectation | None:
+    """The recipe's model and optimizer shapes, built on CPU; None when the recipe cannot be built here."""
+    try:
+        ctx = RecipeContext(job.seed, job.total_steps, job.batch_size, torch.device("cpu"))
+        parts = recipes.build(job.recipe, job.args, ctx)
+    except ConfigError:
+        return None
+    return Expectation.from_parts(parts.model, parts.optimizer, job.shape_hash())
+
+
+def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
+    """Every step directory under the job's storage, newest first, with the problems found."""
+    storage = open_storage(job.storage, job.s3)
+    expect = expectation_for(job)
+    reports = []
+    for step, listed in sorted(list_checkpoints(storage).items(), reverse=True):
+        if not listed.committed:
+            problems: list[Problem | str] = ["missing manifest (incomplete or interrupted write)"]
+        else:
+            problems = list(validate_dir(fetch(storage, step, cache), expect))
+        reports.append(CheckpointReport(step, tuple(str(p) for p in problems)))
+    return reports
+
+
+def choose(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
+    """Newest valid checkpoint, cascading back; scratch if none (the trainer makes the same choice)."""
+    by_step = {r.step: r for r in reports}
+    sel = select_newest_valid(list(by_step), lambda s: (None, list(by_step[s].problems)))  # type: ignore[arg-type]
+    rejected = tuple((r.step, r.reason()) for r in sel.rejected)
+    uri = f"{storage_uri.rstrip('/')}/step_{sel.step:09d}" if sel.step is not None else None
+    return ResumePoint(sel.step, uri, rejected)
+
+
+@task(name="validate-checkpoints", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def validate_checkpoints(job: JobSpec, cache: Path) -> list[CheckpointReport]:
+    """Integrity, structure and content of every checkpoint under the job's storage."""
+    reports = validate_all(job, cache)
+    log = get_run_logger()
+    for r in reports:
+        log.info("checkpoint step %d: %s", r.step, "valid" if r.valid else "; ".join(r.problems[:3]))
+    return reports
+
+
+@task(name="select-checkpoint", cache_policy=NO_CACHE)
+def select_checkpoint(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
+    """Pick the newest valid checkpoint and say why newer ones were passed over."""
+    point = choose(reports, storage_uri)
+    log = get_run_logger()
+    for step, why in point.rejected:
+        log.warning("rejected checkpoint step %d: %s", step, why)
+    log.info("next attempt resumes from %s", point.uri or "scratch (no valid checkpoint)")
+    return point

@@ -1,0 +1,34 @@
+"""Restart history in SQL: job runs, attempts and checkpoint rejections (no Prefect here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from tasks.history.models import JobStatus
+from tasks.history.store import (
+    AttemptRow,
+    HistoryStore,
+    JobRunRow,
+    RejectionRow,
+    StoreUnavailable,
+    default_url,
+)
+
+__all__ = [
+    "AttemptRow",
+    "HistoryStore",
+    "JobRunRow",
+    "JobStatus",
+    "RejectionRow",
+    "StoreUnavailable",
+    "database_url",
+    "default_url",
+]
+
+URL_SETTING = "SPOTRUN_DATABASE_URL"
+
+
+def database_url(environ: Mapping[str, str], home: Path) -> str:
+    """The history database URL: SPOTRUN_DATABASE_URL when set, else a SQLite file in `home`."""
+    return environ.get(URL_SETTING, "").strip() or default_url(home)

@@ -1,0 +1,198 @@
+"""The restart-history schema (job runs, append-only attempts, checkpoint rejections) and its rows.
+
+Migrations (`migrations/versions/`) create exactly these tables; a test compares the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from tasks.attempts import AttemptRecord, Outcome
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class JobStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite keeps no zone: stored as naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware one, e.g. datetime.now(UTC)")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+class JobRun(Base):
+    """One flow run of a job: every attempt until it completed or gave up."""
+
+    __tablename__ = "job_runs"
+    __table_args__ = (Index("ix_job_runs_job_started_at", "job", "started_at"),)
+
+    # Made by the client (a UUID), so attempts can name their job run while writes are buffered.
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    job: Mapped[str] = mapped_column(String(255))
+    spec_hash: Mapped[str] = mapped_column(String(128))
+    flow_run_id: Mapped[str | None] = mapped_column(String(64))
+    storage_uri: Mapped[str] = mapped_column(Text)
+    provider: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))  # a JobStatus value
+    message: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+
+
+class Attempt(Base):
+    """One attempt (append-only): the columns of `tasks.attempts.AttemptRecord`, plus its job."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        # The alert automation counts a job's restarts within a time window.
+        Index("ix_attempts_job_ended_at", "job", "ended_at"),
+        UniqueConstraint("job_run_id", "attempt"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_run_id: Mapped[str] = mapped_column(ForeignKey("job_runs.id", ondelete="CASCADE"))
+    job: Mapped[str] = mapped_column(String(255))  # copied from job_runs: windows need no join
+    attempt: Mapped[int]
+    worker_id: Mapped[str] = mapped_column(Text)
+    provider: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[datetime]
+    ended_at: Mapped[datetime]
+    outcome: Mapped[str] = mapped_column(String(32))  # an Outcome value
+    cause: Mapped[str] = mapped_column(Text)
+    exit_code: Mapped[int | None]
+    signal: Mapped[int | None]
+    trainer_code: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str] = mapped_column(Text)
+    log_tail: Mapped[str] = mapped_column(Text)  # bounded by the store
+    resumed_from: Mapped[int | None]
+    resumed_checkpoint: Mapped[str | None] = mapped_column(Text)
+    last_step: Mapped[int]
+    last_durable_step: Mapped[int | None]
+    lost_steps: Mapped[int]
+    notice_lead_s: Mapped[float | None] = mapped_column(Float)
+    wall_s: Mapped[float] = mapped_column(Float)
+    productive_s: Mapped[float] = mapped_column(Float)
+    extra: Mapped[dict[str, Any]]
+
+
+class CheckpointRejection(Base):
+    """A checkpoint the validator refused after an attempt, and why."""
+
+    __tablename__ = "checkpoint_rejections"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_run_id: Mapped[str] = mapped_column(ForeignKey("job_runs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int]
+    step: Mapped[int]
+    reasons: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+# -- rows: what the store's reads return (plain data, detached from any session) ---------------
+
+
+@dataclass(kw_only=True)
+class AttemptRow(AttemptRecord):
+    """An attempt as stored: the record plus the job run it belongs to."""
+
+    job: str
+    job_run_id: str
+
+
+@dataclass(frozen=True)
+class JobRunRow:
+    id: str
+    job: str
+    spec_hash: str
+    flow_run_id: str | None
+    storage_uri: str
+    provider: str
+    status: JobStatus
+    message: str
+    started_at: float  # epoch seconds, as in AttemptRecord
+    ended_at: float | None
+
+
+@dataclass(frozen=True)
+class RejectionRow:
+    job_run_id: str
+    attempt: int
+    step: int
+    reasons: str
+    created_at: float
+
+
+def attempt_row(a: Attempt) -> AttemptRow:
+    v = {f.name: getattr(a, f.name) for f in fields(AttemptRecord)}
+    v["outcome"] = Outcome(a.outcome)
+    v["started_at"] = a.started_at.timestamp()
+    v["ended_at"] = a.ended_at.timestamp()
+    return AttemptRow(job=a.job, job_run_id=a.job_run_id, **v)
+
+
+def job_run_row(r: JobRun) -> JobRunRow:
+    return JobRunRow(
+        id=r.id,
+        job=r.job,
+        spec_hash=r.spec_hash,
+        flow_run_id=r.flow_run_id,
+        storage_uri=r.storage_uri,
+        provider=r.provider,
+        status=JobStatus(r.status),
+        message=r.message,
+        started_at=r.started_at.timestamp(),
+        ended_at=r.ended_at.timestamp() if r.ended_at is not None else None,
+    )
+
+
+def rejection_row(r: CheckpointRejection) -> RejectionRow:
+    return RejectionRow(r.job_run_id, r.attempt, r.step, r.reasons, r.created_at.timestamp())

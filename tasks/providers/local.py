@@ -1,0 +1,443 @@
+"""The local provider: each worker is a `python -m trainer` subprocess, watched by a spot-market simulator.
+
+The simulator rehearses what a spot market does to a job before anyone pays for GPUs: after a planned
+time of training it sends a notice (SIGTERM to the trainer's process group) and, if the trainer is still
+there `notice_s` later, a hard kill (SIGKILL to its whole session); some reclaims come with no notice.
+Times count from the attempt's `started` status line, so interpreter start-up and `import torch` never
+use up a planned interval. A worker that stops writing lines is killed and reported lost.
+
+A trainer never outlives the process that started it: it runs in its own session (signals reach it
+and its data-loader workers, which leave its process group but not its session) and with
+PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import queue
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
+from trainer.status import parse_status_line
+
+if TYPE_CHECKING:
+    from trainer.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+TICK_S = 0.1  # how often the watcher checks the clock when no line arrives
+DRAIN_BATCH = 1000
+EOF_GRACE_S = 5.0  # after the trainer is gone, how long to wait for the last lines of its pipes
+TAIL_LINES, TAIL_BYTES, MAX_LINE = 60, 8192, 16384
+STEP_SAMPLES = 4096  # (t, step) samples kept for productive-time accounting (about an hour at 1/s)
+
+
+class PlannedPreemption(BaseModel):
+    """One simulated reclaim of a worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after_s: float = Field(ge=0, description="seconds of training in the attempt before the reclaim")
+    notice: bool = Field(
+        default=True,
+        description="send a notice (SIGTERM) and wait the notice window before the hard kill; "
+        "false: a hard kill (SIGKILL) with no warning",
+    )
+
+
+class SpotSimulatorConfig(BaseModel):
+    """When simulated spot reclaims happen. Explicit `schedule` entries first (entry i for attempt
+    i+1), then random ones if `mean_interval_s` is set; with neither, workers are never reclaimed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(default=0, ge=0, description="seed of the random reclaims (same seed, same times)")
+    mean_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="mean seconds of training between random reclaims (exponential inter-arrival, "
+        "drawn per attempt); empty: only the schedule",
+    )
+    schedule: list[PlannedPreemption] = Field(
+        default_factory=list,
+        description="explicit reclaims: the first applies to attempt 1, the second to attempt 2, ...",
+    )
+    no_notice_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="share of random reclaims that come with no notice at all"
+    )
+
+
+class LocalProviderConfig(BaseModel):
+    """Run workers as local subprocesses, with a simulated spot market."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    python: str = Field(
+        default=sys.executable,
+        description="Python interpreter that runs `python -m trainer` (torch and this project installed)",
+    )
+    workdir: str | None = Field(
+        default=None,
+        description="directory for the workers' local checkpoint cache and metrics, one subdirectory "
+        "per job; empty: .spotrun/local under the current directory",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=60,
+        gt=0,
+        description="once training has started, a worker that writes no line (status or log) for this "
+        "long is killed and counted as lost",
+    )
+    startup_timeout_s: float = Field(
+        default=600,
+        gt=0,
+        description="a worker that has not started training this long after launch (imports, checkpoint "
+        "download and restore) is killed and counted as lost",
+    )
+    notice_s: float = Field(
+        default=5,
+        ge=0,
+        description="seconds between a simulated notice (SIGTERM) and the hard kill (AWS gives 120)",
+    )
+    keep_cache: bool = Field(
+        default=True,
+        description="reuse the local checkpoint cache across attempts; false rehearses a fresh machine "
+        "with an empty disk every attempt (each resume downloads from storage)",
+    )
+    simulator: SpotSimulatorConfig = Field(default_factory=SpotSimulatorConfig)
+
+
+def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:
+    """The reclaim planned for `attempt` (1-based), or None if this attempt runs undisturbed."""
+    if attempt <= len(cfg.schedule):
+        return cfg.schedule[attempt - 1]
+    if cfg.mean_interval_s is None:
+        return None
+    after_s = rng.expovariate(1 / cfg.mean_interval_s)
+    notice = rng.random() >= cfg.no_notice_fraction
+    return PlannedPreemption(after_s=after_s, notice=notice)
+
+
+def simulator_rng(seed: int, attempt: int) -> random.Random:
+    """The simulator's generator for one attempt: the same plan for an attempt whatever ran before it."""
+    return random.Random(f"spotrun-spot-simulator:{seed}:{attempt}")
+
+
+@dataclass
+class _Handle:
+    proc: subprocess.Popen[str]
+    events: queue.Queue[_Event]
+    readers: list[threading.Thread]
+    started_mono: float
+    released_at: float | None = None
+
+
+@dataclass(frozen=True)
+class _Event:
+    stream: str  # "out" | "err"
+    line: str | None  # None: end of stream
+    mono: float
+    wall: float
+
+
+class LocalProvider:
+    """Workers are local trainer subprocesses; see the module docstring for how they die."""
+
+    name = "local"
+
+    def __init__(self, cfg: LocalProviderConfig | None = None) -> None:
+        self.cfg = cfg or LocalProviderConfig()
+
+    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
+        """Start the trainer for `attempt`; returns once the process exists (training starts later)."""
+        if not spec_path.is_file():
+            raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
+        work = Path(self.cfg.workdir or ".spotrun/local").resolve() / job.name
+        cache = work / "cache" if self.cfg.keep_cache else work / f"attempt-{attempt}" / "cache"
+        cmd = [self.cfg.python, "-m", "trainer", "--config", str(spec_path.resolve())]
+        cmd += ["--storage", job.storage, "--cache", str(cache), "--metrics", str(work / "metrics.jsonl")]
+        cmd += extra_args
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            proc = _spawn(cmd, _child_env())
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ProvisionError(f"cannot start {shlex.join(cmd[:3])}: {e}", retryable=False) from e
+        handle = _Handle(proc, queue.Queue(), [], time.monotonic())
+        for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
+            t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
+            t.start()
+            handle.readers.append(t)
+        log.info("attempt %d: trainer pid %d: %s", attempt, proc.pid, shlex.join(cmd))
+        return Worker(f"local-{proc.pid}", self.name, attempt, time.time(), handle)
+
+    def watch(
+        self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None
+    ) -> WatchResult:
+        """Stream lines to the callbacks (in this thread), run the simulator and the heartbeat check,
+        and return once the trainer and everything in its session are gone."""
+        return _Watch(self.cfg, worker, on_status, on_log).run()
+
+    def release(self, worker: Worker) -> None:
+        """SIGKILL whatever is left of the worker's session, reap it, close its pipes. Idempotent."""
+        h: _Handle = worker.handle
+        if h.proc.returncode is None:
+            if h.released_at is None and not _exited(h.proc):
+                h.released_at = time.time()  # watch() reports it as killed by release
+            _kill_leftovers(h.proc)
+            try:
+                h.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more to do here
+                log.warning("trainer pid %d did not die within 30 s of SIGKILL", h.proc.pid)
+        for t in h.readers:
+            t.join(timeout=2)
+        if any(t.is_alive() for t in h.readers):
+            return  # a process outside the session holds a pipe; closing it now would block on the reader
+        for pipe in (h.proc.stdout, h.proc.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+
+
+class _Watch:
+    """One watch of one worker: all state lives in the calling thread; reader threads only enqueue."""
+
+    def __init__(
+        self,
+        cfg: LocalProviderConfig,
+        worker: Worker,
+        on_status: StatusCallback | None,
+        on_log: LogCallback | None,
+    ) -> None:
+        self.cfg, self.worker, self.h = cfg, worker, worker.handle
+        self.on_status, self.on_log = on_status, on_log
+        self.plan = plan_preemption(
+            cfg.simulator, worker.attempt, simulator_rng(cfg.simulator.seed, worker.attempt)
+        )
+        self.result = WatchResult(started_at=worker.started_at)
+        self.last_line = self.h.started_mono
+        self.training_mono: float | None = None
+        self.hard_kill_at: float | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.steps: deque[tuple[float, int]] = deque(maxlen=STEP_SAMPLES)
+        self.open_streams = len(self.h.readers)
+
+    def run(self) -> WatchResult:
+        proc = self.h.proc
+        while not _exited(proc):
+            self._drain(TICK_S)
+            now = time.monotonic()
+            self._simulate(now)
+            self._check_heartbeat(now)
+        self.result.ended_at = time.time()
+        _kill_leftovers(proc)  # before reaping: a zombie leader keeps its pid (and session id) from reuse
+        rc = proc.wait()
+        deadline = time.monotonic() + EOF_GRACE_S
+        while self.open_streams and time.monotonic() < deadline:
+            self._drain(TICK_S)
+        self._drain(0)
+        return self._finish(rc)
+
+    def _drain(self, timeout: float) -> None:
+        """Handle queued lines: wait up to `timeout` for the first, then at most a batch, so that a
+        chatty trainer cannot starve the clock checks."""
+        try:
+            ev = self.h.events.get(timeout=timeout) if timeout else self.h.events.get_nowait()
+            for _ in range(DRAIN_BATCH):
+                self._handle(ev)
+                ev = self.h.events.get_nowait()
+            self._handle(ev)
+        except queue.Empty:
+            return
+
+    def _handle(self, ev: _Event) -> None:
+        if ev.line is None:
+            self.open_streams -= 1
+            return
+        self.last_line = max(self.last_line, ev.mono)
+        rec = parse_status_line(ev.line) if ev.stream == "out" else None
+        if rec is None:
+            self.tail.append(ev.line[:1000])
+            if self.on_log is not None:
+                self.on_log(ev.line)
+            return
+        self._record(rec, ev)
+        if self.on_status is not None:
+            self.on_status(rec)
+
+    def _record(self, rec: dict[str, Any], ev: _Event) -> None:
+        r, kind, step = self.result, str(rec["kind"]), rec.get("step")
+        r.status[kind] = rec
+        if isinstance(step, int):
+            r.last_step = max(r.last_step, step)
+        durable = step if kind == "durable" else rec.get("durable_step")
+        if isinstance(durable, int):
+            r.last_durable_step = max(r.last_durable_step or 0, durable)
+        if kind == "started":
+            self.training_mono, r.started_training_at = ev.mono, ev.wall
+            self.steps.append((ev.wall, int(step or 0)))
+        elif kind == "step" and isinstance(step, int):
+            self.steps.append((ev.wall, step))
+        elif kind == "durable" and isinstance(step, int):
+            r.durable_times.append((ev.wall, step))
+
+    def _simulate(self, now: float) -> None:
+        r = self.result
+        if self.hard_kill_at is not None and now >= self.hard_kill_at:
+            self.hard_kill_at = None
+            self._kill("notice-window")
+            return
+        if self.plan is None or self.training_mono is None or r.notice_kind is not None:
+            return
+        if "exit" in r.status or now - self.training_mono < self.plan.after_s:
+            return  # an attempt that has reported its exit is over: a reclaim now would only blur it
+        pid, after = self.h.proc.pid, self.plan.after_s
+        if self.plan.notice:
+            r.notice_kind, r.notice_at = "sim-notice", time.time()
+            self.hard_kill_at = now + self.cfg.notice_s
+            log.info("spot simulator: notice (SIGTERM) to %s after %.2f s of training", self.worker.id, after)
+            _signal_group(pid, signal.SIGTERM)
+        else:
+            r.notice_kind = "sim-no-notice"
+            log.info("spot simulator: %s reclaimed without notice after %.2f s", self.worker.id, after)
+            self._kill("no-notice")
+
+    def _check_heartbeat(self, now: float) -> None:
+        r = self.result
+        if r.killed_at is not None or r.notice_kind is not None:
+            return  # already on its way out
+        if self.training_mono is None:
+            silent, limit = now - self.h.started_mono, self.cfg.startup_timeout_s
+        else:
+            silent, limit = now - self.last_line, self.cfg.heartbeat_timeout_s
+        if silent >= limit:
+            r.lost, r.silent_s = True, round(silent, 1)
+            log.warning("%s: no progress for %.1f s; killing it", self.worker.id, silent)
+            self._kill("lost")
+
+    def _kill(self, reason: str) -> None:
+        r = self.result
+        if r.killed_at is None:
+            r.killed_at, r.kill_reason = time.time(), reason
+        _kill_leftovers(self.h.proc)
+
+    def _finish(self, rc: int) -> WatchResult:
+        r = self.result
+        r.exit_code, r.signal = (rc, None) if rc >= 0 else (None, -rc)
+        if r.killed_at is None and self.h.released_at is not None:
+            r.killed_at, r.kill_reason = self.h.released_at, "release"
+        r.step_times = list(self.steps)
+        r.log_tail = "\n".join(self.tail)[-TAIL_BYTES:]
+        return r
+
+
+def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None:
+    try:
+        for line in pipe:
+            events.put(_Event(stream, line.rstrip("\n")[:MAX_LINE], time.monotonic(), time.time()))
+    except (OSError, ValueError):  # release() closed the pipe under us: the worker is gone anyway
+        pass
+    finally:
+        events.put(_Event(stream, None, time.monotonic(), time.time()))
+
+
+def _exited(proc: subprocess.Popen[str]) -> bool:
+    """Whether the trainer has exited, without reaping it (WNOWAIT)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by a concurrent release()
+        return True
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def _kill_leftovers(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL every process in the trainer's session, unless the leader is reaped (its id may be reused)."""
+    if proc.returncode is not None:
+        return
+    sid = proc.pid
+    _signal_group(sid, signal.SIGKILL)
+    if not os.path.isdir("/proc"):
+        return
+    for entry in os.listdir("/proc"):  # data-loader workers are in their own process groups
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+
+
+def _child_env() -> dict[str, str]:
+    """The flow's environment, this project on PYTHONPATH, unbuffered output (lines are heartbeats)."""
+    spec = importlib.util.find_spec("trainer")
+    root = str(Path(spec.origin).resolve().parents[1]) if spec and spec.origin else os.getcwd()
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Popen from one thread that lives as long as the process: PR_SET_PDEATHSIG fires when the *thread*
+    that forked the child ends, so a short-lived task thread must not be the one that starts a trainer."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotrun-spawner")
+    return _spawner.submit(_popen, cmd, env).result()
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent(),
+    )
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux). Everything is resolved here, in the parent,
+    so the child runs as little Python as possible between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent, sigkill = os.getpid(), int(signal.SIGKILL)
+
+    def set_pdeathsig() -> None:
+        if prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl: no signal would ever come
+            os._exit(1)
+
+    return set_pdeathsig

@@ -1,0 +1,109 @@
+"""Prefect-native output of a job run: events for every attempt, and artifacts on the flow run."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, cast
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.events import emit_event
+
+from tasks.attempts import AttemptRecord, Outcome
+
+log = logging.getLogger(__name__)
+
+# The alert automation (deployments/) listens to these names; keep them stable.
+ATTEMPT_STARTED = "spotrun.attempt.started"
+ATTEMPT_PREEMPTED = "spotrun.attempt.preempted"
+ATTEMPT_FAILED = "spotrun.attempt.failed"
+JOB_RESTARTED = "spotrun.job.restarted"
+JOB_COMPLETED = "spotrun.job.completed"
+JOB_GAVE_UP = "spotrun.job.gave-up"
+
+
+def job_resource(job: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"spotrun.job.{job}", "prefect.resource.name": job}
+
+
+def emit(event: str, job: str, **payload: Any) -> None:
+    """Emit a spotrun event about `job`; the run context (flow run, task run) is attached by Prefect."""
+    emit_event(event=event, resource=job_resource(job), payload={"job": job, **payload})
+
+
+def attempt_event(record: AttemptRecord) -> str:
+    return ATTEMPT_PREEMPTED if record.outcome is Outcome.PREEMPTED else ATTEMPT_FAILED
+
+
+def artifact_key(job: str, what: str) -> str:
+    """Artifact keys allow only lowercase letters, digits and dashes."""
+    cleaned = "".join(c if c.isalnum() else "-" for c in job.lower()).strip("-")
+    return f"{cleaned}-{what}"
+
+
+def new_progress(job: str) -> UUID:
+    # sync_compatible: a UUID in a sync flow, a coroutine only in async code
+    created = create_progress_artifact(
+        0.0, key=artifact_key(job, "progress"), description=f"progress of {job}"
+    )
+    return cast(UUID, created)
+
+
+def set_progress(artifact_id: UUID, step: int, total: int) -> None:
+    update_progress_artifact(artifact_id, min(100.0, 100.0 * step / max(total, 1)))
+
+
+def attempts_table(job: str, records: list[AttemptRecord]) -> None:
+    rows = [
+        {
+            "attempt": r.attempt,
+            "worker": r.worker_id,
+            "outcome": r.outcome.value,
+            "cause": r.cause,
+            "resumed from": "scratch" if r.resumed_from is None else r.resumed_from,
+            "last step": r.last_step,
+            "durable": r.last_durable_step,
+            "lost steps": r.lost_steps,
+            "wall s": round(r.wall_s, 1),
+            "productive s": round(r.productive_s, 1),
+        }
+        for r in records
+    ]
+    create_table_artifact(rows, key=artifact_key(job, "attempts"), description=f"attempts of {job}")
+
+
+def goodput(records: list[AttemptRecord], wall_s: float) -> float:
+    return sum(r.productive_s for r in records) / wall_s if wall_s > 0 else 0.0
+
+
+def summary_markdown(
+    job: str, status: str, records: list[AttemptRecord], wall_s: float, timeline: str
+) -> str:
+    lost = Counter[str]()
+    for r in records:
+        lost[r.outcome.value] += r.lost_steps
+    lines = [
+        f"# {job}: {status}",
+        "",
+        f"- attempts: {len(records)}; wall time {wall_s:.1f} s; goodput {goodput(records, wall_s):.1%}"
+        " (productive time / wall time)",
+        "- lost steps per cause: " + (", ".join(f"{k} {v}" for k, v in sorted(lost.items())) or "none"),
+        f"- timeline: [{timeline}]({timeline})",
+        "",
+        "| attempt | outcome | cause | resumed from | lost steps |",
+        "|---|---|---|---|---|",
+    ]
+    for r in records:
+        frm = r.resumed_checkpoint or "scratch"
+        lines.append(f"| {r.attempt} | {r.outcome.value} | {r.cause} | {frm} | {r.lost_steps} |")
+    return "\n".join(lines)
+
+
+def publish_summary(job: str, markdown: str) -> None:
+    create_markdown_artifact(markdown, key=artifact_key(job, "summary"), description=f"run summary of {job}")

@@ -1,0 +1,133 @@
+"""The bookkeeping of one job run: its attempts, SQL history, resume point and final report.
+
+The flow stays a short script by delegating all of this here; nothing in it decides anything
+(decisions are in tasks/policy.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import get_run_logger
+
+from tasks import reporting as report
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.checkpoints import ResumePoint
+from tasks.history import HistoryStore
+from tasks.outcome import classify, provision_failed_record, to_record
+from tasks.providers.base import ProvisionError, WatchResult, Worker
+from tasks.providers.local import LocalProvider, LocalProviderConfig
+from tasks.settings import Settings
+from tasks.timeline import AttemptTrace, plot_timeline
+from trainer.resume import completed_step
+from trainer.spec import JobSpec
+from trainer.storage import open_storage, put_bytes
+
+
+@dataclass
+class Summary:
+    status: str
+    message: str
+    attempts: int
+    final_step: int
+    goodput: float
+    wall_s: float
+    timeline: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class JobRunLog:
+    def __init__(self, settings: Settings, job: JobSpec, store: HistoryStore, job_run_id: str) -> None:
+        self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
+        self.records: list[AttemptRecord] = []
+        self.traces: list[AttemptTrace] = []
+        self.resume_step: int | None = None
+        self.resume_uri: str | None = None
+        self.dir = settings.job_dir(job.name)
+        self.cache = self.dir / "flow-cache"
+        self.spec_path = self.dir / "job.yaml"
+
+    @classmethod
+    def start(cls, settings: Settings, job: JobSpec, provider_name: str, flow_run_id: str) -> JobRunLog:
+        store = HistoryStore.open(settings.database_url)
+        run_id = store.start_job_run(
+            job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
+        )
+        log = cls(settings, job, store, run_id)
+        log.dir.mkdir(parents=True, exist_ok=True)
+        log.spec_path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+        return log
+
+    def provider(self, cfg: LocalProviderConfig) -> LocalProvider:
+        if cfg.workdir is None:
+            cfg = cfg.model_copy(update={"workdir": str(self.dir / "workers")})
+        return LocalProvider(cfg)
+
+    def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
+        done = completed_step(open_storage(self.job.storage, self.job.s3))
+        outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
+        record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
+        steps = list(result.step_times)
+        if result.last_step and (not steps or steps[-1][1] < result.last_step):
+            last_t = max((float(r.get("t", 0)) for r in result.status.values()), default=result.ended_at)
+            steps.append((last_t, result.last_step))  # step lines come once a second: add the last one
+        self.traces.append(
+            AttemptTrace(record.attempt, outcome.value, worker.started_at, result.ended_at,
+                         steps, result.last_durable_step, result.resumed_from)
+        )  # fmt: skip
+        return record
+
+    def provision_failed(self, attempt: int, error: ProvisionError, started_at: float) -> AttemptRecord:
+        return provision_failed_record(attempt, "local", error, started_at, time.time())
+
+    def resumed(self, point: ResumePoint) -> None:
+        """The checkpoint the next attempt starts from; newer ones passed over go to SQL with reasons."""
+        self.resume_step, self.resume_uri = point.step, point.uri
+        if point.rejected:
+            self.store.record_rejections(self.job_run_id, len(self.records) + 1, list(point.rejected))
+
+    def record(self, record: AttemptRecord) -> None:
+        if record.outcome is not Outcome.COMPLETED and self.resume_step is not None:
+            record.lost_steps = max(0, record.last_step - self.resume_step)
+        elif record.outcome is not Outcome.COMPLETED:
+            record.lost_steps = record.last_step
+        self.records.append(record)
+        self.store.record_attempt(self.job_run_id, record)
+        report.attempts_table(self.job.name, self.records)
+
+    def finish(self, status: str, message: str, wall_s: float) -> Summary:
+        timeline = self._timeline()
+        final = max((r.last_step for r in self.records), default=0)
+        summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
+                          wall_s, timeline)  # fmt: skip
+        report.publish_summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
+                                                                      wall_s, timeline))  # fmt: skip
+        self.store.finish_job_run(self.job_run_id, status, message)
+        if not self.store.flush(timeout_s=10):
+            get_run_logger().warning(
+                "history database still unavailable: %d record(s) not written", self.store.pending
+            )
+        return summary
+
+    def _timeline(self) -> str:
+        png = plot_timeline(
+            self.traces, f"{self.job.name}: training step over wall time", self.dir / "timeline.png"
+        )
+        if self.job.storage.startswith("s3://"):  # next to the checkpoints as well, where the team looks
+            put_bytes(open_storage(self.job.storage, self.job.s3), "reports/timeline.png", png.read_bytes())
+            return f"{self.job.storage.rstrip('/')}/reports/timeline.png"
+        local = (
+            Path(self.job.storage.removeprefix("file://")).expanduser().resolve() / "reports" / "timeline.png"
+        )
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(png.read_bytes())
+        return str(local)
+
+    def _uri(self, step: int | None) -> str | None:
+        return None if step is None else f"{self.job.storage.rstrip('/')}/step_{step:09d}"

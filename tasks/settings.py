@@ -1,0 +1,24 @@
+"""Where the orchestrator keeps its files and its history: read from the environment once, at the edge."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path  # SPOTRUN_HOME: local checkpoints cache, worker directories, history.db, reports
+    database_url: str  # SPOTRUN_DATABASE_URL, default sqlite:///<home>/history.db
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        home = Path(env.get("SPOTRUN_HOME", ".spotrun")).expanduser().resolve()
+        url = env.get("SPOTRUN_DATABASE_URL") or f"sqlite:///{home / 'history.db'}"
+        return cls(home, url)
+
+    def job_dir(self, job: str) -> Path:
+        return self.home / "jobs" / job

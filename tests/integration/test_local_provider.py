@@ -1,0 +1,263 @@
+"""The local provider against real trainer subprocesses: a clean run, reclaims with and without notice,
+a hung worker, release, and no trainer outliving the process (or thread) that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.attempts import Outcome
+from tasks.outcome import classify, to_record
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tests.trainer_runs import REPO, write_spec
+from trainer.ckpt_format import COMPLETED
+from trainer.exitcodes import ExitCode
+from trainer.spec import JobSpec, load_spec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _job(tmp_path: Path, **overrides: Any) -> tuple[JobSpec, Path]:
+    spec = write_spec(tmp_path / "job.yaml", storage=str(tmp_path / "store"), **overrides)
+    return load_spec(spec), spec
+
+
+def _provider(tmp_path: Path, *plan: PlannedPreemption, **cfg: Any) -> LocalProvider:
+    sim = SpotSimulatorConfig(schedule=list(plan))
+    return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, **cfg))
+
+
+def _watch(provider: LocalProvider, worker: Worker) -> tuple[WatchResult, list[dict[str, Any]], list[str]]:
+    """Watch to the end, checking that callbacks run in this thread (where Prefect's run context is)."""
+    statuses: list[dict[str, Any]] = []
+    logs: list[str] = []
+    me = threading.get_ident()
+
+    def on_status(rec: dict[str, Any]) -> None:
+        assert threading.get_ident() == me
+        statuses.append(rec)
+
+    def on_log(line: str) -> None:
+        assert threading.get_ident() == me
+        logs.append(line)
+
+    try:
+        result = provider.watch(worker, on_status, on_log)
+    finally:
+        provider.release(worker)
+    return result, statuses, logs
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody has reaped yet (an orphan whose reaper is slow)."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _gone(pid)
+
+
+LONG = {"total_steps": 5000, "checkpoint": {"every_steps": 50}}  # minutes: ends only when killed
+
+
+def test_local_provider_satisfies_the_protocol() -> None:
+    provider: Provider = LocalProvider()
+    assert isinstance(provider, Provider) and provider.name == "local"
+
+
+def test_run_without_preemption_completes(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, total_steps=30)
+    provider = _provider(tmp_path)
+    worker = provider.provision(job, 1, spec, [])
+    assert worker.id == f"local-{worker.handle.proc.pid}" and worker.provider == "local"
+    result, statuses, logs = _watch(provider, worker)
+    outcome, cause = classify(result, (tmp_path / "store" / COMPLETED).is_file())
+    assert (outcome, cause) == (Outcome.COMPLETED, "completed at step 30")
+    assert result.exit_code == 0 and result.trainer_code == "COMPLETED" and result.last_durable_step == 30
+    kinds = [s["kind"] for s in statuses]
+    assert kinds[0] == "started" and kinds[-1] == "exit" and "durable" in kinds
+    assert any("completed at step 30" in line for line in logs) and "completed at step 30" in result.log_tail
+    assert result.notice_at is None and not result.lost and result.started_training_at is not None
+    assert result.started_at < result.started_training_at < result.ended_at
+    record = to_record(worker, result, outcome, cause)
+    assert record.lost_steps == 0 and 0 < record.productive_s < record.wall_s
+    assert (tmp_path / "work" / job.name / "metrics.jsonl").is_file()  # --metrics under the workdir
+    provider.release(worker)  # again, after watch: fine
+
+
+def test_reclaim_with_notice_exits_preempted(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path, PlannedPreemption(after_s=0.5, notice=True), notice_s=30)
+    worker = provider.provision(job, 1, spec, [])
+    result, _, _ = _watch(provider, worker)
+    outcome, cause = classify(result, False)
+    assert outcome is Outcome.PREEMPTED and cause.startswith("spot notice, exited PREEMPTED after"), cause
+    assert result.exit_code == ExitCode.PREEMPTED and result.notice_kind == "sim-notice"
+    assert result.killed_at is None  # it left within the window
+    assert result.status["stopping"]["reason"] == "SIGTERM"
+    assert result.last_durable_step == result.last_step > 0  # the emergency checkpoint
+    assert result.notice_at is not None and result.started_training_at is not None
+    assert result.notice_at - result.started_training_at >= 0.5
+
+
+def test_reclaim_without_notice_is_a_sigkill(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path, PlannedPreemption(after_s=0.5, notice=False))
+    worker = provider.provision(job, 1, spec, [])
+    result, _, _ = _watch(provider, worker)
+    assert classify(result, False) == (Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)")
+    assert result.signal == signal.SIGKILL and result.notice_at is None and result.trainer_code is None
+    assert _group_gone(worker.handle.proc.pid)
+
+
+def test_hung_worker_is_lost_and_killed(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path, heartbeat_timeout_s=3)
+    worker = provider.provision(job, 1, spec, ["--inject-fault", "hang@20"])
+    pid = worker.handle.proc.pid
+    result, _, _ = _watch(provider, worker)
+    outcome, cause = classify(result, False)
+    assert outcome is Outcome.LOST and cause.startswith("no heartbeat for 3") and "worker killed" in cause
+    assert result.lost and result.kill_reason == "lost" and result.signal == signal.SIGKILL
+    assert result.silent_s is not None and result.silent_s >= 3
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert _group_gone(pid)
+
+
+def test_release_twice_before_watch(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path)
+    worker = provider.provision(job, 1, spec, [])
+    provider.release(worker)
+    provider.release(worker)
+    assert _gone(worker.handle.proc.pid)
+    result = provider.watch(worker, None, None)  # returns at once: the worker is gone
+    assert result.kill_reason == "release" and result.signal == signal.SIGKILL
+    assert classify(result, False)[0] is Outcome.CRASHED
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An 'interpreter' that ignores its arguments: it starts a grandchild in its own process group (as
+    data-loader workers do), records both pids and sleeps without ever writing to its pipes."""
+    script = tmp_path / "fake-python"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], process_group=0)\n"
+        f"open({str(tmp_path / 'pids')!r} + '.tmp', 'w').write(f'{{child.pid}}')\n"
+        f"__import__('os').replace({str(tmp_path / 'pids')!r} + '.tmp', {str(tmp_path / 'pids')!r})\n"
+        "time.sleep(120)\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def _read_pid(path: Path, timeout: float = 15) -> int:
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_release_kills_the_whole_session_and_a_spawning_thread_may_end(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path)
+    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)))
+    box: list[Worker] = []
+    t = threading.Thread(target=lambda: box.append(provider.provision(job, 1, spec, [])))
+    t.start()
+    t.join()  # PR_SET_PDEATHSIG follows the forking thread: this one is gone, the worker must not be
+    worker = box[0]
+    grandchild = _read_pid(tmp_path / "pids")
+    time.sleep(0.3)
+    assert not _gone(worker.handle.proc.pid) and not _gone(grandchild)
+    provider.release(worker)
+    assert _gone(worker.handle.proc.pid) and _wait_gone(grandchild, 5)
+
+
+def test_release_from_another_thread_ends_a_watch(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path)
+    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)))
+    worker = provider.provision(job, 1, spec, [])
+    _read_pid(tmp_path / "pids")
+    timer = threading.Timer(0.3, provider.release, args=(worker,))
+    timer.start()
+    result = provider.watch(worker, None, None)  # a silent worker: only the release ends this
+    timer.join()
+    assert result.kill_reason == "release" and result.signal == signal.SIGKILL
+    assert classify(result, False) == (
+        Outcome.CRASHED,
+        "killed by release() while running (flow cancelled or failed)",
+    )
+
+
+def test_provision_errors_are_not_retryable(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path)
+    with pytest.raises(ProvisionError, match="does not exist") as e:
+        _provider(tmp_path).provision(job, 1, tmp_path / "missing.yaml", [])
+    assert not e.value.retryable
+    with pytest.raises(ProvisionError, match="cannot start") as e:
+        _provider(tmp_path, python=str(tmp_path / "no-python")).provision(job, 1, spec, [])
+    assert not e.value.retryable
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from tasks.providers.local import LocalProvider, LocalProviderConfig
+from trainer.spec import load_spec
+spec, workdir, python = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+provider = LocalProvider(LocalProviderConfig(workdir=workdir, python=python))
+worker = provider.provision(load_spec(spec), 1, spec, [])
+print(worker.handle.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("python", ["trainer", "silent"])
+def test_worker_dies_with_the_process_that_started_it(tmp_path: Path, python: str) -> None:
+    """`trainer`: the real trainer, a long job. `silent`: a worker that never writes, so only the parent-death
+    signal can end it (a trainer would also die of a broken pipe at its next status line)."""
+    _, spec = _job(tmp_path, **LONG)
+    exe = sys.executable if python == "trainer" else str(_fake_python(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", PARENT, str(spec), str(tmp_path / "work"), exe]
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        if python == "silent":
+            grandchild = _read_pid(tmp_path / "pids")
+        time.sleep(1.0)
+        assert not _gone(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone(pid), f"worker {pid} outlived its parent"
+    if python == "silent":  # the data-loader-like grandchild is only reached by the session kill...
+        os.kill(grandchild, signal.SIGKILL)  # ...which a SIGKILLed parent cannot run: clean up after it

@@ -1,0 +1,65 @@
+"""Structured progress lines on stdout, for whoever supervises the trainer (the flow's provider).
+
+Each line is `@spotrun {json}`, flushed at once. Kinds:
+  started   {attempt_pid, resumed_from, total_steps}         training is about to take its first step
+  step      {step, loss, steps_per_s, durable_step}            at most once a second, and at log_every
+  durable   {step}                                             a checkpoint was read back and verified
+  stopping  {reason, step}                                     a stop request (SIGTERM, notice) arrived
+  exit      {code, name, error, step, durable_step}            the attempt is over
+A supervisor treats the time since the last line as the heartbeat: a hung trainer stops writing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import IO, Any
+
+PREFIX = "@spotrun "
+
+
+class StatusReporter:
+    """Writes status lines; thread-safe (the checkpoint thread reports durability)."""
+
+    def __init__(self, stream: IO[str] | None = None, min_interval_s: float = 1.0) -> None:
+        self.stream = stream
+        self.min_interval_s = min_interval_s
+        self._last_step_line = 0.0
+        self._lock = threading.Lock()
+        self.last_step: int | None = None  # newest step seen, reported or not: the exit line carries it
+        self.last_durable: int | None = None
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        if kind == "durable":
+            self.last_durable = fields["step"]
+        if self.stream is None:
+            return
+        line = PREFIX + json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":"))
+        with self._lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def step(self, step: int, loss: float, steps_per_s: float, durable_step: int | None, force: bool) -> None:
+        self.last_step = step
+        now = time.monotonic()
+        if not force and now - self._last_step_line < self.min_interval_s:
+            return
+        self._last_step_line = now
+        self.emit("step", step=step, loss=loss, steps_per_s=round(steps_per_s, 3), durable_step=durable_step)
+
+
+def stdout_reporter() -> StatusReporter:
+    return StatusReporter(sys.stdout)
+
+
+def parse_status_line(line: str) -> dict[str, Any] | None:
+    """The status record in a stdout line, or None for ordinary output."""
+    if not line.startswith(PREFIX):
+        return None
+    try:
+        rec = json.loads(line[len(PREFIX) :])
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and "kind" in rec else None
