@@ -55,7 +55,7 @@ def resilient_training(
             record = runlog.classify(worker, result)
         if record.outcome is not Outcome.COMPLETED:
             reports = validate_checkpoints(job, runlog.cache)
-            point = select_checkpoint(reports, job.storage)
+            point = select_checkpoint(reports, job)
             runlog.resumed(point)
         runlog.record(record)
         decision = decide(runlog.records, policy, rng)

@@ -10,18 +10,19 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trainer import recipes
-from trainer.catalog import fetch, list_checkpoints, select_newest_valid
+from trainer.catalog import fetch, list_checkpoints, quarantine, select_newest_valid
 from trainer.errors import ConfigError
 from trainer.recipes import RecipeContext
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
-from trainer.validate import Expectation, Problem, validate_dir
+from trainer.validate import Expectation, validate_dir
 
 
 @dataclass(frozen=True)
 class CheckpointReport:
     step: int
     problems: tuple[str, ...]  # empty: valid
+    damaged: bool = False  # integrity/structure/content problems, as opposed to another job's checkpoint
 
     @property
     def valid(self) -> bool:
@@ -52,10 +53,10 @@ def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
     reports = []
     for step, listed in sorted(list_checkpoints(storage).items(), reverse=True):
         if not listed.committed:
-            problems: list[Problem | str] = ["missing manifest (incomplete or interrupted write)"]
-        else:
-            problems = list(validate_dir(fetch(storage, step, cache), expect))
-        reports.append(CheckpointReport(step, tuple(str(p) for p in problems)))
+            continue  # a partial write (or a quarantined checkpoint): never a candidate
+        problems = validate_dir(fetch(storage, step, cache), expect)
+        damaged = bool(problems) and all(p.kind != "compat" for p in problems)
+        reports.append(CheckpointReport(step, tuple(str(p) for p in problems), damaged))
     return reports
 
 
@@ -79,11 +80,14 @@ def validate_checkpoints(job: JobSpec, cache: Path) -> list[CheckpointReport]:
 
 
 @task(name="select-checkpoint", cache_policy=NO_CACHE)
-def select_checkpoint(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
-    """Pick the newest valid checkpoint and say why newer ones were passed over."""
-    point = choose(reports, storage_uri)
+def select_checkpoint(reports: list[CheckpointReport], job: JobSpec) -> ResumePoint:
+    """Pick the newest valid checkpoint, quarantine the damaged newer ones, say why they were passed over."""
+    point = choose(reports, job.storage)
     log = get_run_logger()
+    damaged = {r.step for r in reports if r.damaged}
     for step, why in point.rejected:
         log.warning("rejected checkpoint step %d: %s", step, why)
+        if step in damaged:  # the trainer must not resume from a local copy of what storage lost
+            quarantine(open_storage(job.storage, job.s3), step, why)
     log.info("next attempt resumes from %s", point.uri or "scratch (no valid checkpoint)")
     return point

@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the process boundary: every error becomes an exit code and one status line
         code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
     reporter.emit(
-        "exit", code=int(code), name=code.name, error=error, step=reporter.last_step, durable_step=reporter.last_durable
+        "exit",
+        code=int(code),
+        name=code.name,
+        error=error,
+        step=reporter.last_step,
+        durable_step=reporter.last_durable,
     )
     return int(code)
 

@@ -144,6 +144,25 @@ def find_resume_point(
     return select_newest_valid(list(listed), check)
 
 
+REJECTED = "REJECTED.json"
+
+
+def quarantine(storage: Storage, step: int, reasons: str) -> None:
+    """Take a damaged checkpoint out of the timeline without destroying the evidence: its manifest
+    moves into REJECTED.json (with the reasons), so no reader sees it as committed again (a trainer
+    with an intact local copy would otherwise resume from a step whose durable copy is broken).
+    Retention deletes it later, like any partial write older than the newest verified step."""
+    name = step_dir(step)
+    try:
+        manifest = get_bytes(storage, f"{name}/{MANIFEST}").decode(errors="replace")
+    except FileNotFoundError:
+        return
+    body = {"step": step, "reasons": reasons, "rejected_at": time.time(), "manifest": manifest}
+    put_bytes(storage, f"{name}/{REJECTED}", json.dumps(body).encode())
+    storage.delete([f"{name}/{MANIFEST}"])
+    log.warning("quarantined checkpoint step %d in %s: %s", step, storage.uri, reasons)
+
+
 def plan_retention(committed: list[int], incomplete: list[int], verified: int, keep: int) -> list[int]:
     """Steps to delete, given the newest verified step.
 

@@ -1,0 +1,261 @@
+"""The resilient-training flow against a real Prefect server, with the local provider and real trainers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.resilient_training import resilient_training
+from tasks.history import HistoryStore
+from tasks.policy import RetryPolicy
+from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tests.fakes.fault_python import install
+from tests.prefect_server import PrefectServer
+from tests.trainer_runs import assert_states_equal, trainer
+from trainer.ckpt_format import step_dir
+from trainer.spec import JobSpec
+
+PG = "postgresql://postgres@127.0.0.1:5432"
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = PrefectServer(tmp_path_factory.mktemp("prefect")).start()
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()
+        server.stop()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
+    return tmp_path / "home"
+
+
+def job(tmp_path: Path, **overrides: Any) -> JobSpec:
+    spec: dict[str, Any] = {
+        "name": "flowjob",
+        "recipe": "digits",
+        "args": {"hidden": 128},
+        "total_steps": 900,
+        "threads": 1,
+        "seed": 5,
+        "checkpoint": {"every_steps": 25, "keep": 3},
+        "storage": str(tmp_path / "store"),
+        "log_every": 100,
+    }
+    spec.update(overrides)
+    return JobSpec.model_validate(spec)
+
+
+def run_flow(spec: JobSpec, provider: LocalProviderConfig, policy: RetryPolicy | None = None) -> Any:
+    return resilient_training(spec, provider, policy or RetryPolicy(), return_state=True)
+
+
+def reference_dir(spec: JobSpec, tmp_path: Path) -> Path:
+    """The same job trained without interruption, by the trainer alone."""
+    work = tmp_path / "reference"
+    work.mkdir()
+    cfg = work / "job.yaml"
+    cfg.write_text(json.dumps(spec.model_dump(mode="json")))
+    r = trainer(cfg, str(work / "store"), work)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return work / "store" / step_dir(spec.total_steps)
+
+
+def attempts(home: Path, url: str | None = None) -> list[Any]:
+    store = HistoryStore.open(url or f"sqlite:///{home / 'history.db'}")
+    try:
+        return store.attempts()
+    finally:
+        store.close()
+
+
+def schedule(*entries: tuple[float, bool]) -> LocalProviderConfig:
+    plan = [PlannedPreemption(after_s=s, notice=n) for s, n in entries]
+    return LocalProviderConfig(
+        simulator=SpotSimulatorConfig(schedule=plan), notice_s=5, heartbeat_timeout_s=60
+    )
+
+
+def test_preemptions_with_and_without_notice_complete_bitwise(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    spec = job(tmp_path)
+    state = run_flow(spec, schedule((0.8, True), (0.8, False), (1.0, True)))
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["preempted", "preempted", "preempted", "completed"]
+    assert "without notice" in rows[1].cause and "notice" in rows[0].cause
+    assert rows[1].resumed_from is not None and rows[3].resumed_from is not None
+    summary = state.result()
+    assert summary["attempts"] == 4 and Path(summary["timeline"]).is_file()
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_crash_loop_stops_at_the_error_budget(prefect_api: str, home: Path, tmp_path: Path) -> None:
+    spec = job(tmp_path, total_steps=100, args={"hidden": 32, "fail_at_step": 30})
+    policy = RetryPolicy(max_errors=2, same_error_limit=5, backoff_base_s=0.1, backoff_max_s=0.2)
+    state = run_flow(spec, LocalProviderConfig(), policy)
+    assert state.is_failed()
+    assert (
+        "gave up after 2 errors (budget 2)" in state.message
+        and "injected failure at step 30" in state.message
+    )
+    assert [r.outcome.value for r in attempts(home)] == ["crashed", "crashed"]
+
+
+def test_newest_checkpoint_corrupted_between_attempts(
+    prefect_api: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"1": {"corrupt_after": True}}))
+    monkeypatch.setenv("SPOTRUN_TEST_FAULT_PLAN", str(plan))
+    spec = job(tmp_path, total_steps=300)
+    provider = schedule((0.6, True)).model_copy(update={"python": str(install(tmp_path))})
+    state = run_flow(spec, provider)
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"]
+    store = HistoryStore.open(f"sqlite:///{home / 'history.db'}")
+    rejected = store.rejections(rows[0].job_run_id)
+    store.close()
+    assert len(rejected) == 1 and "sha256 mismatch in model.safetensors" in rejected[0].reasons
+    assert rows[1].resumed_from is not None and rows[1].resumed_from < rejected[0].step
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_hung_worker_is_detected_as_lost_and_killed(
+    prefect_api: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"1": {"args": ["--inject-fault", "hang@40"]}}))
+    monkeypatch.setenv("SPOTRUN_TEST_FAULT_PLAN", str(plan))
+    spec = job(tmp_path, total_steps=100, args={"hidden": 32})
+    provider = LocalProviderConfig(python=str(install(tmp_path)), heartbeat_timeout_s=3)
+    state = run_flow(spec, provider)
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["lost", "completed"]
+    assert "no heartbeat" in rows[0].cause
+    pid = int(rows[0].worker_id.rsplit("-", 1)[1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+FLOW_SCRIPT = """
+import sys
+from flows.resilient_training import resilient_training
+from tasks.providers.local import LocalProviderConfig
+from trainer.spec import JobSpec
+spec = JobSpec.model_validate_json(sys.argv[1])
+resilient_training(spec, LocalProviderConfig())
+"""
+
+
+def test_killed_flow_process_leaves_no_trainer_behind(prefect_api: str, home: Path, tmp_path: Path) -> None:
+    """Cancelling a run ends in its process being terminated; even SIGKILL, which runs no cleanup at
+    all, must take the trainer with it (parent-death signal)."""
+    spec = job(tmp_path, name="orphan-check", total_steps=100_000)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(Path(__file__).parents[2])}
+    flow_proc = subprocess.Popen([sys.executable, "-c", FLOW_SCRIPT, spec.model_dump_json()], env=env)
+    try:
+        trainer_pid = _wait_for_trainer(home / "jobs" / "orphan-check", timeout_s=120)
+        os.kill(flow_proc.pid, signal.SIGKILL)
+        flow_proc.wait()
+        assert _gone_within(trainer_pid, 20), f"trainer {trainer_pid} outlived the flow process"
+    finally:
+        if flow_proc.poll() is None:
+            flow_proc.kill()
+
+
+def _wait_for_trainer(job_dir: Path, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"trainer" in cmd and str(job_dir / "job.yaml").encode() in cmd and _stepping(job_dir):
+                return int(proc.name)
+        time.sleep(0.2)
+    raise AssertionError("no trainer process appeared")
+
+
+def _stepping(job_dir: Path) -> bool:
+    metrics = list(job_dir.glob("workers/*/metrics.jsonl"))
+    return bool(metrics) and metrics[0].stat().st_size > 0
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+        except (FileNotFoundError, IndexError):
+            return True
+        if state == "Z":  # dead, waiting for init to reap it
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    name = f"spotrun_flow_{os.getpid()}_{int(time.time())}"
+    try:
+        admin = psycopg.connect(f"{PG}/test", autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as e:
+        pytest.skip(f"PostgreSQL not reachable on 127.0.0.1:5432: {e}")
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{PG}/{name}"
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+
+def test_history_on_postgresql(
+    prefect_api: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pg_database: str
+) -> None:
+    monkeypatch.setenv("SPOTRUN_DATABASE_URL", pg_database)
+    spec = job(tmp_path, total_steps=60, args={"hidden": 32})
+    state = run_flow(spec, schedule((0.3, False)))
+    assert state.is_completed(), state.message
+    assert [r.outcome.value for r in attempts(home, pg_database)][-1] == "completed"
+
+
+def test_database_down_does_not_stop_training(
+    prefect_api: str,
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("SPOTRUN_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/test")
+    spec = job(tmp_path, total_steps=60, args={"hidden": 32})
+    state = run_flow(spec, LocalProviderConfig())
+    assert state.is_completed(), state.message
+    assert any(
+        "buffered" in r.getMessage() and "training continues" in r.getMessage() for r in caplog.records
+    )
