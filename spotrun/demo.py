@@ -1,188 +1,103 @@
-"""`python -m spotrun.demo` (`make demo`): preempt a training job three ways, resume it each time, and
-show that it ends bit for bit where an uninterrupted run ends.
+"""`python -m spotrun.demo` (`make demo`): train a job to completion through the resilient-training flow
+while a simulated spot market takes its workers away three times, then show that it ends bit for bit
+where an uninterrupted run ends.
 
-Under $SPOTRUN_HOME/demo (cleared first) it runs deployments/jobs/digits.yaml as a chain of
-`python -m trainer` processes: one stopped by a notice (SIGTERM), one killed without notice
-(SIGKILL at a step), one killed at an arbitrary wall-clock instant, then one that finishes. A
-separate, uninterrupted reference run follows; final parameters, optimizer state and every
-per-step loss must be equal (torch.equal, float.hex).
+Embedded defaults only (PREFECT_API_URL and SPOTRUN_DATABASE_URL are ignored). Under $SPOTRUN_HOME
+(default ./.spotrun/):
+  demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), history.db
+             (the SQLite restart history), jobs/digits/ (workers, metrics, timeline) and reference/ (an
+             uninterrupted `python -m trainer` run of the same job, made in the background)
+  prefect/   the Prefect server the demo starts and stops (SQLite). Kept between demos: the UI lists
+             earlier demo runs, and the server starts in seconds rather than after fresh migrations.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from rich.table import Table
 from safetensors.torch import load_file
 
 from spotrun import cli
+from spotrun.server import PrefectServer, prefect_api
+from tasks.attempts import Outcome
+from tasks.history import default_url
+from tasks.policy import RetryPolicy
+from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tasks.settings import Settings
 from trainer.catalog import fetch
 from trainer.ckpt_format import MODEL_FILE, load_part
 from trainer.errors import SpotrunError
-from trainer.exitcodes import ExitCode
 from trainer.spec import JobSpec, load_spec
 from trainer.state import iter_tensors
 from trainer.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
-ATTEMPT_TIMEOUT_S = 180.0
+REFERENCE_TIMEOUT_S = 300.0
+KEPT_SERVER = "demo-server.pid"  # in the Prefect home: a server left running by --keep-server
+# The demo trains digits.yaml for TOTAL_STEPS (about 3.5 s of training at the ~145 steps/s of 2 idle
+# cores), reclaiming each of the first three attempts after SCHEDULE's seconds of training (counted
+# from its first step): long enough to make progress and lose some, short enough that a machine twice
+# as fast is still reclaimed three times. The notice window leaves time for the notice's checkpoint.
+TOTAL_STEPS = 500
+SCHEDULE = [
+    PlannedPreemption(after_s=0.5, notice=True),
+    PlannedPreemption(after_s=0.5, notice=False),
+    PlannedPreemption(after_s=0.6, notice=True),
+]
+NOTICE_S = 3.0
 console = cli.wide_console()
 
 
-@dataclass(frozen=True)
-class Interruption:
-    """One attempt of the chain and how it is meant to end."""
-
-    label: str
-    fault: str | None = None  # --inject-fault KIND@STEP
-    kill_after_steps: int | None = None  # SIGKILL once this many more steps are logged (plus jitter)
-    expect: int = ExitCode.COMPLETED
-
-
-# Checkpoints every 25 steps: the notice checkpoints at 60 exactly, the kill at 140 loses 15 steps
-# (resume from 125), the wall-clock kill lands somewhere after step ~165, inside a step or a save.
-PLAN = (
-    Interruption("notice: SIGTERM after step 60", fault="sigterm@60", expect=ExitCode.PREEMPTED),
-    Interruption("no notice: SIGKILL after step 140", fault="sigkill@140", expect=-signal.SIGKILL),
-    Interruption("SIGKILL at a wall-clock instant", kill_after_steps=40, expect=-signal.SIGKILL),
-    Interruption("resume and finish"),
-)
+def prepare(home: Path) -> tuple[Path, JobSpec]:
+    """Clear the demo directory and write the demo job into it, its storage under the directory."""
+    shutil.rmtree(home / "demo", ignore_errors=True)
+    (home / "demo").mkdir(parents=True)
+    if not DEMO_JOB.is_file():
+        raise SpotrunError(f"demo job {DEMO_JOB} not found; run the demo from a checkout of spotrun")
+    data = yaml.safe_load(DEMO_JOB.read_text())
+    data["storage"], data["total_steps"] = str(home / "demo" / "checkpoints"), TOTAL_STEPS
+    path = home / "demo" / "digits.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, load_spec(path)
 
 
-@dataclass
-class Attempt:
-    label: str
-    code: int
-    expect: int
-    resumed_from: str
-    reached: int | None
-    seconds: float
-
-    @property
-    def as_planned(self) -> bool:
-        return self.code == self.expect
-
-
-@dataclass(frozen=True)
-class Lane:
-    """Where one sequence of attempts keeps its storage, cache, metrics and logs."""
-
-    root: Path
-
-    @property
-    def storage(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    def log(self, n: int) -> Path:
-        return self.root / "logs" / f"attempt-{n}.log"
-
-
-def run_attempt(job: Path, lane: Lane, n: int, plan: Interruption) -> Attempt:
-    """Start `python -m trainer`, interrupt it as planned, and read back what it did."""
-    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(lane.storage)]
-    cmd += ["--cache", str(lane.root / "cache"), "--metrics", str(lane.metrics)]
-    if plan.fault:
-        cmd += ["--inject-fault", plan.fault]
-    log_path = lane.log(n)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    before = _count_lines(lane.metrics)
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=lane.root, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            if plan.kill_after_steps is not None:
-                _kill_when_logged(proc, lane.metrics, before + plan.kill_after_steps, t0)
-            code = proc.wait(timeout=max(1.0, ATTEMPT_TIMEOUT_S - (time.monotonic() - t0)))
-        finally:
-            if proc.poll() is None:  # timed out or interrupted: never leave a trainer behind
-                proc.kill()
-                proc.wait()
-    seconds, reached = time.monotonic() - t0, _last_step(lane.metrics, before)
-    return Attempt(plan.label, code, plan.expect, _resumed_from(log_path.read_text()), reached, seconds)
-
-
-def _env() -> dict[str, str]:
-    """This environment, with the checkout importable from the trainer's working directory."""
-    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-
-
-def _kill_when_logged(proc: subprocess.Popen[bytes], metrics: Path, lines: int, t0: float) -> None:
-    while _count_lines(metrics) < lines and proc.poll() is None and time.monotonic() - t0 < ATTEMPT_TIMEOUT_S:
-        time.sleep(0.005)
-    time.sleep(random.uniform(0.0, 0.05))  # off the step boundary: mid-step, mid-save or mid-upload
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-
-
-def _count_lines(p: Path) -> int:
-    try:
-        return p.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
-def _last_step(metrics: Path, skip: int) -> int | None:
-    try:
-        lines = metrics.read_text().splitlines()[skip:]
-    except FileNotFoundError:
-        return None
-    whole = [ln for ln in lines if ln.endswith("}")]  # a SIGKILL may cut the last line short
-    return int(json.loads(whole[-1])["step"]) if whole else None
-
-
-def _resumed_from(log_text: str) -> str:
-    if m := re.search(r"resuming from step (\d+)", log_text):
-        return f"step {m.group(1)}"
-    if "no valid checkpoint" in log_text:
-        return "scratch"
-    if "already completed" in log_text:
-        return "(already completed)"
-    return "?"
-
-
-def _code_name(code: int) -> str:
-    if code < 0:
-        return signal.Signals(-code).name
-    try:
-        return ExitCode(code).name
-    except ValueError:
-        return str(code)
+def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
+    """The same job trained by `python -m trainer` alone, uninterrupted, into its own storage."""
+    root.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(root / "checkpoints")]
+    cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    with open(root / "trainer.log", "wb") as log:
+        return subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def losses(metrics: Path) -> dict[int, str]:
     """Per-step losses as float.hex; a resumed attempt's value overwrites the dead attempt's."""
     out: dict[int, str] = {}
     for line in metrics.read_text().splitlines():
-        if line.endswith("}"):
-            rec = json.loads(line)
-            out[int(rec["step"])] = rec["loss"]
+        rec = cli.metrics_record(line)
+        if rec is not None:
+            out[rec[0]] = rec[1]
     return out
 
 
-def compare_final(a: Lane, b: Lane, step: int, cache: Path) -> list[str]:
-    """Differences between two lanes' final states and per-step losses; empty means bitwise equal."""
-    da = fetch(open_storage(str(a.storage)), step, cache / "chain")
-    db = fetch(open_storage(str(b.storage)), step, cache / "reference")
+def compare_final(flow: Path, ref: Path, metrics: tuple[Path, Path], step: int, cache: Path) -> list[str]:
+    """Differences between the final states in two storages and their per-step losses; empty: equal."""
+    da = fetch(open_storage(str(flow)), step, cache / "flow")
+    db = fetch(open_storage(str(ref)), step, cache / "reference")
     diffs = _diff_tensors(
         "parameter", load_file(str(da / MODEL_FILE)).items(), load_file(str(db / MODEL_FILE)).items()
     )
@@ -190,7 +105,9 @@ def compare_final(a: Lane, b: Lane, step: int, cache: Path) -> list[str]:
     diffs += _diff_tensors("optimizer state", iter_tensors(oa), iter_tensors(ob))
     if oa["param_groups"] != ob["param_groups"]:
         diffs.append("optimizer param_groups differ")
-    la, lb = losses(a.metrics), losses(b.metrics)
+    la, lb = losses(metrics[0]), losses(metrics[1])
+    if len(lb) != step:
+        diffs.append(f"the reference logged {len(lb)} of {step} per-step losses")
     diffs += [f"loss at step {s} differs" for s in sorted(set(la) | set(lb)) if la.get(s) != lb.get(s)][:5]
     return diffs
 
@@ -202,83 +119,129 @@ def _diff_tensors(what: str, a: Any, b: Any) -> list[str]:
     return [f"{what} {k} differs" for k in ta if not torch.equal(ta[k], tb[k])]
 
 
-def write_job(home: Path) -> tuple[Path, JobSpec]:
-    """A copy of the demo job whose storage is under the demo directory."""
-    if not DEMO_JOB.is_file():
-        raise SpotrunError(f"demo job {DEMO_JOB} not found; run the demo from a checkout of spotrun")
-    data = yaml.safe_load(DEMO_JOB.read_text())
-    data["storage"] = str(home / "chain" / "checkpoints")
-    path = home / "digits.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path, load_spec(path)
-
-
-def report(attempts: list[Attempt], reference: Attempt) -> None:
-    table = Table(title="attempts", title_justify="left")
-    for name in ("#", "interruption", "exit", "resumed from", "last step", "seconds", "as planned"):
-        table.add_column(name, justify="right" if name in ("#", "last step", "seconds") else "left")
-    for i, a in enumerate([*attempts, reference], start=1):
-        label = a.label if i <= len(attempts) else f"[dim]{a.label}[/]"
-        ok = "[green]yes[/]" if a.as_planned else f"[red]no (expected {_code_name(a.expect)})[/]"
-        table.add_row(
-            str(i), label, _code_name(a.code), a.resumed_from, str(a.reached), f"{a.seconds:.1f}", ok
-        )  # fmt: skip
-    console.print(table)
-
-
-def run_chain(job: Path, lane: Lane) -> list[Attempt]:
-    """The interrupted attempts, one after another, each printed as it ends."""
-    attempts = []
-    for n, plan in enumerate(PLAN, start=1):
-        a = run_attempt(job, lane, n, plan)
-        attempts.append(a)
-        console.print(
-            f"  attempt {n}: {a.label:<33} -> {_code_name(a.code):<9} resumed from {a.resumed_from:<9} "
-            f"reached step {a.reached} ({a.seconds:.1f}s)"
+def check_no_kept_server(prefect_home: Path) -> None:
+    """Two servers on one SQLite database lock each other out: refuse while a kept one still runs."""
+    try:
+        pid, url = (prefect_home / KEPT_SERVER).read_text().split()
+        alive = b"prefect" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return
+    if alive:
+        raise SpotrunError(
+            f"the Prefect server an earlier demo kept ({url}) still runs: stop it with `kill -- -{pid}`"
         )
-    return attempts
 
 
-def run_demo(home: Path) -> bool:
+def run_demo(home: Path, keep_server: bool) -> bool:
     """The whole demo; True on PASS."""
+    check_no_kept_server(home / "prefect")
+    job_file, job = prepare(home)
     demo = home / "demo"
-    shutil.rmtree(demo, ignore_errors=True)
-    demo.mkdir(parents=True)
-    job, spec = write_job(demo)
-    chain, ref = Lane(demo / "chain"), Lane(demo / "reference")
-    intro = f"demo job {spec.name}: {spec.total_steps} steps, checkpoints every {spec.checkpoint.every_steps}"
-    console.print(f"{intro}, under {demo}", markup=False)
-    attempts = run_chain(job, chain)
-    console.print("  reference: one uninterrupted run into a separate storage")
-    reference = run_attempt(job, ref, 1, Interruption("uninterrupted reference"))
-    report(attempts, reference)
-    unplanned = [
-        f"'{a.label}' ended {_code_name(a.code)}" for a in [*attempts, reference] if not a.as_planned
-    ]
-    diffs = unplanned or compare_final(chain, ref, spec.total_steps, demo / "compare")
-    if diffs:
-        console.print("[bold red]FAIL[/]: " + "; ".join(diffs[:8]))
+    os.environ["SPOTRUN_HOME"] = str(demo)  # read by the flow (Settings.from_env) and its workers
+    os.environ["SPOTRUN_DATABASE_URL"] = default_url(demo)
+    settings = Settings.from_env()
+    every = job.checkpoint.every_steps
+    console.print(f"demo job {job.name}: {job.total_steps} steps, a checkpoint every {every}, under {demo}")
+    plan = ", ".join(
+        f"{i} after {p.after_s} s ({'notice' if p.notice else 'no notice'})"
+        for i, p in enumerate(SCHEDULE, 1)
+    )
+    console.print(f"spot simulator: reclaims attempt {plan} of training; then one runs undisturbed")
+    reference = start_reference(job_file, demo / "reference")
+    try:
+        return _run_and_check(home, job, settings, reference, keep_server)
+    finally:
+        if reference.poll() is None:  # interrupted: never leave a trainer behind
+            reference.kill()
+            reference.wait()
+
+
+def _run_and_check(
+    home: Path, job: JobSpec, settings: Settings, reference: subprocess.Popen[bytes], keep_server: bool
+) -> bool:
+    console.print("reference: an uninterrupted `python -m trainer` run of the same job, in the background")
+    console.print(f"starting a Prefect server under {home / 'prefect'} (SQLite) ...", markup=False)
+    t0 = time.monotonic()
+    provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
+    with prefect_api(home, use_env=False, keep=keep_server) as api:
+        console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
+        result = cli.run_job(job, provider, RetryPolicy(), settings, console)
+        cli.print_result(console, result, api.flow_run_url(result.flow_run_id))
+    failures = _plan_failures(result)
+    if not failures:
+        code = reference.wait(timeout=REFERENCE_TIMEOUT_S)
+        if code != 0:
+            failures = [f"the reference run exited {code}; see {settings.home / 'reference' / 'trainer.log'}"]
+    if not failures:
+        ref = settings.home / "reference"
+        failures = compare_final(
+            Path(job.storage), ref / "checkpoints", (result.metrics, ref / "metrics.jsonl"),
+            job.total_steps, settings.home / "compare",
+        )  # fmt: skip
+    _verdict(job, result, failures)
+    _server_note(api.server, keep_server, home / "prefect")
+    console.print(f"history: SPOTRUN_DATABASE_URL={settings.database_url} spotrun history", markup=False)
+    return not failures
+
+
+def _plan_failures(result: cli.RunResult) -> list[str]:
+    if not result.completed:
+        return [f"the flow run did not complete: {result.message}"]
+    preempted = [a for a in result.attempts if a.outcome is Outcome.PREEMPTED]
+    if len(preempted) < len(SCHEDULE):
+        return [
+            f"only {len(preempted)} of {len(SCHEDULE)} planned preemptions happened: training finished "
+            "first (this machine is faster than the schedule assumes)"
+        ]
+    return []
+
+
+def _verdict(job: JobSpec, result: cli.RunResult, failures: list[str]) -> None:
+    if failures:
+        console.print("[bold red]FAIL[/]: " + "; ".join(failures[:8]))
+        return
+    preempted = sum(1 for a in result.attempts if a.outcome is Outcome.PREEMPTED)
+    silent = sum(1 for p in SCHEDULE if not p.notice)
+    console.print(
+        f"[bold green]PASS[/]: after {preempted} preemptions ({silent} without notice), "
+        f"parameters, optimizer state and all {job.total_steps} per-step losses equal the uninterrupted "
+        "run's bit for bit"
+    )
+
+
+def _server_note(server: PrefectServer | None, kept: bool, prefect_home: Path) -> None:
+    if server is None or server.proc is None:
+        return
+    if kept:
+        pid = server.proc.pid
+        (prefect_home / KEPT_SERVER).write_text(f"{pid} {server.api_url.removesuffix('/api')}\n")
+        console.print(f"the Prefect server keeps running (pid {pid}); stop it with: kill -- -{pid}")
     else:
         console.print(
-            f"[bold green]PASS[/]: after {len(attempts) - 1} interruptions, parameters, optimizer state and "
-            f"all {spec.total_steps} per-step losses equal the uninterrupted run's bit for bit"
+            "the Prefect server has stopped; rerun with --keep-server to browse the flow run in the UI"
         )
-    where = f"checkpoints: {chain.storage} (reference: {ref.storage})\nlogs: {chain.root / 'logs'}"
-    console.print(where, markup=False)
-    cli.main(["checkpoints", "list", str(chain.storage)])
-    return not diffs
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m spotrun.demo", description=__doc__).parse_args(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m spotrun.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--keep-server",
+        action="store_true",
+        help="leave the Prefect server running, to browse the run in the UI",
+    )
+    args = p.parse_args(argv)
     home = Path(os.environ.get("SPOTRUN_HOME") or ".spotrun").expanduser().resolve()
     t0 = time.monotonic()
     try:
-        ok = run_demo(home)
+        ok = run_demo(home, args.keep_server)
     except (SpotrunError, OSError, subprocess.SubprocessError) as e:  # expected: one line, no traceback
-        print(f"spotrun demo: error: {e}", file=sys.stderr)
+        print(f"spotrun demo: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    console.print(f"demo took {time.monotonic() - t0:.0f}s")
+    console.print(f"demo took {time.monotonic() - t0:.0f} s")
     return 0 if ok else 1
 
 

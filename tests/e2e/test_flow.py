@@ -35,10 +35,10 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
             yield server.api_url
-    finally:
-        from prefect.logging.handlers import APILogHandler
+            from prefect.logging.handlers import APILogHandler
 
-        APILogHandler().flush()
+            APILogHandler().flush()  # the last run's logs, before the server goes
+    finally:
         server.stop()
 
 

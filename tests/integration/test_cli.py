@@ -1,4 +1,5 @@
-"""`spotrun checkpoints list/verify` against checkpoints a real trainer wrote, and the demo end to end."""
+"""`spotrun checkpoints list/verify` against checkpoints a real trainer wrote, `spotrun history` against a
+SQLite history, `spotrun run`'s input checks, and the demo (the whole flow) end to end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Any
 import pytest
 
 from spotrun.cli import main
+from spotrun.demo import TOTAL_STEPS
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.history import HistoryStore, default_url
 from tests.trainer_runs import REPO, trainer, write_spec
 from trainer.ckpt_format import MANIFEST, step_dir
 from trainer.spec import S3Options
@@ -196,20 +200,165 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
     assert r.returncode == 1 and "no committed checkpoint" in r.stdout
 
 
+# ---- spotrun history ----
+
+T0 = 1_700_000_000.0
+
+
+def attempt(
+    n: int, outcome: Outcome, cause: str, resumed_from: int | None, last_step: int, after: float = 0
+) -> AttemptRecord:
+    start = T0 + 10 * n + after
+    return AttemptRecord(
+        attempt=n, worker_id=f"local-{100 + n}", provider="local", started_at=start, ended_at=start + 5,
+        outcome=outcome, cause=cause, resumed_from=resumed_from, last_step=last_step,
+        lost_steps=3 if outcome is Outcome.PREEMPTED else 0, wall_s=5.0,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """A SQLite history with two job runs (digits: preempted then completed; other: crashed), and
+    SPOTRUN_DATABASE_URL pointing at it: (url, the digits job run's id)."""
+    url = default_url(tmp_path)
+    monkeypatch.setenv("SPOTRUN_DATABASE_URL", url)
+    with HistoryStore.open(url) as store:
+        run = store.start_job_run("digits", "hash", None, str(tmp_path / "store"), "local")
+        store.record_attempt(
+            run, attempt(1, Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)", None, 40)
+        )
+        store.record_attempt(run, attempt(2, Outcome.COMPLETED, "completed at step 300", 25, 300))
+        store.finish_job_run(run, "completed")
+        other = store.start_job_run("other", "hash", None, str(tmp_path / "other"), "local")
+        store.record_attempt(other, attempt(1, Outcome.CRASHED, "exited CRASHED: boom", None, 7, after=100))
+    return url, run
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+
+
+def test_history_table(capsys: pytest.CaptureFixture[str], history: tuple[str, str]) -> None:
+    code, out, _ = run(capsys, "history")
+    assert code == 0
+    rows = table_rows(out)
+    assert [(r[0], r[2], r[3]) for r in rows] == [
+        ("digits", "1", "preempted"), ("digits", "2", "completed"), ("other", "1", "crashed")
+    ]  # fmt: skip
+    assert rows[0][1] == history[1][:8]
+    assert rows[0][4:8] == ["reclaimed without notice (SIGKILL)", "scratch", "40", "3"]
+    assert rows[1][5:7] == ["25", "300"]
+    code, out, _ = run(capsys, "history", "digits", "--limit", "1")
+    assert [(r[0], r[2]) for r in table_rows(out)] == [("digits", "2")]
+
+
+def test_history_json(capsys: pytest.CaptureFixture[str], history: tuple[str, str]) -> None:
+    code, out, _ = run(capsys, "history", "digits", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["attempt"], r["outcome"], r["resumed_from"], r["last_step"]) for r in rows] == [
+        (1, "preempted", None, 40), (2, "completed", 25, 300)
+    ]  # fmt: skip
+    assert {r["job_run_id"] for r in rows} == {history[1]}
+    assert rows[0]["cause"] == "reclaimed without notice (SIGKILL)" and rows[0]["started_at"] == T0 + 10
+
+
+def test_history_without_a_database_creates_none(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTRUN_DATABASE_URL", default_url(tmp_path / "nothing"))
+    code, out, _ = run(capsys, "history")
+    assert (code, out) == (0, f"no attempts in {default_url(tmp_path / 'nothing')}\n")
+    assert not (tmp_path / "nothing").exists()
+    code, out, _ = run(capsys, "history", "--json")
+    assert (code, json.loads(out)) == (0, [])
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("postgresql://spotrun@127.0.0.1:9/history", "is unreachable"),  # port 9 (discard): refused
+        ("not a url", "is not a URL"),
+    ],
+)
+def test_history_database_unusable_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, fragment: str
+) -> None:
+    monkeypatch.setenv("SPOTRUN_DATABASE_URL", url)
+    code, _, err = run(capsys, "history")
+    assert_one_line_error(code, err, fragment)
+
+
+# ---- spotrun run: input errors (the demo below runs the flow) ----
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--preempt-at", "1,x"], "--preempt-at '1,x'"),
+        (["--preempt-at", "1:later"], "unknown mode 'later'"),
+        (["--notice-s", "-1"], "--notice-s -1.0: Input should be greater than or equal to 0"),
+        (["--total-steps", "0"], "--total-steps 0: Input should be greater than or equal to 1"),
+        (["--max-errors", "0"], "--max-errors 0"),
+        (["--no-notice-fraction", "0.5"], "applies to --preempt-every"),
+        (["--preempt-every", "5", "--no-notice-fraction", "2"], "--no-notice-fraction 2.0"),
+        (["--storage", "gs://bucket/x"], "unsupported scheme"),
+    ],
+)
+def test_run_bad_input_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list[str], fragment: str
+) -> None:
+    spec = write_spec(tmp_path / "job.yaml", storage=str(tmp_path / "store"))
+    code, out, err = run(capsys, "run", str(spec), *extra)
+    assert_one_line_error(code, err, fragment)
+    assert out == ""  # rejected before any server starts
+
+
+def test_run_missing_job_file_is_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "run", str(tmp_path / "missing.yaml"))
+    assert_one_line_error(code, err, "cannot read job file", "missing.yaml")
+    assert out == ""
+
+
+def test_prefect_api_uses_the_server_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    from spotrun.server import prefect_api
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    with prefect_api(tmp_path) as api:
+        assert (api.url, api.server, PREFECT_API_URL.value()) == ("http://127.0.0.1:9/api", None, api.url)
+        assert api.flow_run_url("abc") == "http://127.0.0.1:9/runs/flow-run/abc"
+    assert not (tmp_path / "prefect").exists()  # no server of its own
+
+
+# ---- the demo: the whole flow against its own Prefect server ----
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_demo_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(tmp_path)}
+    for k in ("PREFECT_API_URL", "SPOTRUN_DATABASE_URL"):  # the demo ignores them; make sure of it
+        env[k] = "http://127.0.0.1:9/api" if k == "PREFECT_API_URL" else "postgresql://x@127.0.0.1:9/x"
     r = subprocess.run(
         [sys.executable, "-m", "spotrun.demo"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=840,
+        timeout=540,
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "PASS" in r.stdout
-    for kind in ("PREEMPTED", "SIGKILL", "COMPLETED"):
-        assert kind in r.stdout
-    assert (tmp_path / "demo" / "chain" / "checkpoints" / step_dir(300) / MANIFEST).is_file()
+    assert "PASS" in r.stdout and "FAIL" not in r.stdout
+    outcomes = [row[1] for row in table_rows(r.stdout)]
+    assert len(outcomes) >= 4 and outcomes[-1] == "completed", r.stdout
+    assert set(outcomes[:-1]) == {"preempted"}, r.stdout
+    assert "reclaimed without notice" in r.stdout
+    demo = tmp_path / "demo"
+    assert (demo / "checkpoints" / step_dir(TOTAL_STEPS) / MANIFEST).is_file()
+    assert (demo / "checkpoints" / "reports" / "timeline.png").is_file()
+    assert (demo / "history.db").is_file() and (tmp_path / "prefect" / "server.log").is_file()
+    assert "/runs/flow-run/" in r.stdout and "the Prefect server has stopped" in r.stdout
