@@ -2,7 +2,7 @@
 
 Each line is `@spotrun {json}`, flushed at once. Kinds:
   started   {attempt_pid, resumed_from, total_steps}         training is about to take its first step
-  step      {step, loss, steps_per_s, durable_step}            at most once a second, and at log_every
+  step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   durable   {step}                                             a checkpoint was read back and verified
   stopping  {reason, step}                                     a stop request (SIGTERM, notice) arrived
   exit      {code, name, error, step, durable_step}            the attempt is over
@@ -23,7 +23,7 @@ PREFIX = "@spotrun "
 class StatusReporter:
     """Writes status lines; thread-safe (the checkpoint thread reports durability)."""
 
-    def __init__(self, stream: IO[str] | None = None, min_interval_s: float = 1.0) -> None:
+    def __init__(self, stream: IO[str] | None = None, min_interval_s: float = 0.25) -> None:
         self.stream = stream
         self.min_interval_s = min_interval_s
         self._last_step_line = 0.0
