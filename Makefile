@@ -33,6 +33,7 @@ test: $(VENV)/.installed lint typecheck
 
 bench: $(VENV)/.installed
 	$(PY) bench/checkpoint.py
+	$(PY) bench/recovery.py
 
 clean:
 	rm -rf $(VENV) .spotrun .pytest_cache .mypy_cache .ruff_cache
