@@ -72,3 +72,13 @@ def test_fork_from_another_storage_continues_exactly(tmp_path: Path) -> None:
     assert (forked.code, forked.resumed_from) == (ExitCode.COMPLETED, 20)
     assert_states_equal(tmp_path / "full" / step_dir(30), tmp_path / "new" / step_dir(30))
     assert (tmp_path / "old" / step_dir(25)).is_dir()  # the source is untouched
+
+
+def test_time_based_checkpoints_and_retention(tmp_path: Path) -> None:
+    spec = {**SPEC, "checkpoint": {"every_steps": None, "every_seconds": 0.001, "keep": 2}}
+    result = _run(spec, tmp_path / "s", tmp_path / "c")
+    assert result.code is ExitCode.COMPLETED
+    steps = sorted(
+        int(p.parent.name.removeprefix("step_")) for p in (tmp_path / "s").glob("step_*/manifest.json")
+    )
+    assert steps[-1] == 30 and len(steps) == 2  # a checkpoint after (nearly) every step; retention keeps 2
