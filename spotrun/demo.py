@@ -26,7 +26,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from spotrun import cli
+from spotrun import run_cmd
+from spotrun.console import wide_console
 from spotrun.server import PrefectServer, prefect_api
 from tasks.attempts import Outcome
 from tasks.history import default_url
@@ -55,7 +56,7 @@ SCHEDULE = [
     PlannedPreemption(after_s=0.6, notice=True),
 ]
 NOTICE_S = 3.0
-console = cli.wide_console()
+console = wide_console()
 
 
 def prepare(home: Path) -> tuple[Path, JobSpec]:
@@ -88,7 +89,7 @@ def losses(metrics: Path) -> dict[int, str]:
     """Per-step losses as float.hex; a resumed attempt's value overwrites the dead attempt's."""
     out: dict[int, str] = {}
     for line in metrics.read_text().splitlines():
-        rec = cli.metrics_record(line)
+        rec = run_cmd.metrics_record(line)
         if rec is not None:
             out[rec[0]] = rec[1]
     return out
@@ -165,8 +166,8 @@ def _run_and_check(
     provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
     with prefect_api(home, use_env=False, keep=keep_server) as api:
         console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
-        result = cli.run_job(job, provider, RetryPolicy(), settings, console)
-        cli.print_result(console, result, api.flow_run_url(result.flow_run_id))
+        result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
+        run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
     failures = _plan_failures(result)
     if not failures:
         code = reference.wait(timeout=REFERENCE_TIMEOUT_S)
@@ -184,7 +185,7 @@ def _run_and_check(
     return not failures
 
 
-def _plan_failures(result: cli.RunResult) -> list[str]:
+def _plan_failures(result: run_cmd.RunResult) -> list[str]:
     if not result.completed:
         return [f"the flow run did not complete: {result.message}"]
     preempted = [a for a in result.attempts if a.outcome is Outcome.PREEMPTED]
@@ -196,7 +197,7 @@ def _plan_failures(result: cli.RunResult) -> list[str]:
     return []
 
 
-def _verdict(job: JobSpec, result: cli.RunResult, failures: list[str]) -> None:
+def _verdict(job: JobSpec, result: run_cmd.RunResult, failures: list[str]) -> None:
     if failures:
         console.print("[bold red]FAIL[/]: " + "; ".join(failures[:8]))
         return

@@ -1,0 +1,74 @@
+"""Console output shared by the commands: exit codes, wide tables, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
+    from tasks.history import AttemptRow
+
+
+EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+EXIT_FAILED = 1  # `spotrun run`: the flow run ended Failed
+
+Handler = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def wide_console() -> Console:
+    """A rich console that does not fold piped output (logs, CI, tests) to 80 columns."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def size_text(n: int) -> str:
+    """Bytes in binary units, for tables."""
+    if n < 1024:
+        return f"{n} B"
+    size, units = n / 1024, ["KiB", "MiB", "GiB", "TiB"]
+    while size >= 1024 and len(units) > 1:
+        size, units = size / 1024, units[1:]
+    return f"{size:.1f} {units[0]}"
+
+
+def attempts_table(rows: Sequence[AttemptRow], title: str, with_run: bool = False) -> Table:
+    """Attempts as a rich table; `with_run` adds the job and (short) job-run id columns."""
+    table = Table(title=escape(title), title_justify="left")
+    names = ["job", "run"] if with_run else []
+    names += ["attempt", "outcome", "cause", "resumed from", "last step", "lost steps", "wall s", "ended at"]
+    numeric = {"attempt", "resumed from", "last step", "lost steps", "wall s"}
+    for name in names:
+        table.add_column(name, justify="right" if name in numeric else "left", overflow="fold")
+    colors = {"completed": "green", "preempted": "yellow"}
+    for r in rows:
+        outcome = f"[{colors.get(r.outcome.value, 'red')}]{r.outcome.value}[/]"
+        cells = [escape(r.job), r.job_run_id[:8]] if with_run else []
+        cells += [
+            str(r.attempt),
+            outcome,
+            escape(r.cause),
+            "scratch" if r.resumed_from is None else str(r.resumed_from),
+            str(r.last_step),
+            str(r.lost_steps),
+            f"{r.wall_s:.1f}",
+            datetime.fromtimestamp(r.ended_at).strftime("%Y-%m-%d %H:%M:%S"),
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def error_exit(e: BaseException) -> int:
+    """Print an expected error as one line on stderr; return the error exit code."""
+    print(f"spotrun: error: {one_line(e)}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

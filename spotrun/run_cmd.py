@@ -1,0 +1,385 @@
+"""`spotrun run`: one flow run of a job in this process, with a live view of its progress."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from trainer.errors import ConfigError
+from trainer.spec import JobSpec, load_spec
+
+if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
+    from tasks.history import AttemptRow, HistoryStore, JobRunRow
+    from tasks.policy import RetryPolicy
+    from tasks.providers.local import LocalProviderConfig
+    from tasks.settings import Settings
+
+from spotrun.console import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Subparsers,
+    attempts_table,
+    one_line,
+    wide_console,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ---- run: one flow run of a job in this process, with a live view of its progress ----
+
+POLL_S = 0.5  # how often the live view reads the metrics file and the SQL history
+TRAINING_GAP_S = 2.0  # no step for this long: the worker is starting, restoring or gone
+SCHEDULE_HELP = (
+    "seconds of training before each attempt's reclaim, e.g. 30,45:kill,60 (S:kill: without notice)"
+)
+FLAGS = {  # model field -> the flag that sets it, so a validation error names what the user typed
+    "storage": "--storage",
+    "total_steps": "--total-steps",
+    "mean_interval_s": "--preempt-every",
+    "after_s": "--preempt-at",
+    "no_notice_fraction": "--no-notice-fraction",
+    "notice_s": "--notice-s",
+    "max_errors": "--max-errors",
+    "max_preemptions": "--max-preemptions",
+}
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed."""
+    from spotrun.server import prefect_api
+    from tasks.settings import Settings
+
+    job, provider, policy = run_inputs(args)  # every input checked before a server starts
+    settings = Settings.from_env()
+    out = wide_console()
+    if not os.environ.get("PREFECT_API_URL"):
+        out.print(f"PREFECT_API_URL is unset: starting a Prefect server under {settings.home / 'prefect'}")
+    with prefect_api(settings.home) as api:
+        out.print(f"flow run of job {job.name} against {api.url}", markup=False)
+        result = run_job(job, provider, policy, settings, out)
+        print_result(out, result, api.flow_run_url(result.flow_run_id))
+    if api.server is not None:
+        out.print("the Prefect server has stopped; set PREFECT_API_URL to a running one to keep flow runs")
+    return EXIT_OK if result.completed else EXIT_FAILED
+
+
+def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, LocalProviderConfig, RetryPolicy]:
+    """The job (with overrides), provider and retry policy of `spotrun run`, each validated."""
+    from tasks.policy import RetryPolicy
+    from tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
+
+    spec = load_spec(args.job)
+    updates = {
+        k: v for k, v in (("storage", args.storage), ("total_steps", args.total_steps)) if v is not None
+    }
+    if updates:
+        spec = _validated(JobSpec, {**spec.model_dump(mode="json"), **updates})
+    if args.no_notice_fraction is not None and args.preempt_every is None:
+        raise ConfigError("--no-notice-fraction applies to --preempt-every; in --preempt-at write S:kill")
+    sim: dict[str, Any] = {"mean_interval_s": args.preempt_every, "schedule": parse_schedule(args.preempt_at)}
+    if args.no_notice_fraction is not None:
+        sim["no_notice_fraction"] = args.no_notice_fraction
+    notice = {} if args.notice_s is None else {"notice_s": args.notice_s}
+    provider = _validated(LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice})
+    budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
+    return spec, provider, _validated(RetryPolicy, budgets)
+
+
+def parse_schedule(text: str | None) -> list[dict[str, Any]]:
+    """`--preempt-at 30,45:kill,60` as planned reclaims: one per attempt, `:kill` without notice."""
+    if not text:
+        return []
+    plan = []
+    for item in text.split(","):
+        seconds, _, how = item.strip().partition(":")
+        try:
+            after = float(seconds)
+        except ValueError:
+            raise ConfigError(f"--preempt-at {text!r}: {SCHEDULE_HELP}") from None
+        if how not in ("", "kill", "notice"):
+            raise ConfigError(f"--preempt-at {text!r}: unknown mode {how!r}; {SCHEDULE_HELP}")
+        plan.append({"after_s": after, "notice": how != "kill"})
+    return plan
+
+
+def _validated(model: type[_M], values: dict[str, Any]) -> _M:
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        names = [str(p) for p in err["loc"]]
+        flag = next((FLAGS[n] for n in names if n in FLAGS), ".".join(names))
+        raise ConfigError(f"{flag} {err.get('input')!r}: {err['msg']}") from None
+
+
+class RunMonitor:
+    """Follows one job run from outside the flow, through two outputs that are contracts, not log text:
+    the trainer's --metrics file (one JSON line per step, appended by every attempt of the job; the
+    local provider writes it to <workdir>/<job>/metrics.jsonl) for the step and loss, and the SQL
+    history for the job run (its flow run id) and each attempt once the flow has recorded it."""
+
+    def __init__(self, store: HistoryStore, job: str, metrics: Path, since: float) -> None:
+        self.store, self.job, self.metrics, self.since = store, job, metrics, since
+        self.offset = metrics.stat().st_size if metrics.exists() else 0  # earlier runs' lines
+        self.partial = b""
+        self.step, self.loss, self.stepped_at = 0, float("nan"), 0.0
+        self.job_run: JobRunRow | None = None
+        self.attempts: list[AttemptRow] = []
+        self.history_error = ""
+
+    def poll(self) -> list[AttemptRow]:
+        """Read what is new; returns the attempts recorded since the last poll."""
+        from tasks.history import StoreUnavailable
+
+        self._read_metrics()
+        try:
+            return self._read_history()
+        except StoreUnavailable as e:  # training goes on while the database is down (the flow buffers)
+            self.history_error = one_line(e)
+            return []
+
+    @property
+    def attempt(self) -> int:
+        return len(self.attempts) + 1
+
+    def phase(self) -> str:
+        """What the current attempt is doing, and how the previous one ended."""
+        now = time.monotonic()
+        doing = (
+            f"training, loss {self.loss:.4f}"
+            if now - self.stepped_at < TRAINING_GAP_S
+            else "starting a worker" if not self.attempts else "restarting: worker start-up and restore"
+        )  # fmt: skip
+        if self.history_error:
+            return f"{doing} | history: {self.history_error}"
+        last = self.attempts[-1] if self.attempts else None
+        return doing if last is None else f"{doing} | attempt {last.attempt} {last.outcome.value}"
+
+    def _read_metrics(self) -> None:
+        try:
+            with open(self.metrics, "rb") as f:
+                if f.seek(0, os.SEEK_END) < self.offset:  # recreated: read it from the start
+                    self.offset, self.partial = 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for line in lines:
+            rec = metrics_record(line.decode("utf-8", errors="replace"))
+            if rec is not None:
+                self.step, self.loss, self.stepped_at = rec[0], float.fromhex(rec[1]), time.monotonic()
+
+    def _read_history(self) -> list[AttemptRow]:
+        if self.job_run is None:
+            runs = [r for r in self.store.job_runs(self.job, limit=5) if r.started_at >= self.since - 1]
+            if not runs:
+                return []
+            self.job_run = runs[0]
+        rows = self.store.attempts(job_run_id=self.job_run.id, limit=10_000)
+        new, self.attempts = rows[len(self.attempts) :], rows
+        self.history_error = ""
+        if new:
+            self.stepped_at = 0.0  # the steps read so far were the ended attempt's
+        return new
+
+
+def metrics_record(line: str) -> tuple[int, str] | None:
+    """(step, loss as float.hex) from a metrics line. A SIGKILLed attempt may leave its last line cut
+    short, and the next attempt's first line then continues it: the last record in a line counts."""
+    start = line.rfind('{"step"')
+    try:
+        rec = json.loads(line[start:]) if start >= 0 else None
+        if not isinstance(rec, dict):
+            return None
+        float.fromhex(rec["loss"])
+        return int(rec["step"]), rec["loss"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class LiveView:
+    """A progress bar of steps with the current attempt and what it is doing, refreshed by a thread
+    every POLL_S, and one printed line per attempt as the history records it. On a terminal the bar
+    updates in place; piped output gets the attempt lines and the bar's final state."""
+
+    def __init__(self, out: Console, monitor: RunMonitor, total_steps: int) -> None:
+        self.monitor, self.total = monitor, total_steps
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[phase]}"),
+            console=out,
+        )
+        self.task = self.progress.add_task("attempt 1", total=total_steps, phase="starting a worker")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="spotrun-live-view", daemon=True)
+
+    def __enter__(self) -> LiveView:
+        self.progress.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            # The flow records its last attempt before it returns: this read sees every one.
+            if self._refreshed() and (attempts := self.monitor.attempts):
+                phase = f"attempt {attempts[-1].attempt} {attempts[-1].outcome.value}"
+                self.progress.update(self.task, description=f"{len(attempts)} attempt(s)", phase=phase)
+        finally:
+            self.progress.stop()
+
+    def refresh(self) -> None:
+        m = self.monitor
+        for row in m.poll():
+            self.progress.console.print(describe_attempt(row), markup=False, highlight=False)
+        self.progress.update(
+            self.task, completed=min(m.step, self.total), description=f"attempt {m.attempt}", phase=m.phase()
+        )
+
+    def _refreshed(self) -> bool:
+        try:
+            self.refresh()
+        except Exception as e:  # only a convenience: a failure here must not touch the flow run
+            log.warning("live view stopped: %s", one_line(e))
+            return False
+        return True
+
+    def _follow(self) -> None:
+        while not self._stop.wait(POLL_S) and self._refreshed():
+            pass
+
+
+def describe_attempt(r: AttemptRow) -> str:
+    frm = "scratch" if r.resumed_from is None else f"step {r.resumed_from}"
+    return (
+        f"attempt {r.attempt} {r.outcome.value}: {r.cause} (from {frm} to step {r.last_step}, "
+        f"{r.lost_steps} steps lost, {r.wall_s:.1f} s)"
+    )
+
+
+@dataclass
+class RunResult:
+    completed: bool
+    message: str  # the final state's message: why it gave up, or how it completed
+    summary: dict[str, Any]  # the flow's Summary (goodput, wall_s, timeline, ...); {} if it crashed
+    attempts: list[AttemptRow]
+    flow_run_id: str | None
+    metrics: Path  # the trainer's per-step losses, every attempt appended (the last value per step counts)
+
+
+def run_job(
+    job: JobSpec, provider: LocalProviderConfig, policy: RetryPolicy, settings: Settings, out: Console
+) -> RunResult:
+    """Run the resilient-training flow in this process (against the current Prefect API) with a live view."""
+    from flows.resilient_training import resilient_training
+    from tasks.history import HistoryStore
+
+    workdir = Path(provider.workdir) if provider.workdir else settings.job_dir(job.name) / "workers"
+    provider = provider.model_copy(update={"workdir": str(workdir)})
+    store = HistoryStore.open(settings.database_url)  # migrated here, before the flow and the view share it
+    monitor = RunMonitor(store, job.name, workdir / job.name / "metrics.jsonl", time.time())
+    with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
+        state = resilient_training(job, provider, policy, return_state=True)
+    data = state.result(raise_on_failure=False)
+    flow_run_id = state.state_details.flow_run_id
+    if not monitor.history_error:  # closing a store whose database is down only repeats its warning
+        store.close()
+    return RunResult(
+        state.is_completed(),
+        state.message or "",
+        data if isinstance(data, dict) else {},
+        monitor.attempts,
+        str(flow_run_id) if flow_run_id else None,
+        monitor.metrics,
+    )
+
+
+class _PrefectBelow(logging.Filter):
+    """Drops records of Prefect's loggers below a level."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level or not record.name.startswith("prefect")
+
+
+@contextmanager
+def _prefect_console(level: int) -> Iterator[None]:
+    """Prefect's records below `level` kept off the terminal for the body: the flow's INFO lines (every
+    worker log line among them) still reach the API and the UI through Prefect's own handlers."""
+    quiet = _PrefectBelow(level)
+    handlers = list(logging.getLogger().handlers)  # Prefect's console handler, or the one main() set
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
+
+
+def print_result(out: Console, r: RunResult, flow_run_url: str) -> None:
+    """The attempts table, the final message, goodput, the timeline and the flow run's page."""
+    if r.attempts:
+        out.print(attempts_table(r.attempts, "attempts (from the SQL history)"))
+    color = "green" if r.completed else "red"
+    out.print(f"[bold {color}]{'Completed' if r.completed else 'Failed'}[/]: {escape(r.message)}")
+    s = r.summary
+    if s:
+        out.print(
+            f"goodput {s['goodput']:.1%} (productive time / wall time {s['wall_s']:.1f} s)\n"
+            f"timeline: {s['timeline']}",
+            markup=False,
+        )
+    if r.flow_run_id:
+        out.print(f"flow run: {flow_run_url}", markup=False)
+
+
+def add_run(sub: Subparsers) -> None:
+    help_ = "train a job through the resilient-training flow here, with a live progress view"
+    epilog = (
+        "The flow runs in this process against PREFECT_API_URL, or against a Prefect server started "
+        "under $SPOTRUN_HOME/prefect for the run. Workers are local trainer processes, reclaimed by "
+        "the spot simulator as the --preempt-* options say. Exit 0 Completed, 1 Failed, 2 bad input."
+    )
+    p = sub.add_parser("run", help=help_, description=help_, epilog=epilog)
+    p.add_argument("job", metavar="JOB.yaml", help="the job spec")
+    p.add_argument("--storage", metavar="URI", help="override the spec's storage (directory or s3://...)")
+    p.add_argument("--total-steps", type=int, metavar="N", help="override the spec's total_steps")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--preempt-every", type=float, metavar="S", help="random reclaims, mean S s of training"
+    )
+    when.add_argument("--preempt-at", metavar="S[,S...]", help=SCHEDULE_HELP)
+    p.add_argument(
+        "--no-notice-fraction", type=float, metavar="F", help="share of random reclaims without notice"
+    )
+    p.add_argument("--notice-s", type=float, metavar="S", help="seconds from a notice to the hard kill")
+    p.add_argument("--max-errors", type=int, metavar="N", help="give up at this many crashes or lost workers")
+    p.add_argument("--max-preemptions", type=int, metavar="N", help="give up at this many preemptions")
+    p.set_defaults(handler=cmd_run)
