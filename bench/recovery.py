@@ -59,6 +59,7 @@ from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
 from flows.resilient_training import resilient_training
+from spotrun.server import patched_environ
 from tasks.checkpoints import choose, validate_all
 from tasks.history import HistoryStore
 from tasks.providers.base import WatchResult
@@ -287,20 +288,6 @@ def med(rows: list[dict[str, Any]], key: str) -> float:
 # ---------------------------------------------------------------- (b) the real flow
 
 
-@contextmanager
-def patched_env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def flow_job(root: Path, preemptions: int) -> tuple[JobSpec, LocalProviderConfig]:
     """A tiny digits job reclaimed every 0.5 s of training, alternately with and without notice."""
     job = job_for(
@@ -335,7 +322,7 @@ def run_flow(root: Path, preemptions: int) -> dict[str, Any]:
     job, cfg = flow_job(root, preemptions)
     db = f"sqlite:///{root / 'history.db'}"
     env = {"SPOTRUN_HOME": str(root / "home"), "SPOTRUN_DATABASE_URL": db}
-    with prefect_server(root / "prefect") as server, patched_env(**env):
+    with prefect_server(root / "prefect") as server, patched_environ(**env):
         api = {PREFECT_API_URL: server.api_url, PREFECT_HOME: str(server.home)}
         with temporary_settings(updates=api):
             for handler in logging.getLogger().handlers:  # run logs still go to the API; errors here

@@ -12,15 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from rich.markup import escape
 from rich.table import Table
 
-from trainer import recipes
 from trainer.catalog import fetch, list_checkpoints, read_latest
 from trainer.ckpt_format import load_part, step_dir
 from trainer.errors import ConfigError
-from trainer.recipes import RecipeContext
 from trainer.spec import JobSpec, S3Options, load_spec, parse_spec
 from trainer.storage import Storage, open_storage
 from trainer.validate import Expectation, Problem, read_manifest, validate_dir
@@ -75,7 +72,7 @@ class Expectations:
     Built recipes are cached by shape hash: every checkpoint of one job shares one."""
 
     def __init__(self, spec: JobSpec | None) -> None:
-        self.fixed = _expectation(spec) if spec is not None else None
+        self.fixed = Expectation.for_spec(spec) if spec is not None else None
         self._by_shape: dict[str, Expectation | None] = {}
 
     def for_dir(self, d: Path) -> Expectation | None:
@@ -87,17 +84,11 @@ class Expectations:
         key = spec.shape_hash()
         if key not in self._by_shape:
             try:
-                self._by_shape[key] = _expectation(spec)
+                self._by_shape[key] = Expectation.for_spec(spec)
             except ConfigError as e:  # e.g. a user recipe not importable here: check integrity only
                 log.info("not checking structure of %s against its recipe: %s", d.name, e)
                 self._by_shape[key] = None
         return self._by_shape[key]
-
-
-def _expectation(spec: JobSpec) -> Expectation:
-    ctx = RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
-    parts = recipes.build(spec.recipe, spec.args, ctx)
-    return Expectation.from_parts(parts.model, parts.optimizer, spec.shape_hash())
 
 
 def _embedded_spec(d: Path) -> JobSpec | None:

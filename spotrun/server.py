@@ -114,25 +114,33 @@ def prefect_api(home: Path, *, use_env: bool = True, keep: bool = False) -> Iter
     url = os.environ.get("PREFECT_API_URL", "").strip() if use_env else ""
     server = None if url else PrefectServer(home / "prefect").start()
     api = PrefectApi(server.api_url, server) if server is not None else PrefectApi(url, None)
-    saved = {k: os.environ.get(k) for k in (server.env() if server is not None else {})}
     try:
-        if server is not None:
-            os.environ.update(server.env())
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        with patched_environ(**(server.env() if server is not None else {})):
+            from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        with temporary_settings({PREFECT_API_URL: api.url}):
-            try:
-                yield api
-            finally:
-                flush_to_api()
+            with temporary_settings({PREFECT_API_URL: api.url}):
+                try:
+                    yield api
+                finally:
+                    flush_to_api()
+    finally:
+        if server is not None and not keep:
+            server.stop()
+
+
+@contextmanager
+def patched_environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the body (child processes inherit them); restore them after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if server is not None and not keep:
-            server.stop()
 
 
 def flush_to_api(timeout_s: float = 5.0) -> None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trainer import recipes
 from trainer.catalog import fetch, list_checkpoints, quarantine, select_newest_valid
+from trainer.ckpt_format import checkpoint_uri
 from trainer.errors import ConfigError
-from trainer.recipes import RecipeContext
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
 from trainer.validate import Expectation, validate_dir
@@ -39,11 +37,9 @@ class ResumePoint:
 def expectation_for(job: JobSpec) -> Expectation | None:
     """The recipe's model and optimizer shapes, built on CPU; None when the recipe cannot be built here."""
     try:
-        ctx = RecipeContext(job.seed, job.total_steps, job.batch_size, torch.device("cpu"))
-        parts = recipes.build(job.recipe, job.args, ctx)
+        return Expectation.for_spec(job)
     except ConfigError:
         return None
-    return Expectation.from_parts(parts.model, parts.optimizer, job.shape_hash())
 
 
 def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
@@ -65,7 +61,7 @@ def choose(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
     by_step = {r.step: r for r in reports}
     sel = select_newest_valid(list(by_step), lambda s: (None, list(by_step[s].problems)))  # type: ignore[arg-type]
     rejected = tuple((r.step, r.reason()) for r in sel.rejected)
-    uri = f"{storage_uri.rstrip('/')}/step_{sel.step:09d}" if sel.step is not None else None
+    uri = checkpoint_uri(storage_uri, sel.step) if sel.step is not None else None
     return ResumePoint(sel.step, uri, rejected)
 
 

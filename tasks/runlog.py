@@ -23,6 +23,7 @@ from tasks.providers.base import ProvisionError, WatchResult, Worker
 from tasks.providers.local import LocalProvider, LocalProviderConfig
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
+from trainer.ckpt_format import checkpoint_uri
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
@@ -130,4 +131,4 @@ class JobRunLog:
         return str(local)
 
     def _uri(self, step: int | None) -> str | None:
-        return None if step is None else f"{self.job.storage.rstrip('/')}/step_{step:09d}"
+        return None if step is None else checkpoint_uri(self.job.storage, step)

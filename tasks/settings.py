@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.history import database_url
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -17,8 +19,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
         home = Path(env.get("SPOTRUN_HOME", ".spotrun")).expanduser().resolve()
-        url = env.get("SPOTRUN_DATABASE_URL") or f"sqlite:///{home / 'history.db'}"
-        return cls(home, url)
+        return cls(home, database_url(env, home))
 
     def job_dir(self, job: str) -> Path:
         return self.home / "jobs" / job

@@ -44,6 +44,11 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def checkpoint_uri(storage_uri: str, step: int) -> str:
+    """Where one checkpoint lives: `<storage>/step_NNNNNNNNN`."""
+    return f"{storage_uri.rstrip('/')}/{step_dir(step)}"
+
+
 def parse_step_dir(name: str) -> int | None:
     m = _DIR_RE.match(name)
     return int(m.group(1)) if m else None

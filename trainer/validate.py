@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from trainer.ckpt_format import MANIFEST, MODEL_FILE, REQUIRED_FILES, Manifest, load_part, sha256_file
+from trainer.spec import JobSpec
 from trainer.state import iter_tensors
 
 Kind = Literal["integrity", "structure", "content", "compat"]
@@ -41,6 +42,15 @@ class Expectation:
     model: dict[str, tuple[tuple[int, ...], torch.dtype]]
     param_shapes: list[tuple[int, ...]]
     shape_hash: str | None = None
+
+    @classmethod
+    def for_spec(cls, spec: JobSpec) -> Expectation:
+        """Build the spec's recipe on CPU and read off its shapes (ConfigError if it cannot be built)."""
+        from trainer import recipes  # recipes import torch.nn models; validation alone does not need them
+
+        ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
+        parts = recipes.build(spec.recipe, spec.args, ctx)
+        return cls.from_parts(parts.model, parts.optimizer, spec.shape_hash())
 
     @classmethod
     def from_parts(
