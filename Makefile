@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean browser ui-screenshots
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,19 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-test: $(VENV)/.installed lint typecheck
+test: $(VENV)/.installed browser lint typecheck
 	$(VENV)/bin/pytest -q
+
+# Headless Chromium for the UI check (tests/e2e/test_alerts.py): Debian's package, installed as root
+# (~20 s, once). Without it the UI test is skipped with the reason.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium is not installed: the UI check will be skipped (apt-get install chromium)"
+
+# Refresh the README's screenshots from a real server, flow run and browser.
+ui-screenshots: $(VENV)/.installed browser
+	SPOTRUN_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q tests/e2e/test_alerts.py -k ui
 
 bench: $(VENV)/.installed
 	$(PY) bench/checkpoint.py

@@ -62,11 +62,14 @@ def resilient_training(
         logger.info("attempt %d: %s (%s) -> %s %s", attempt, record.outcome, record.cause, decision.action,
                     decision.reason)  # fmt: skip
         if decision.action == "done":
-            report.emit(report.JOB_COMPLETED, job.name, attempts=attempt, step=record.last_step)
+            restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
+            payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id}
+            report.emit_labeled(report.JOB_COMPLETED, job.name, restarted, payload)
             return _finish(runlog, "completed", "", started, Completed)
         report.emit(report.attempt_event(record), job.name, **_event_payload(record, runlog))
         if decision.action == "give_up":
-            report.emit(report.JOB_GAVE_UP, job.name, attempts=attempt, reason=decision.reason)
+            report.emit(report.JOB_GAVE_UP, job.name, attempts=attempt, reason=decision.reason,
+                        checkpoint=runlog.resume_uri or "", flow_run_id=runlog.flow_run_id)  # fmt: skip
             return _finish(runlog, "failed", decision.reason, started, Failed)
         report.emit(report.JOB_RESTARTED, job.name, **_event_payload(record, runlog), restarts=attempt)
         time.sleep(decision.delay_s)
@@ -78,9 +81,11 @@ def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object
         "cause": record.cause,
         "outcome": record.outcome.value,
         "step": record.last_step,
-        "checkpoint": runlog.resume_uri,
+        # strings, never None: the alert automation renders these into deployment parameters
+        "checkpoint": runlog.resume_uri or "",
         "lost_steps": record.lost_steps,
         "error": record.error[:300],
+        "flow_run_id": runlog.flow_run_id,
     }
 
 

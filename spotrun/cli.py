@@ -25,6 +25,7 @@ from spotrun.console import (
     error_exit,
     wide_console,
 )
+from spotrun.deploy_cmd import add_deploy, add_serve
 from spotrun.run_cmd import add_run
 from trainer.errors import SpotrunError
 
@@ -82,12 +83,14 @@ def _add_history(sub: Subparsers) -> None:
     p.set_defaults(handler=cmd_history)
 
 
-# ---- the command registry: `deploy` and `serve` are added here ----
+# ---- the command registry ----
 
 COMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "checkpoints": add_checkpoints,
     "run": add_run,
     "history": _add_history,
+    "deploy": add_deploy,
+    "serve": add_serve,
 }
 
 

@@ -1,12 +1,15 @@
 """`python -m spotrun.demo` (`make demo`): train a job to completion through the resilient-training flow
 while a simulated spot market takes its workers away three times, then show that it ends bit for bit
-where an uninterrupted run ends.
+where an uninterrupted run ends. The three restarts raise one restart-storm alert through the real
+path (deployments applied, automations, a worker running the alert flow): printed here, and sent to
+Slack when SPOTRUN_SLACK_WEBHOOK_URL (or SPOTRUN_SLACK_TOKEN + SPOTRUN_SLACK_CHANNEL) is set.
 
 Embedded defaults only (PREFECT_API_URL and SPOTRUN_DATABASE_URL are ignored). Under $SPOTRUN_HOME
 (default ./.spotrun/):
   demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), history.db
              (the SQLite restart history), jobs/digits/ (workers, metrics, timeline) and reference/ (an
-             uninterrupted `python -m trainer` run of the same job, made in the background)
+             uninterrupted `python -m trainer` run of the same job, made in the background) and
+             worker.log (the Prefect worker that runs the alert flow)
   prefect/   the Prefect server the demo starts and stops (SQLite). Kept between demos: the UI lists
              earlier demo runs, and the server starts in seconds rather than after fresh migrations.
 """
@@ -28,6 +31,7 @@ from safetensors.torch import load_file
 
 from spotrun import run_cmd
 from spotrun.console import wide_console
+from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.server import PrefectServer, prefect_api
 from tasks.attempts import Outcome
 from tasks.history import default_url
@@ -166,9 +170,12 @@ def _run_and_check(
     provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
     with prefect_api(home, use_env=False, keep=keep_server) as api:
         console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
-        result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
-        run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
-    failures = _plan_failures(result)
+        with alerting(settings.home / "worker.log", console):
+            result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
+            run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
+            alert = wait_for_alert(settings.database_url, job.name)
+            alert_failures = show_alert(console, job.name, alert)
+    failures = _plan_failures(result) + alert_failures
     if not failures:
         code = reference.wait(timeout=REFERENCE_TIMEOUT_S)
         if code != 0:

@@ -28,13 +28,23 @@ JOB_COMPLETED = "spotrun.job.completed"
 JOB_GAVE_UP = "spotrun.job.gave-up"
 
 
-def job_resource(job: str) -> dict[str, str]:
-    return {"prefect.resource.id": f"spotrun.job.{job}", "prefect.resource.name": job}
+# A resource label on JOB_COMPLETED: "true" when the job restarted on the way, so the recovery
+# automation matches only those completions.
+RESTARTED_LABEL = "spotrun.restarted"
+
+
+def job_resource(job: str, **labels: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"spotrun.job.{job}", "prefect.resource.name": job, **labels}
 
 
 def emit(event: str, job: str, **payload: Any) -> None:
     """Emit a spotrun event about `job`; the run context (flow run, task run) is attached by Prefect."""
-    emit_event(event=event, resource=job_resource(job), payload={"job": job, **payload})
+    emit_labeled(event, job, {}, payload)
+
+
+def emit_labeled(event: str, job: str, labels: dict[str, str], payload: dict[str, Any]) -> None:
+    """`emit` with extra labels on the job's resource, which automations can match on."""
+    emit_event(event=event, resource=job_resource(job, **labels), payload={"job": job, **payload})
 
 
 def attempt_event(record: AttemptRecord) -> str:

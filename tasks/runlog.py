@@ -44,8 +44,11 @@ class Summary:
 
 
 class JobRunLog:
-    def __init__(self, settings: Settings, job: JobSpec, store: HistoryStore, job_run_id: str) -> None:
+    def __init__(
+        self, settings: Settings, job: JobSpec, store: HistoryStore, job_run_id: str, flow_run_id: str = ""
+    ) -> None:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
+        self.flow_run_id = flow_run_id
         self.records: list[AttemptRecord] = []
         self.traces: list[AttemptTrace] = []
         self.resume_step: int | None = None
@@ -60,7 +63,7 @@ class JobRunLog:
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
         )
-        log = cls(settings, job, store, run_id)
+        log = cls(settings, job, store, run_id, flow_run_id)
         log.dir.mkdir(parents=True, exist_ok=True)
         log.spec_path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
         return log

@@ -41,6 +41,12 @@ def fake_aws_env() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def httpserver_listen_address() -> tuple[str, int]:
+    """pytest-httpserver on 127.0.0.1 and an ephemeral port (its default host is "localhost")."""
+    return ("127.0.0.1", 0)
+
+
+@pytest.fixture(scope="session")
 def moto_server(fake_aws_env: None) -> Iterator[str]:
     """A ThreadedMotoServer on 127.0.0.1 (an ephemeral port); yields its endpoint URL."""
     from moto.server import ThreadedMotoServer

@@ -1,11 +1,13 @@
-"""Local servers for tests: a reverse proxy that injects S3 faults in front of moto."""
+"""Local servers for tests: a reverse proxy that injects S3 faults in front of moto; a Slack webhook."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import struct
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
@@ -142,3 +144,61 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
 
     return Handler
+
+
+class SlackFake:
+    """A Slack incoming webhook on 127.0.0.1: records every POST and answers from a script of
+    (status, headers, body) replies, then 200 "ok". Stands in for hooks.slack.com in tests."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, object]] = []
+        self._script: list[tuple[int, dict[str, str], str]] = []
+        self._lock = threading.Condition()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with fake._lock:
+                    status, headers, text = fake._script.pop(0) if fake._script else (200, {}, "ok")
+                    fake.requests.append({"path": self.path, "status": status, "body": body.decode()})
+                    fake._lock.notify_all()
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{host!s}:{port}/services/T000/B000/XXXX"
+
+    def script(self, *replies: tuple[int, dict[str, str], str]) -> None:
+        with self._lock:
+            self._script.extend(replies)
+
+    def delivered(self) -> list[dict[str, object]]:
+        """The JSON bodies of the requests answered 200."""
+        with self._lock:
+            return [json.loads(str(r["body"])) for r in self.requests if r["status"] == 200]
+
+    def wait_delivered(self, n: int, timeout_s: float) -> list[dict[str, object]]:
+        """Wait until at least n messages were answered 200; returns them all (fewer on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while sum(r["status"] == 200 for r in self.requests) < n and time.monotonic() < deadline:
+                self._lock.wait(0.5)
+        return self.delivered()
+
+    def start(self) -> SlackFake:
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

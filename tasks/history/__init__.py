@@ -1,12 +1,13 @@
-"""Restart history in SQL: job runs, attempts and checkpoint rejections (no Prefect here)."""
+"""Restart history in SQL: job runs, attempts, checkpoint rejections and alerts (no Prefect here)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
 
-from tasks.history.models import JobStatus
+from tasks.history.models import AlertStatus, JobStatus
 from tasks.history.store import (
+    AlertRow,
     AttemptRow,
     HistoryStore,
     JobRunRow,
@@ -16,6 +17,8 @@ from tasks.history.store import (
 )
 
 __all__ = [
+    "AlertRow",
+    "AlertStatus",
     "AttemptRow",
     "HistoryStore",
     "JobRunRow",

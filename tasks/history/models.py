@@ -1,4 +1,4 @@
-"""The restart-history schema (job runs, append-only attempts, checkpoint rejections) and its rows.
+"""The restart-history schema (job runs, append-only attempts, checkpoint rejections, alerts) and its rows.
 
 Migrations (`migrations/versions/`) create exactly these tables; a test compares the two.
 """
@@ -42,6 +42,13 @@ class JobStatus(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class AlertStatus(StrEnum):
+    SENT = "sent"  # Slack took it
+    FAILED = "failed"  # Slack did not take it (the caller may retry: a new row per try)
+    LOGGED = "logged"  # no Slack configured: announced in the flow run's log and an artifact
+    SUPPRESSED = "suppressed"  # already announced (same dedup key), or nothing to announce
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -137,6 +144,28 @@ class CheckpointRejection(Base):
     created_at: Mapped[datetime]
 
 
+class Alert(Base):
+    """One try to announce something about a job (append-only): sent, failed, logged or suppressed."""
+
+    __tablename__ = "alerts"
+    # The dedup check reads a job's recent alerts of one kind.
+    __table_args__ = (Index("ix_alerts_job_kind_created_at", "job", "kind", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    dedup_key: Mapped[str] = mapped_column(String(255), index=True)
+    kind: Mapped[str] = mapped_column(String(32))  # a tasks.alerts.AlertKind value
+    job: Mapped[str] = mapped_column(String(255))
+    # No foreign key: an alert may name a job run whose row is still buffered in another process.
+    job_run_id: Mapped[str | None] = mapped_column(String(36))
+    status: Mapped[str] = mapped_column(String(16))  # an AlertStatus value
+    channel: Mapped[str] = mapped_column(String(32))  # "slack-webhook", "slack-api", "log"
+    http_status: Mapped[int | None]
+    error: Mapped[str] = mapped_column(Text)
+    message: Mapped[str] = mapped_column(Text)  # the plain-text summary, bounded by the store
+    trigger: Mapped[str] = mapped_column(Text)  # what asked for it, e.g. the Prefect event id
+    created_at: Mapped[datetime]
+
+
 # -- rows: what the store's reads return (plain data, detached from any session) ---------------
 
 
@@ -171,6 +200,22 @@ class RejectionRow:
     created_at: float
 
 
+@dataclass(frozen=True)
+class AlertRow:
+    id: int
+    dedup_key: str
+    kind: str
+    job: str
+    job_run_id: str | None
+    status: AlertStatus
+    channel: str
+    http_status: int | None
+    error: str
+    message: str
+    trigger: str
+    created_at: float  # epoch seconds
+
+
 def attempt_row(a: Attempt) -> AttemptRow:
     v = {f.name: getattr(a, f.name) for f in fields(AttemptRecord)}
     v["outcome"] = Outcome(a.outcome)
@@ -196,3 +241,20 @@ def job_run_row(r: JobRun) -> JobRunRow:
 
 def rejection_row(r: CheckpointRejection) -> RejectionRow:
     return RejectionRow(r.job_run_id, r.attempt, r.step, r.reasons, r.created_at.timestamp())
+
+
+def alert_row(a: Alert) -> AlertRow:
+    return AlertRow(
+        id=a.id,
+        dedup_key=a.dedup_key,
+        kind=a.kind,
+        job=a.job,
+        job_run_id=a.job_run_id,
+        status=AlertStatus(a.status),
+        channel=a.channel,
+        http_status=a.http_status,
+        error=a.error,
+        message=a.message,
+        trigger=a.trigger,
+        created_at=a.created_at.timestamp(),
+    )

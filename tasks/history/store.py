@@ -30,6 +30,9 @@ from sqlalchemy.orm import Session
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.history.migrations import upgrade_to_head
 from tasks.history.models import (
+    Alert,
+    AlertRow,
+    AlertStatus,
     Attempt,
     AttemptRow,
     CheckpointRejection,
@@ -37,6 +40,7 @@ from tasks.history.models import (
     JobRunRow,
     JobStatus,
     RejectionRow,
+    alert_row,
     attempt_row,
     job_run_row,
     rejection_row,
@@ -46,6 +50,8 @@ log = logging.getLogger(__name__)
 
 LOG_TAIL_MAX_BYTES = 8 * 1024  # keep the end: the last lines say how it died
 ERROR_MAX_CHARS = 4000
+ALERT_MESSAGE_MAX_CHARS = 4000
+TRIGGER_MAX_CHARS = 1000
 _T = TypeVar("_T")
 
 
@@ -77,7 +83,7 @@ class _Write:
 
 
 class HistoryStore:
-    """Job runs, attempts and checkpoint rejections in SQL (SQLite or PostgreSQL)."""
+    """Job runs, attempts, checkpoint rejections and alerts in SQL (SQLite or PostgreSQL)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -166,6 +172,39 @@ class HistoryStore:
 
         self._write(_Write(f"end ({final.value}) of job run {job_run_id}", apply))
 
+    def record_alert(
+        self,
+        *,
+        dedup_key: str,
+        kind: str,
+        job: str,
+        status: AlertStatus | str,
+        channel: str,
+        job_run_id: str | None = None,
+        http_status: int | None = None,
+        error: str = "",
+        message: str = "",
+        trigger: str = "",
+        created_at: datetime | None = None,
+    ) -> None:
+        """Append one alert try (message, error and trigger bounded); `created_at` defaults to now."""
+        if created_at is not None and created_at.tzinfo is None:
+            raise ValueError(f"created_at={created_at!r} is naive: pass an aware datetime")
+        values: dict[str, Any] = dict(
+            dedup_key=dedup_key,
+            kind=str(kind),
+            job=job,
+            job_run_id=job_run_id,
+            status=AlertStatus(status).value,
+            channel=channel,
+            http_status=http_status,
+            error=error[:ERROR_MAX_CHARS],
+            message=message[:ALERT_MESSAGE_MAX_CHARS],
+            trigger=trigger[:TRIGGER_MAX_CHARS],
+            created_at=created_at or datetime.now(UTC),
+        )
+        self._write(_Write(f"{values['status']} alert {dedup_key}", lambda s: s.add(Alert(**values))))
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Retry buffered writes until none is left or `timeout_s` passed; True when all are written."""
         deadline = time.monotonic() + timeout_s
@@ -221,6 +260,31 @@ class HistoryStore:
             q = q.where(JobRun.job == job)
         q = q.order_by(JobRun.started_at.desc(), JobRun.id.desc()).limit(limit)
         return [job_run_row(r) for r in reversed(self._read(lambda s: list(s.scalars(q))))]
+
+    def latest_job_run(self, job: str) -> JobRunRow | None:
+        """The job's most recently started job run, if any."""
+        runs = self.job_runs(job, limit=1)
+        return runs[-1] if runs else None
+
+    def alerts(
+        self,
+        job: str | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        limit: int = 100,
+    ) -> list[AlertRow]:
+        """The newest `limit` alerts (of a job, of a kind, created at or after `since`), oldest first."""
+        q = select(Alert)
+        if job is not None:
+            q = q.where(Alert.job == job)
+        if kind is not None:
+            q = q.where(Alert.kind == str(kind))
+        if since is not None:
+            if since.tzinfo is None:
+                raise ValueError(f"since={since!r} is naive: pass an aware datetime, e.g. datetime.now(UTC)")
+            q = q.where(Alert.created_at >= since)
+        q = q.order_by(Alert.created_at.desc(), Alert.id.desc()).limit(limit)
+        return [alert_row(a) for a in reversed(self._read(lambda s: list(s.scalars(q))))]
 
     def rejections(self, job_run_id: str) -> list[RejectionRow]:
         """The checkpoints refused during a job run, in the order they were recorded."""

@@ -23,10 +23,17 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, insert, inspect
 
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.history import HistoryStore, JobStatus, StoreUnavailable, database_url, default_url
+from tasks.history import (
+    AlertStatus,
+    HistoryStore,
+    JobStatus,
+    StoreUnavailable,
+    database_url,
+    default_url,
+)
 from tasks.history.migrations import (
     VERSION_TABLE,
     alembic_config,
@@ -34,11 +41,11 @@ from tasks.history.migrations import (
     head_revision,
     upgrade_to_head,
 )
-from tasks.history.models import Base
-from tasks.history.store import LOG_TAIL_MAX_BYTES, normalize_url
+from tasks.history.models import Base, JobRun
+from tasks.history.store import ALERT_MESSAGE_MAX_CHARS, LOG_TAIL_MAX_BYTES, normalize_url
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
-TABLES = {"job_runs", "attempts", "checkpoint_rejections"}
+TABLES = {"job_runs", "attempts", "checkpoint_rejections", "alerts"}
 T0 = 1_700_000_000.0  # epoch seconds; multiples of 1/4 s survive the datetime round trip exactly
 STORE_LOG = "tasks.history.store"
 
@@ -136,7 +143,7 @@ def test_migrates_on_first_use_and_is_idempotent(db_url: str) -> None:
     assert table_names(db_url) >= TABLES
     engine = create_engine(normalize_url(db_url))
     with engine.connect() as conn:
-        assert current_revision(conn) == head_revision() == "0001"
+        assert current_revision(conn) == head_revision() == "0002"
     upgrade_to_head(engine)  # at head: nothing to do
     engine.dispose()
     with HistoryStore.open(db_url) as again:
@@ -165,6 +172,39 @@ def test_upgrade_head_then_downgrade_base(db_url: str) -> None:
     assert table_names(db_url) & TABLES == set()
     upgrade_to_head(engine)
     assert table_names(db_url) >= TABLES
+    engine.dispose()
+
+
+def test_a_database_at_0001_upgrades_on_open_and_keeps_its_rows(db_url: str) -> None:
+    run = str(uuid.uuid4())
+    engine = create_engine(normalize_url(db_url))
+    with engine.connect() as conn:  # what spotrun before the alerts table left behind
+        command.upgrade(alembic_config(conn), "0001")
+        conn.execute(
+            insert(JobRun).values(
+                id=run,
+                job="digits",
+                spec_hash="sha256:abc",
+                flow_run_id=None,
+                storage_uri="file:///tmp/ckpt/digits",
+                provider="local",
+                status="failed",
+                message="gave up",
+                started_at=datetime.fromtimestamp(T0, UTC),
+                ended_at=None,
+            )
+        )
+        conn.commit()
+    assert "alerts" not in table_names(db_url)
+
+    with HistoryStore.open(db_url) as store:
+        assert [(r.id, r.status) for r in store.job_runs()] == [(run, JobStatus.FAILED)]
+        store.record_alert(
+            dedup_key=f"gave-up:digits:{run}", kind="gave-up", job="digits", status="logged", channel="log"
+        )
+        assert [(a.job_run_id, a.status) for a in store.alerts()] == [(None, AlertStatus.LOGGED)]
+    with engine.connect() as conn:
+        assert current_revision(conn) == "0002"
     engine.dispose()
 
 
@@ -262,6 +302,90 @@ def test_restarts_within_window(db_url: str) -> None:
         assert store.restarts_within("digits", datetime.fromtimestamp(now, UTC)) == []
         with pytest.raises(ValueError, match="naive"):
             store.restarts_within("digits", datetime(2024, 1, 1))
+
+
+def test_alerts_round_trip_and_filters(db_url: str) -> None:
+    at = [datetime.fromtimestamp(T0 + 60 * i, UTC) for i in range(4)]
+    with HistoryStore.open(db_url) as store:
+        assert store.latest_job_run("digits") is None
+        first, second = new_run(store), new_run(store)
+        store.record_alert(
+            dedup_key="restart-storm:digits:20231114T221320Z",
+            kind="restart-storm",
+            job="digits",
+            job_run_id=second,
+            status=AlertStatus.FAILED,
+            channel="slack-webhook",
+            error="no answer from http://127.0.0.1:9: URLError: Connection refused",
+            message="spotrun: digits restarted 3 times in 1 h",
+            trigger="event-1",
+            created_at=at[0],
+        )
+        store.record_alert(
+            dedup_key="restart-storm:digits:20231114T221320Z",
+            kind="restart-storm",
+            job="digits",
+            job_run_id=second,
+            status="sent",
+            channel="slack-webhook",
+            http_status=200,
+            message="x" * (ALERT_MESSAGE_MAX_CHARS + 500),
+            created_at=at[1],
+        )
+        store.record_alert(
+            dedup_key="k3", kind="gave-up", job="digits", status="sent", channel="slack-api", created_at=at[2]
+        )
+        store.record_alert(
+            dedup_key="k4",
+            kind="restart-storm",
+            job="charlm",
+            status="suppressed",
+            channel="log",
+            created_at=at[3],
+        )
+
+        rows = store.alerts()
+        assert [r.dedup_key for r in rows] == ["restart-storm:digits:20231114T221320Z"] * 2 + ["k3", "k4"]
+        failed, sent = rows[0], rows[1]
+        assert (failed.status, failed.channel, failed.http_status, failed.job_run_id) == (
+            AlertStatus.FAILED,
+            "slack-webhook",
+            None,
+            second,
+        )
+        assert (failed.error, failed.trigger, failed.created_at) == (
+            "no answer from http://127.0.0.1:9: URLError: Connection refused",
+            "event-1",
+            T0,
+        )
+        assert (sent.status, sent.http_status, len(sent.message)) == (
+            AlertStatus.SENT,
+            200,
+            ALERT_MESSAGE_MAX_CHARS,
+        )
+        assert isinstance(rows[3].status, AlertStatus) and rows[3].job_run_id is None
+
+        assert [r.dedup_key for r in store.alerts("digits", kind="gave-up")] == ["k3"]
+        assert [r.created_at for r in store.alerts("digits", since=at[1])] == [T0 + 60, T0 + 120]
+        assert [r.dedup_key for r in store.alerts(limit=2)] == ["k3", "k4"]  # the newest, oldest first
+        assert store.alerts("nobody") == []
+        latest = store.latest_job_run("digits")
+        assert latest is not None and latest.id in (first, second)
+        assert latest.id == store.job_runs("digits")[-1].id
+        with pytest.raises(ValueError, match="naive"):
+            store.alerts(since=datetime(2024, 1, 1))
+        with pytest.raises(ValueError, match="naive"):
+            store.record_alert(
+                dedup_key="k",
+                kind="gave-up",
+                job="d",
+                status="sent",
+                channel="log",
+                created_at=datetime(2024, 1, 1),
+            )
+        with pytest.raises(ValueError):
+            store.record_alert(dedup_key="k", kind="gave-up", job="d", status="delivered", channel="log")
+        assert store.pending == 0
 
 
 def test_log_tail_is_bounded_keeping_the_end(db_url: str) -> None:

@@ -1,0 +1,118 @@
+"""Apply spotrun to a Prefect server: the work pool, the deployments of prefect.yaml, the automations.
+
+Idempotent: the pool is created only when missing, `prefect deploy` updates deployments in place by
+name (and the nightly schedule by its slug), automations are matched by name. Applying twice leaves
+the same ids and nothing new.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from uuid import UUID
+
+import yaml
+from prefect import get_client
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from deployments.automations import AlertRules, Applied, apply_automations, build_automations
+from trainer.errors import SpotrunError
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
+ALERT_DEPLOYMENT = "restart-alert/restart-alert"
+DEPLOY_TIMEOUT_S = 300
+
+
+class DeployError(SpotrunError):
+    """`prefect deploy` failed or the server refused something; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DeployedNames:
+    """What prefect.yaml declares: "flow-name/deployment-name" → its work pool."""
+
+    pools: dict[str, str]
+
+    @classmethod
+    def read(cls, prefect_file: Path = PREFECT_FILE) -> DeployedNames:
+        doc = yaml.safe_load(prefect_file.read_text())
+        pools = {}
+        for d in doc.get("deployments", []):
+            flow_name = _flow_name(d["entrypoint"])
+            pools[f"{flow_name}/{d['name']}"] = (d.get("work_pool") or {}).get("name", "")
+        return cls(pools)
+
+
+def _flow_name(entrypoint: str) -> str:
+    """Our flows pass name= in @flow; by convention it is the function name with dashes."""
+    return entrypoint.rsplit(":", 1)[1].replace("_", "-")
+
+
+@dataclass(frozen=True)
+class DeployReport:
+    deployments: dict[str, UUID]
+    pools_created: list[str]
+    automations: list[Applied]
+
+
+def ensure_work_pool(client: SyncPrefectClient, name: str) -> bool:
+    """Create the process work pool `name` unless it exists; True when it was created."""
+    try:
+        client.read_work_pool(name)
+        return False
+    except ObjectNotFound:
+        pass
+    try:
+        client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+    except ObjectAlreadyExists:  # created meanwhile by another `spotrun deploy`
+        return False
+    return True
+
+
+def api_url() -> str:
+    """The server to apply to: PREFECT_API_URL (environment, profile or temporary settings)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise DeployError(
+            "no Prefect server to deploy to: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), "
+            "or run `spotrun serve`, which starts a local one"
+        )
+    return str(url)
+
+
+def run_prefect_deploy(api_url: str, prefect_file: Path = PREFECT_FILE) -> None:
+    """`prefect deploy --all` from the repository root, where the entrypoints are relative to."""
+    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file"]
+    cmd.append(str(prefect_file))
+    env = {**os.environ, "PREFECT_API_URL": api_url}
+    try:
+        done = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        raise DeployError(f"`prefect deploy` did not finish within {DEPLOY_TIMEOUT_S} s") from e
+    if done.returncode != 0:
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        raise DeployError(f"`prefect deploy` failed ({done.returncode}) for {prefect_file}: {tail}")
+
+
+def deploy(rules: AlertRules, prefect_file: Path = PREFECT_FILE) -> DeployReport:
+    """Apply pools, deployments and automations to the server PREFECT_API_URL names."""
+    url = api_url()
+    names = DeployedNames.read(prefect_file)
+    with get_client(sync_client=True) as client:
+        created = [p for p in sorted(set(names.pools.values()) - {""}) if ensure_work_pool(client, p)]
+        run_prefect_deploy(url, prefect_file)
+        ids = {name: client.read_deployment_by_name(name).id for name in names.pools}
+        if ALERT_DEPLOYMENT not in ids:
+            raise DeployError(f"{prefect_file} declares no {ALERT_DEPLOYMENT} deployment; alerts need it")
+        applied = apply_automations(client, build_automations(rules, ids[ALERT_DEPLOYMENT]))
+    return DeployReport(ids, created, applied)

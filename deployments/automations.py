@@ -1,0 +1,162 @@
+"""The alert automations, as code: built from `AlertRules`, applied to a Prefect server by name.
+
+Each automation runs the `restart-alert` deployment with parameters rendered from the event that fired
+it (the server renders the Jinja strings). Restart storms are counted per job (`for_each` on the job's
+resource id): a reactive trigger fires once when a job reaches the threshold and then not again for the
+rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+from uuid import UUID
+
+from prefect.automations import AutomationCore, EventTrigger, Posture, RunDeployment
+from prefect.client.orchestration import SyncPrefectClient
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
+
+NAME_PREFIX = "spotrun"
+STORM = f"{NAME_PREFIX}: restart storm"
+GAVE_UP = f"{NAME_PREFIX}: job gave up"
+RECOVERED = f"{NAME_PREFIX}: job recovered"
+ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
+
+
+class AlertRules(BaseModel):
+    """When to alert, and how hard the alert run tries to reach Slack."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    restart_threshold: int = Field(default=3, ge=1, description="restarts of one job that make a storm")
+    restart_window_s: float = Field(
+        default=3600, gt=0, description="the window they must fall in, in seconds"
+    )
+    recovery_note: bool = Field(default=True, description="say so when a job that restarted completes")
+    retries: int = Field(default=3, ge=0, le=20, description="delivery retries of the alert run")
+    retry_delay_s: float = Field(default=30, ge=0, description="seconds between delivery retries")
+
+
+def _alert_parameters(kind: str, rules: AlertRules, **templated: str) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "job": "{{ event.payload.job }}",
+        "window_s": rules.restart_window_s,
+        "threshold": rules.restart_threshold,
+        # default(''): the server renders with strict undefined; a missing key would fail the action
+        "checkpoint": "{{ event.payload.checkpoint | default('') }}",
+        "training_flow_run_id": "{{ event.payload.flow_run_id | default('') }}",
+        "trigger": "{{ event.event }} {{ event.id }}",
+        "retries": rules.retries,
+        "retry_delay_s": rules.retry_delay_s,
+        **templated,
+    }
+
+
+def _automation(
+    name: str, description: str, trigger: EventTrigger, deployment_id: UUID, parameters: dict[str, Any]
+) -> AutomationCore:
+    action = RunDeployment(
+        source="selected", deployment_id=deployment_id, parameters=parameters, job_variables=None
+    )
+    return AutomationCore(name=name, description=description, trigger=trigger, actions=[action])
+
+
+def _first(event: str, match: dict[str, str | list[str]]) -> EventTrigger:
+    """Fires on each such event (per job): threshold 1."""
+    return EventTrigger(
+        expect={event}, match=match, for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1
+    )
+
+
+def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[AutomationCore]:
+    """The automations spotrun wants on the server for these rules (pure: no API calls)."""
+    storm = EventTrigger(
+        expect={JOB_RESTARTED},
+        match=ANY_JOB,
+        for_each={"prefect.resource.id"},
+        posture=Posture.Reactive,
+        threshold=rules.restart_threshold,
+        within=timedelta(seconds=rules.restart_window_s),
+    )
+    out = [
+        _automation(
+            STORM,
+            f"{rules.restart_threshold} restarts of one job within {rules.restart_window_s:g} s",
+            storm,
+            alert_deployment_id,
+            _alert_parameters("restart-storm", rules),
+        ),
+        _automation(
+            GAVE_UP,
+            "a job ran out of its restart budget",
+            _first(JOB_GAVE_UP, ANY_JOB),
+            alert_deployment_id,
+            _alert_parameters("gave-up", rules, reason="{{ event.payload.reason | default('') }}"),
+        ),
+    ]
+    if rules.recovery_note:
+        restarted: dict[str, str | list[str]] = {**ANY_JOB, RESTARTED_LABEL: "true"}
+        out.append(
+            _automation(
+                RECOVERED,
+                "a job that restarted completed (a note only if it had alerted)",
+                _first(JOB_COMPLETED, restarted),
+                alert_deployment_id,
+                _alert_parameters("recovered", rules),
+            )
+        )
+    return out
+
+
+Change = Literal["created", "updated", "unchanged", "deleted"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    name: str
+    change: Change
+    id: UUID | None
+
+
+def _comparable(a: AutomationCore) -> dict[str, Any]:
+    return a.model_dump(mode="json", exclude={"id", "created", "updated"})
+
+
+def apply_automations(client: SyncPrefectClient, wanted: list[AutomationCore]) -> list[Applied]:
+    """Create or update each automation by name, so applying twice changes nothing; remove duplicates
+    of a name and spotrun automations no longer wanted (e.g. the recovery note switched off)."""
+    applied: list[Applied] = []
+    for a in wanted:
+        found = client.read_automations_by_name(a.name)
+        for extra in found[1:]:
+            client.delete_automation(extra.id)
+        if not found:
+            applied.append(Applied(a.name, "created", client.create_automation(a)))
+        elif _comparable(AutomationCore.model_validate(found[0].model_dump())) == _comparable(a):
+            applied.append(Applied(a.name, "unchanged", found[0].id))
+        else:
+            client.update_automation(found[0].id, a)
+            applied.append(Applied(a.name, "updated", found[0].id))
+    names = {a.name for a in wanted}
+    for stale in spotrun_automations(client):
+        if stale.name not in names:
+            client.delete_automation(stale.id)
+            applied.append(Applied(stale.name, "deleted", stale.id))
+    return applied
+
+
+def spotrun_automations(client: SyncPrefectClient) -> list[Any]:
+    """Every automation on the server whose name marks it as spotrun's."""
+    return [a for a in client.read_automations() if a.name.startswith(f"{NAME_PREFIX}:")]
+
+
+def delete_automations(client: SyncPrefectClient) -> int:
+    """Remove spotrun's automations (tests, `spotrun deploy --remove-alerts`); returns how many."""
+    found = spotrun_automations(client)
+    for a in found:
+        client.delete_automation(a.id)
+    return len(found)

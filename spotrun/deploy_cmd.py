@@ -1,0 +1,156 @@
+"""`spotrun deploy` (deployments and alert automations onto a Prefect server) and `spotrun serve` (the
+same, plus a worker on this machine that runs what the UI, the scheduler and the automations start)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import threading
+from dataclasses import asdict
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+from rich.markup import escape
+from rich.table import Table
+
+from spotrun.console import EXIT_OK, Subparsers, wide_console
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where used: `spotrun --help` must stay fast
+    from deployments.apply import DeployReport
+    from deployments.automations import AlertRules
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(text: str) -> float:
+    """'3600', '90s', '30m', '1h', '1.5h', '2d' -> seconds; ConfigError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text.lower())
+    if m is None:
+        raise ConfigError(f"bad duration {text!r}: use seconds or a number with s, m, h or d (e.g. 1h)")
+    return float(m[1]) * _UNITS[m[2]]
+
+
+def alert_rules(args: argparse.Namespace) -> AlertRules:
+    """The alert rules from the flags, validated; ConfigError naming the flag otherwise."""
+    from deployments.automations import AlertRules
+
+    try:
+        return AlertRules(
+            restart_threshold=args.restart_threshold,
+            restart_window_s=duration_s(args.restart_window),
+            recovery_note=not args.no_recovery_note,
+            retries=args.alert_retries,
+            retry_delay_s=duration_s(args.alert_retry_delay),
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_s", "").replace("_", "-")
+        raise ConfigError(f"{flag}: {err['msg']}") from None
+
+
+def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
+    if as_json:
+        doc = {
+            "deployments": report.deployments,
+            "pools_created": report.pools_created,
+            "automations": [asdict(a) for a in report.automations],
+        }
+        print(json.dumps(doc, default=str, indent=2))
+        return
+    out = wide_console()
+    for pool in report.pools_created:
+        out.print(f"created work pool {escape(pool)} (process)")
+    table = Table(title="deployments", title_justify="left")
+    for col in ("name", "id", "in the UI"):
+        table.add_column(col, overflow="fold")
+    for name, dep_id in report.deployments.items():
+        table.add_row(escape(name), str(dep_id), f"{ui_url}/deployments/deployment/{dep_id}")
+    out.print(table)
+    autos = Table(title="automations", title_justify="left")
+    for col in ("name", "change", "id"):
+        autos.add_column(col)
+    for a in report.automations:
+        autos.add_row(escape(a.name), a.change, str(a.id))
+    out.print(autos)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """`spotrun deploy`: apply prefect.yaml's deployments and the alert automations, idempotently."""
+    from deployments.apply import deploy
+    from spotrun.server import PrefectApi
+
+    rules = alert_rules(args)
+    report = deploy(rules)
+    from prefect.settings import PREFECT_API_URL
+
+    print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`spotrun serve`: deploy, then run a worker for the pool until interrupted."""
+    from deployments.apply import deploy
+    from deployments.worker import LocalWorker
+    from spotrun.server import prefect_api
+    from tasks.settings import Settings
+
+    rules = alert_rules(args)
+    settings = Settings.from_env()
+    out = wide_console()
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    with prefect_api(settings.home, keep=False) as api:
+        if api.server is not None:
+            out.print(f"started a Prefect server: {api.ui_url}", markup=False)
+        print_report(deploy(rules), api.ui_url, args.json)
+        worker = LocalWorker(settings.home / "worker.log", query_s=args.poll).start()
+        try:
+            out.print(f"worker {worker.name} runs the pool's flow runs (log: {worker.log}); Ctrl-C stops it")
+            while not stop.wait(1.0):
+                if worker.proc is not None and worker.proc.poll() is not None:
+                    raise ConfigError(f"the worker exited with {worker.proc.returncode}; see {worker.log}")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            out.print("stopping the worker ...")
+            worker.stop()
+    return EXIT_OK
+
+
+def _alert_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restart-threshold", type=int, default=3, metavar="N",
+                   help="restarts of one job that raise a restart-storm alert (default 3)")  # fmt: skip
+    p.add_argument("--restart-window", default="1h", metavar="DURATION",
+                   help="... within this window, e.g. 30m, 1h, 2d (default 1h)")  # fmt: skip
+    p.add_argument("--no-recovery-note", action="store_true",
+                   help="do not post a note when a job that alerted completes")  # fmt: skip
+    p.add_argument("--alert-retries", type=int, default=3, metavar="N",
+                   help="delivery retries of an alert when Slack fails (default 3)")  # fmt: skip
+    p.add_argument("--alert-retry-delay", default="30s", metavar="DURATION",
+                   help="wait between delivery retries (default 30s)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print what was applied as JSON")
+
+
+def add_deploy(sub: Subparsers) -> None:
+    help_ = "apply the deployments (deployments/prefect.yaml) and alert automations to PREFECT_API_URL"
+    p = sub.add_parser("deploy", help=help_, description=help_ + "; running it twice changes nothing")
+    _alert_flags(p)
+    p.set_defaults(handler=cmd_deploy)
+
+
+def add_serve(sub: Subparsers) -> None:
+    help_ = "deploy, then run a worker here that executes deployment runs (UI, schedules, alerts)"
+    p = sub.add_parser(
+        "serve", help=help_, description=help_ + "; starts a local server if PREFECT_API_URL is unset"
+    )
+    _alert_flags(p)
+    p.add_argument("--poll", type=float, default=5.0, metavar="S", help="how often the worker asks for runs")
+    p.set_defaults(handler=cmd_serve)

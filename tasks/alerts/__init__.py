@@ -1,0 +1,32 @@
+"""Restart-storm, give-up and recovery alerts: what they say, whether to send, and Slack delivery.
+
+No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing here imports.
+"""
+
+from __future__ import annotations
+
+from tasks.alerts.decide import Action, Decision, decide
+from tasks.alerts.message import AlertContext, AlertKind, SlackMessage, build_message, to_markdown
+from tasks.alerts.service import AlertRequest, AlertResult, raise_alert
+from tasks.alerts.slack import Delivery, SlackConfigError, SlackTarget, deliver, target_from_env
+from tasks.history import AlertStatus
+
+__all__ = [
+    "Action",
+    "AlertContext",
+    "AlertKind",
+    "AlertRequest",
+    "AlertResult",
+    "AlertStatus",
+    "Decision",
+    "Delivery",
+    "SlackConfigError",
+    "SlackMessage",
+    "SlackTarget",
+    "build_message",
+    "decide",
+    "deliver",
+    "raise_alert",
+    "target_from_env",
+    "to_markdown",
+]

@@ -1,0 +1,95 @@
+"""Send or suppress: the dedup policy for alerts (pure; tested with a table).
+
+An alert is announced once per thing that happened; repeated firings of an automation, a retried
+flow run, or two automations about one storm find the earlier row and are suppressed. Only alerts
+that reached people (SENT, or LOGGED where no Slack is configured) suppress; a FAILED try does not,
+so a retry sends again.
+
+Dedup keys (stable: they are stored, and people search for them):
+
+- ``restart-storm:{job}:{opened}``: one storm is one window. `opened` is the UTC time
+  (``20261130T221320Z``) of the first try to announce it; later tries within `window_s` of an
+  announced one reuse its key and are suppressed. A storm that goes on longer than the window is
+  announced again, at most once a window, under a new key.
+- ``gave-up:{job}:{job_run_id}``: once per job run (``{opened}`` when the job run is not known).
+- ``recovered:{job}:{job_run_id}``: once per job run, and only when a restart-storm or gave-up alert
+  reached people since that job run started: a job that restarted quietly recovers quietly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from tasks.alerts.message import AlertKind
+from tasks.history import AlertRow, AlertStatus
+
+ANNOUNCED = frozenset({AlertStatus.SENT, AlertStatus.LOGGED})
+
+
+class Action(StrEnum):
+    SEND = "send"
+    SUPPRESS = "suppress"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    key: str
+    reason: str  # one line, for the log: why it is sent or suppressed
+
+
+def decide(
+    kind: AlertKind,
+    job: str,
+    job_run_id: str | None,
+    previous: Sequence[AlertRow],
+    *,
+    window_s: float,
+    now: float,
+    run_started_at: float | None = None,
+) -> Decision:
+    """Send or suppress an alert of `kind` about `job`, given the alerts already recorded for it."""
+    mine = [a for a in previous if a.job == job]
+    if kind is AlertKind.RESTART_STORM:
+        return _storm(job, mine, window_s, now)
+    run = job_run_id or _stamp(now)
+    key = f"{kind}:{job}:{run}"
+    done = [a for a in mine if a.dedup_key == key and a.status in ANNOUNCED]
+    if done:
+        return Decision(Action.SUPPRESS, key, f"already announced at {_iso(done[-1].created_at)}")
+    if kind is AlertKind.GAVE_UP:
+        return Decision(Action.SEND, key, "first give-up alert for this job run")
+    since = run_started_at if run_started_at is not None else now - window_s
+    earlier = [
+        a
+        for a in mine
+        if a.kind in (AlertKind.RESTART_STORM, AlertKind.GAVE_UP)
+        and a.status in ANNOUNCED
+        and a.created_at >= since
+    ]
+    if not earlier:
+        return Decision(Action.SUPPRESS, key, "no alert to recover from")
+    return Decision(Action.SEND, key, f"recovers from {earlier[-1].dedup_key}")
+
+
+def _storm(job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:
+    recent = [a for a in mine if a.kind == AlertKind.RESTART_STORM and a.created_at >= now - window_s]
+    announced = [a for a in recent if a.status in ANNOUNCED]
+    if announced:
+        last = announced[-1]
+        reason = f"storm already announced at {_iso(last.created_at)} (within {window_s:g} s)"
+        return Decision(Action.SUPPRESS, last.dedup_key, reason)
+    if recent:  # earlier tries failed: the retry keeps their key
+        return Decision(Action.SEND, recent[-1].dedup_key, "earlier tries were not delivered")
+    return Decision(Action.SEND, f"{AlertKind.RESTART_STORM}:{job}:{_stamp(now)}", "new storm")
+
+
+def _stamp(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

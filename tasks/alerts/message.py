@@ -1,0 +1,281 @@
+"""What an alert says: a Slack Block Kit message and the same content as Markdown (pure).
+
+Every piece of user-provided text (job names, causes, logs) is escaped for Slack mrkdwn and bounded,
+so that no text object comes near Slack's limits (3000 characters a section, 2000 a field, 150 a
+header, 50 blocks) however long the log or the restart list is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from tasks.history import AttemptRow
+
+
+class AlertKind(StrEnum):
+    RESTART_STORM = "restart-storm"  # restarts in the window reached the threshold
+    GAVE_UP = "gave-up"  # the job run stopped retrying
+    RECOVERED = "recovered"  # the job completed after an alert about it
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertContext:
+    """Everything an alert message says; `restarts` are the window's non-completed attempts, oldest first."""
+
+    kind: AlertKind
+    job: str
+    restarts: list[AttemptRow]
+    window_s: float
+    threshold: int
+    checkpoint: str | None  # what the job resumes from
+    flow_run_url: str | None  # the training flow run in the Prefect UI
+    reason: str = ""  # why it gave up
+    now: float  # epoch seconds
+    run_attempts: int | None = None  # attempts of the job's latest job run (None: not known)
+    note: str = ""  # a caveat shown with the message, e.g. "restart history unavailable"
+
+
+@dataclass(frozen=True)
+class SlackMessage:
+    text: str  # the plain fallback for notifications
+    blocks: list[dict[str, Any]]
+
+
+# Slack allows 3000 characters a section, 2000 a field, 150 a header: stay well below.
+SECTION_MAX_CHARS = 2800
+FIELD_MAX_CHARS = 1000
+HEADER_MAX_CHARS = 150
+JOB_IN_TITLE_MAX_CHARS = 60
+CAUSE_MAX_CHARS = 160
+URI_MAX_CHARS = 500
+RESTART_LINES = 10  # the newest restarts listed; older ones are counted
+LOG_TAIL_LINES = 15
+LOG_TAIL_MAX_CHARS = 1500
+BUTTON_URL_MAX_CHARS = 3000
+
+_EMOJI = {
+    AlertKind.RESTART_STORM: ":rotating_light:",
+    AlertKind.GAVE_UP: ":x:",
+    AlertKind.RECOVERED: ":white_check_mark:",
+}
+_SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+
+
+def build_message(ctx: AlertContext) -> SlackMessage:
+    """The alert as a Slack Block Kit message with a plain-text fallback."""
+    header = f"{_EMOJI[ctx.kind]} {title(ctx)}"
+    blocks: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": _clip(header, HEADER_MAX_CHARS)}},
+        {
+            "type": "section",
+            "fields": [_mrkdwn(f"*{k}*\n{v}", FIELD_MAX_CHARS) for k, v in _slack_facts(ctx)],
+        },
+    ]
+    if ctx.restarts:
+        blocks.append(_section(_slack_restarts(ctx)))
+    log = _log_excerpt(ctx)
+    if log:
+        attempt, tail = log
+        code = tail.replace("```", "``\u200b`")  # a fence inside the log would end the code block
+        blocks.append(_section(f"*Last log lines* (attempt {attempt})\n```\n{_esc_tail(code)}\n```"))
+    if ctx.note:
+        blocks.append({"type": "context", "elements": [_mrkdwn(_esc_head(ctx.note, 300), 300)]})
+    if ctx.flow_run_url and len(ctx.flow_run_url) <= BUTTON_URL_MAX_CHARS:
+        button = {"type": "button", "text": {"type": "plain_text", "text": "Open flow run"}}
+        blocks.append({"type": "actions", "elements": [button | {"url": ctx.flow_run_url}]})
+    return SlackMessage(text=_esc_head(fallback_text(ctx), SECTION_MAX_CHARS), blocks=blocks)
+
+
+def to_markdown(ctx: AlertContext) -> str:
+    """The alert as Markdown: for the flow run's log and an artifact (when Slack is not configured)."""
+    lines = [f"### {title(ctx)}", ""]
+    lines += [f"- **{k}:** {v}" for k, v in _plain_facts(ctx)]
+    if ctx.flow_run_url:
+        lines.append(f"- **Flow run:** {ctx.flow_run_url}")
+    if ctx.note:
+        lines += ["", f"_{_md_cell(ctx.note)}_"]
+    if ctx.restarts:
+        lines += ["", f"#### Restarts in the last {human_duration(ctx.window_s)}", ""]
+        lines += ["| # | ended (UTC) | outcome | cause | lost steps |", "|---|---|---|---|---|"]
+        shown, hidden = _newest(ctx.restarts)
+        lines += [
+            f"| {r.attempt} | {utc(r.ended_at)} | {r.outcome} | {_md_cell(r.cause)} | {r.lost_steps} |"
+            for r in shown
+        ]
+        if hidden:
+            lines.append(f"| … | {hidden} earlier not shown | | | |")
+    log = _log_excerpt(ctx)
+    if log:
+        attempt, tail = log
+        fence = "`" * max(3, _longest_backtick_run(tail) + 1)
+        lines += ["", f"#### Last log lines (attempt {attempt})", "", f"{fence}text", tail, fence]
+    return "\n".join(lines) + "\n"
+
+
+def title(ctx: AlertContext) -> str:
+    """The one line that says what happened: 'spotrun: digits restarted 3 times in 1 h'."""
+    job = _clip(ctx.job, JOB_IN_TITLE_MAX_CHARS)
+    if ctx.kind is AlertKind.GAVE_UP:
+        n = ctx.run_attempts or len(ctx.restarts)
+        return f"spotrun: {job} gave up after {_times(n, 'attempt')}" if n else f"spotrun: {job} gave up"
+    if ctx.kind is AlertKind.RECOVERED:
+        n = ctx.run_attempts - 1 if ctx.run_attempts else len(ctx.restarts)
+        return f"spotrun: {job} recovered: completed after {_times(n, 'restart')}"
+    count = _times(len(ctx.restarts), "time") if ctx.restarts else f"at least {ctx.threshold} times"
+    return f"spotrun: {job} restarted {count} in {human_duration(ctx.window_s)}"
+
+
+def fallback_text(ctx: AlertContext) -> str:
+    """Title, give-up reason and last failure on one line (not yet escaped)."""
+    text = title(ctx)
+    if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
+        text += f": {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}"
+    if ctx.restarts:
+        last = ctx.restarts[-1]
+        text += f"; last failure: {last.outcome}: {_clip(_one_line(last.cause), CAUSE_MAX_CHARS)}"
+    return text
+
+
+def human_duration(seconds: float) -> str:
+    """3600 -> '1 h', 5400 -> '1.5 h', 900 -> '15 min', 45 -> '45 s'."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{seconds:g} s"
+
+
+def utc(ts: float) -> str:
+    """Epoch seconds as UTC ISO 8601: '2023-11-14T22:13:20Z'."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def slack_escape(text: str) -> str:
+    """Escape the three characters Slack mrkdwn treats as control characters."""
+    return "".join(_SLACK_ESCAPES.get(c, c) for c in text)
+
+
+# -- the pieces ----------------------------------------------------------------------------------
+
+
+def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    """(label, value) pairs, unescaped: the message's fields."""
+    facts = [("Job", ctx.job)]
+    window = human_duration(ctx.window_s)
+    facts.append(("Restarts in window", f"{len(ctx.restarts)} in {window} (threshold {ctx.threshold})"))
+    if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
+        facts.append(("Reason", _clip(_one_line(ctx.reason), CAUSE_MAX_CHARS * 2)))
+    if ctx.restarts:
+        last = ctx.restarts[-1]
+        facts.append(("Last failure", f"{utc(last.ended_at)} ({last.outcome}, attempt {last.attempt})"))
+        facts.append(("Last cause", _clip(_one_line(last.cause), CAUSE_MAX_CHARS)))
+    facts.append(("Resumed from", _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else "not known"))
+    facts.append(("Lost steps in window", str(sum(r.lost_steps for r in ctx.restarts))))
+    return facts
+
+
+def _slack_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    facts = [(k, _esc_head(v, FIELD_MAX_CHARS - 40)) for k, v in _plain_facts(ctx)]
+    if ctx.restarts:  # the reader's local time, next to the UTC one
+        ended = ctx.restarts[-1].ended_at
+        facts = [
+            (k, f"{v}\n<!date^{int(ended)}^{{ago}}|{utc(ended)}>" if k == "Last failure" else v)
+            for k, v in facts
+        ]
+    return facts
+
+
+def _slack_restarts(ctx: AlertContext) -> str:
+    shown, hidden = _newest(ctx.restarts)
+    lines = [f"*Restarts in the last {human_duration(ctx.window_s)}*"]
+    if hidden:
+        lines.append(f"_… {hidden} earlier not shown_")
+    for r in shown:
+        cause = _esc_head(_one_line(r.cause), CAUSE_MAX_CHARS)
+        lines.append(f"• #{r.attempt} `{utc(r.ended_at)}` *{r.outcome}*: {cause} (lost {r.lost_steps} steps)")
+    return "\n".join(lines)
+
+
+def _newest(restarts: Sequence[AttemptRow]) -> tuple[list[AttemptRow], int]:
+    """The newest RESTART_LINES restarts (oldest first) and how many earlier ones are left out."""
+    shown = list(restarts[-RESTART_LINES:])
+    return shown, len(restarts) - len(shown)
+
+
+def _log_excerpt(ctx: AlertContext) -> tuple[int, str] | None:
+    """(attempt, the last lines of its log, or its error) of the last failure; None when it has neither.
+
+    Not for a recovery: the job is fine now, and the failure's log was in the alert it recovers from.
+    """
+    if not ctx.restarts or ctx.kind is AlertKind.RECOVERED:
+        return None
+    last = ctx.restarts[-1]
+    text = last.log_tail.strip() or last.error.strip()
+    if not text:
+        return None
+    lines = text[-LOG_TAIL_MAX_CHARS * 2 :].splitlines()[-LOG_TAIL_LINES:]
+    return last.attempt, "\n".join(lines)[-LOG_TAIL_MAX_CHARS:]
+
+
+def _section(text: str) -> dict[str, Any]:
+    return {"type": "section", "text": _mrkdwn(text, SECTION_MAX_CHARS)}
+
+
+def _mrkdwn(text: str, limit: int) -> dict[str, str]:
+    return {"type": "mrkdwn", "text": _clip(text, limit)}  # already escaped; the clip is a last guard
+
+
+def _esc_head(text: str, limit: int) -> str:
+    """`text` escaped, cut to at most `limit` characters (escapes counted) with '…'."""
+    escaped = slack_escape(text)
+    if len(escaped) <= limit:
+        return escaped
+    out: list[str] = []
+    n = 0
+    for c in text:
+        e = _SLACK_ESCAPES.get(c, c)
+        if n + len(e) > limit - 1:
+            break
+        out.append(e)
+        n += len(e)
+    return "".join(out) + "…"
+
+
+def _esc_tail(text: str, limit: int = LOG_TAIL_MAX_CHARS) -> str:
+    """The end of `text`, escaped, at most `limit` characters: the last lines say how it died."""
+    out: list[str] = []
+    n = 0
+    for c in reversed(text):
+        e = _SLACK_ESCAPES.get(c, c)
+        if n + len(e) > limit:
+            break
+        out.append(e)
+        n += len(e)
+    return "".join(reversed(out))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _times(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _md_cell(text: str) -> str:
+    return _clip(_one_line(text), CAUSE_MAX_CHARS).replace("|", "\\|")
+
+
+def _longest_backtick_run(text: str) -> int:
+    run = best = 0
+    for c in text:
+        run = run + 1 if c == "`" else 0
+        best = max(best, run)
+    return best

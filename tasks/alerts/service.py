@@ -1,0 +1,157 @@
+"""Raise one alert: read the history, decide, build the message, deliver, record (no Prefect here).
+
+Every try is recorded in the `alerts` table, suppressed ones included, so the history says what
+people were told and when. When the history cannot be read the alert still goes out, with what the
+request says and a note: an alert that does not go out is worse than a duplicate. The record of the
+try is then buffered by the store until the database answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from tasks.alerts.decide import Action, decide
+from tasks.alerts.message import AlertContext, AlertKind, SlackMessage, build_message, to_markdown
+from tasks.alerts.slack import Delivery, SlackTarget, deliver
+from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore, JobRunRow, StoreUnavailable
+from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOG_CHANNEL = "log"
+PREVIOUS_ALERTS_READ = 1000  # suppressed tries pile up in a long storm: read past them
+
+
+@dataclass(frozen=True)
+class AlertRequest:
+    """What the automation asks for: one alert of `kind` about `job`."""
+
+    kind: AlertKind
+    job: str
+    window_s: float
+    threshold: int
+    checkpoint: str | None = None  # what the job resumes from (from the event)
+    flow_run_url: str | None = None  # the training flow run in the Prefect UI
+    reason: str = ""  # why it gave up
+    trigger: str = ""  # what asked, e.g. the Prefect event id
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", AlertKind(self.kind))
+        if not self.job:
+            raise ConfigError("an alert needs a job name")
+        if self.window_s <= 0 or self.threshold < 1:
+            raise ConfigError(
+                f"window_s={self.window_s} and threshold={self.threshold}: the window must be positive and"
+                " the threshold at least 1"
+            )
+
+
+@dataclass(frozen=True)
+class AlertResult:
+    status: AlertStatus
+    key: str  # the dedup key (see tasks.alerts.decide)
+    reason: str  # why it was sent or suppressed, and any caveat, on one line
+    message: SlackMessage
+    markdown: str
+    delivery: Delivery | None  # None: nothing was sent (suppressed, or no Slack configured)
+
+
+@dataclass
+class _Seen:
+    """What the history says about the job (empty where it could not be read)."""
+
+    run: JobRunRow | None = None
+    run_attempts: int | None = None
+    restarts: list[AttemptRow] = field(default_factory=list)
+    alerts: list[AlertRow] = field(default_factory=list)
+    unavailable: str = ""
+
+
+def raise_alert(
+    store: HistoryStore,
+    request: AlertRequest,
+    target: SlackTarget | None,
+    *,
+    now: float | None = None,
+    retries: int = 2,
+    retry_interval_s: float | None = None,
+) -> AlertResult:
+    """Send (or log, with no `target`) one alert unless it was already announced; record the try.
+
+    Returns FAILED when Slack did not take it: the caller decides whether to raise and retry.
+    """
+    now = time.time() if now is None else now
+    seen = _read_history(store, request, now)
+    run_id = seen.run.id if seen.run is not None else None
+    started = seen.run.started_at if seen.run is not None else None
+    decision = decide(
+        request.kind,
+        request.job,
+        run_id,
+        seen.alerts,
+        window_s=request.window_s,
+        now=now,
+        run_started_at=started,
+    )
+    ctx = AlertContext(
+        kind=request.kind,
+        job=request.job,
+        restarts=seen.restarts,
+        window_s=request.window_s,
+        threshold=request.threshold,
+        checkpoint=request.checkpoint,
+        flow_run_url=request.flow_run_url,
+        reason=request.reason,
+        now=now,
+        run_attempts=seen.run_attempts,
+        note="restart history unavailable: counts may be incomplete" if seen.unavailable else "",
+    )
+    message = build_message(ctx)
+    reason = decision.reason + (f"; sent without the history: {seen.unavailable}" if seen.unavailable else "")
+
+    delivery: Delivery | None = None
+    channel = target.channel_kind if target is not None else LOG_CHANNEL
+    if decision.action is Action.SUPPRESS:
+        status = AlertStatus.SUPPRESSED
+    elif target is None:
+        status = AlertStatus.LOGGED
+    else:
+        delivery = deliver(target, message, retries=retries, retry_interval_s=retry_interval_s)
+        status = AlertStatus.SENT if delivery.ok else AlertStatus.FAILED
+    store.record_alert(
+        dedup_key=decision.key,
+        kind=request.kind,
+        job=request.job,
+        job_run_id=run_id,
+        status=status,
+        channel=channel,
+        http_status=delivery.status if delivery is not None else None,
+        error=delivery.error if delivery is not None else "",
+        message=message.text,
+        trigger=request.trigger,
+        created_at=datetime.fromtimestamp(now, UTC),
+    )
+    return AlertResult(status, decision.key, reason, message, to_markdown(ctx), delivery)
+
+
+def _read_history(store: HistoryStore, request: AlertRequest, now: float) -> _Seen:
+    """The job's latest run, its restarts in the window and its recent alerts; what it can, when down."""
+    seen = _Seen()
+    window_start = now - request.window_s
+    try:
+        seen.run = store.latest_job_run(request.job)
+        if seen.run is not None:
+            newest = store.attempts(job_run_id=seen.run.id, limit=1)
+            seen.run_attempts = newest[-1].attempt if newest else 0
+        seen.restarts = store.restarts_within(request.job, datetime.fromtimestamp(window_start, UTC))
+        since = min(window_start, seen.run.started_at) if seen.run is not None else window_start
+        seen.alerts = store.alerts(
+            job=request.job, since=datetime.fromtimestamp(since, UTC), limit=PREVIOUS_ALERTS_READ
+        )
+    except StoreUnavailable as e:
+        seen.unavailable = str(e)
+        log.warning("alert about %s goes out without the restart history: %s", request.job, e)
+    return seen

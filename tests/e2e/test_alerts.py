@@ -1,0 +1,244 @@
+"""Deployments, automations and restart-storm alerts against a real Prefect server: `deploy` applied,
+a real process worker running the restart-alert deployment, and a Slack webhook on 127.0.0.1.
+
+One server, worker and Slack stand-in serve the whole module (starting them costs ~20 s); each test
+uses its own job names, since a storm is counted per job and announced once per window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import get_client
+from prefect.blocks.system import Secret
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from deployments.apply import ALERT_DEPLOYMENT, DeployReport, deploy
+from deployments.automations import AlertRules, delete_automations, spotrun_automations
+from deployments.worker import LocalWorker
+from spotrun.server import PrefectServer, flush_to_api, free_port, patched_environ
+from tasks import reporting as report
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.history import AlertStatus, HistoryStore
+from tests.e2e.test_flow import job, run_flow, schedule
+from tests.servers import SlackFake
+from tests.ui import chromium_missing, screenshots
+
+# Deliveries retry once, 1 s apart, so "Slack is down" settles in seconds.
+RULES = AlertRules(restart_threshold=3, restart_window_s=3600, retries=1, retry_delay_s=1)
+WEBHOOK_SECRET = "spotrun-slack-webhook-url"
+ALERT_TIMEOUT_S = 120  # automation → scheduled run → worker poll (1 s) → subprocess → Slack; SQLite 503s
+SCREENSHOTS = os.environ.get("SPOTRUN_SCREENSHOTS")  # `make ui-screenshots` copies them to docs/img
+
+
+@dataclass
+class Stack:
+    server: PrefectServer
+    slack: SlackFake
+    worker: LocalWorker
+    report: DeployReport
+    home: Path
+    database_url: str
+
+    def store(self) -> HistoryStore:
+        return HistoryStore.open(self.database_url)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("alerts")
+    home, db = root / "home", f"sqlite:///{root / 'history.db'}"
+    slack = SlackFake().start()
+    server = PrefectServer(root / "prefect").start()
+    env = {**server.env(), "SPOTRUN_HOME": str(home), "SPOTRUN_DATABASE_URL": db}
+    # The worker's flow runs find Slack through the Secret block (set per test), not the environment.
+    hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SPOTRUN_SLACK_")}
+    try:
+        with patched_environ(**env), temporary_settings({PREFECT_API_URL: server.api_url}):
+            Secret(value=slack.url).save(WEBHOOK_SECRET, overwrite=True)
+            applied = deploy(RULES)
+            worker = LocalWorker(root / "worker.log", query_s=1).start()
+            try:
+                yield Stack(server, slack, worker, applied, home, db)
+            finally:
+                worker.stop()
+                with get_client(sync_client=True) as client:
+                    delete_automations(client)  # a wildcard automation would fire on later events
+                flush_to_api()
+    finally:
+        os.environ.update(hidden)
+        server.stop()
+        slack.stop()
+
+
+def seed_restarts(stack: Stack, job_name: str, n: int) -> None:
+    """Record n preemptions of a job in SQL, then emit their restart events, as the flow does."""
+    store = stack.store()
+    run = store.start_job_run(job_name, "spec-hash", str(uuid.uuid4()), "/tmp/store", "local")
+    now = time.time()
+    for i in range(1, n + 1):
+        record = AttemptRecord(
+            attempt=i,
+            worker_id=f"local-{i}",
+            provider="local",
+            started_at=now - 100 + 10 * i,
+            ended_at=now - 95 + 10 * i,
+            outcome=Outcome.PREEMPTED,
+            cause=f"spot notice {i} (SIGTERM), exited PREEMPTED",
+            log_tail=f"step {100 * i} loss 0.5\nreclaimed by the spot market ({job_name} #{i})",
+            last_step=100 * i,
+            last_durable_step=100 * i - 25,
+            lost_steps=25,
+        )
+        store.record_attempt(run, record)
+    store.close()
+    for i in range(1, n + 1):
+        report.emit(report.JOB_RESTARTED, job_name, attempt=i, cause=f"spot notice {i}",
+                    checkpoint=f"/tmp/store/step-{100 * i - 25:010d}", lost_steps=25,
+                    flow_run_id=str(uuid.uuid4()), restarts=i)  # fmt: skip
+    flush_to_api()
+
+
+def alert_runs(job_name: str, timeout_s: float = ALERT_TIMEOUT_S, count: int = 1) -> list[Any]:
+    """The restart-alert flow runs for a job, once `count` of them have reached a final state."""
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(ALERT_DEPLOYMENT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))
+            )
+            mine = [r for r in runs if r.parameters.get("job") == job_name]
+            done = [r for r in mine if r.state is not None and r.state.is_final()]
+            if len(done) >= count or time.monotonic() > deadline:
+                return done
+            time.sleep(1)
+
+
+def messages_about(stack: Stack, job_name: str) -> list[dict[str, Any]]:
+    return [m for m in stack.slack.delivered() if job_name in json.dumps(m)]
+
+
+def test_deploy_twice_changes_nothing(stack: Stack) -> None:
+    again = deploy(RULES)
+    assert again.deployments == stack.report.deployments
+    assert {a.change for a in again.automations} == {"unchanged"}
+    assert [a.id for a in again.automations] == [a.id for a in stack.report.automations]
+    with get_client(sync_client=True) as client:
+        assert len(spotrun_automations(client)) == 3
+        names = _deployment_names(client)
+        nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
+    assert names == set(stack.report.deployments) and len(names) == 3
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]  # type: ignore[union-attr]
+
+
+def _deployment_names(client: Any) -> set[str]:
+    flows = {f.id: f.name for f in client.read_flows()}
+    return {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments()}
+
+
+def test_scheduler_creates_the_nightly_run(stack: Stack) -> None:
+    dep_id = stack.report.deployments["resilient-training/nightly-retraining"]
+    deadline = time.monotonic() + 90  # the scheduler service runs on its own loop, not on deploy
+    with get_client(sync_client=True) as client:
+        while True:
+            only = DeploymentFilter(id=DeploymentFilterId(any_=[dep_id]))
+            runs = client.read_flow_runs(deployment_filter=only)
+            scheduled = sorted(r.expected_start_time for r in runs if r.state_name == "Scheduled")
+            if scheduled or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert scheduled, "the server's scheduler created no run of the nightly deployment in 90 s"
+    first = scheduled[0]
+    assert (first.hour, first.minute) == (3, 0) and first > datetime.now(UTC)
+    assert runs[0].parameters["job"]["name"] == "charlm-nightly"
+
+
+def test_storms_alert_once_per_job_and_two_restarts_do_not(stack: Stack) -> None:
+    quiet, a, b = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("quiet", "storm-a", "storm-b"))
+    seed_restarts(stack, quiet, 2)  # first: its events are evaluated before the storms fire
+    seed_restarts(stack, a, 3)
+    seed_restarts(stack, b, 4)  # the 4th restart falls in the same window: no second alert
+    assert [r.state_name for r in alert_runs(a)] == ["Completed"]
+    assert [r.state_name for r in alert_runs(b)] == ["Completed"]
+    msg_a, msg_b = messages_about(stack, a), messages_about(stack, b)
+    assert len(msg_a) == 1 and len(msg_b) == 1
+    assert messages_about(stack, quiet) == [] and alert_runs(quiet, timeout_s=0) == []
+    body = json.dumps(msg_a[0])
+    # the checkpoint comes from whichever restart event crossed the threshold (the server may evaluate
+    # events that occurred within microseconds in either order)
+    for expected in (a, "3", "spot notice 1 (SIGTERM)", "spot notice 3", "reclaimed by the spot market",
+                     "/tmp/store/step-0000000", "75", "/runs/flow-run/"):  # fmt: skip
+        assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
+    assert msg_a[0]["blocks"][0]["type"] == "header"
+    with stack.store() as store:
+        sent = store.alerts(job=a)
+    assert [(r.kind, r.status) for r in sent] == [("restart-storm", AlertStatus.SENT)]
+
+
+def test_rate_limited_alert_is_delivered_once(stack: Stack) -> None:
+    name = f"ratelimited-{uuid.uuid4().hex[:6]}"
+    before = len(stack.slack.requests)
+    stack.slack.script((429, {"Retry-After": "0"}, "rate_limited"))
+    seed_restarts(stack, name, 3)
+    assert [r.state_name for r in alert_runs(name)] == ["Completed"]
+    assert len(messages_about(stack, name)) == 1
+    statuses = [r["status"] for r in stack.slack.requests[before:]]
+    assert statuses == [429, 200]
+
+
+@pytest.fixture(scope="module")
+def slack_down_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real training flow run (3 preemptions) while the Slack webhook answers nothing."""
+    dead = f"http://127.0.0.1:{free_port()}/services/T/B/X"
+    Secret(value=dead).save(WEBHOOK_SECRET, overwrite=True)
+    try:
+        spec = job(tmp_path_factory.mktemp("down"), name=f"down-{uuid.uuid4().hex[:6]}", total_steps=900,
+                   args={"hidden": 64})  # fmt: skip
+        state = run_flow(spec, schedule((0.3, True), (0.3, False), (0.3, True)))
+        flush_to_api()
+        runs = alert_runs(spec.name, count=2)  # the storm and the recovery note
+        yield spec, state, runs
+    finally:
+        Secret(value=stack.slack.url).save(WEBHOOK_SECRET, overwrite=True)
+
+
+def test_slack_down_is_recorded_and_training_unaffected(stack: Stack, slack_down_run: Any) -> None:
+    spec, state, runs = slack_down_run
+    assert state.is_completed(), state.message
+    kinds = {r.parameters["kind"]: r.state_name for r in runs}
+    # the recovery note has no alert to follow up (the storm's never went out): it stays quiet
+    assert kinds == {"restart-storm": "Failed", "recovered": "Completed"}
+    with stack.store() as store:
+        rows = store.alerts(job=spec.name, kind="restart-storm")
+    # the first try and its one retry, each recorded failed with the reason
+    assert [r.status for r in rows] == [AlertStatus.FAILED, AlertStatus.FAILED]
+    assert all(r.error for r in rows)
+    assert messages_about(stack, spec.name) == []
+
+
+@pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing()))
+def test_ui_shows_the_job_form_and_the_attempts_table(
+    stack: Stack, slack_down_run: Any, tmp_path: Path
+) -> None:
+    _, state, _ = slack_down_run
+    out = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
+    dep_id = stack.report.deployments["resilient-training/resilient-training"]
+    ui = stack.server.api_url.removesuffix("/api")
+    shots = screenshots(ui, str(dep_id), str(state.state_details.flow_run_id), out)
+    form = shots["deployment-form"].text
+    for field in ("Name", "Recipe", "Total Steps", "Batch Size", "Checkpoint", "Storage", "Every Steps"):
+        assert field in form, f"the deployment form shows no {field!r} field"
+    table = shots["attempts-table"].text
+    assert "preempted" in table and "resumed from" in table and "lost steps" in table
+    assert all(s.png.stat().st_size > 20_000 for s in shots.values())  # a blank page is ~6 KB

@@ -1,0 +1,422 @@
+"""The alert domain without a network: dedup decisions (a table), message content and bounds, settings."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tasks.alerts import (
+    Action,
+    AlertContext,
+    AlertKind,
+    SlackConfigError,
+    SlackTarget,
+    build_message,
+    decide,
+    target_from_env,
+    to_markdown,
+)
+from tasks.alerts.message import human_duration
+from tasks.attempts import Outcome
+from tasks.history import AlertRow, AlertStatus, AttemptRow
+from trainer.errors import ConfigError
+
+T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+NOW = T0 + 10_000
+RUN_START = NOW - 5000
+HOUR = 3600.0
+STORM, GAVE_UP, RECOVERED = AlertKind.RESTART_STORM, AlertKind.GAVE_UP, AlertKind.RECOVERED
+SENT, FAILED, LOGGED, SUPPRESSED = (
+    AlertStatus.SENT,
+    AlertStatus.FAILED,
+    AlertStatus.LOGGED,
+    AlertStatus.SUPPRESSED,
+)
+NEW_STORM_KEY = "restart-storm:digits:20231115T010000Z"  # opened at NOW
+
+
+# -- decide ---------------------------------------------------------------------------------------
+
+
+def alert(kind: AlertKind, key: str, status: AlertStatus, ago_s: float, job: str = "digits") -> AlertRow:
+    return AlertRow(
+        id=0,
+        dedup_key=key,
+        kind=str(kind),
+        job=job,
+        job_run_id=None,
+        status=status,
+        channel="slack-webhook",
+        http_status=None,
+        error="",
+        message="",
+        trigger="",
+        created_at=NOW - ago_s,
+    )
+
+
+OLD = "restart-storm:digits:20231114T230000Z"  # a storm opened earlier
+GAVE_UP_1, RECOVERED_1 = "gave-up:digits:run-1", "recovered:digits:run-1"
+SEND, SUPPRESS = Action.SEND, Action.SUPPRESS
+CHARLM_STORM = alert(STORM, "restart-storm:charlm:x", SENT, 60, job="charlm")
+RUN_0_GAVE_UP = alert(GAVE_UP, "gave-up:digits:run-0", SENT, 30)
+
+DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, str]] = [
+    # (case, kind, job_run_id, previous alerts, action, key, the reason contains)
+    ("first storm", STORM, "run-1", [], SEND, NEW_STORM_KEY, "new storm"),
+    ("storm sent 10 min ago", STORM, "run-1", [alert(STORM, OLD, SENT, 600)], SUPPRESS, OLD, "already"),
+    ("storm logged 10 min ago", STORM, "run-1", [alert(STORM, OLD, LOGGED, 600)], SUPPRESS, OLD, "already"),
+    ("storm sent 2 h ago", STORM, "run-1", [alert(STORM, OLD, SENT, 7200)], SEND, NEW_STORM_KEY, "new storm"),
+    ("storm failed: keeps key", STORM, "run-1", [alert(STORM, OLD, FAILED, 60)], SEND, OLD, "not delivered"),
+    (
+        "storm failed then sent",
+        STORM,
+        "run-1",
+        [alert(STORM, OLD, FAILED, 120), alert(STORM, OLD, SENT, 60)],
+        SUPPRESS,
+        OLD,
+        "already",
+    ),
+    ("another job's storm", STORM, "run-1", [CHARLM_STORM], SEND, NEW_STORM_KEY, "new"),
+    ("give-up is no storm", STORM, "run-1", [RUN_0_GAVE_UP], SEND, NEW_STORM_KEY, "new"),
+    ("first give-up", GAVE_UP, "run-1", [], SEND, GAVE_UP_1, "first"),
+    ("give-up sent", GAVE_UP, "run-1", [alert(GAVE_UP, GAVE_UP_1, SENT, 30)], SUPPRESS, GAVE_UP_1, "already"),
+    ("earlier run's give-up", GAVE_UP, "run-1", [RUN_0_GAVE_UP], SEND, GAVE_UP_1, "first"),
+    ("give-up failed", GAVE_UP, "run-1", [alert(GAVE_UP, GAVE_UP_1, FAILED, 30)], SEND, GAVE_UP_1, "first"),
+    ("give-up, run unknown", GAVE_UP, None, [], SEND, "gave-up:digits:20231115T010000Z", "first"),
+    ("nothing to recover from", RECOVERED, "run-1", [], SUPPRESS, RECOVERED_1, "no alert to recover from"),
+    ("recovered after a storm", RECOVERED, "run-1", [alert(STORM, OLD, SENT, 600)], SEND, RECOVERED_1, OLD),
+    ("after a logged storm", RECOVERED, "run-1", [alert(STORM, OLD, LOGGED, 600)], SEND, RECOVERED_1, OLD),
+    ("before the run", RECOVERED, "run-1", [alert(STORM, OLD, SENT, 6000)], SUPPRESS, RECOVERED_1, "no"),
+    ("not delivered", RECOVERED, "run-1", [alert(STORM, OLD, FAILED, 600)], SUPPRESS, RECOVERED_1, "no"),
+    ("suppressed", RECOVERED, "run-1", [alert(STORM, OLD, SUPPRESSED, 60)], SUPPRESS, RECOVERED_1, "no"),
+    (
+        "recovered already sent",
+        RECOVERED,
+        "run-1",
+        [alert(STORM, OLD, SENT, 600), alert(RECOVERED, RECOVERED_1, SENT, 10)],
+        SUPPRESS,
+        RECOVERED_1,
+        "already",
+    ),
+    ("another job's storm ended", RECOVERED, "run-1", [CHARLM_STORM], SUPPRESS, RECOVERED_1, "no alert"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "run", "previous", "action", "key", "why"),
+    [pytest.param(*case[1:], id=case[0]) for case in DECISIONS],
+)
+def test_decide(
+    kind: AlertKind, run: str | None, previous: list[AlertRow], action: Action, key: str, why: str
+) -> None:
+    d = decide(kind, "digits", run, previous, window_s=HOUR, now=NOW, run_started_at=RUN_START)
+    assert (d.action, d.key) == (action, key)
+    assert why in d.reason
+
+
+def test_recovered_without_a_known_job_run_looks_back_one_window() -> None:
+    recent, old = [alert(STORM, OLD, SENT, 600)], [alert(STORM, OLD, SENT, 7200)]
+    assert decide(RECOVERED, "digits", None, recent, window_s=HOUR, now=NOW).action is Action.SEND
+    assert decide(RECOVERED, "digits", None, old, window_s=HOUR, now=NOW).action is Action.SUPPRESS
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+
+def attempt_row(n: int, ended_at: float, **kw: Any) -> AttemptRow:
+    base: dict[str, Any] = dict(
+        attempt=n,
+        worker_id=f"local-{n}",
+        provider="local",
+        started_at=ended_at - 60,
+        ended_at=ended_at,
+        outcome=Outcome.PREEMPTED,
+        cause="spot notice (SIGTERM), exited PREEMPTED",
+        lost_steps=10 * n,
+        job="digits",
+        job_run_id="run-1",
+    )
+    return AttemptRow(**(base | kw))
+
+
+def storm(**kw: Any) -> AlertContext:
+    restarts = [
+        attempt_row(1, NOW - 1800),
+        attempt_row(2, NOW - 900, outcome=Outcome.CRASHED, cause="exit code 1: RuntimeError: CUDA OOM"),
+        attempt_row(
+            3,
+            NOW - 60,
+            outcome=Outcome.LOST,
+            cause="no heartbeat for 120 s",
+            log_tail="step 1200 loss 0.51\nstep 1210 loss 0.50\nKilled\n",
+            error="worker vanished",
+        ),
+    ]
+    base: dict[str, Any] = dict(
+        kind=STORM,
+        job="digits",
+        restarts=restarts,
+        window_s=HOUR,
+        threshold=3,
+        checkpoint="s3://ckpt/digits/step-00001200",
+        flow_run_url="http://127.0.0.1:4200/runs/flow-run/abc",
+        now=NOW,
+        run_attempts=3,
+    )
+    return AlertContext(**(base | kw))
+
+
+def texts(blocks: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+    """(where, text) of every text object in the blocks."""
+    for i, b in enumerate(blocks):
+        if "text" in b:
+            yield f"{i}:{b['type']}", b["text"]["text"]
+        for j, f in enumerate(b.get("fields", [])):
+            yield f"{i}:field{j}", f["text"]
+        for j, e in enumerate(b.get("elements", [])):
+            if "text" in e:
+                yield f"{i}:element{j}", e["text"] if isinstance(e["text"], str) else e["text"]["text"]
+
+
+def fields(blocks: list[dict[str, Any]]) -> dict[str, str]:
+    (section,) = [b for b in blocks if "fields" in b]
+    return dict(f["text"].split("\n", 1) for f in section["fields"])
+
+
+def test_storm_message_says_what_happened() -> None:
+    msg = build_message(storm())
+    assert msg.blocks[0] == {
+        "type": "header",
+        "text": {"type": "plain_text", "text": ":rotating_light: spotrun: digits restarted 3 times in 1 h"},
+    }
+    f = fields(msg.blocks)
+    assert f["*Job*"] == "digits"
+    assert f["*Restarts in window*"] == "3 in 1 h (threshold 3)"
+    assert f["*Last failure*"].startswith("2023-11-15T00:59:00Z (lost, attempt 3)\n<!date^1700009940^{ago}|")
+    assert f["*Last cause*"] == "no heartbeat for 120 s"
+    assert f["*Resumed from*"] == "s3://ckpt/digits/step-00001200"
+    assert f["*Lost steps in window*"] == "60"
+    body = "\n".join(t for _, t in texts(msg.blocks))
+    for line in (
+        "• #1 `2023-11-15T00:30:00Z` *preempted*: spot notice (SIGTERM), exited PREEMPTED (lost 10 steps)",
+        "• #2 `2023-11-15T00:45:00Z` *crashed*: exit code 1: RuntimeError: CUDA OOM (lost 20 steps)",
+        "*Last log lines* (attempt 3)\n```\nstep 1200 loss 0.51\nstep 1210 loss 0.50\nKilled\n```",
+    ):
+        assert line in body
+    assert msg.blocks[-1] == {
+        "type": "actions",
+        "elements": [
+            {
+                "type": "button",
+                "text": {"type": "plain_text", "text": "Open flow run"},
+                "url": "http://127.0.0.1:4200/runs/flow-run/abc",
+            }
+        ],
+    }
+    assert msg.text == (
+        "spotrun: digits restarted 3 times in 1 h; last failure: lost: no heartbeat for 120 s"
+    )
+
+
+def test_log_falls_back_to_the_error_and_the_link_is_optional() -> None:
+    ctx = storm(flow_run_url=None, checkpoint=None)
+    ctx.restarts[-1].log_tail = ""
+    msg = build_message(ctx)
+    assert "```\nworker vanished\n```" in "\n".join(t for _, t in texts(msg.blocks))
+    assert all(b["type"] != "actions" for b in msg.blocks)
+    assert fields(msg.blocks)["*Resumed from*"] == "not known"
+
+
+def test_gave_up_and_recovered_wording() -> None:
+    gave_up = build_message(storm(kind=GAVE_UP, run_attempts=5, reason="restart budget (4) spent"))
+    assert gave_up.blocks[0]["text"]["text"] == ":x: spotrun: digits gave up after 5 attempts"
+    assert gave_up.text.startswith("spotrun: digits gave up after 5 attempts: restart budget (4) spent;")
+    assert fields(gave_up.blocks)["*Reason*"] == "restart budget (4) spent"
+
+    recovered = build_message(storm(kind=RECOVERED, run_attempts=4))
+    assert recovered.blocks[0]["text"]["text"] == (
+        ":white_check_mark: spotrun: digits recovered: completed after 3 restarts"
+    )
+    assert "Last log lines" not in str(recovered.blocks)
+    assert "recovered: completed after 3 restarts" in to_markdown(storm(kind=RECOVERED, run_attempts=4))
+
+
+def test_storm_without_restarts_on_record() -> None:
+    msg = build_message(storm(restarts=[], note="restart history unavailable: counts may be incomplete"))
+    assert msg.text == "spotrun: digits restarted at least 3 times in 1 h"
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "context", "actions"]
+    assert "unavailable" in msg.blocks[2]["elements"][0]["text"]
+
+
+def test_every_text_stays_within_slacks_limits() -> None:
+    log = "".join(f"step {i} loss & <nan> ``` {'x' * (i % 300)}\n" for i in range(6000)) + "THE END"
+    assert len(log) > 1_000_000
+    restarts = [
+        attempt_row(n, NOW - 3000 + 10 * n, cause="&<>" * 500 + f" cause {n}", log_tail=log)
+        for n in range(1, 201)
+    ]
+    ctx = storm(restarts=restarts, job="j" * 255, checkpoint="s3://" + "c&" * 3000, reason="r" * 10_000)
+    for kind in AlertKind:
+        msg = build_message(AlertContext(**(vars(ctx) | {"kind": kind})))
+        assert len(msg.blocks) < 50
+        for where, text in texts(msg.blocks):
+            assert len(text) < 3000, where
+            assert "fields" not in where or len(text) < 2000, where
+        assert len(msg.blocks[0]["text"]["text"]) <= 150
+        assert len(msg.text) < 3000
+        log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
+        if kind is not RECOVERED:  # a recovery shows no log
+            assert log_section and log_section[0].endswith("THE END\n```")
+            assert log_section[0].count("```") == 2  # the log's own fences cannot close the block
+        assert "190 earlier not shown" in "\n".join(t for _, t in texts(msg.blocks))
+    md = to_markdown(ctx)
+    assert len(md) < 10_000 and "THE END" in md
+
+
+def test_user_text_is_escaped() -> None:
+    ctx = storm(
+        job="a<b>&c",
+        restarts=[
+            attempt_row(
+                1, NOW - 60, cause="<!channel> & <http://evil|click>", log_tail="if a < b && c > d:\n"
+            ),
+        ],
+        checkpoint="file:///tmp/<x>",
+    )
+    msg = build_message(ctx)
+    for where, text in texts(msg.blocks):
+        if where.endswith("header"):
+            continue  # plain_text: shown as written
+        ours = re.sub(r"<!date\^\d+\^\{ago\}\|[^<>]*>", "", text)
+        assert "<" not in ours and ">" not in ours, (where, text)
+        assert not re.search(r"&(?!amp;|lt;|gt;)", ours), (where, text)
+    body = "\n".join(t for _, t in texts(msg.blocks))
+    assert "&lt;!channel&gt; &amp; &lt;http://evil|click&gt;" in body
+    assert "if a &lt; b &amp;&amp; c &gt; d:" in body
+    assert "a&lt;b&gt;&amp;c" in msg.text and "<!channel>" not in msg.text
+
+
+def test_markdown_has_the_same_content() -> None:
+    ctx = storm()
+    ctx.restarts[-1].log_tail = "a ``` fence\nKilled"
+    md = to_markdown(ctx)
+    assert md.startswith("### spotrun: digits restarted 3 times in 1 h\n")
+    for part in (
+        "- **Restarts in window:** 3 in 1 h (threshold 3)",
+        "- **Last failure:** 2023-11-15T00:59:00Z (lost, attempt 3)",
+        "- **Resumed from:** s3://ckpt/digits/step-00001200",
+        "- **Lost steps in window:** 60",
+        "- **Flow run:** http://127.0.0.1:4200/runs/flow-run/abc",
+        "| 2 | 2023-11-15T00:45:00Z | crashed | exit code 1: RuntimeError: CUDA OOM | 20 |",
+        "````text\na ``` fence\nKilled\n````",
+    ):
+        assert part in md
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(3600, "1 h"), (5400, "1.5 h"), (900, "15 min"), (45, "45 s"), (86400 * 2, "2 d"), (0.5, "0.5 s")],
+)
+def test_human_duration(seconds: float, text: str) -> None:
+    assert human_duration(seconds) == text
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+WEBHOOK = "https://hooks.slack.com/services/T000/B000/s3cretPath"
+
+
+class Secrets:
+    """A stand-in for the Prefect Secret blocks: records what was asked."""
+
+    def __init__(self, **values: str) -> None:
+        self.values = {k.replace("_", "-"): v for k, v in values.items()}
+        self.asked: list[str] = []
+
+    def __call__(self, name: str) -> str | None:
+        self.asked.append(name)
+        return self.values.get(name)
+
+
+def test_webhook_from_the_environment() -> None:
+    secrets = Secrets()
+    target = target_from_env({"SPOTRUN_SLACK_WEBHOOK_URL": f" {WEBHOOK} "}, secrets)
+    assert target is not None and target.webhook_url == WEBHOOK and target.channel_kind == "slack-webhook"
+    assert target.describe() == "Slack webhook https://hooks.slack.com/…"
+    assert "s3cret" not in repr(target) and "s3cret" not in str(target)
+    assert secrets.asked == []
+
+
+def test_token_and_channel() -> None:
+    env = {"SPOTRUN_SLACK_TOKEN": "xoxb-secret-token", "SPOTRUN_SLACK_CHANNEL": "#training"}
+    target = target_from_env(env)
+    assert target is not None
+    assert (target.token, target.channel, target.api_url) == (
+        "xoxb-secret-token",
+        "#training",
+        "https://slack.com/api/",
+    )
+    assert target.channel_kind == "slack-api"
+    assert target.describe() == "Slack channel #training via https://slack.com"
+    assert "xoxb" not in repr(target)
+    local = target_from_env(env | {"SPOTRUN_SLACK_API_URL": "http://127.0.0.1:8123/api"})
+    assert local is not None and local.api_url == "http://127.0.0.1:8123/api/"
+
+
+@pytest.mark.parametrize(
+    ("env", "missing", "block"),
+    [
+        ({"SPOTRUN_SLACK_TOKEN": "xoxb-secret-token"}, "SPOTRUN_SLACK_CHANNEL", "spotrun-slack-channel"),
+        ({"SPOTRUN_SLACK_CHANNEL": "#training"}, "SPOTRUN_SLACK_TOKEN", "spotrun-slack-token"),
+    ],
+)
+def test_half_a_bot_configuration_is_an_error(env: dict[str, str], missing: str, block: str) -> None:
+    with pytest.raises(SlackConfigError) as e:
+        target_from_env(env)
+    message = str(e.value)
+    assert f"{missing} is not" in message and block in message
+    assert "\n" not in message and "xoxb-secret" not in message
+    assert isinstance(e.value, ConfigError)
+
+
+def test_nothing_configured_asks_every_secret_block() -> None:
+    secrets = Secrets()
+    assert target_from_env({}, secrets) is None
+    assert secrets.asked == ["spotrun-slack-webhook-url", "spotrun-slack-token", "spotrun-slack-channel"]
+    assert target_from_env({}) is None
+
+
+def test_secret_blocks_fill_what_the_environment_leaves_unset() -> None:
+    target = target_from_env({}, Secrets(spotrun_slack_webhook_url=WEBHOOK))
+    assert target is not None and target.webhook_url == WEBHOOK
+    mixed = target_from_env({"SPOTRUN_SLACK_CHANNEL": "#env"}, Secrets(spotrun_slack_token="xoxb-from-block"))
+    assert mixed is not None and (mixed.token, mixed.channel) == ("xoxb-from-block", "#env")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(webhook_url="hooks.slack.com/services/T/B/s3cretPath"), "not an http"),
+        (dict(token="xoxb-1"), "both"),
+        (dict(token="xoxb-1", channel="#c", api_url="https://slack.com/api"), "ending in '/'"),
+    ],
+)
+def test_bad_targets_are_refused(kw: dict[str, str], match: str) -> None:
+    with pytest.raises(SlackConfigError, match=match) as e:
+        SlackTarget(**kw)
+    assert "s3cret" not in str(e.value)
+
+
+def test_the_alert_domain_does_not_import_prefect() -> None:
+    code = (
+        "import sys, tasks.alerts, tasks.alerts.service\n"
+        "sys.exit(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))[:3] or 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
