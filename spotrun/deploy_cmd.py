@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # imported where used: `spotrun --help` must stay fast
     from deployments.automations import AlertRules
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+RULE_FLAGS = {  # AlertRules field -> the flag that sets it, so an error names what the user typed
+    "restart_threshold": "--restart-threshold",
+    "restart_window_s": "--restart-window",
+    "retries": "--alert-retries",
+    "retry_delay_s": "--alert-retry-delay",
+}
 
 
 def duration_s(text: str) -> float:
@@ -48,8 +54,7 @@ def alert_rules(args: argparse.Namespace) -> AlertRules:
         )
     except ValidationError as e:
         err = e.errors()[0]
-        flag = "--" + str(err["loc"][0]).replace("_s", "").replace("_", "-")
-        raise ConfigError(f"{flag}: {err['msg']}") from None
+        raise ConfigError(f"{RULE_FLAGS.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}") from None
 
 
 def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:

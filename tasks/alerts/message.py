@@ -217,7 +217,11 @@ def _log_excerpt(ctx: AlertContext) -> tuple[int, str] | None:
     if not text:
         return None
     lines = text[-LOG_TAIL_MAX_CHARS * 2 :].splitlines()[-LOG_TAIL_LINES:]
-    return last.attempt, "\n".join(lines)[-LOG_TAIL_MAX_CHARS:]
+    tail = "\n".join(lines)
+    if len(tail) > LOG_TAIL_MAX_CHARS:  # cut at a line start: half a log line reads like garbage
+        tail = tail[-LOG_TAIL_MAX_CHARS:]
+        tail = tail.split("\n", 1)[1] if "\n" in tail else tail
+    return last.attempt, tail
 
 
 def _section(text: str) -> dict[str, Any]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -203,7 +206,7 @@ def slack_down_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> It
     dead = f"http://127.0.0.1:{free_port()}/services/T/B/X"
     Secret(value=dead).save(WEBHOOK_SECRET, overwrite=True)
     try:
-        spec = job(tmp_path_factory.mktemp("down"), name=f"down-{uuid.uuid4().hex[:6]}", total_steps=900,
+        spec = job(tmp_path_factory.mktemp("down"), name=f"down-{uuid.uuid4().hex[:6]}", total_steps=1500,
                    args={"hidden": 64})  # fmt: skip
         state = run_flow(spec, schedule((0.3, True), (0.3, False), (0.3, True)))
         flush_to_api()
@@ -242,3 +245,25 @@ def test_ui_shows_the_job_form_and_the_attempts_table(
     table = shots["attempts-table"].text
     assert "preempted" in table and "resumed from" in table and "lost steps" in table
     assert all(s.png.stat().st_size > 20_000 for s in shots.values())  # a blank page is ~6 KB
+
+
+def test_serve_deploys_runs_a_worker_and_stops_on_sigterm(stack: Stack, tmp_path: Path) -> None:
+    env = {**os.environ, "SPOTRUN_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [sys.executable, "-m", "spotrun.cli", "serve", "--poll", "1", "--alert-retries", "1",
+           "--alert-retry-delay", "1"]  # the module's rules: nothing changes on the server  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + (proc.stdout.read() if proc.stdout else "")
+    assert "resilient-training/nightly-retraining" in out and "unchanged" in out, out
+    assert "worker spotrun-" in out and "stopping the worker" in out, out

@@ -98,8 +98,9 @@ def schedule(*entries: tuple[float, bool]) -> LocalProviderConfig:
 def test_preemptions_with_and_without_notice_complete_bitwise(
     prefect_api: str, home: Path, tmp_path: Path
 ) -> None:
-    spec = job(tmp_path)
-    state = run_flow(spec, schedule((0.8, True), (0.8, False), (1.0, True)))
+    # 1 s of training in all before the last reclaim: reached before step 1,500 even at 1,000 steps/s
+    spec = job(tmp_path, total_steps=1500)
+    state = run_flow(spec, schedule((0.3, True), (0.3, False), (0.4, True)))
     assert state.is_completed(), state.message
     rows = attempts(home)
     assert [r.outcome.value for r in rows] == ["preempted", "preempted", "preempted", "completed"]
@@ -128,7 +129,7 @@ def test_newest_checkpoint_corrupted_between_attempts(
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"1": {"corrupt_after": True}}))
     monkeypatch.setenv("SPOTRUN_TEST_FAULT_PLAN", str(plan))
-    spec = job(tmp_path, total_steps=300)
+    spec = job(tmp_path, total_steps=1000)  # 0.6 s of training must not finish it, even at 1,000 steps/s
     provider = schedule((0.6, True)).model_copy(update={"python": str(install(tmp_path))})
     state = run_flow(spec, provider)
     assert state.is_completed(), state.message

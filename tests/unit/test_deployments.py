@@ -1,0 +1,133 @@
+"""deployments/: prefect.yaml is valid for the flows it names, the automations are what the rules say,
+and `spotrun deploy`'s inputs are checked before anything reaches a server."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from datetime import timedelta
+from typing import Any
+from uuid import uuid4
+
+import pytest
+import yaml
+
+from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, REPO, DeployedNames
+from deployments.automations import GAVE_UP, RECOVERED, STORM, AlertRules, build_automations
+from spotrun.cli import main
+from spotrun.deploy_cmd import alert_rules, duration_s
+from tasks.policy import RetryPolicy
+from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
+from trainer.errors import ConfigError
+from trainer.spec import JobSpec
+
+DOC = yaml.safe_load(PREFECT_FILE.read_text())
+DEPLOYMENTS = {d["name"]: d for d in DOC["deployments"]}
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_each_entrypoint_is_a_flow_relative_to_the_repository(name: str) -> None:
+    path, func = DEPLOYMENTS[name]["entrypoint"].split(":")
+    assert (REPO / path).is_file()
+    flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), func)
+    assert flow.name == func.replace("_", "-")  # DeployedNames relies on it
+
+
+@pytest.mark.parametrize("name", ["resilient-training", "nightly-retraining"])
+def test_training_parameters_are_a_valid_job_spec_and_policy(name: str) -> None:
+    params = DEPLOYMENTS[name]["parameters"]
+    JobSpec.model_validate(params["job"])
+    RetryPolicy.model_validate(params["policy"])
+    assert DEPLOYMENTS[name]["enforce_parameter_schema"] is True  # the UI form validates input
+
+
+def test_shared_settings_come_from_definitions() -> None:
+    pool = DOC["definitions"]["work_pools"]["local"]
+    assert all(d["work_pool"] == pool for d in DEPLOYMENTS.values())
+    assert DeployedNames.read().pools == {
+        "resilient-training/resilient-training": "spotrun-local",
+        "resilient-training/nightly-retraining": "spotrun-local",
+        ALERT_DEPLOYMENT: "spotrun-local",
+    }
+    (nightly,) = DEPLOYMENTS["nightly-retraining"]["schedules"]
+    assert nightly["cron"] == "0 3 * * *" and nightly["slug"]  # the slug keeps redeploys idempotent
+    assert DEPLOYMENTS["nightly-retraining"]["parameters"]["job"]["name"] != "digits"
+
+
+def _by_name(rules: AlertRules) -> dict[str, Any]:
+    return {a.name: a for a in build_automations(rules, uuid4())}
+
+
+def test_restart_storm_counts_per_job_within_the_window() -> None:
+    storm = _by_name(AlertRules(restart_threshold=5, restart_window_s=1800))[STORM]
+    t = storm.trigger
+    assert (t.expect, t.for_each, t.threshold, t.within) == (
+        {JOB_RESTARTED}, {"prefect.resource.id"}, 5, timedelta(seconds=1800),
+    )  # fmt: skip
+    assert t.match.root == {"prefect.resource.id": "spotrun.job.*"}
+    params = storm.actions[0].parameters
+    assert params["kind"] == "restart-storm" and (params["window_s"], params["threshold"]) == (1800, 5)
+    assert params["job"] == "{{ event.payload.job }}"
+
+
+def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
+    autos = _by_name(AlertRules())
+    gave_up, recovered = autos[GAVE_UP].trigger, autos[RECOVERED].trigger
+    assert (gave_up.expect, gave_up.threshold) == ({JOB_GAVE_UP}, 1)
+    assert (recovered.expect, recovered.threshold) == ({JOB_COMPLETED}, 1)
+    assert recovered.match.root[RESTARTED_LABEL] == "true"  # only jobs that restarted on the way
+    assert "default('')" in autos[GAVE_UP].actions[0].parameters["reason"]
+
+
+def test_recovery_note_can_be_switched_off() -> None:
+    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP}
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("3600", 3600), ("90s", 90), ("30m", 1800), ("1h", 3600), ("1.5h", 5400), ("2d", 172800)],
+)
+def test_duration(text: str, seconds: float) -> None:
+    assert duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1w", "-5m", "soon", "1h30m"])
+def test_bad_duration_says_what_to_write(text: str) -> None:
+    with pytest.raises(ConfigError, match="use seconds or a number with s, m, h or d"):
+        duration_s(text)
+
+
+def _args(**overrides: Any) -> argparse.Namespace:
+    values = dict(restart_threshold=3, restart_window="1h", no_recovery_note=False, alert_retries=3,
+                  alert_retry_delay="30s")  # fmt: skip
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def test_alert_rules_from_flags() -> None:
+    assert alert_rules(_args(restart_window="30m", no_recovery_note=True)) == AlertRules(
+        restart_window_s=1800, recovery_note=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [({"restart_threshold": 0}, "--restart-threshold: Input should be greater than or equal to 1"),
+     ({"restart_window": "0"}, "--restart-window: Input should be greater than 0"),
+     ({"alert_retries": -1}, "--alert-retries: Input should be greater than or equal to 0")],
+)  # fmt: skip
+def test_bad_alert_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        alert_rules(_args(**overrides))
+
+
+def test_deploy_without_a_server_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        code = main(["deploy"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "no Prefect server to deploy to: set PREFECT_API_URL" in err and "spotrun serve" in err
