@@ -153,19 +153,24 @@ def run_demo(home: Path, keep_server: bool) -> bool:
         for i, p in enumerate(SCHEDULE, 1)
     )
     console.print(f"spot simulator: reclaims attempt {plan} of training; then one runs undisturbed")
-    reference = start_reference(job_file, demo / "reference")
+    started: list[subprocess.Popen[bytes]] = []
     try:
-        return _run_and_check(home, job, settings, reference, keep_server)
+        return _run_and_check(home, job, job_file, settings, keep_server, started)
     finally:
-        if reference.poll() is None:  # interrupted: never leave a trainer behind
-            reference.kill()
-            reference.wait()
+        for reference in started:
+            if reference.poll() is None:  # interrupted: never leave a trainer behind
+                reference.kill()
+                reference.wait()
 
 
 def _run_and_check(
-    home: Path, job: JobSpec, settings: Settings, reference: subprocess.Popen[bytes], keep_server: bool
+    home: Path,
+    job: JobSpec,
+    job_file: Path,
+    settings: Settings,
+    keep_server: bool,
+    started: list[subprocess.Popen[bytes]],
 ) -> bool:
-    console.print("reference: an uninterrupted `python -m trainer` run of the same job, in the background")
     console.print(f"starting a Prefect server under {home / 'prefect'} (SQLite) ...", markup=False)
     t0 = time.monotonic()
     provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
@@ -174,6 +179,11 @@ def _run_and_check(
         with alerting(settings.home / "worker.log", console):
             result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
             run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
+            # After the flow run, not beside it: two trainers with 2 threads each on 2 cores slow
+            # both several-fold, and the reclaims are timed in seconds.
+            console.print("reference: an uninterrupted `python -m trainer` run of the same job, now")
+            reference = start_reference(job_file, settings.home / "reference")
+            started.append(reference)
             failures = _plan_failures(result)
             if not failures:  # no storm to wait for when the schedule did not happen
                 failures = show_alert(console, job.name, wait_for_alert(settings.database_url, job.name))
