@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHROMIUM = os.environ.get("SPOTRUN_CHROMIUM", "/usr/bin/chromium")
-VIEWPORT = {"width": 1400, "height": 1000}
+VIEWPORT = {"width": 1700, "height": 1000}  # wide enough for all columns of the attempts table
 
 
 def chromium_missing() -> str | None:

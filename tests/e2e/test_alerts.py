@@ -200,6 +200,18 @@ def test_rate_limited_alert_is_delivered_once(stack: Stack) -> None:
     assert statuses == [429, 200]
 
 
+def test_gave_up_alerts_at_once_with_the_reason(stack: Stack) -> None:
+    name = f"gaveup-{uuid.uuid4().hex[:6]}"
+    seed_restarts(stack, name, 1)  # one restart: far from a storm
+    reason = "gave up after 2 errors (budget 2): RuntimeError: injected failure at step 30"
+    report.emit(report.JOB_GAVE_UP, name, attempts=2, checkpoint="", flow_run_id="", reason=reason)
+    flush_to_api()
+    runs = alert_runs(name)
+    assert [(r.parameters["kind"], r.state_name) for r in runs] == [("gave-up", "Completed")]
+    (message,) = messages_about(stack, name)
+    assert "gave up" in message["text"] and "injected failure at step 30" in json.dumps(message)
+
+
 @pytest.fixture(scope="module")
 def slack_down_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real training flow run (3 preemptions) while the Slack webhook answers nothing."""
