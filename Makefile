@@ -45,6 +45,7 @@ ui-screenshots: $(VENV)/.installed browser
 bench: $(VENV)/.installed
 	$(PY) bench/checkpoint.py
 	$(PY) bench/recovery.py
+	$(PY) bench/notice.py
 
 clean:
 	rm -rf $(VENV) .spotrun .pytest_cache .mypy_cache .ruff_cache

@@ -18,6 +18,7 @@ from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import select_checkpoint, validate_checkpoints
 from tasks.policy import RetryPolicy, decide
+from tasks.providers import ProviderConfig
 from tasks.providers.base import ProvisionError
 from tasks.providers.local import LocalProviderConfig
 from tasks.runlog import JobRunLog
@@ -29,12 +30,14 @@ from trainer.spec import JobSpec
 @flow(name="resilient-training", description="Train a job on spot workers until it is done or out of budget.")
 def resilient_training(
     job: JobSpec,
-    provider: LocalProviderConfig = LocalProviderConfig(),  # noqa: B008 (pydantic default: the UI form)
+    provider: ProviderConfig = LocalProviderConfig(),  # noqa: B008 (pydantic default: the UI form)
     policy: RetryPolicy = RetryPolicy(),  # noqa: B008
 ) -> State:
     logger = get_run_logger()
     settings = Settings.from_env()
-    runlog = JobRunLog.start(settings, job, provider_name="local", flow_run_id=str(flow_run.get_id() or ""))
+    runlog = JobRunLog.start(
+        settings, job, provider_name=provider.kind, flow_run_id=str(flow_run.get_id() or "")
+    )
     workers = runlog.provider(provider)
     rng = random.Random(job.seed)
     started = time.time()

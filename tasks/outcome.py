@@ -35,6 +35,8 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
         return Outcome.PREEMPTED, _after_notice(result)
     if result.notice_kind == "sim-no-notice":
         return Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)"
+    if result.notice_kind == "spot-interruption":  # EC2 took the instance; the trainer saw no notice
+        return Outcome.PREEMPTED, f"reclaimed by EC2 without a notice seen ({result.kill_reason})"
     if code == ExitCode.PREEMPTED.name:
         reason = result.status.get("stopping", {}).get("reason") or "a stop request"
         return Outcome.PREEMPTED, f"stopped on {reason} (no simulator notice), exited PREEMPTED"
@@ -70,6 +72,8 @@ def _after_notice(result: WatchResult) -> str:
     if code is not None:
         error = _first_line(result.trainer_error)
         return f"spot notice, then exited {code} after {lead}" + (f": {error}" if error else "")
+    if result.notice_kind == "spot-interruption":
+        return f"spot notice, then the instance was reclaimed ({result.kill_reason}) after {lead}"
     return f"spot notice, then {_how_ended(result)} after {lead}"
 
 

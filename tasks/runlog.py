@@ -7,7 +7,7 @@ The flow stays a short script by delegating all of this here; nothing in it deci
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,29 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import ResumePoint
 from tasks.history import HistoryStore
 from tasks.outcome import classify, provision_failed_record, to_record
-from tasks.providers.base import ProvisionError, WatchResult, Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig
+from tasks.providers import build_provider
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tasks.providers.local import LocalProviderConfig
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from trainer.ckpt_format import checkpoint_uri
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
+
+
+def total_cost(records: list[AttemptRecord]) -> tuple[float | None, float | None]:
+    """(what the attempts cost, what the same hours cost on demand); None where any price is unknown."""
+    costs = [r.extra["cost"] for r in records if "cost" in r.extra]
+    if not costs:
+        return None, None
+
+    def total(key: str) -> float | None:
+        values = [c.get(key) for c in costs]
+        return None if any(v is None for v in values) else float(sum(values))
+
+    return total("usd"), total("on_demand_usd")
 
 
 @dataclass
@@ -38,6 +53,8 @@ class Summary:
     goodput: float
     wall_s: float
     timeline: str
+    cost_usd: float | None = None  # summed over attempts, where the provider prices them
+    on_demand_usd: float | None = None  # the same instance hours at the on-demand price
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -49,6 +66,8 @@ class JobRunLog:
     ) -> None:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
         self.flow_run_id = flow_run_id
+        self.provider_name = "local"
+        self._provider: Provider | None = None
         self.records: list[AttemptRecord] = []
         self.traces: list[AttemptTrace] = []
         self.resume_step: int | None = None
@@ -68,15 +87,18 @@ class JobRunLog:
         log.spec_path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
         return log
 
-    def provider(self, cfg: LocalProviderConfig) -> LocalProvider:
-        if cfg.workdir is None:
-            cfg = cfg.model_copy(update={"workdir": str(self.dir / "workers")})
-        return LocalProvider(cfg)
+    def provider(self, cfg: LocalProviderConfig | AwsProviderConfig) -> Provider:
+        self.provider_name = cfg.kind
+        self._provider = build_provider(cfg, self.dir / "workers", self.flow_run_id)
+        return self._provider
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
         outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
+        cost = getattr(self._provider, "cost", None)  # providers that rent machines price each attempt
+        if cost is not None:
+            record.extra["cost"] = asdict(cost(worker, result.ended_at))
         steps = list(result.step_times)
         if result.last_step and (not steps or steps[-1][1] < result.last_step):
             last_t = max((float(r.get("t", 0)) for r in result.status.values()), default=result.ended_at)
@@ -88,7 +110,7 @@ class JobRunLog:
         return record
 
     def provision_failed(self, attempt: int, error: ProvisionError, started_at: float) -> AttemptRecord:
-        return provision_failed_record(attempt, "local", error, started_at, time.time())
+        return provision_failed_record(attempt, self.provider_name, error, started_at, time.time())
 
     def resumed(self, point: ResumePoint) -> None:
         """The checkpoint the next attempt starts from; newer ones passed over go to SQL with reasons."""
@@ -109,7 +131,7 @@ class JobRunLog:
         timeline = self._timeline()
         final = max((r.last_step for r in self.records), default=0)
         summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
-                          wall_s, timeline)  # fmt: skip
+                          wall_s, timeline, *total_cost(self.records))  # fmt: skip
         report.publish_summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
                                                                       wall_s, timeline))  # fmt: skip
         self.store.finish_job_run(self.job_run_id, status, message)

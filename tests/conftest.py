@@ -1,10 +1,13 @@
-"""Shared fixtures: an in-process moto S3 server on 127.0.0.1, fresh buckets, and a fault proxy."""
+"""Shared fixtures: an in-process moto S3/EC2 server on 127.0.0.1, fresh buckets, a VPC to launch
+workers into, and a fault proxy."""
 
 from __future__ import annotations
 
 import logging
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import boto3
 import pytest
@@ -83,3 +86,35 @@ def fault_proxy(moto_server: str) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@dataclass(frozen=True)
+class Ec2World:
+    """A fresh VPC on the moto server: one subnet per zone, a security group, an AMI, an instance profile."""
+
+    endpoint: str
+    region: str
+    subnets: list[str]  # in zone order
+    azs: dict[str, str]  # subnet -> zone
+    security_group: str
+    image_id: str
+    instance_profile: str
+    ec2: Any  # an EC2 client for the test's own look-ups
+
+
+@pytest.fixture
+def ec2_world(moto_server: str, boto_session: boto3.session.Session) -> Ec2World:
+    """A VPC in ca-central-1 with subnets in its three zones (a, b, d), ready for `run_instances`."""
+    region = "ca-central-1"
+    ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name=region)
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    azs = {}
+    for i, zone in enumerate(("a", "b", "d")):
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=region + zone)
+        azs[subnet["Subnet"]["SubnetId"]] = region + zone
+    group = ec2.create_security_group(GroupName=f"spotrun-{uuid.uuid4().hex[:8]}", Description="w", VpcId=vpc)
+    image = ec2.register_image(Name=f"spotrun-{uuid.uuid4().hex[:8]}", RootDeviceName="/dev/xvda")
+    profile = f"spotrun-worker-{uuid.uuid4().hex[:8]}"
+    iam = boto_session.client("iam", endpoint_url=moto_server, region_name=region)
+    iam.create_instance_profile(InstanceProfileName=profile)
+    return Ec2World(moto_server, region, list(azs), azs, group["GroupId"], image["ImageId"], profile, ec2)

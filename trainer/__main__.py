@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.ckpt_format import parse_step_dir
@@ -19,7 +21,9 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
+from trainer.heartbeat import HeartbeatWriter
 from trainer.loop import AttemptOptions, ResumeSource, run_attempt
+from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
 from trainer.status import StatusReporter, stdout_reporter
@@ -39,7 +43,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>)")
     p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")
     p.add_argument("--inject-fault", metavar="KIND@STEP", help="sigkill|sigterm|crash|hang after step STEP")
+    p.add_argument(
+        "--worker-id",
+        help="write a heartbeat to <storage>/_workers/ID/heartbeat.json (default $SPOTRUN_WORKER_ID)",
+    )
     return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Environ:
+    """What this process takes from its environment, read once here and passed down."""
+
+    home: Path
+    rank: int
+    world_size: int
+    worker_id: str | None  # --worker-id, else SPOTRUN_WORKER_ID
+    metadata_endpoint: str | None  # SPOTRUN_IMDS_ENDPOINT: the notice watcher's base URL
+
+    @classmethod
+    def read(cls, args: argparse.Namespace) -> Environ:
+        env = os.environ
+        return cls(
+            home=Path(env.get("SPOTRUN_HOME", ".spotrun")),
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            worker_id=args.worker_id or env.get("SPOTRUN_WORKER_ID") or None,
+            metadata_endpoint=env.get("SPOTRUN_IMDS_ENDPOINT") or None,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,18 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers(stop)
     reporter = stdout_reporter()
     error = ""
-    try:
-        code = _run(args, stop, reporter)
-    except Exception as e:  # the process boundary: every error becomes an exit code and one status line
-        code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
-    reporter.emit(
-        "exit",
-        code=int(code),
-        name=code.name,
-        error=error,
-        step=reporter.last_step,
-        durable_step=reporter.last_durable,
-    )
+    with contextlib.ExitStack() as cleanup:  # the heartbeat outlives _run: it stores the exit record
+        try:
+            code = _run(args, stop, reporter, cleanup)
+        except Exception as e:  # the process boundary: every error becomes an exit code and one status line
+            code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
+        reporter.emit(
+            "exit",
+            code=int(code),
+            name=code.name,
+            error=error,
+            step=reporter.last_step,
+            durable_step=reporter.last_durable,
+        )
     return int(code)
 
 
@@ -85,27 +116,44 @@ def _classify(e: Exception) -> ExitCode:
     return ExitCode.CRASHED
 
 
-def _run(args: argparse.Namespace, stop: StopRequest, reporter: StatusReporter) -> ExitCode:
+def _run(
+    args: argparse.Namespace, stop: StopRequest, reporter: StatusReporter, cleanup: contextlib.ExitStack
+) -> ExitCode:
+    env = Environ.read(args)  # the process edge: nothing below reads os.environ
     spec = load_spec(args.config)
     uri = args.storage or spec.storage
     if args.storage:  # validated like the job file's own field
         spec = parse_spec({**spec.model_dump(mode="json"), "storage": args.storage}, "--storage")
-    # The process edge: environment read here and passed down, never deep inside.
-    home = Path(os.environ.get("SPOTRUN_HOME", ".spotrun"))
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     opts = AttemptOptions(
-        cache=Path(args.cache) if args.cache else home / "cache" / spec.name,
+        cache=Path(args.cache) if args.cache else env.home / "cache" / spec.name,
         max_steps=args.max_steps,
         metrics_path=Path(args.metrics) if args.metrics else None,
-        rank=rank,
-        world_size=world,
+        rank=env.rank,
+        world_size=env.world_size,
         stop=stop,
         resume_from=_resume_source(args.resume_from, spec),
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
         reporter=reporter,
     )
     storage = open_storage(uri, spec.s3)
-    result = run_attempt(spec, storage, opts)
+    if env.worker_id is not None:
+        heartbeat = HeartbeatWriter(storage, env.worker_id)
+        reporter.subscribe(heartbeat)
+        cleanup.callback(heartbeat.close)
+        heartbeat.start()
+
+    def on_notice(n: Notice) -> None:
+        reporter.emit("notice", **n.record())
+
+    # after install_signal_handlers (main): a notice and a SIGTERM meet in the same StopRequest
+    watcher = make_watcher(spec.preemption, stop, on_notice, env.metadata_endpoint)
+    if watcher is not None:
+        watcher.start()
+    try:
+        result = run_attempt(spec, storage, opts)
+    finally:
+        if watcher is not None:
+            watcher.close()
     log.info(
         "attempt finished: %s at step %d (resumed from %s, durable %s)",
         result.code.name, result.step, result.resumed_from, result.durable_step,

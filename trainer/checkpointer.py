@@ -38,6 +38,7 @@ class SaveTimings:
     write_s: float = 0.0
     upload_s: float = 0.0
     verify_s: float = 0.0
+    nbytes: int = 0  # the checkpoint's files, as the manifest lists them
 
     @property
     def total_s(self) -> float:
@@ -98,6 +99,18 @@ class Checkpointer:
             self._thread = None
         self.check()
 
+    def bandwidth(self, recent: int = 3) -> tuple[float, float] | None:
+        """(write, upload) bytes/s of the slowest of the last `recent` checkpoints; None before any.
+
+        Write covers snapshot + local write; upload covers upload + read-back + `latest`: together
+        the time from the step boundary to durable."""
+        timed = [t for t in self.history[-recent:] if t.nbytes > 0]
+        if not timed:
+            return None
+        write = min(t.nbytes / max(t.snapshot_s + t.write_s, 1e-3) for t in timed)
+        upload = min(t.nbytes / max(t.upload_s + t.verify_s, 1e-3) for t in timed)
+        return write, upload
+
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -121,6 +134,7 @@ class Checkpointer:
         write_latest(self.storage, manifest.step)
         t3 = time.perf_counter()
         t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
+        t.nbytes = sum(f.size for f in manifest.files.values())
         self.durable_step = manifest.step
         self.history.append(t)
         if self.on_durable is not None:

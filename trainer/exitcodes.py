@@ -17,7 +17,9 @@ class ExitCode(IntEnum):
     CONFIG_ERROR = 2
     DIVERGED = 3  # loss became NaN/Inf: a retry from the same checkpoint will likely repeat it
     STOPPED = 4  # reached --max-steps before the end; checkpoint durable, run again to continue
-    PREEMPTED = 75  # EX_TEMPFAIL: stopped on a notice/SIGTERM after an emergency checkpoint became durable
+    # EX_TEMPFAIL: stopped on a notice/SIGTERM after an emergency checkpoint became durable, or without
+    # one when the notice's deadline left too little time (the `stopping` status record says why)
+    PREEMPTED = 75
 
     @property
     def retryable(self) -> bool:

@@ -25,11 +25,17 @@ from trainer.data import ResumableLoader
 from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
-from trainer.preemption import StopRequest
+from trainer.preemption import (
+    DEFAULT_UPLOAD_BPS,
+    DEFAULT_WRITE_BPS,
+    SavePlan,
+    StopRequest,
+    plan_emergency_save,
+)
 from trainer.recipes import Parts, RecipeContext
 from trainer.resume import ResumeSource, completed_step, durable_here, load_state, mark_completed, select
 from trainer.spec import JobSpec
-from trainer.state import capture_rng, restore_rng
+from trainer.state import capture_rng, restore_rng, state_nbytes
 from trainer.status import StatusReporter
 from trainer.storage import Storage
 from trainer.validate import Expectation
@@ -122,6 +128,8 @@ class _Run:
         self.threads = spec.threads or torch.get_num_threads()
         self.step, self.best, self.last_loss = 0, math.inf, math.nan
         self.since_ckpt = time.monotonic()
+        self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
+        self.stop_reported = False
 
     def restore(self, path: Path) -> dict[str, Any]:
         """Load model/optimizer/scheduler/scaler and position; return the RNG state to apply later."""
@@ -141,8 +149,10 @@ class _Run:
         metrics = open(self.opts.metrics_path, "a") if self.opts.metrics_path else None  # noqa: SIM115
         try:
             self._loop(end, rng_state, metrics, _Meter(self.step))
+            if self.opts.stop.deadline is not None and not self.stop_reported:  # before a first step
+                self._stopping()
             # Final, max-steps and emergency checkpoints are synchronous: exit only once durable.
-            if self.ckpt.durable_step != self.step:
+            if self.ckpt.durable_step != self.step and not self._skip_save:
                 blocked = self.checkpoint(wait=True)
                 log.info("checkpoint at step %d durable after %.2fs", self.step, blocked)
             self.ckpt.wait()
@@ -173,7 +183,7 @@ class _Run:
                     self.opts.fault.maybe_fire(self.step)
                 self.ckpt.check()  # a background failure stops training here, not later
                 if stop.requested:
-                    self.opts.reporter.emit("stopping", reason=stop.reason, step=self.step)
+                    self._stopping()
                     return
                 if self.step >= end:
                     return
@@ -181,7 +191,40 @@ class _Run:
                     self.checkpoint()
             pos.epoch, pos.batch = pos.epoch + 1, 0
 
+    def _stopping(self) -> None:
+        """At the step boundary after a stop request: decide on the emergency checkpoint, report it."""
+        stop, self.stop_reported = self.opts.stop, True
+        fields: dict[str, Any] = {"reason": stop.reason, "step": self.step}
+        if stop.deadline is not None:
+            self.plan = self._plan_emergency_save(stop.deadline)
+            fields |= {"save": self.plan.save, "save_reason": self.plan.reason, "deadline": stop.deadline}
+            log.warning(
+                "stop on %s at step %d: %s emergency checkpoint (%s)",
+                stop.reason, self.step, "taking an" if self.plan.save else "skipping the", self.plan.reason,
+            )  # fmt: skip
+        self.opts.reporter.emit("stopping", **fields)
+
+    def _plan_emergency_save(self, deadline: float) -> SavePlan:
+        if self.ckpt.durable_step == self.step:
+            return SavePlan(True, 0.0, f"step {self.step} is already durable")
+        measured = self.ckpt.bandwidth()
+        write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
+        return plan_emergency_save(
+            state_nbytes(self.capture()), write_bps, upload_bps, time.time(), deadline,
+            self.spec.preemption.save_margin_s, measured=measured is not None, in_flight=self.ckpt.in_flight,
+        )  # fmt: skip
+
+    @property
+    def _skip_save(self) -> bool:
+        return self.plan is not None and not self.plan.save
+
     def _outcome(self) -> ExitCode:
+        if self._skip_save:  # even at total_steps: completion needs the final checkpoint durable
+            log.warning(
+                "stopped on %s at step %d without an emergency checkpoint; newest durable step: %s",
+                self.opts.stop.reason, self.step, self.ckpt.durable_step,
+            )  # fmt: skip
+            return ExitCode.PREEMPTED
         if self.step >= self.spec.total_steps:
             return ExitCode.COMPLETED
         if self.opts.stop.requested:

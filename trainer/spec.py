@@ -60,6 +60,53 @@ class S3Options(BaseModel):
         return self
 
 
+class PreemptionOptions(BaseModel):
+    """Cloud interruption notices: which metadata service to watch and how to use the warning.
+
+    A notice turns into a stop at the next step boundary with an emergency checkpoint, when the time
+    left allows one (estimated from the state size and measured bandwidth); otherwise the trainer
+    exits at once and the last durable checkpoint stands."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    notice: Literal["aws", "gcp", "azure", "none"] = Field(
+        default="none",
+        description="cloud whose interruption notices to watch (AWS: 2 min, GCP and Azure: 30 s); "
+        "none: only SIGTERM",
+    )
+    poll_s: float = Field(
+        default=5.0, gt=0, description="seconds between metadata polls (at most 5: notices can be 30 s)"
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="metadata service base URL; default http://169.254.169.254 (AWS, Azure) or "
+        "http://metadata.google.internal (GCP); $SPOTRUN_IMDS_ENDPOINT on the worker wins",
+    )
+    save_margin_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="safety margin (s): skip the emergency checkpoint unless it is estimated to be "
+        "durable this long before the notice's deadline",
+    )
+
+    @field_validator("poll_s")
+    @classmethod
+    def _poll_often_enough(cls, v: float) -> float:
+        if v > 5:
+            raise ValueError(
+                f"poll_s {v:g} is too slow: GCP and Azure give only 30 s of notice and AWS advises "
+                "polling every 5 s; use a value in (0, 5]"
+            )
+        return v
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_form(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} is not an http(s) URL: use e.g. http://169.254.169.254")
+        return v.rstrip("/") if v else v
+
+
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
@@ -85,6 +132,9 @@ class JobSpec(BaseModel):
         default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix"
     )
     s3: S3Options = Field(default_factory=S3Options)
+    preemption: PreemptionOptions = Field(
+        default_factory=PreemptionOptions, description="cloud interruption notices"
+    )
     log_every: int = Field(default=10, ge=1)
 
     @field_validator("recipe")

@@ -108,3 +108,8 @@ def iter_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
 
     _map_tensors(obj, path, collect)
     return found
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of tensor data in a nested state: what a checkpoint of it writes, near enough."""
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(state))

@@ -4,9 +4,14 @@ Each line is `@spotrun {json}`, flushed at once. Kinds:
   started   {attempt_pid, resumed_from, total_steps}         training is about to take its first step
   step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   durable   {step}                                             a checkpoint was read back and verified
+  notice    {cloud, action, stop, deadline}                    a cloud notice (a rebalance: stop false)
   stopping  {reason, step}                                     a stop request (SIGTERM, notice) arrived
+            + {save, save_reason, deadline}                    when it carried a deadline: emergency
+                                                               checkpoint taken or skipped, and why
   exit      {code, name, error, step, durable_step}            the attempt is over
 A supervisor treats the time since the last line as the heartbeat: a hung trainer stops writing.
+Listeners (`subscribe`) get every record as a dict, also without a stream: the storage heartbeat
+(trainer/heartbeat.py) for supervisors that cannot read stdout.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 PREFIX = "@spotrun "
@@ -30,16 +36,24 @@ class StatusReporter:
         self._lock = threading.Lock()
         self.last_step: int | None = None  # newest step seen, reported or not: the exit line carries it
         self.last_durable: int | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(record)` after each record is written; it runs in the emitting thread and
+        must not raise."""
+        self._listeners.append(listener)
 
     def emit(self, kind: str, **fields: Any) -> None:
         if kind == "durable":
             self.last_durable = fields["step"]
-        if self.stream is None:
-            return
-        line = PREFIX + json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":"))
-        with self._lock:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+        rec = {"kind": kind, "t": time.time(), **fields}
+        if self.stream is not None:
+            line = PREFIX + json.dumps(rec, separators=(",", ":"))
+            with self._lock:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+        for listener in self._listeners:
+            listener(rec)
 
     def step(self, step: int, loss: float, steps_per_s: float, durable_step: int | None, force: bool) -> None:
         self.last_step = step

@@ -1,1 +1,29 @@
-"""Worker providers: one Protocol (`base.Provider`); the local spot simulator, later EC2 spot."""
+"""Worker providers: one Protocol (`base.Provider`); the local spot simulator and EC2 spot behind it.
+
+`ProviderConfig` is what the flow takes: either provider's typed settings, told apart by `kind`, so
+the Prefect UI offers a choice and then that provider's form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.base import Provider
+from tasks.providers.local import LocalProvider, LocalProviderConfig
+
+ProviderConfig = Annotated[LocalProviderConfig | AwsProviderConfig, Field(discriminator="kind")]
+
+
+def build_provider(cfg: LocalProviderConfig | AwsProviderConfig, workdir: Path, flow_run_id: str) -> Provider:
+    """The provider for `cfg`; local workers keep their files under `workdir` unless set."""
+    if isinstance(cfg, AwsProviderConfig):
+        from tasks.providers.aws import AwsProvider  # boto3 loads only when EC2 is used
+
+        return AwsProvider.from_config(cfg, flow_run_id=flow_run_id or None)
+    if cfg.workdir is None:
+        cfg = cfg.model_copy(update={"workdir": str(workdir)})
+    return LocalProvider(cfg)

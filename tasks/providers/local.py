@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,6 +91,7 @@ class LocalProviderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
     python: str = Field(
         default=sys.executable,
         description="Python interpreter that runs `python -m trainer` (torch and this project installed)",

@@ -47,8 +47,11 @@ def test_shared_settings_come_from_definitions() -> None:
     assert DeployedNames.read().pools == {
         "resilient-training/resilient-training": "spotrun-local",
         "resilient-training/nightly-retraining": "spotrun-local",
+        "sweep-instances/sweep-instances": "spotrun-local",
         ALERT_DEPLOYMENT: "spotrun-local",
     }
+    (sweeper,) = DEPLOYMENTS["sweep-instances"]["schedules"]
+    assert sweeper["active"] is False  # no AWS credentials by default: a failing run every 10 minutes
     (nightly,) = DEPLOYMENTS["nightly-retraining"]["schedules"]
     assert nightly["cron"] == "0 3 * * *" and nightly["slug"]  # the slug keeps redeploys idempotent
     assert DEPLOYMENTS["nightly-retraining"]["parameters"]["job"]["name"] != "digits"

@@ -1,0 +1,13 @@
+"""The sweeper: no EC2 worker outlives its job, even when the flow process that launched it died
+without releasing it (SIGKILL, a lost machine). Scheduled by the `sweep-instances` deployment."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.sweeping import sweep_instances as sweep_task
+
+
+@flow(name="sweep-instances", description="Terminate EC2 workers whose flow run is no longer live.")
+def sweep_instances(regions: list[str], endpoint_url: str | None = None) -> dict[str, list[str]]:
+    return {region: sweep_task(region, endpoint_url) for region in regions}

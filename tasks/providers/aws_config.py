@@ -1,0 +1,176 @@
+"""The `aws` provider's settings: one typed model, validated at the edge, rendered as a form by Prefect."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RESERVED_TAG_PREFIX = "spotrun:"
+_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
+_SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+
+
+class LaunchTemplateRef(BaseModel):
+    """An existing EC2 launch template, by name or id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, description="launch template name (or set id)")
+    id: str | None = Field(default=None, description="launch template id, lt-... (or set name)")
+    version: str = Field(default="$Default", description="a version number, $Default or $Latest")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> LaunchTemplateRef:
+        if (self.name is None) == (self.id is None):
+            raise ValueError("set exactly one of launch_template.name and launch_template.id")
+        return self
+
+    def spec(self) -> dict[str, str]:
+        """The `LaunchTemplate` parameter of RunInstances / CreateFleet."""
+        key = {"LaunchTemplateName": self.name} if self.name else {"LaunchTemplateId": self.id or ""}
+        return {**key, "Version": self.version}
+
+
+class AwsProviderConfig(BaseModel):
+    """Run each attempt on a fresh EC2 spot instance in one pinned region."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["aws"] = Field(default="aws", description="selects this provider")
+    region: str = Field(
+        description="the one region workers run in (data residency), e.g. ca-central-1; the checkpoint "
+        "bucket should live there too"
+    )
+    instance_types: list[str] = Field(
+        min_length=1,
+        description="instance types in order of preference, e.g. [g5.xlarge, g6.xlarge, g4dn.xlarge]",
+    )
+    subnets: list[str] = Field(
+        default_factory=list,
+        description="subnet ids, one per availability zone, in order of preference; empty: the region's "
+        "default VPC picks (and the provider cannot steer away from a preempted zone)",
+    )
+    image_id: str | None = Field(
+        default=None, description="AMI with Python, torch and this project installed (or launch_template)"
+    )
+    launch_template: LaunchTemplateRef | None = Field(
+        default=None, description="an existing launch template that supplies the AMI (or set image_id)"
+    )
+    instance_profile: str | None = Field(
+        default=None,
+        description="instance profile name or ARN whose role may read and write the checkpoint prefix",
+    )
+    security_groups: list[str] = Field(
+        default_factory=list, description="security group ids (sg-...); workers need outbound HTTPS only"
+    )
+    root_volume_gb: int = Field(default=100, ge=8, le=16384, description="root EBS volume size (GiB)")
+    encrypted: bool = Field(default=True, description="encrypt the root volume")
+    kms_key_id: str | None = Field(
+        default=None, description="KMS key (id, alias or ARN) for the root volume; empty: the EBS default key"
+    )
+    key_name: str | None = Field(default=None, description="EC2 key pair for SSH; empty: none")
+    allocation: Literal["run-instances", "fleet"] = Field(
+        default="run-instances",
+        description="run-instances: try (subnet, type) pairs in the order the re-provision policy "
+        "ranks them; fleet: one instant EC2 Fleet, price-capacity-optimized over all pairs",
+    )
+    max_price: str | None = Field(
+        default=None, description="highest spot price in USD per hour, e.g. '0.9'; empty: the on-demand price"
+    )
+    on_demand_after_preemptions: int | None = Field(
+        default=None, ge=1, description="switch to on-demand after this many spot preemptions; empty: never"
+    )
+    on_demand_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="switch to on-demand after this many seconds of failing to get spot capacity; "
+        "empty: never",
+    )
+    provision_timeout_s: float = Field(
+        default=600, gt=0, description="seconds a launched instance may take to reach `running`"
+    )
+    poll_s: float = Field(default=10, gt=0, description="seconds between looks at the instance and heartbeat")
+    startup_timeout_s: float = Field(
+        default=1200,
+        gt=0,
+        description="a running worker that has not started training this long (boot, imports, checkpoint "
+        "download) is terminated and counted as lost",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=300,
+        gt=0,
+        description="once training has started, a worker whose heartbeat object does not change for "
+        "this long is terminated and counted as lost",
+    )
+    endpoint_url: str | None = Field(
+        default=None, description="an EC2-compatible endpoint (tests: a moto server); empty: AWS"
+    )
+    python: str = Field(default="python3", description="interpreter on the AMI that runs `-m trainer`")
+    workdir: str = Field(
+        default="/opt/spotrun", description="directory on the instance for the job file and local cache"
+    )
+    tags: dict[str, str] = Field(
+        default_factory=dict, description="extra tags on instances and volumes (cost allocation, owner)"
+    )
+    on_demand_price_per_h: dict[str, float] = Field(
+        default_factory=dict,
+        description="instance type -> on-demand USD per hour, for cost reports and the spot comparison",
+    )
+
+    @field_validator("region")
+    @classmethod
+    def _region_form(cls, v: str) -> str:
+        if not _REGION.match(v):
+            raise ValueError(
+                f"{v!r} is not a region name: use one like ca-central-1 (not a zone like ...-1a)"
+            )
+        return v
+
+    @field_validator("subnets")
+    @classmethod
+    def _subnet_ids(cls, v: list[str]) -> list[str]:
+        bad = [s for s in v if not _SUBNET.match(s)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a subnet id: use subnet-... ids, one per availability zone")
+        if len(set(v)) != len(v):
+            raise ValueError("a subnet is listed twice: list each once, in order of preference")
+        return v
+
+    @field_validator("instance_types")
+    @classmethod
+    def _distinct_types(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("an instance type is listed twice: list each once, in order of preference")
+        return v
+
+    @field_validator("tags")
+    @classmethod
+    def _own_tags(cls, v: dict[str, str]) -> dict[str, str]:
+        taken = [k for k in v if k.startswith(RESERVED_TAG_PREFIX) or k == "Name"]
+        if taken:
+            raise ValueError(f"tag {taken[0]!r} is set by spotrun: choose another key")
+        return v
+
+    @field_validator("max_price")
+    @classmethod
+    def _price(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                ok = float(v) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"max_price {v!r}: give USD per hour as a positive number, e.g. '0.9'")
+        return v
+
+    @model_validator(mode="after")
+    def _one_image_source(self) -> AwsProviderConfig:
+        if self.image_id is None and self.launch_template is None:
+            raise ValueError("set image_id (an AMI) or launch_template")
+        if self.image_id is not None and self.launch_template is not None:
+            raise ValueError("set image_id or launch_template, not both (the template names its own AMI)")
+        if self.kms_key_id and not self.encrypted:
+            raise ValueError("kms_key_id needs encrypted: true")
+        return self

@@ -1,0 +1,194 @@
+"""The EC2 requests of one launch, built by pure functions: the user-data script, tags, the
+RunInstances parameters, and for the fleet path a per-attempt launch template and the CreateFleet call.
+
+The instance id is not known before the launch, so the user data asks the instance metadata service
+(IMDSv2) for it at boot and uses it as the worker id; SPOTRUN_WORKER_ID, when already set (a test that
+plays the instance locally), wins. The launch id, known up front, is the idempotency token and the
+`spotrun:worker` tag: a launch whose response was lost can be found by it.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from typing import Any
+
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_policy import Market, Placement
+
+USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
+IMDS = "http://169.254.169.254/latest"
+TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER = (
+    "spotrun:job",
+    "spotrun:attempt",
+    "spotrun:flow-run",
+    "spotrun:worker",
+)
+INSTANCE_RESOURCES = ("instance", "volume")
+
+
+def build_user_data(
+    spec_yaml: str, extra_args: list[str], *, python: str, workdir: str, job: str, attempt: int
+) -> str:
+    """A bash script that writes the job file to `workdir` and execs the trainer with the worker id."""
+    spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
+    extra = "".join(" " + shlex.quote(a) for a in extra_args)
+    return f"""#!/bin/bash
+# spotrun worker: job {job}, attempt {attempt}
+set -euo pipefail
+if [ -z "${{SPOTRUN_WORKER_ID:-}}" ]; then
+  token=$(curl -sf -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' {IMDS}/api/token)
+  SPOTRUN_WORKER_ID=$(curl -sf -H "X-aws-ec2-metadata-token: $token" {IMDS}/meta-data/instance-id)
+fi
+export SPOTRUN_WORKER_ID
+export SPOTRUN_HOME={shlex.quote(workdir)} PYTHONUNBUFFERED=1
+mkdir -p "$SPOTRUN_HOME"
+cd "$SPOTRUN_HOME"
+base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
+{spec_b64}
+SPOTRUN_JOB_B64
+exec {shlex.quote(python)} -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"{extra}
+"""
+
+
+def check_user_data(script: str) -> str | None:
+    """Why EC2 would refuse this user data, or None."""
+    size = len(script.encode())
+    if size > USER_DATA_LIMIT:
+        return f"the user data is {size} bytes, over EC2's {USER_DATA_LIMIT}: shorten the job file"
+    return None
+
+
+def launch_tags(
+    cfg: AwsProviderConfig, job: str, attempt: int, launch_id: str, flow_run_id: str | None
+) -> dict[str, str]:
+    """Tags on every resource of the launch. Without a flow run id there is no `spotrun:flow-run` tag,
+    and the sweeper never touches the instance."""
+    tags = {**cfg.tags, "Name": f"spotrun-{job}-a{attempt}", TAG_JOB: job, TAG_ATTEMPT: str(attempt)}
+    tags[TAG_WORKER] = launch_id
+    if flow_run_id:
+        tags[TAG_FLOW_RUN] = flow_run_id
+    return tags
+
+
+def tag_specs(tags: dict[str, str], *resource_types: str) -> list[dict[str, Any]]:
+    """The TagSpecifications parameter: the same tags on each resource type."""
+    pairs = [{"Key": k, "Value": v} for k, v in tags.items()]
+    return [{"ResourceType": rt, "Tags": pairs} for rt in resource_types]
+
+
+def market_options(cfg: AwsProviderConfig, market: Market) -> dict[str, Any]:
+    """RunInstances' InstanceMarketOptions (empty for on-demand)."""
+    if market == "on-demand":
+        return {}
+    spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
+    if cfg.max_price is not None:
+        spot["MaxPrice"] = cfg.max_price
+    return {"InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": spot}}
+
+
+def instance_settings(cfg: AwsProviderConfig, root_device: str | None) -> dict[str, Any]:
+    """What RunInstances and a launch template's data share: image, volume, profile, network, IMDS."""
+    out: dict[str, Any] = {
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
+        "InstanceInitiatedShutdownBehavior": "terminate",
+    }
+    if cfg.image_id is not None:
+        out["ImageId"] = cfg.image_id
+    if root_device is not None:
+        ebs: dict[str, Any] = {
+            "VolumeSize": cfg.root_volume_gb,
+            "VolumeType": "gp3",
+            "DeleteOnTermination": True,
+            "Encrypted": cfg.encrypted,
+        }
+        if cfg.kms_key_id:
+            ebs["KmsKeyId"] = cfg.kms_key_id
+        out["BlockDeviceMappings"] = [{"DeviceName": root_device, "Ebs": ebs}]
+    if cfg.instance_profile:
+        key = "Arn" if cfg.instance_profile.startswith("arn:") else "Name"
+        out["IamInstanceProfile"] = {key: cfg.instance_profile}
+    if cfg.security_groups:
+        out["SecurityGroupIds"] = list(cfg.security_groups)
+    if cfg.key_name:
+        out["KeyName"] = cfg.key_name
+    return out
+
+
+def run_instances_params(
+    cfg: AwsProviderConfig,
+    placement: Placement,
+    user_data: str,
+    tags: dict[str, str],
+    launch_id: str,
+    root_device: str | None,
+) -> dict[str, Any]:
+    """RunInstances for one instance in one pool (boto3 base64-encodes UserData itself)."""
+    params: dict[str, Any] = {
+        "MinCount": 1,
+        "MaxCount": 1,
+        "InstanceType": placement.instance_type,
+        "UserData": user_data,
+        "ClientToken": launch_id,
+        "TagSpecifications": tag_specs(tags, *INSTANCE_RESOURCES),
+        **instance_settings(cfg, root_device),
+        **market_options(cfg, placement.market),
+    }
+    if cfg.launch_template is not None:
+        params["LaunchTemplate"] = cfg.launch_template.spec()
+    if placement.subnet is not None:
+        params["SubnetId"] = placement.subnet
+    return params
+
+
+def template_data(
+    cfg: AwsProviderConfig,
+    user_data: str,
+    tags: dict[str, str],
+    root_device: str | None,
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """LaunchTemplateData of the per-attempt template a fleet launches from: `base` (the configured
+    template's data, if any) with this attempt's user data, tags and settings on top. A fleet's
+    template may not carry market options: the fleet request says spot or on-demand."""
+    data = {k: v for k, v in (base or {}).items() if k not in ("InstanceMarketOptions", "UserData")}
+    data.update(instance_settings(cfg, root_device))
+    data["UserData"] = base64.b64encode(user_data.encode()).decode()
+    data["TagSpecifications"] = tag_specs(tags, *INSTANCE_RESOURCES)
+    return data
+
+
+def fleet_params(
+    cfg: AwsProviderConfig, template_id: str, pools: list[Placement], tags: dict[str, str], market: Market
+) -> dict[str, Any]:
+    """An instant fleet of one instance over `pools` (ranked best first): spot by price-capacity-optimized,
+    on-demand by the ranking (prioritized)."""
+    overrides = []
+    for i, p in enumerate(pools):
+        o: dict[str, Any] = {"InstanceType": p.instance_type}
+        if p.subnet is not None:
+            o["SubnetId"] = p.subnet
+        if market == "spot" and cfg.max_price is not None:
+            o["MaxPrice"] = cfg.max_price
+        if market == "on-demand":
+            o["Priority"] = float(i)
+        overrides.append(o)
+    params: dict[str, Any] = {
+        "Type": "instant",
+        "LaunchTemplateConfigs": [
+            {
+                "LaunchTemplateSpecification": {"LaunchTemplateId": template_id, "Version": "1"},
+                "Overrides": overrides,
+            }
+        ],
+        "TargetCapacitySpecification": {"TotalTargetCapacity": 1, "DefaultTargetCapacityType": market},
+        "TagSpecifications": tag_specs(tags, "fleet"),
+    }
+    if market == "spot":
+        params["SpotOptions"] = {
+            "AllocationStrategy": "price-capacity-optimized",
+            "InstanceInterruptionBehavior": "terminate",
+        }
+    else:
+        params["OnDemandOptions"] = {"AllocationStrategy": "prioritized"}
+    return params

@@ -1,0 +1,56 @@
+"""Terminate workers whose flow run is gone: the backstop for a flow process that died (SIGKILL, a lost
+machine) between launching an instance and releasing it.
+
+Only instances tagged `spotrun:flow-run` are considered; `is_live(flow_run_id)` is given (the caller asks
+Prefect), so this module knows nothing of Prefect. Safe to run any time and often: terminating an
+instance twice is a no-op, and a live run's workers are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tasks.providers.aws_launch import TAG_FLOW_RUN
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2 import EC2Client
+
+log = logging.getLogger(__name__)
+
+SWEPT_STATES = ["pending", "running", "stopping", "stopped"]
+TERMINATE_BATCH = 1000  # ids per TerminateInstances call
+
+
+def orphans(ec2: EC2Client, is_live: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """(instance id, flow run id) of every spotrun instance whose flow run is not live."""
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": "tag-key", "Values": [TAG_FLOW_RUN]},
+            {"Name": "instance-state-name", "Values": SWEPT_STATES},
+        ]
+    )
+    runs: dict[str, bool] = {}  # ask once per flow run
+    found = []
+    for page in pages:
+        for res in page.get("Reservations", []):
+            for inst in res.get("Instances", []):
+                run = next((t["Value"] for t in inst.get("Tags", []) if t.get("Key") == TAG_FLOW_RUN), "")
+                if run not in runs:
+                    runs[run] = bool(run) and is_live(run)
+                if not runs[run]:
+                    found.append((inst["InstanceId"], run))
+    return found
+
+
+def sweep(ec2: EC2Client, is_live: Callable[[str], bool]) -> list[str]:
+    """Terminate the instances of flow runs that are finished, cancelled, crashed or unknown; return
+    their ids."""
+    doomed = orphans(ec2, is_live)
+    ids = [iid for iid, _ in doomed]
+    for iid, run in doomed:
+        log.warning("sweeping %s: its flow run %s is not live", iid, run or "(none)")
+    for i in range(0, len(ids), TERMINATE_BATCH):
+        ec2.terminate_instances(InstanceIds=ids[i : i + TERMINATE_BATCH])
+    return ids

@@ -1,0 +1,245 @@
+"""Watching one EC2 worker: the instance's state from EC2, the trainer's progress from its heartbeat
+object in the job's storage, both polled every `poll_s`, folded into a `WatchResult`.
+
+The heartbeat (`_workers/<worker id>/heartbeat.json`; trainer/heartbeat.py holds the contract) carries
+the last status record of each kind (trainer/status.py); records are fed in as the local provider
+feeds status lines, but only the newest of each kind survives between two polls. Staleness is judged
+on the watcher's clock (when the object last changed), never by comparing clocks across machines.
+
+A spot reclaim sets notice_kind "spot-interruption"; notice_at is when the trainer heard of it: its
+`notice` record (the instance metadata's interruption notice, trainer/notices.py) or, failing that,
+its `stopping` record (the SIGTERM of the shutdown). A reclaim with neither leaves notice_at None.
+
+The worker is gone when any of these holds:
+  the instance is shutting down, terminated, stopping or stopped (EC2's StateReason says who did it);
+  the heartbeat has an `exit` record (the trainer is over; the idle instance is left to release());
+  the process that plays the instance in a test has exited (the `exit_status` seam);
+  no `started` record within `startup_timeout_s`, or a heartbeat unchanged for `heartbeat_timeout_s`
+  after it: the worker is lost and its instance terminated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from botocore import exceptions as bce
+
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_errors import error_code
+from tasks.providers.aws_policy import Placement
+from tasks.providers.base import StatusCallback, WatchResult, Worker
+from trainer.errors import StorageError
+from trainer.heartbeat import read_heartbeat
+from trainer.storage import Storage
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2 import EC2Client
+
+log = logging.getLogger(__name__)
+
+GONE_STATES = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
+SPOT_RECLAIMS = frozenset(
+    {"Server.SpotInstanceTermination", "Server.SpotInstanceShutdown", "Server.InsufficientInstanceCapacity"}
+)
+USER_SHUTDOWN = "Client.UserInitiatedShutdown"
+SPOT_INTERRUPTION = "spot-interruption"  # WatchResult.notice_kind of a reclaim by the spot market
+RECORD_ORDER = ("started", "step", "durable", "notice", "stopping", "exit")
+STEP_SAMPLES, TAIL_LINES, TAIL_BYTES = 4096, 60, 8192
+ExitStatus = Callable[[str], int | None]  # instance id -> exit status of the process playing it, or None
+
+
+@dataclass
+class AwsWorkerState:
+    """Worker.handle of an EC2 worker: what provision learned and what watch and release need."""
+
+    instance_id: str
+    placement: Placement  # the pool it landed in (az as EC2 reports it)
+    launch_id: str  # ClientToken and `spotrun:worker` tag
+    launched_at: float  # epoch seconds it was seen running
+    price_per_h: float | None  # the spot price at launch, or the on-demand price; None: unknown
+    on_demand_price_per_h: float | None
+    storage: Storage  # the job's storage, where the heartbeat lives
+    fleet_id: str | None = None
+    released_at: float | None = None  # release() was called (the watch reports a kill by release)
+
+
+def end_of_instance(state: str, reason_code: str, released: bool) -> tuple[str | None, str | None]:
+    """(notice_kind, kill_reason) for an instance EC2 reports in `state` with StateReason `reason_code`."""
+    if reason_code in SPOT_RECLAIMS:
+        return SPOT_INTERRUPTION, reason_code
+    if reason_code == USER_SHUTDOWN and released:
+        return None, "release"
+    return None, reason_code or f"instance {state}"
+
+
+class WorkerWatch:
+    """One watch of one worker; everything runs in the calling thread."""
+
+    def __init__(
+        self,
+        ec2: EC2Client,
+        cfg: AwsProviderConfig,
+        worker: Worker,
+        on_status: StatusCallback | None,
+        exit_status: ExitStatus | None,
+    ) -> None:
+        self.ec2, self.cfg, self.worker, self.state = ec2, cfg, worker, worker.handle
+        self.on_status, self.exit_status = on_status, exit_status
+        self.result = WatchResult(started_at=worker.started_at)
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.beat_t: Any = None  # the heartbeat's own `t`, to see it change
+        now = time.monotonic()
+        self.alive_mono = now - max(0.0, time.time() - self.state.launched_at)  # launch, then each beat
+        self.steps: deque[tuple[float, int]] = deque(maxlen=STEP_SAMPLES)
+        self.instance: dict[str, Any] = {}
+
+    def run(self) -> WatchResult:
+        while True:
+            self._read_heartbeat()
+            if self._instance_gone() or self._process_exited():
+                self._read_heartbeat()  # the last records, written while it shut down
+                break
+            if "exit" in self.result.status or self._lost():
+                break
+            time.sleep(self.cfg.poll_s)
+        return self._finish()
+
+    def _read_heartbeat(self) -> None:
+        try:
+            hb = read_heartbeat(self.state.storage, self.state.instance_id)
+        except (StorageError, OSError) as e:  # storage hiccup: no news this tick; staleness keeps counting
+            log.warning("%s: cannot read heartbeat: %s", self.worker.id, e)
+            return
+        if hb is None:
+            return
+        if hb.get("t") != self.beat_t:
+            self.beat_t, self.alive_mono = hb.get("t"), time.monotonic()
+        records = hb.get("records")
+        records = records if isinstance(records, dict) else {}
+        fresh = [(k, rec) for k in RECORD_ORDER if isinstance(rec := records.get(k), dict)]
+        for kind, rec in sorted(fresh, key=lambda kr: float(kr[1].get("t") or 0)):
+            if rec == self.seen.get(kind):
+                continue
+            self.seen[kind] = rec
+            self._record(kind, rec)
+            if self.on_status is not None:
+                self.on_status(rec)
+        self._sample(hb)
+
+    def _record(self, kind: str, rec: dict[str, Any]) -> None:
+        r, step = self.result, rec.get("step")
+        r.status[kind] = rec
+        t = float(rec.get("t") or time.time())
+        if isinstance(step, int):
+            r.last_step = max(r.last_step, step)
+        durable = step if kind == "durable" else rec.get("durable_step")
+        if isinstance(durable, int):
+            r.last_durable_step = max(r.last_durable_step or 0, durable)
+        if kind == "started":
+            r.started_training_at = t
+            self.steps.append((t, int(step or 0)))
+        elif kind == "step" and isinstance(step, int):
+            self.steps.append((t, step))
+        elif kind == "durable" and isinstance(step, int):
+            r.durable_times.append((t, step))
+
+    def _sample(self, hb: dict[str, Any]) -> None:
+        """The heartbeat's own step counters: newer than the last step record between two of them."""
+        r, step, durable = self.result, hb.get("last_step"), hb.get("durable_step")
+        if isinstance(durable, int):
+            r.last_durable_step = max(r.last_durable_step or 0, durable)
+        if isinstance(step, int) and step > r.last_step and r.started_training_at is not None:
+            r.last_step = step
+            self.steps.append((float(hb.get("t") or time.time()), step))
+
+    def _instance_gone(self) -> bool:
+        try:
+            out = self.ec2.describe_instances(InstanceIds=[self.state.instance_id])
+        except bce.ClientError as e:
+            if error_code(e) == "InvalidInstanceID.NotFound":
+                self.instance = {"State": {"Name": "terminated"}, "StateReason": {"Code": "not-found"}}
+                return True
+            log.warning("%s: describe_instances failed: %s", self.worker.id, e)
+            return False
+        except bce.BotoCoreError as e:  # connection trouble: the heartbeat still bounds the watch
+            log.warning("%s: describe_instances failed: %s", self.worker.id, e)
+            return False
+        found = [i for res in out.get("Reservations", []) for i in res.get("Instances", [])]
+        if not found:
+            return False
+        self.instance = dict(found[0])
+        return str(self.instance.get("State", {}).get("Name")) in GONE_STATES
+
+    def _process_exited(self) -> bool:
+        if self.exit_status is None:
+            return False
+        code = self.exit_status(self.state.instance_id)
+        if code is None:
+            return False
+        self.result.exit_code, self.result.signal = (code, None) if code >= 0 else (None, -code)
+        return True
+
+    def _lost(self) -> bool:
+        r = self.result
+        silent = time.monotonic() - self.alive_mono
+        limit = (
+            self.cfg.heartbeat_timeout_s if r.started_training_at is not None else self.cfg.startup_timeout_s
+        )
+        if silent < limit:
+            return False
+        r.lost, r.silent_s = True, round(silent, 1)
+        r.killed_at, r.kill_reason = time.time(), "lost"
+        log.warning("%s: no heartbeat for %.1f s; terminating it", self.worker.id, silent)
+        try:
+            self.ec2.terminate_instances(InstanceIds=[self.state.instance_id])
+        except (bce.ClientError, bce.BotoCoreError) as e:  # release() tries again
+            log.warning("%s: terminate failed: %s", self.worker.id, e)
+        return True
+
+    def _finish(self) -> WatchResult:
+        r = self.result
+        r.ended_at = time.time()
+        code = r.status.get("exit", {}).get("code")
+        if isinstance(code, int) and r.exit_code is None and r.signal is None:  # the process's own wins
+            r.exit_code, r.signal = code, None
+        state = str(self.instance.get("State", {}).get("Name") or "")
+        if state in GONE_STATES and not r.lost:
+            reason = str(self.instance.get("StateReason", {}).get("Code") or "")
+            r.notice_kind, r.kill_reason = end_of_instance(state, reason, self.state.released_at is not None)
+            if r.kill_reason == "release":
+                r.killed_at = self.state.released_at
+        self._notice()
+        r.status["ec2"] = {
+            "instance_id": self.state.instance_id,
+            "state": state,
+            "reason_code": self.instance.get("StateReason", {}).get("Code"),
+            "reason": self.instance.get("StateReason", {}).get("Message"),
+        }
+        r.step_times = list(self.steps)
+        if "exit" not in r.status:
+            r.log_tail = self._console_tail()
+        return r
+
+    def _notice(self) -> None:
+        """A stop notice the trainer reported makes the end a spot interruption, whatever EC2 says by
+        now (the trainer may exit before the instance goes); notice_at is when the trainer heard."""
+        r = self.result
+        notice, stopping = r.status.get("notice"), r.status.get("stopping")
+        if notice is not None and notice.get("stop"):
+            r.notice_kind, r.notice_at = SPOT_INTERRUPTION, float(notice.get("t") or r.ended_at)
+        elif r.notice_kind == SPOT_INTERRUPTION and stopping is not None:
+            r.notice_at = float(stopping.get("t") or r.ended_at)
+
+    def _console_tail(self) -> str:
+        """The end of the instance's console output (cloud-init and the trainer's stderr), best effort."""
+        try:
+            out = self.ec2.get_console_output(InstanceId=self.state.instance_id)
+        except (bce.ClientError, bce.BotoCoreError):
+            return ""
+        text = str(out.get("Output") or "")
+        return "\n".join(text.splitlines()[-TAIL_LINES:])[-TAIL_BYTES:]

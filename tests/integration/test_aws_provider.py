@@ -1,0 +1,460 @@
+"""The aws provider against moto's EC2 on 127.0.0.1 (a real HTTP endpoint; no boto3 patching): launch
+requests as EC2 stores them, each way a worker ends as tasks/outcome.py classifies it, re-provisioning
+after a reclaim, errors as moto raises them, and the sweeper. The job's storage is a local directory
+that the tests (playing the trainer) write heartbeats into."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from tasks.attempts import Outcome
+from tasks.outcome import classify
+from tasks.providers.aws import AwsProvider, make_ec2_client
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_errors import NO_CREDENTIALS
+from tasks.providers.aws_policy import Placement, PlacementEvent, PlacementOutcome
+from tasks.providers.aws_sweeper import sweep
+from tasks.providers.aws_watch import SPOT_INTERRUPTION
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tests import aws_backdoor
+from tests.conftest import Ec2World
+from trainer.heartbeat import heartbeat_key
+from trainer.spec import JobSpec, load_spec
+from trainer.storage import LocalStorage, put_bytes
+
+pytestmark = pytest.mark.timeout(60)
+
+TYPES = ["g5.xlarge", "g6.xlarge"]
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> tuple[JobSpec, Path]:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: demo\nrecipe: digits\ntotal_steps: 50\nstorage: {tmp_path / 'store'}\n")
+    return load_spec(path), path
+
+
+def make_provider(
+    world: Ec2World, session: boto3.session.Session | None = None, **over: Any
+) -> tuple[AwsProvider, AwsProviderConfig]:
+    seams = {k: over.pop(k) for k in ("launcher", "exit_status", "history") if k in over}
+    cfg = AwsProviderConfig.model_validate(
+        {
+            "region": world.region,
+            "instance_types": TYPES,
+            "subnets": world.subnets,
+            "image_id": world.image_id,
+            "instance_profile": world.instance_profile,
+            "security_groups": [world.security_group],
+            "kms_key_id": "alias/spotrun-ebs",
+            "endpoint_url": world.endpoint,
+            "tags": {"team": "ml"},
+            "on_demand_price_per_h": {"g5.xlarge": 1.2},
+            "poll_s": 0.02,
+            "provision_timeout_s": 5,
+            "startup_timeout_s": 5,
+            "heartbeat_timeout_s": 5,
+            **over,
+        }
+    )
+    return AwsProvider(cfg, make_ec2_client(cfg, session), flow_run_id="flow-1", **seams), cfg
+
+
+def instance(world: Ec2World, iid: str) -> dict[str, Any]:
+    found: dict[str, Any] = world.ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]
+    return found
+
+
+def beat(job: JobSpec, worker: Worker, *records: dict[str, Any]) -> None:
+    """Write the heartbeat the trainer on `worker` would write, holding these records."""
+    last = {r["kind"]: r for r in records}
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    body = {
+        "worker_id": worker.id,
+        "t": time.time(),
+        "pid": 4242,
+        "last_step": max(steps, default=0),
+        "durable_step": last.get("durable", {}).get("step"),
+        "records": last,
+    }
+    put_bytes(LocalStorage(Path(job.storage)), heartbeat_key(worker.id), json.dumps(body).encode())
+
+
+def rec(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "t": time.time(), **fields}
+
+
+def watch(provider: AwsProvider, worker: Worker) -> tuple[WatchResult, list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    try:
+        return provider.watch(worker, seen.append, None), seen
+    finally:
+        provider.release(worker)
+
+
+@pytest.fixture
+def released() -> Iterator[list[tuple[AwsProvider, Worker]]]:
+    """Workers to release at the end of a test, whatever happened in it."""
+    workers: list[tuple[AwsProvider, Worker]] = []
+    yield workers
+    for provider, worker in workers:
+        provider.release(worker)
+
+
+def test_provider_satisfies_protocol(ec2_world: Ec2World) -> None:
+    provider, _ = make_provider(ec2_world)
+    assert isinstance(provider, Provider) and provider.name == "aws"
+
+
+def test_provision_launches_a_tagged_encrypted_spot_instance(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], released: list[tuple[AwsProvider, Worker]]
+) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], ["--max-steps", "20"])
+    released.append((provider, worker))
+    inst = instance(ec2_world, worker.id)
+    assert worker.id == inst["InstanceId"] and worker.provider == "aws" and worker.attempt == 1
+    assert inst["State"]["Name"] == "running" and inst["InstanceLifecycle"] == "spot"
+    assert inst["SubnetId"] == ec2_world.subnets[0] and inst["InstanceType"] == "g5.xlarge"
+    assert inst["MetadataOptions"]["HttpTokens"] == "required"
+    assert inst["IamInstanceProfile"]["Arn"].endswith("/" + ec2_world.instance_profile)
+    assert [g["GroupId"] for g in inst["SecurityGroups"]] == [ec2_world.security_group]
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert tags["spotrun:job"] == "demo" and tags["spotrun:attempt"] == "1" and tags["team"] == "ml"
+    assert tags["spotrun:flow-run"] == "flow-1" and tags["Name"] == "spotrun-demo-a1"
+    assert tags["spotrun:worker"] == worker.handle.launch_id
+    (volume,) = ec2_world.ec2.describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [worker.id]}]
+    )["Volumes"]
+    assert (volume["Encrypted"], volume["KmsKeyId"], volume["Size"]) == (True, "alias/spotrun-ebs", 100)
+    assert {t["Key"]: t["Value"] for t in volume["Tags"]}["spotrun:job"] == "demo"
+    raw = ec2_world.ec2.describe_instance_attribute(InstanceId=worker.id, Attribute="userData")
+    script = base64.b64decode(raw["UserData"]["Value"]).decode()
+    assert script.startswith("#!/bin/bash\n") and "--max-steps 20" in script
+    spec_b64 = script.split("<<'SPOTRUN_JOB_B64'\n")[1].split("\nSPOTRUN_JOB_B64")[0]
+    assert base64.b64decode(spec_b64).decode() == job[1].read_text()
+    state = worker.handle
+    assert (state.placement.az, state.placement.market) == (ec2_world.azs[ec2_world.subnets[0]], "spot")
+    assert state.price_per_h == pytest.approx(0.00001)  # moto's fixed spot price
+    assert provider.history[-1].outcome is PlacementOutcome.LAUNCHED
+
+
+def test_release_is_idempotent(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], [])
+    provider.release(worker)
+    provider.release(worker)
+    assert instance(ec2_world, worker.id)["State"]["Name"] == "terminated"
+    never = replace(worker.handle, instance_id="i-0123456789abcdef0")
+    provider.release(Worker(never.instance_id, "aws", 1, 0.0, never))  # never existed: fine too
+
+
+def test_spot_interruption_after_a_notice_is_preempted(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path]
+) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], [])
+    started = rec("started", step=0, resumed_from=None, total_steps=50)
+    progress = [rec("step", step=12, durable_step=10), rec("durable", step=10)]
+    stopping = rec("stopping", reason="SIGTERM", step=12)
+    beat(job[0], worker, started, *progress, stopping)
+    aws_backdoor.spot_interrupt(worker.id, ec2_world.region)
+    result, seen = watch(provider, worker)
+    assert (result.notice_kind, result.kill_reason) == (SPOT_INTERRUPTION, "Server.SpotInstanceTermination")
+    assert result.notice_at == stopping["t"] and not result.lost
+    assert (result.last_step, result.last_durable_step, result.started_training_at) == (12, 10, started["t"])
+    assert [r["kind"] for r in seen] == ["started", "step", "durable", "stopping"]
+    assert result.status["ec2"]["reason_code"] == "Server.SpotInstanceTermination"
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.PREEMPTED, cause
+    cost = result.status["cost"]
+    assert cost["market"] == "spot" and cost["price_per_h"] == pytest.approx(0.00001)
+    assert cost["usd"] is not None and cost["on_demand_usd"] == pytest.approx(1.2 * cost["hours"])
+    assert provider.history[-1].outcome is PlacementOutcome.PREEMPTED
+
+
+def test_spot_interruption_without_a_notice(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], [])
+    beat(job[0], worker, rec("started", step=0), rec("step", step=5))
+    aws_backdoor.spot_interrupt(worker.id, ec2_world.region)
+    result, _ = watch(provider, worker)
+    assert (result.notice_kind, result.kill_reason, result.notice_at) == (
+        SPOT_INTERRUPTION,
+        "Server.SpotInstanceTermination",
+        None,
+    )
+    assert result.exit_code is None and result.last_step == 5
+    assert provider.history[-1].outcome is PlacementOutcome.PREEMPTED
+
+
+def test_imds_notice_then_preempted_exit(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    """The trainer saw the 2-minute notice, checkpointed and exited before EC2 took the instance."""
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], [])
+    notice = rec("notice", cloud="aws", action="terminate", stop=True, deadline=time.time() + 120)
+    stopping = rec("stopping", reason="aws terminate notice", step=30, save=True)
+    exit_ = rec("exit", code=75, name="PREEMPTED", error="", step=30, durable_step=30)
+    beat(job[0], worker, rec("started", step=0), notice, stopping, rec("durable", step=30), exit_)
+    result, _ = watch(provider, worker)
+    assert (result.notice_kind, result.notice_at, result.exit_code) == (SPOT_INTERRUPTION, notice["t"], 75)
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.PREEMPTED and cause.startswith("spot notice, exited PREEMPTED after")
+    assert provider.history[-1].outcome is PlacementOutcome.PREEMPTED
+
+
+def test_outcome_counts_a_reclaim_without_notice_as_preempted() -> None:
+    result = WatchResult(started_at=0.0, ended_at=1.0, notice_kind=SPOT_INTERRUPTION)
+    result.kill_reason = "Server.SpotInstanceTermination"
+    assert classify(result, completed=False)[0] is Outcome.PREEMPTED
+
+
+def test_exit_record_ends_the_watch_as_completed(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(job[0], 1, job[1], [])
+    records = [
+        rec("started", step=0, resumed_from=None),
+        rec("step", step=50, durable_step=50),
+        rec("durable", step=50),
+        rec("exit", code=0, name="COMPLETED", error="", step=50, durable_step=50),
+    ]
+    beat(job[0], worker, *records)
+    result, seen = watch(provider, worker)
+    assert (result.exit_code, result.trainer_code, result.last_step, result.last_durable_step) == (
+        0,
+        "COMPLETED",
+        50,
+        50,
+    )
+    assert result.durable_times == [(records[2]["t"], 50)] and result.notice_kind is None
+    assert [r["kind"] for r in seen] == ["started", "step", "durable", "exit"]
+    assert result.status["ec2"]["state"] == "running"  # the trainer is done; release() ends the instance
+    assert classify(result, completed=True)[0] is Outcome.COMPLETED
+    assert instance(ec2_world, worker.id)["State"]["Name"] == "terminated"
+    assert provider.history[-1].outcome is PlacementOutcome.ENDED
+
+
+def test_stale_heartbeat_is_lost_and_terminated(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    provider, _ = make_provider(ec2_world, heartbeat_timeout_s=0.3)
+    worker = provider.provision(job[0], 1, job[1], [])
+    beat(job[0], worker, rec("started", step=0), rec("step", step=3))
+    result = provider.watch(worker, None, None)  # no release: the watch terminates it itself
+    assert (
+        result.lost
+        and result.kill_reason == "lost"
+        and result.silent_s is not None
+        and result.silent_s >= 0.3
+    )
+    assert instance(ec2_world, worker.id)["State"]["Name"] in ("shutting-down", "terminated")
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.LOST and "no heartbeat for" in cause
+    provider.release(worker)
+
+
+def test_never_starting_is_lost(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -> None:
+    provider, _ = make_provider(ec2_world, startup_timeout_s=0.2)
+    worker = provider.provision(job[0], 1, job[1], [])
+    result, _ = watch(provider, worker)
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.LOST and "did not start training" in cause
+    assert result.log_tail  # the console output, for a worker that never reported
+
+
+def test_reprovision_after_preemption_moves_zone_and_type(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path]
+) -> None:
+    provider, _ = make_provider(ec2_world)
+    first = provider.provision(job[0], 1, job[1], [])
+    aws_backdoor.spot_interrupt(first.id, ec2_world.region)
+    watch(provider, first)
+    second = provider.provision(job[0], 2, job[1], [])
+    try:
+        a, b = first.handle.placement, second.handle.placement
+        assert a.az != b.az and a.instance_type != b.instance_type
+        assert instance(ec2_world, second.id)["SubnetId"] == ec2_world.subnets[1]
+    finally:
+        provider.release(second)
+
+
+def test_no_capacity_moves_on_then_gives_a_retryable_error(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider, _ = make_provider(ec2_world)
+    a, b = ec2_world.subnets[:2]
+    with aws_backdoor.no_capacity(monkeypatch, ec2_world.region, {a}):
+        worker = provider.provision(job[0], 1, job[1], [])
+    provider.release(worker)
+    assert worker.handle.placement.subnet == b and worker.handle.placement.instance_type == "g5.xlarge"
+    assert [(e.placement.subnet, e.outcome, e.error) for e in provider.history] == [
+        (a, PlacementOutcome.CAPACITY, "InsufficientInstanceCapacity"),
+        (b, PlacementOutcome.LAUNCHED, ""),
+    ]
+    with aws_backdoor.no_capacity(monkeypatch, ec2_world.region), pytest.raises(ProvisionError) as e:
+        provider.provision(job[0], 2, job[1], [])
+    assert e.value.retryable and str(e.value).startswith("no spot capacity for g5.xlarge, g6.xlarge in ")
+
+
+def test_on_demand_after_preemptions(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], released: list[tuple[AwsProvider, Worker]]
+) -> None:
+    a = ec2_world.subnets[0]
+    history = [PlacementEvent(Placement(a, ec2_world.azs[a], "g5.xlarge"), PlacementOutcome.PREEMPTED, 1.0)]
+    provider, _ = make_provider(ec2_world, on_demand_after_preemptions=1, history=history)
+    worker = provider.provision(job[0], 2, job[1], [])
+    released.append((provider, worker))
+    assert instance(ec2_world, worker.id).get("InstanceLifecycle") is None  # on-demand
+    state = worker.handle
+    assert (state.placement.market, state.placement.instance_type, state.price_per_h) == (
+        "on-demand",
+        "g6.xlarge",
+        None,
+    )
+
+
+def test_fleet_launch(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], released: list[tuple[AwsProvider, Worker]]
+) -> None:
+    provider, _ = make_provider(ec2_world, allocation="fleet")
+    worker = provider.provision(job[0], 1, job[1], [])
+    released.append((provider, worker))
+    inst = instance(ec2_world, worker.id)
+    assert inst["InstanceLifecycle"] == "spot" and inst["InstanceType"] in TYPES
+    assert {t["Key"]: t["Value"] for t in inst["Tags"]}["spotrun:job"] == "demo"
+    assert worker.handle.fleet_id.startswith("fleet-")
+    templates = ec2_world.ec2.describe_launch_templates(
+        Filters=[{"Name": "tag:spotrun:worker", "Values": [worker.handle.launch_id]}]
+    )["LaunchTemplates"]
+    assert templates == []  # the per-attempt template is deleted once the instance runs
+
+
+def test_user_data_runs_the_trainer_with_its_worker_id(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], tmp_path: Path
+) -> None:
+    """The launcher seam plays the instance: the user data runs locally, with a stand-in for python
+    that records its arguments and writes the heartbeat the trainer would."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys, time, yaml
+spec = yaml.safe_load(open("job.yaml"))
+wid = os.environ["SPOTRUN_WORKER_ID"]
+path = os.path.join(spec["storage"], "_workers", wid, "heartbeat.json")
+os.makedirs(os.path.dirname(path), exist_ok=True)
+now = time.time()
+exit = {{"kind": "exit", "t": now, "code": 0, "name": "COMPLETED", "step": 7, "argv": sys.argv[1:]}}
+records = {{"started": {{"kind": "started", "t": now, "step": 0}}, "exit": exit}}
+beat = {{"worker_id": wid, "t": now, "pid": os.getpid(), "last_step": 7, "records": records}}
+json.dump(beat, open(path, "w"))
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def launcher(iid: str, script: str) -> None:
+        env = {**os.environ, "SPOTRUN_WORKER_ID": iid}
+        procs[iid] = subprocess.Popen(["bash", "-c", script], env=env)
+
+    def exit_status(iid: str) -> int | None:
+        return procs[iid].poll()
+
+    workdir = tmp_path / "instance"
+    provider, _ = make_provider(
+        ec2_world, python=str(fake), workdir=str(workdir), launcher=launcher, exit_status=exit_status
+    )
+    worker = provider.provision(job[0], 1, job[1], ["--max-steps", "7"])
+    result, _ = watch(provider, worker)
+    assert (workdir / "job.yaml").read_text() == job[1].read_text()
+    assert result.exit_code == 0 and result.trainer_code == "COMPLETED" and result.last_step == 7
+    assert result.status["exit"]["argv"] == [
+        "-m",
+        "trainer",
+        "--config",
+        "job.yaml",
+        "--worker-id",
+        worker.id,
+        "--max-steps",
+        "7",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [
+        (
+            {"instance_types": ["g99.huge"]},
+            "EC2 rejected instance type 'g99.huge' in ca-central-1: check instance_types",
+        ),
+        (
+            {"image_id": "ami-0000000000000dead"},
+            "EC2 has no usable AMI 'ami-0000000000000dead' in ca-central-1",
+        ),
+        ({"subnets": ["subnet-00000000deadbeef0"]}, "check subnets"),
+        ({"instance_profile": "no-such-profile"}, "check instance_profile ('no-such-profile' must exist)"),
+    ],
+)
+def test_setup_errors_stop_with_one_line(
+    ec2_world: Ec2World,
+    job: tuple[JobSpec, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    over: dict[str, Any],
+    says: str,
+) -> None:
+    provider, _ = make_provider(ec2_world, **over)
+    with aws_backdoor.validating(monkeypatch), pytest.raises(ProvisionError) as e:
+        provider.provision(job[0], 1, job[1], [])
+    assert not e.value.retryable and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_credentials_is_one_clear_line(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    provider, _ = make_provider(ec2_world, boto3.session.Session())
+    with pytest.raises(ProvisionError) as e:
+        provider.provision(job[0], 1, job[1], [])
+    assert (str(e.value), e.value.retryable) == (NO_CREDENTIALS, False)
+
+
+def test_sweeper_terminates_workers_of_dead_flow_runs(
+    moto_server: str, boto_session: boto3.session.Session
+) -> None:
+    ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="eu-west-3")  # a region of its own
+
+    def launch(tags: dict[str, str]) -> str:
+        spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, TagSpecifications=spec)
+        return str(out["Instances"][0]["InstanceId"])
+
+    live = launch({"spotrun:job": "a", "spotrun:flow-run": "run-live"})
+    dead = [launch({"spotrun:job": "b", "spotrun:flow-run": "run-dead"}) for _ in range(2)]
+    unknown = launch({"spotrun:job": "c", "spotrun:flow-run": "run-unknown"})
+    untagged = launch({"spotrun:job": "d"})  # no flow run: never swept
+    asked: list[str] = []
+
+    def is_live(run: str) -> bool:
+        asked.append(run)
+        return run == "run-live"
+
+    assert sorted(sweep(ec2, is_live)) == sorted([*dead, unknown])
+    assert sorted(asked) == ["run-dead", "run-live", "run-unknown"]  # once per flow run
+    states = {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+    }
+    assert states[live] == states[untagged] == "running"
+    assert {states[i] for i in [*dead, unknown]} == {"terminated"}
+    assert sweep(ec2, is_live) == []  # idempotent
+    ec2.terminate_instances(InstanceIds=[live, untagged])

@@ -1,0 +1,405 @@
+"""Table tests of the aws provider's pure parts: where the next attempt runs, what each EC2 error means,
+the config's edge checks, the launch requests and the cost of an attempt."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+from pydantic import ValidationError
+
+from tasks.providers import aws_launch as launch
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_cost import Cost, attempt_cost
+from tasks.providers.aws_errors import NO_CREDENTIALS, ErrorKind, LaunchContext, classify_error
+from tasks.providers.aws_policy import (
+    Placement,
+    PlacementEvent,
+    PlacementOutcome,
+    choose_market,
+    next_placement,
+    rank_placements,
+    spot_shortage_since,
+)
+from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance
+from trainer.storage import LocalStorage
+
+A, B, C = "subnet-0000000a", "subnet-0000000b", "subnet-0000000c"
+AZS = {A: "ca-central-1a", B: "ca-central-1b", C: "ca-central-1d"}
+P, CAP, OK = PlacementOutcome.PREEMPTED, PlacementOutcome.CAPACITY, PlacementOutcome.LAUNCHED
+
+
+def cfg(**over: Any) -> AwsProviderConfig:
+    base: dict[str, Any] = {
+        "region": "ca-central-1",
+        "instance_types": ["g5.xlarge", "g6.xlarge"],
+        "subnets": [A, B, C],
+        "image_id": "ami-0123456789abcdef0",
+    }
+    return AwsProviderConfig.model_validate({**base, **over})
+
+
+def ev(
+    subnet: str | None, itype: str, outcome: PlacementOutcome, t: float, market: str = "spot"
+) -> PlacementEvent:
+    az = AZS.get(subnet or "")
+    return PlacementEvent(Placement(subnet, az, itype, market), outcome, t)  # type: ignore[arg-type]
+
+
+# -- where the next attempt runs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("history", "expected"),
+    [
+        ([], (A, "g5.xlarge")),
+        # a launch that went fine changes nothing
+        ([ev(A, "g5.xlarge", OK, 1)], (A, "g5.xlarge")),
+        # preempted in a/g5: another zone and another type
+        ([ev(A, "g5.xlarge", P, 1)], (B, "g6.xlarge")),
+        # then b/g6 too: the zone never hit, with the type hit longest ago
+        ([ev(A, "g5.xlarge", P, 1), ev(B, "g6.xlarge", P, 2)], (C, "g5.xlarge")),
+        # every zone hit: the zone hit longest ago, with the other type
+        ([ev(A, "g5.xlarge", P, 1), ev(B, "g6.xlarge", P, 2), ev(C, "g5.xlarge", CAP, 3)], (A, "g6.xlarge")),
+        # least recently preempted first, whatever the order of the list: g6 was hit longer ago
+        ([ev(B, "g6.xlarge", P, 5), ev(A, "g5.xlarge", P, 9)], (C, "g6.xlarge")),
+        # no capacity counts like a preemption
+        ([ev(A, "g5.xlarge", CAP, 1)], (B, "g6.xlarge")),
+        # a failure that is not about capacity does not steer
+        ([PlacementEvent(Placement(A, AZS[A], "g5.xlarge"), PlacementOutcome.FAILED, 1)], (A, "g5.xlarge")),
+    ],
+)
+def test_next_placement(history: list[PlacementEvent], expected: tuple[str, str]) -> None:
+    p = next_placement(cfg(), history, AZS, now=10)
+    assert (p.subnet, p.instance_type) == expected
+    assert p.az == AZS[expected[0]]
+
+
+def test_without_subnets_the_policy_rotates_types() -> None:
+    c = cfg(subnets=[])
+    assert next_placement(c, [], {}, 0) == Placement(None, None, "g5.xlarge")
+    assert next_placement(c, [ev(None, "g5.xlarge", P, 1)], {}, 2).instance_type == "g6.xlarge"
+
+
+def test_ranking_lists_every_pool_once() -> None:
+    pools = rank_placements(cfg(), [ev(A, "g5.xlarge", P, 1)], AZS, "spot")
+    assert len(pools) == 6 and len(set(pools)) == 6
+    assert pools[-1] == Placement(A, AZS[A], "g5.xlarge")  # the pool that was just preempted: last
+
+
+@pytest.mark.parametrize(
+    ("over", "history", "now", "market"),
+    [
+        ({}, [ev(A, "g5.xlarge", P, 1)] * 5, 100, "spot"),
+        ({"on_demand_after_preemptions": 2}, [ev(A, "g5.xlarge", P, 1)], 100, "spot"),
+        (
+            {"on_demand_after_preemptions": 2},
+            [ev(A, "g5.xlarge", P, 1), ev(B, "g6.xlarge", P, 2)],
+            100,
+            "on-demand",
+        ),
+        # 60 s of spot capacity failures
+        ({"on_demand_after_s": 60}, [ev(A, "g5.xlarge", CAP, 10), ev(B, "g5.xlarge", CAP, 40)], 69, "spot"),
+        (
+            {"on_demand_after_s": 60},
+            [ev(A, "g5.xlarge", CAP, 10), ev(B, "g5.xlarge", CAP, 40)],
+            70,
+            "on-demand",
+        ),
+        # a spot launch in between ends the streak
+        ({"on_demand_after_s": 60}, [ev(A, "g5.xlarge", CAP, 10), ev(B, "g5.xlarge", OK, 20)], 100, "spot"),
+        (
+            {"on_demand_after_s": 60},
+            [ev(A, "g5.xlarge", CAP, 10), ev(B, "g5.xlarge", OK, 20), ev(B, "g5.xlarge", CAP, 30)],
+            100,
+            "on-demand",
+        ),
+        # sticky: an on-demand launch does not end the spot streak
+        (
+            {"on_demand_after_s": 60},
+            [ev(A, "g5.xlarge", CAP, 10), ev(A, "g5.xlarge", OK, 80, "on-demand")],
+            200,
+            "on-demand",
+        ),
+    ],
+)
+def test_choose_market(over: dict[str, Any], history: list[PlacementEvent], now: float, market: str) -> None:
+    assert choose_market(cfg(**over), history, now) == market
+
+
+def test_shortage_starts_at_first_failure() -> None:
+    assert spot_shortage_since([]) is None
+    assert spot_shortage_since([ev(A, "g5.xlarge", CAP, 7), ev(B, "g5.xlarge", CAP, 9)]) == 7
+
+
+# -- what each EC2 error means -----------------------------------------------------------------------
+
+CTX = LaunchContext("ca-central-1", "g99.huge", "ami-0123456789abcdef0", A, "spotrun-worker")
+
+
+def client_error(code: str, message: str = "", status: int = 400) -> ClientError:
+    response: Any = {
+        "Error": {"Code": code, "Message": message},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, "RunInstances")
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "kind", "says"),
+    [
+        (
+            "InsufficientInstanceCapacity",
+            "We currently do not have sufficient g5 capacity",
+            ErrorKind.CAPACITY,
+            "no capacity for g99.huge in subnet-0000000a",
+        ),
+        ("SpotMaxPriceTooLow", "", ErrorKind.CAPACITY, "trying other zones"),
+        ("MaxSpotInstanceCountExceeded", "", ErrorKind.CAPACITY, "no capacity"),
+        ("InsufficientCapacity", "no spot capacity", ErrorKind.CAPACITY, "no capacity"),
+        (
+            "Unsupported",
+            "Your requested instance type is not supported in your requested Availability Zone",
+            ErrorKind.CAPACITY,
+            "no capacity",
+        ),
+        ("RequestLimitExceeded", "Request limit exceeded.", ErrorKind.TRANSIENT, "throttling"),
+        ("InstanceLimitExceeded", "", ErrorKind.QUOTA, "Service Quotas"),
+        ("VcpuLimitExceeded", "", ErrorKind.QUOTA, "quota reached in ca-central-1 for g99.huge"),
+        ("InvalidAMIID.NotFound", "", ErrorKind.IMAGE, "check image_id"),
+        ("InvalidAMIID.Malformed", "", ErrorKind.IMAGE, "'ami-0123456789abcdef0'"),
+        (
+            "InvalidInstanceType",
+            "",
+            ErrorKind.INSTANCE_TYPE,
+            "EC2 rejected instance type 'g99.huge' in ca-central-1: check instance_types",
+        ),
+        (
+            "InvalidParameterValue",
+            "Invalid value 'g99.huge' for InstanceType.",
+            ErrorKind.INSTANCE_TYPE,
+            "check instance_types",
+        ),
+        ("AuthFailure", "", ErrorKind.AUTH, "check the credentials"),
+        ("UnauthorizedOperation", "You are not authorized", ErrorKind.AUTH, "docs/aws.md"),
+        ("InvalidClientTokenId", "", ErrorKind.AUTH, "AWS refused"),
+        (
+            "InvalidSubnetID.NotFound",
+            "The subnet ID 'subnet-0000000a' does not exist",
+            ErrorKind.CONFIG,
+            "check subnets",
+        ),
+        ("InvalidGroup.NotFound", "", ErrorKind.CONFIG, "check security_groups"),
+        (
+            "InvalidParameterValue",
+            "Value (x) for parameter iamInstanceProfile.name is invalid",
+            ErrorKind.CONFIG,
+            "check instance_profile",
+        ),
+        ("NoSuchEntity", "Instance profile x not found", ErrorKind.CONFIG, "check instance_profile"),
+        ("SomethingNew", "", ErrorKind.UNKNOWN, "EC2 call failed"),
+    ],
+)
+def test_error_mapping(code: str, message: str, kind: ErrorKind, says: str) -> None:
+    found = classify_error(client_error(code, message), CTX)
+    assert found.kind is kind
+    assert says in found.message
+    assert "\n" not in found.message
+    err = found.error()
+    assert err.retryable is (kind in (ErrorKind.CAPACITY, ErrorKind.TRANSIENT))
+
+
+def test_unknown_server_errors_are_transient() -> None:
+    assert classify_error(client_error("Weird", "", status=503), CTX).kind is ErrorKind.TRANSIENT
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind", "message"),
+    [
+        (NoCredentialsError(), ErrorKind.AUTH, NO_CREDENTIALS),
+        (
+            EndpointConnectionError(endpoint_url="https://ec2.ca-central-1.amazonaws.com"),
+            ErrorKind.TRANSIENT,
+            "cannot reach EC2 in ca-central-1",
+        ),
+    ],
+)
+def test_botocore_errors(exc: Exception, kind: ErrorKind, message: str) -> None:
+    found = classify_error(exc, CTX)
+    assert found.kind is kind and message in found.message
+
+
+def test_no_credentials_says_how_to_fix() -> None:
+    assert NO_CREDENTIALS == (
+        "no AWS credentials: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+        "or run on an instance with a role"
+    )
+
+
+# -- the config's edge checks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [
+        ({"image_id": None}, "set image_id (an AMI) or launch_template"),
+        ({"launch_template": {"name": "spotrun"}}, "not both"),
+        ({"image_id": None, "launch_template": {}}, "exactly one of launch_template.name"),
+        ({"region": "ca-central-1a"}, "not a region name"),
+        ({"instance_types": []}, "at least 1"),
+        ({"instance_types": ["g5.xlarge", "g5.xlarge"]}, "listed twice"),
+        ({"subnets": ["sn-1"]}, "not a subnet id"),
+        ({"tags": {"spotrun:job": "x"}}, "set by spotrun"),
+        ({"max_price": "cheap"}, "positive number"),
+        ({"encrypted": False, "kms_key_id": "alias/x"}, "kms_key_id needs encrypted"),
+        ({"allocation": "spread"}, "run-instances"),
+        ({"instance_tyeps": ["g5.xlarge"]}, "Extra inputs"),
+    ],
+)
+def test_config_rejects(over: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        cfg(**over)
+    assert says in str(e.value)
+
+
+def test_config_fields_are_described() -> None:
+    """The Prefect UI renders the model as a form: every field needs its help text."""
+    missing = [name for name, f in AwsProviderConfig.model_fields.items() if not f.description]
+    assert missing == []
+    lt = cfg(image_id=None, launch_template={"id": "lt-0abc", "version": "3"}).launch_template
+    assert lt is not None and lt.spec() == {"LaunchTemplateId": "lt-0abc", "Version": "3"}
+
+
+# -- the launch requests -----------------------------------------------------------------------------
+
+SPEC = "name: demo\nrecipe: digits\ntotal_steps: 10\nstorage: s3://bucket/jobs\n"
+
+
+def test_user_data_is_valid_bash_carrying_the_spec() -> None:
+    script = launch.build_user_data(
+        SPEC,
+        ["--max-steps", "5", "it's"],
+        python="/opt/venv/bin/python",
+        workdir="/opt/spot run",
+        job="demo",
+        attempt=3,
+    )
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+    body = script.split("<<'SPOTRUN_JOB_B64'\n")[1].split("\nSPOTRUN_JOB_B64")[0]
+    assert base64.b64decode(body).decode() == SPEC
+    assert (
+        'exec /opt/venv/bin/python -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        "--max-steps 5 'it'\"'\"'s'" in script
+    )
+    assert "SPOTRUN_HOME='/opt/spot run'" in script
+    assert "X-aws-ec2-metadata-token" in script  # IMDSv2: the instance requires tokens
+    assert launch.check_user_data(script) is None
+    assert "over EC2's 16384" in (launch.check_user_data("x" * 20000) or "")
+
+
+def test_run_instances_params_spot_and_on_demand() -> None:
+    c = cfg(
+        max_price="0.9",
+        kms_key_id="alias/ckpt",
+        instance_profile="arn:aws:iam::1:instance-profile/w",
+        security_groups=["sg-1"],
+        key_name="me",
+        tags={"team": "ml"},
+    )
+    tags = launch.launch_tags(c, "demo", 2, "demo-a2-x", "flow-1")
+    assert tags == {
+        "team": "ml",
+        "Name": "spotrun-demo-a2",
+        "spotrun:job": "demo",
+        "spotrun:attempt": "2",
+        "spotrun:worker": "demo-a2-x",
+        "spotrun:flow-run": "flow-1",
+    }
+    p = launch.run_instances_params(
+        c, Placement(B, AZS[B], "g6.xlarge"), "#!/bin/bash\n", tags, "tok", "/dev/xvda"
+    )
+    assert p["InstanceMarketOptions"] == {
+        "MarketType": "spot",
+        "SpotOptions": {
+            "SpotInstanceType": "one-time",
+            "InstanceInterruptionBehavior": "terminate",
+            "MaxPrice": "0.9",
+        },
+    }
+    assert p["MetadataOptions"]["HttpTokens"] == "required"
+    assert p["BlockDeviceMappings"] == [
+        {
+            "DeviceName": "/dev/xvda",
+            "Ebs": {
+                "VolumeSize": 100,
+                "VolumeType": "gp3",
+                "DeleteOnTermination": True,
+                "Encrypted": True,
+                "KmsKeyId": "alias/ckpt",
+            },
+        }
+    ]
+    assert p["IamInstanceProfile"] == {"Arn": "arn:aws:iam::1:instance-profile/w"}
+    assert (p["SubnetId"], p["InstanceType"], p["ClientToken"]) == (B, "g6.xlarge", "tok")
+    assert [t["ResourceType"] for t in p["TagSpecifications"]] == ["instance", "volume"]
+    od = launch.run_instances_params(c, Placement(None, None, "g5.xlarge", "on-demand"), "", {}, "t", None)
+    assert "InstanceMarketOptions" not in od and "SubnetId" not in od and "BlockDeviceMappings" not in od
+    assert launch.launch_tags(c, "demo", 1, "x", None).get("spotrun:flow-run") is None
+
+
+def test_fleet_params_and_template() -> None:
+    c = cfg(allocation="fleet", max_price="1.5")
+    pools = rank_placements(c, [], AZS, "spot")
+    f = launch.fleet_params(c, "lt-1", pools, {"spotrun:job": "demo"}, "spot")
+    assert f["Type"] == "instant" and f["SpotOptions"]["AllocationStrategy"] == "price-capacity-optimized"
+    assert f["TargetCapacitySpecification"] == {"TotalTargetCapacity": 1, "DefaultTargetCapacityType": "spot"}
+    overrides = f["LaunchTemplateConfigs"][0]["Overrides"]
+    assert len(overrides) == 6 and overrides[0] == {
+        "InstanceType": "g5.xlarge",
+        "SubnetId": A,
+        "MaxPrice": "1.5",
+    }
+    od = launch.fleet_params(c, "lt-1", pools, {}, "on-demand")
+    assert od["OnDemandOptions"] == {"AllocationStrategy": "prioritized"} and "SpotOptions" not in od
+    base = {"ImageId": "ami-1", "InstanceMarketOptions": {"MarketType": "spot"}, "UserData": "old"}
+    data = launch.template_data(c, "#!/bin/bash\n", {"spotrun:job": "demo"}, None, base)
+    assert "InstanceMarketOptions" not in data and base64.b64decode(data["UserData"]) == b"#!/bin/bash\n"
+
+
+# -- how an instance ended, the heartbeat, the cost --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "released", "expected"),
+    [
+        (
+            "terminated",
+            "Server.SpotInstanceTermination",
+            False,
+            (SPOT_INTERRUPTION, "Server.SpotInstanceTermination"),
+        ),
+        ("stopped", "Server.SpotInstanceShutdown", False, (SPOT_INTERRUPTION, "Server.SpotInstanceShutdown")),
+        ("terminated", "Client.UserInitiatedShutdown", True, (None, "release")),
+        ("terminated", "Client.UserInitiatedShutdown", False, (None, "Client.UserInitiatedShutdown")),
+        ("terminated", "Server.InternalError", False, (None, "Server.InternalError")),
+        ("terminated", "", False, (None, "instance terminated")),
+    ],
+)
+def test_end_of_instance(state: str, code: str, released: bool, expected: tuple[str | None, str]) -> None:
+    assert end_of_instance(state, code, released) == expected
+
+
+def test_attempt_cost(tmp_path: Any) -> None:
+    state = AwsWorkerState(
+        "i-1", Placement(A, AZS[A], "g5.xlarge"), "x", 1000.0, 0.36, 1.2, LocalStorage(tmp_path)
+    )
+    assert attempt_cost(state, 1000.0 + 1800) == Cost(
+        usd=0.18, price_per_h=0.36, market="spot", on_demand_usd=0.6, hours=0.5
+    )
+    unknown = AwsWorkerState(
+        "i-2", Placement(A, AZS[A], "g5.xlarge"), "x", 0.0, None, None, LocalStorage(tmp_path)
+    )
+    assert attempt_cost(unknown, 3600) == Cost(None, None, "spot", None, 1.0)
