@@ -20,6 +20,10 @@ ProviderConfig = Annotated[LocalProviderConfig | AwsProviderConfig, Field(discri
 
 def build_provider(cfg: LocalProviderConfig | AwsProviderConfig, workdir: Path, flow_run_id: str) -> Provider:
     """The provider for `cfg`; local workers keep their files under `workdir` unless set."""
+    if isinstance(cfg, AwsProviderConfig) and cfg.rehearse_locally:
+        from tasks.providers.aws_rehearsal import RehearsalProvider
+
+        return RehearsalProvider(cfg, workdir / "instances", flow_run_id or None)
     if isinstance(cfg, AwsProviderConfig):
         from tasks.providers.aws import AwsProvider  # boto3 loads only when EC2 is used
 

@@ -104,8 +104,19 @@ class AwsProviderConfig(BaseModel):
         description="once training has started, a worker whose heartbeat object does not change for "
         "this long is terminated and counted as lost",
     )
+    lease_s: float = Field(
+        default=900,
+        ge=60,
+        description="the flow renews each instance's `spotrun:lease-until` tag while it watches it; the "
+        "sweeper terminates an instance whose lease ran out (its flow process died without a trace)",
+    )
     endpoint_url: str | None = Field(
         default=None, description="an EC2-compatible endpoint (tests: a moto server); empty: AWS"
+    )
+    rehearse_locally: bool = Field(
+        default=False,
+        description="rehearsal against a test endpoint (moto): run each instance's user data as a local "
+        "process, since such an endpoint starts nothing; never set it against AWS",
     )
     python: str = Field(default="python3", description="interpreter on the AMI that runs `-m trainer`")
     workdir: str = Field(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import shlex
+import time
 from typing import Any
 
 from tasks.providers.aws_config import AwsProviderConfig
@@ -18,6 +19,7 @@ from tasks.providers.aws_policy import Market, Placement
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
+TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (aws_watch.py)
 TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER = (
     "spotrun:job",
     "spotrun:attempt",
@@ -66,9 +68,15 @@ def launch_tags(
     and the sweeper never touches the instance."""
     tags = {**cfg.tags, "Name": f"spotrun-{job}-a{attempt}", TAG_JOB: job, TAG_ATTEMPT: str(attempt)}
     tags[TAG_WORKER] = launch_id
+    tags[TAG_LEASE] = lease_value(cfg.lease_s)
     if flow_run_id:
         tags[TAG_FLOW_RUN] = flow_run_id
     return tags
+
+
+def lease_value(lease_s: float, now: float | None = None) -> str:
+    """The lease tag's value: until when the instance may run without a flow watching it."""
+    return str(int((time.time() if now is None else now) + lease_s))
 
 
 def tag_specs(tags: dict[str, str], *resource_types: str) -> list[dict[str, Any]]:

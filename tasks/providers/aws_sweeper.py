@@ -2,17 +2,21 @@
 machine) between launching an instance and releasing it.
 
 Only instances tagged `spotrun:flow-run` are considered; `is_live(flow_run_id)` is given (the caller asks
-Prefect), so this module knows nothing of Prefect. Safe to run any time and often: terminating an
-instance twice is a no-op, and a live run's workers are never touched.
+Prefect), so this module knows nothing of Prefect. A flow process killed outright leaves its run
+"Running" in Prefect for good, so liveness alone is not enough: the watching flow renews each
+instance's `spotrun:lease-until` tag, and an instance whose lease ran out is swept whatever its run's
+state says. Safe to run any time and often: terminating an instance twice is a no-op, and a worker
+whose flow still watches it is never touched.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.providers.aws_launch import TAG_FLOW_RUN
+from tasks.providers.aws_launch import TAG_FLOW_RUN, TAG_LEASE
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -23,8 +27,23 @@ SWEPT_STATES = ["pending", "running", "stopping", "stopped"]
 TERMINATE_BATCH = 1000  # ids per TerminateInstances call
 
 
-def orphans(ec2: EC2Client, is_live: Callable[[str], bool]) -> list[tuple[str, str]]:
-    """(instance id, flow run id) of every spotrun instance whose flow run is not live."""
+def lease_expired(tags: dict[str, str], now: float) -> bool:
+    """True when the instance carries a lease tag whose time has passed (a malformed one counts)."""
+    value = tags.get(TAG_LEASE)
+    if value is None:
+        return False
+    try:
+        return float(value) < now
+    except ValueError:
+        return True
+
+
+def orphans(
+    ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = None
+) -> list[tuple[str, str]]:
+    """(instance id, flow run id) of every spotrun instance whose flow run is not live, or whose lease
+    ran out."""
+    now = time.time() if now is None else now
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[
             {"Name": "tag-key", "Values": [TAG_FLOW_RUN]},
@@ -36,21 +55,22 @@ def orphans(ec2: EC2Client, is_live: Callable[[str], bool]) -> list[tuple[str, s
     for page in pages:
         for res in page.get("Reservations", []):
             for inst in res.get("Instances", []):
-                run = next((t["Value"] for t in inst.get("Tags", []) if t.get("Key") == TAG_FLOW_RUN), "")
+                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", []) if "Key" in t and "Value" in t}
+                run = tags.get(TAG_FLOW_RUN, "")
                 if run not in runs:
                     runs[run] = bool(run) and is_live(run)
-                if not runs[run]:
+                if not runs[run] or lease_expired(tags, now):
                     found.append((inst["InstanceId"], run))
     return found
 
 
-def sweep(ec2: EC2Client, is_live: Callable[[str], bool]) -> list[str]:
-    """Terminate the instances of flow runs that are finished, cancelled, crashed or unknown; return
-    their ids."""
-    doomed = orphans(ec2, is_live)
+def sweep(ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = None) -> list[str]:
+    """Terminate the instances of flow runs that are finished, cancelled, crashed or unknown, and those
+    whose lease ran out; return their ids."""
+    doomed = orphans(ec2, is_live, now)
     ids = [iid for iid, _ in doomed]
     for iid, run in doomed:
-        log.warning("sweeping %s: its flow run %s is not live", iid, run or "(none)")
+        log.warning("sweeping %s: its flow run %s is not live or its lease ran out", iid, run or "(none)")
     for i in range(0, len(ids), TERMINATE_BATCH):
         ec2.terminate_instances(InstanceIds=ids[i : i + TERMINATE_BATCH])
     return ids

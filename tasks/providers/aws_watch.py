@@ -31,6 +31,7 @@ from botocore import exceptions as bce
 
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_errors import error_code
+from tasks.providers.aws_launch import TAG_LEASE, lease_value
 from tasks.providers.aws_policy import Placement
 from tasks.providers.base import StatusCallback, WatchResult, Worker
 from trainer.errors import StorageError
@@ -97,9 +98,11 @@ class WorkerWatch:
         self.alive_mono = now - max(0.0, time.time() - self.state.launched_at)  # launch, then each beat
         self.steps: deque[tuple[float, int]] = deque(maxlen=STEP_SAMPLES)
         self.instance: dict[str, Any] = {}
+        self.lease_renewed = now  # launch set the first lease
 
     def run(self) -> WatchResult:
         while True:
+            self._renew_lease()
             self._read_heartbeat()
             if self._instance_gone() or self._process_exited():
                 self._read_heartbeat()  # the last records, written while it shut down
@@ -108,6 +111,20 @@ class WorkerWatch:
                 break
             time.sleep(self.cfg.poll_s)
         return self._finish()
+
+    def _renew_lease(self) -> None:
+        """Push the instance's lease tag forward every third of the lease: while this flow watches, the
+        sweeper leaves the instance alone; once it stops (even SIGKILLed), the lease runs out."""
+        if time.monotonic() - self.lease_renewed < self.cfg.lease_s / 3:
+            return
+        try:
+            self.ec2.create_tags(
+                Resources=[self.state.instance_id],
+                Tags=[{"Key": TAG_LEASE, "Value": lease_value(self.cfg.lease_s)}],
+            )
+            self.lease_renewed = time.monotonic()
+        except (bce.ClientError, bce.BotoCoreError) as e:  # retried next poll; the lease still has time
+            log.warning("could not renew the lease of %s: %s", self.state.instance_id, e)
 
     def _read_heartbeat(self) -> None:
         try:

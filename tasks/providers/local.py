@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -398,18 +398,24 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
+_T = TypeVar("_T")
 _spawner: ThreadPoolExecutor | None = None
 _spawner_lock = threading.Lock()
 
 
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    """Popen from one thread that lives as long as the process: PR_SET_PDEATHSIG fires when the *thread*
-    that forked the child ends, so a short-lived task thread must not be the one that starts a trainer."""
+    return on_spawner_thread(lambda: _popen(cmd, env))
+
+
+def on_spawner_thread(start: Callable[[], _T]) -> _T:
+    """Run `start` (a Popen with die_with_parent()) on one thread that lives as long as the process:
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, so a short-lived task thread
+    must not be the one that starts a trainer."""
     global _spawner
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotrun-spawner")
-    return _spawner.submit(_popen, cmd, env).result()
+    return _spawner.submit(start).result()
 
 
 def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -423,11 +429,11 @@ def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
         errors="replace",
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent(),
+        preexec_fn=die_with_parent(),
     )
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux). Everything is resolved here, in the parent,
     so the child runs as little Python as possible between fork and exec."""
     if not sys.platform.startswith("linux"):

@@ -14,32 +14,17 @@ from typing import Any
 
 import psycopg
 import pytest
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.resilient_training import resilient_training
 from tasks.history import HistoryStore
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
-from tests.prefect_server import PrefectServer
 from tests.trainer_runs import assert_states_equal, trainer
 from trainer.ckpt_format import step_dir
 from trainer.spec import JobSpec
 
 PG = "postgresql://postgres@127.0.0.1:5432"
-
-
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = PrefectServer(tmp_path_factory.mktemp("prefect")).start()
-    try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
-            yield server.api_url
-            from prefect.logging.handlers import APILogHandler
-
-            APILogHandler().flush()  # the last run's logs, before the server goes
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -111,6 +111,11 @@ class FakeIMDS(FakeServer):
             self.meta["spot/instance-action"] = json.dumps({"action": action, "time": when})
         return dt.datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
 
+    def clear_notice(self) -> None:
+        """The notice is gone, as on the next instance."""
+        with self.lock:
+            self.meta.pop("spot/instance-action", None)
+
     def rebalance(self) -> None:
         with self.lock:
             self.meta["events/recommendations/rebalance"] = json.dumps({"noticeTime": iso_utc(time.time())})

@@ -458,3 +458,21 @@ def test_sweeper_terminates_workers_of_dead_flow_runs(
     assert {states[i] for i in [*dead, unknown]} == {"terminated"}
     assert sweep(ec2, is_live) == []  # idempotent
     ec2.terminate_instances(InstanceIds=[live, untagged])
+
+
+def test_sweeper_terminates_a_live_runs_worker_once_its_lease_ran_out(
+    moto_server: str, boto_session: boto3.session.Session
+) -> None:
+    """A flow process killed outright leaves its run "Running" forever: the lease decides."""
+    ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="eu-north-1")
+    now = time.time()
+
+    def launch(lease: str) -> str:
+        tags = {"spotrun:job": "l", "spotrun:flow-run": "run-zombie", "spotrun:lease-until": lease}
+        spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, TagSpecifications=spec)
+        return str(out["Instances"][0]["InstanceId"])
+
+    fresh, expired, garbled = launch(str(int(now + 600))), launch(str(int(now - 1))), launch("soon")
+    assert sorted(sweep(ec2, lambda run: True, now=now)) == sorted([expired, garbled])
+    assert sweep(ec2, lambda run: True, now=now + 601) == [fresh]

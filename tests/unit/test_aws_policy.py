@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -310,6 +311,8 @@ def test_run_instances_params_spot_and_on_demand() -> None:
         tags={"team": "ml"},
     )
     tags = launch.launch_tags(c, "demo", 2, "demo-a2-x", "flow-1")
+    lease = float(tags.pop("spotrun:lease-until"))
+    assert time.time() + c.lease_s - 5 < lease <= time.time() + c.lease_s
     assert tags == {
         "team": "ml",
         "Name": "spotrun-demo-a2",

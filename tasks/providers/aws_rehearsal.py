@@ -1,0 +1,92 @@
+"""Rehearsal of the `aws` provider against an EC2-compatible test endpoint (moto), which records
+instances but runs nothing: each launched instance is played by a local process running the
+instance's own user data, and dies when the instance is released. Everything else (placement,
+tags, spot interruptions set on the endpoint, heartbeats through the job's storage, the sweeper)
+is the real path. `AwsProviderConfig.rehearse_locally` turns it on; never against AWS itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from tasks.providers.aws import AwsProvider
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_cost import Cost
+from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
+from tasks.providers.local import die_with_parent, on_spawner_thread
+from trainer.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+class LocalInstances:
+    """The processes playing instances: `bash user-data.sh` under root/<instance id>/."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def launch(self, instance_id: str, script: str) -> None:
+        home = self.root / instance_id
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "user-data.sh").write_text(script)
+        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id}
+
+        def start() -> subprocess.Popen[bytes]:
+            with open(home / "console.log", "wb") as out:
+                return subprocess.Popen(
+                    ["bash", str(home / "user-data.sh")], env=env, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=die_with_parent(),
+                )  # fmt: skip
+
+        self.procs[instance_id] = on_spawner_thread(start)
+        log.info("rehearsal: %s played by local process %d", instance_id, self.procs[instance_id].pid)
+
+    def exit_status(self, instance_id: str) -> int | None:
+        proc = self.procs.get(instance_id)
+        return None if proc is None else proc.poll()
+
+    def stop(self, instance_id: str) -> None:
+        """The instance is gone: so is everything that played it."""
+        proc = self.procs.get(instance_id)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait()
+
+
+class RehearsalProvider:
+    """`AwsProvider` whose instances are played by `LocalInstances`."""
+
+    name = "aws"
+
+    def __init__(self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None) -> None:
+        self.instances = LocalInstances(root)
+        self.inner = AwsProvider.from_config(
+            cfg, flow_run_id=flow_run_id, launcher=self.instances.launch,
+            exit_status=self.instances.exit_status,
+        )  # fmt: skip
+
+    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
+        return self.inner.provision(job, attempt, spec_path, extra_args)
+
+    def watch(
+        self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None
+    ) -> WatchResult:
+        return self.inner.watch(worker, on_status, on_log)
+
+    def release(self, worker: Worker) -> None:
+        try:
+            self.inner.release(worker)
+        finally:
+            self.instances.stop(worker.id)
+
+    def cost(self, worker: Worker, ended_at: float | None = None) -> Cost:
+        return self.inner.cost(worker, ended_at)

@@ -1,0 +1,24 @@
+"""A Prefect server shared by the end-to-end modules that run flows (test_alerts.py starts its own: its
+automations must not see other modules' events)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from tests.prefect_server import PrefectServer
+
+
+@pytest.fixture(scope="package")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = PrefectServer(tmp_path_factory.mktemp("prefect")).start()
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler().flush()  # the last run's logs, before the server goes
+    finally:
+        server.stop()

@@ -1,0 +1,177 @@
+"""The resilient-training flow with the `aws` provider against moto's EC2 and S3 on 127.0.0.1.
+
+Launching creates the moto instance; a local process plays it (the instance's own user data, in
+rehearsal mode), follows the stand-in IMDS for spot notices and heartbeats through the job's S3
+storage. moto never interrupts anything itself: the test schedules the notice and then reclaims the
+instance through moto's backend, as EC2 would two minutes later.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_sweeper import sweep
+from tasks.sweeping import flow_run_is_live
+from tests.aws_backdoor import spot_interrupt
+from tests.conftest import Ec2World
+from tests.e2e.test_flow import _gone_within, attempts, job, reference_dir, run_flow
+from tests.fakes.imds import FakeIMDS
+from tests.trainer_runs import assert_states_equal
+from trainer.catalog import fetch
+from trainer.heartbeat import read_heartbeat
+from trainer.spec import JobSpec
+from trainer.storage import Storage, open_storage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def imds(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIMDS]:
+    fake = FakeIMDS()
+    monkeypatch.setenv("SPOTRUN_IMDS_ENDPOINT", fake.endpoint)  # the played instances inherit it
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
+    return tmp_path / "home"
+
+
+def ec2_job(tmp_path: Path, s3_bucket: tuple[str, str], **overrides: Any) -> JobSpec:
+    endpoint, bucket = s3_bucket
+    return job(tmp_path, name=f"ec2-{uuid.uuid4().hex[:6]}", storage=f"s3://{bucket}/job",
+               s3={"endpoint_url": endpoint}, preemption={"notice": "aws", "poll_s": 0.2},
+               **overrides)  # fmt: skip
+
+
+def provider(world: Ec2World, tmp_path: Path) -> AwsProviderConfig:
+    return AwsProviderConfig(
+        region=world.region,
+        instance_types=["g6.xlarge", "g5.xlarge"],
+        subnets=world.subnets,
+        image_id=world.image_id,
+        security_groups=[world.security_group],
+        endpoint_url=world.endpoint,
+        python=sys.executable,
+        workdir=str(tmp_path / "instance"),
+        poll_s=0.2,
+        heartbeat_timeout_s=60,
+        rehearse_locally=True,
+        on_demand_price_per_h={"g6.xlarge": 0.8, "g5.xlarge": 1.0},
+    )
+
+
+def instances(world: Ec2World, job_name: str) -> list[dict[str, Any]]:
+    out = world.ec2.describe_instances(Filters=[{"Name": "tag:spotrun:job", "Values": [job_name]}])
+    found = [i for r in out["Reservations"] for i in r["Instances"]]
+    return sorted(found, key=lambda i: i["LaunchTime"])
+
+
+def ids(world: Ec2World, job_name: str) -> list[str]:
+    return [i["InstanceId"] for i in instances(world, job_name)]
+
+
+def wait_for(what: str, check: Any, timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def reclaim_first(world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS, errors: list[str]) -> None:
+    """Notice once the first instance trains, then take the instance once its trainer has left."""
+    try:
+        iid = wait_for("the first instance", lambda: [i["InstanceId"] for i in instances(world, spec.name)])[
+            0
+        ]
+        wait_for("training on it", lambda: (read_heartbeat(store, iid) or {}).get("durable_step"))
+        imds.interrupt(in_seconds=120)
+        wait_for("its exit record", lambda: "exit" in (read_heartbeat(store, iid) or {}).get("records", {}))
+        imds.clear_notice()  # the next instance has its own metadata service
+        spot_interrupt(iid, world.region)
+    except Exception as e:  # reported by the test, not lost in a thread
+        errors.append(repr(e))
+
+
+def test_notice_checkpoints_then_another_zone_resumes_bitwise(
+    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    imds: FakeIMDS,
+) -> None:  # fmt: skip
+    spec = ec2_job(tmp_path, s3_bucket, total_steps=1200)
+    store = open_storage(spec.storage, spec.s3)
+    errors: list[str] = []
+    reclaimer = threading.Thread(target=reclaim_first, args=(ec2_world, spec, store, imds, errors))
+    reclaimer.start()
+    state = run_flow(spec, provider(ec2_world, tmp_path))  # type: ignore[arg-type]
+    reclaimer.join(timeout=30)
+    assert not errors, errors
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"], [r.cause for r in rows]
+    assert rows[0].lost_steps == 0 and rows[1].resumed_from == rows[0].last_step  # the notice lost nothing
+    assert rows[0].extra["cost"]["market"] == "spot" and rows[0].extra["cost"]["on_demand_usd"] > 0
+    first, second = instances(ec2_world, spec.name)
+    assert first["Placement"]["AvailabilityZone"] != second["Placement"]["AvailabilityZone"]
+    assert {i["State"]["Name"] for i in (first, second)} == {"terminated"}  # nothing left running
+    final = fetch(store, spec.total_steps, tmp_path / "fetched")
+    assert_states_equal(final, reference_dir(spec, tmp_path))
+
+
+FLOW_SCRIPT = """
+import sys
+from flows.resilient_training import resilient_training
+from tasks.providers.aws_config import AwsProviderConfig
+from trainer.spec import JobSpec
+spec, cfg = JobSpec.model_validate_json(sys.argv[1]), AwsProviderConfig.model_validate_json(sys.argv[2])
+resilient_training(spec, cfg)
+"""
+
+
+def test_sweeper_terminates_the_worker_of_a_killed_flow_process(
+    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    imds: FakeIMDS,
+) -> None:  # fmt: skip
+    spec = ec2_job(tmp_path, s3_bucket, total_steps=100_000)
+    cfg = provider(ec2_world, tmp_path)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", FLOW_SCRIPT, spec.model_dump_json(), cfg.model_dump_json()]
+    flow_proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        store = open_storage(spec.storage, spec.s3)
+        iid = wait_for(
+            "a running instance", lambda: [i["InstanceId"] for i in instances(ec2_world, spec.name)]
+        )[0]
+        wait_for("training on it", lambda: (read_heartbeat(store, iid) or {}).get("durable_step"))
+        os.kill(flow_proc.pid, signal.SIGKILL)  # no finally, no release: the instance stays up
+        flow_proc.wait()
+        pid = (read_heartbeat(store, iid) or {}).get("pid")
+        assert pid and _gone_within(int(pid), 20), "the process playing the instance outlived the flow"
+    finally:
+        if flow_proc.poll() is None:
+            flow_proc.kill()
+    (inst,) = instances(ec2_world, spec.name)
+    assert inst["State"]["Name"] == "running"
+    run_id = {t["Key"]: t["Value"] for t in inst["Tags"]}["spotrun:flow-run"]
+    assert flow_run_is_live(run_id)  # Prefect still says Running: a killed process reports nothing
+    assert sweep(ec2_world.ec2, flow_run_is_live) == []  # the lease still runs: the sweeper waits
+    later = time.time() + cfg.lease_s + 1  # once the lease is past, nobody renewed it
+    assert sweep(ec2_world.ec2, flow_run_is_live, now=later) == [iid]
+    assert [i["State"]["Name"] for i in instances(ec2_world, spec.name)] == ["terminated"]
