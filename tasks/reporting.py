@@ -105,6 +105,7 @@ def summary_markdown(
         " (productive time / wall time)",
         "- lost steps per cause: " + (", ".join(f"{k} {v}" for k, v in sorted(lost.items())) or "none"),
         f"- timeline: [{timeline}]({timeline})",
+        *cost_lines(records),
         "",
         "| attempt | outcome | cause | resumed from | lost steps |",
         "|---|---|---|---|---|",
@@ -113,6 +114,20 @@ def summary_markdown(
         frm = r.resumed_checkpoint or "scratch"
         lines.append(f"| {r.attempt} | {r.outcome.value} | {r.cause} | {frm} | {r.lost_steps} |")
     return "\n".join(lines)
+
+
+def cost_lines(records: list[AttemptRecord]) -> list[str]:
+    """One Markdown line comparing what the attempts cost with on-demand, where a provider priced them."""
+    costs = [r.extra["cost"] for r in records if "cost" in r.extra]
+    usd = [c.get("usd") for c in costs]
+    if not costs or any(v is None for v in usd):
+        return []
+    line = f"- cost: ${sum(usd):.2f} over {sum(c.get('hours', 0) for c in costs):.2f} instance hours"
+    on_demand = [c.get("on_demand_usd") for c in costs]
+    if all(v is not None for v in on_demand) and sum(on_demand) > 0:
+        saved = 1 - sum(usd) / sum(on_demand)
+        line += f"; on demand ${sum(on_demand):.2f} ({saved:.0%} saved)"
+    return [line]
 
 
 def publish_summary(job: str, markdown: str) -> None:

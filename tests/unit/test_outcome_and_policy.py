@@ -263,3 +263,20 @@ def test_normalize_error_masks_numbers_but_keeps_the_step() -> None:
     assert normalize_error("worker (pid 4242) at 0x7f3a: 12.5 MiB at step 30") == (
         "worker (pid N) at 0x?: N MiB at step 30"
     )
+
+
+def test_summary_compares_cost_with_on_demand() -> None:
+    from tasks.reporting import cost_lines
+
+    def rec(attempt: int, cost: dict[str, Any] | None) -> AttemptRecord:
+        r = AttemptRecord(attempt, f"i-{attempt}", "aws", 0.0, 1.0, Outcome.PREEMPTED, "spot")
+        if cost is not None:
+            r.extra["cost"] = cost
+        return r
+
+    spot = {"usd": 0.3, "on_demand_usd": 1.0, "hours": 1.0, "market": "spot", "price_per_h": 0.3}
+    assert cost_lines([rec(1, spot), rec(2, spot)]) == [
+        "- cost: $0.60 over 2.00 instance hours; on demand $2.00 (70% saved)"
+    ]
+    assert cost_lines([rec(1, None)]) == []  # the local provider prices nothing
+    assert cost_lines([rec(1, {**spot, "usd": None})]) == []  # a price unknown: no made-up total
