@@ -25,6 +25,7 @@ from trainer.spec import JobSpec, load_spec
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
     from tasks.history import AttemptRow, HistoryStore, JobRunRow
     from tasks.policy import RetryPolicy
+    from tasks.providers.aws_config import AwsProviderConfig
     from tasks.providers.local import LocalProviderConfig
     from tasks.settings import Settings
 
@@ -79,7 +80,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if result.completed else EXIT_FAILED
 
 
-def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, LocalProviderConfig, RetryPolicy]:
+def run_inputs(
+    args: argparse.Namespace,
+) -> tuple[JobSpec, LocalProviderConfig | AwsProviderConfig, RetryPolicy]:
     """The job (with overrides), provider and retry policy of `spotrun run`, each validated."""
     from tasks.policy import RetryPolicy
     from tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
@@ -96,9 +99,38 @@ def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, LocalProviderConfig, 
     if args.no_notice_fraction is not None:
         sim["no_notice_fraction"] = args.no_notice_fraction
     notice = {} if args.notice_s is None else {"notice_s": args.notice_s}
-    provider = _validated(LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice})
+    provider: LocalProviderConfig | AwsProviderConfig
+    if args.provider is not None:
+        provider = load_provider(args.provider)
+        if provider.kind != "local" and (sim["mean_interval_s"] or sim["schedule"] or notice):
+            raise ConfigError("--preempt-*/--notice-s drive the local spot simulator; drop them for kind aws")
+    else:
+        provider = _validated(
+            LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice}
+        )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
     return spec, provider, _validated(RetryPolicy, budgets)
+
+
+def load_provider(path: str) -> LocalProviderConfig | AwsProviderConfig:
+    """A provider settings file (YAML, `kind: local` or `kind: aws`), validated; ConfigError otherwise."""
+    import yaml
+    from pydantic import TypeAdapter
+
+    from tasks.providers import ProviderConfig
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read provider file {path}: {one_line(e)}") from None
+    if not isinstance(data, dict) or "kind" not in data:
+        raise ConfigError(f"{path}: a mapping with `kind: local` or `kind: aws` and its settings")
+    try:
+        return TypeAdapter(ProviderConfig).validate_python(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"][1:]) or "kind"  # loc[0] is the kind's tag
+        raise ConfigError(f"{path}: {where}: {err['msg']}") from None
 
 
 def parse_schedule(text: str | None) -> list[dict[str, Any]]:
@@ -291,14 +323,21 @@ class RunResult:
 
 
 def run_job(
-    job: JobSpec, provider: LocalProviderConfig, policy: RetryPolicy, settings: Settings, out: Console
+    job: JobSpec,
+    provider: LocalProviderConfig | AwsProviderConfig,
+    policy: RetryPolicy,
+    settings: Settings,
+    out: Console,
 ) -> RunResult:
-    """Run the resilient-training flow in this process (against the current Prefect API) with a live view."""
+    """Run the resilient-training flow in this process (against the current Prefect API) with a live view.
+    Per-step progress comes from local workers' metrics files; EC2 workers show their attempts only."""
     from flows.resilient_training import resilient_training
     from tasks.history import HistoryStore
 
-    workdir = Path(provider.workdir) if provider.workdir else settings.job_dir(job.name) / "workers"
-    provider = provider.model_copy(update={"workdir": str(workdir)})
+    workdir = settings.job_dir(job.name) / "workers"
+    if provider.kind == "local":
+        workdir = Path(provider.workdir) if provider.workdir else workdir
+        provider = provider.model_copy(update={"workdir": str(workdir)})
     store = HistoryStore.open(settings.database_url)  # migrated here, before the flow and the view share it
     monitor = RunMonitor(store, job.name, workdir / job.name / "metrics.jsonl", time.time())
     with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
@@ -365,7 +404,8 @@ def add_run(sub: Subparsers) -> None:
     epilog = (
         "The flow runs in this process against PREFECT_API_URL, or against a Prefect server started "
         "under $SPOTRUN_HOME/prefect for the run. Workers are local trainer processes, reclaimed by "
-        "the spot simulator as the --preempt-* options say. Exit 0 Completed, 1 Failed, 2 bad input."
+        "the spot simulator as the --preempt-* options say, or EC2 spot instances (--provider with kind "
+        "aws). Exit 0 Completed, 1 Failed, 2 bad input."
     )
     p = sub.add_parser("run", help=help_, description=help_, epilog=epilog)
     p.add_argument("job", metavar="JOB.yaml", help="the job spec")
@@ -382,4 +422,7 @@ def add_run(sub: Subparsers) -> None:
     p.add_argument("--notice-s", type=float, metavar="S", help="seconds from a notice to the hard kill")
     p.add_argument("--max-errors", type=int, metavar="N", help="give up at this many crashes or lost workers")
     p.add_argument("--max-preemptions", type=int, metavar="N", help="give up at this many preemptions")
+    p.add_argument(
+        "--provider", metavar="FILE.yaml", help="provider settings: kind local (default) or aws (docs/aws.md)"
+    )
     p.set_defaults(handler=cmd_run)

@@ -150,13 +150,8 @@ class WorkerWatch:
 
     def _record(self, kind: str, rec: dict[str, Any]) -> None:
         r, step = self.result, rec.get("step")
-        r.status[kind] = rec
+        r.fold(kind, rec)
         t = float(rec.get("t") or time.time())
-        if isinstance(step, int):
-            r.last_step = max(r.last_step, step)
-        durable = step if kind == "durable" else rec.get("durable_step")
-        if isinstance(durable, int):
-            r.last_durable_step = max(r.last_durable_step or 0, durable)
         if kind == "started":
             r.started_training_at = t
             self.steps.append((t, int(step or 0)))

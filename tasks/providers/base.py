@@ -68,6 +68,16 @@ class WatchResult:
     silent_s: float | None = None  # with `lost`: seconds without a line (or without `started`)
     log_tail: str = ""  # the last lines of stdout and stderr, status lines excluded
 
+    def fold(self, kind: str, rec: dict[str, Any]) -> None:
+        """Take one trainer status record: the last of each kind, the highest step and durable step."""
+        self.status[kind] = rec
+        step = rec.get("step")
+        if isinstance(step, int):
+            self.last_step = max(self.last_step, step)
+        durable = step if kind == "durable" else rec.get("durable_step")
+        if isinstance(durable, int):
+            self.last_durable_step = max(self.last_durable_step or 0, durable)
+
     @property
     def resumed_from(self) -> int | None:
         """The checkpoint step the trainer started from (None: scratch or never started)."""
@@ -93,7 +103,8 @@ class WatchResult:
 
 @runtime_checkable
 class Provider(Protocol):
-    """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator)."""
+    """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator) and
+    tasks/providers/aws.py (EC2 spot)."""
 
     name: str
 

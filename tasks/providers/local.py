@@ -284,12 +284,7 @@ class _Watch:
 
     def _record(self, rec: dict[str, Any], ev: _Event) -> None:
         r, kind, step = self.result, str(rec["kind"]), rec.get("step")
-        r.status[kind] = rec
-        if isinstance(step, int):
-            r.last_step = max(r.last_step, step)
-        durable = step if kind == "durable" else rec.get("durable_step")
-        if isinstance(durable, int):
-            r.last_durable_step = max(r.last_durable_step or 0, durable)
+        r.fold(kind, rec)
         if kind == "started":
             self.training_mono, r.started_training_at = ev.mono, ev.wall
             self.steps.append((ev.wall, int(step or 0)))

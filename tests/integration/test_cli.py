@@ -314,6 +314,36 @@ def test_run_bad_input_is_one_line_error(
     assert out == ""  # rejected before any server starts
 
 
+AWS = "kind: aws\nregion: ca-central-1\ninstance_types: [g6.xlarge]\nimage_id: ami-0123456789abcdef0\n"
+
+
+@pytest.mark.parametrize(
+    ("provider", "extra", "fragment"),
+    [
+        (None, [], "cannot read provider file"),
+        ("region: ca-central-1\n", [], "a mapping with `kind: local` or `kind: aws`"),
+        ("kind: gcp\n", [], "kind: Input tag 'gcp' found using 'kind' does not match any of the expected"),
+        (AWS.replace("ca-central-1", "Canada"), [], "region"),
+        (
+            AWS.replace("image_id: ami-0123456789abcdef0\n", ""),
+            [],
+            "set image_id (an AMI) or launch_template",
+        ),
+        (AWS, ["--preempt-at", "1"], "drive the local spot simulator; drop them for kind aws"),
+    ],
+)
+def test_run_bad_provider_file_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, provider: str | None, extra: list[str], fragment: str
+) -> None:
+    spec = write_spec(tmp_path / "job.yaml", storage=str(tmp_path / "store"))
+    path = tmp_path / "provider.yaml"
+    if provider is not None:
+        path.write_text(provider)
+    code, out, err = run(capsys, "run", str(spec), "--provider", str(path), *extra)
+    assert_one_line_error(code, err, fragment)
+    assert out == ""
+
+
 def test_run_missing_job_file_is_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run(capsys, "run", str(tmp_path / "missing.yaml"))
     assert_one_line_error(code, err, "cannot read job file", "missing.yaml")
