@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,8 @@ SPOT_RECLAIMS = frozenset(
 USER_SHUTDOWN = "Client.UserInitiatedShutdown"
 SPOT_INTERRUPTION = "spot-interruption"  # WatchResult.notice_kind of a reclaim by the spot market
 RECORD_ORDER = ("started", "step", "durable", "notice", "stopping", "exit")
+# Spot request status codes that announce the end (EC2 sets them with the 2-minute notice).
+SPOT_MARKED = frozenset({"marked-for-termination", "marked-for-stop", "marked-for-hibernation"})
 STEP_SAMPLES, TAIL_LINES, TAIL_BYTES = 4096, 60, 8192
 ExitStatus = Callable[[str], int | None]  # instance id -> exit status of the process playing it, or None
 
@@ -67,6 +69,12 @@ class AwsWorkerState:
     storage: Storage  # the job's storage, where the heartbeat lives
     fleet_id: str | None = None
     released_at: float | None = None  # release() was called (the watch reports a kill by release)
+
+
+def spot_request_marked(request: Mapping[str, Any]) -> str | None:
+    """The status code of a spot request that EC2 has marked for interruption, or None."""
+    code = str(request.get("Status", {}).get("Code") or "")
+    return code if code in SPOT_MARKED else None
 
 
 def end_of_instance(state: str, reason_code: str, released: bool) -> tuple[str | None, str | None]:
@@ -185,7 +193,24 @@ class WorkerWatch:
         if not found:
             return False
         self.instance = dict(found[0])
+        self._check_spot_request()
         return str(self.instance.get("State", {}).get("Name")) in GONE_STATES
+
+    def _check_spot_request(self) -> None:
+        """The controller's own notice: the spot request marked for interruption (the trainer's IMDS
+        watcher may be off or slower). Recorded in status["spot-request"]; notice_at if none better."""
+        rid = self.instance.get("SpotInstanceRequestId")
+        if not rid or "spot-request" in self.result.status:
+            return
+        try:
+            out = self.ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[str(rid)])
+        except (bce.ClientError, bce.BotoCoreError) as e:  # the instance state still ends the watch
+            log.warning("%s: describe_spot_instance_requests failed: %s", self.worker.id, e)
+            return
+        code = next((spot_request_marked(r) for r in out.get("SpotInstanceRequests", [])), None)
+        if code is not None:
+            self.result.status["spot-request"] = {"code": code, "t": time.time()}
+            log.warning("%s: spot request %s is %s", self.worker.id, rid, code)
 
     def _process_exited(self) -> bool:
         if self.exit_status is None:
@@ -246,6 +271,8 @@ class WorkerWatch:
             r.notice_kind, r.notice_at = SPOT_INTERRUPTION, float(notice.get("t") or r.ended_at)
         elif r.notice_kind == SPOT_INTERRUPTION and stopping is not None:
             r.notice_at = float(stopping.get("t") or r.ended_at)
+        elif r.notice_kind == SPOT_INTERRUPTION and "spot-request" in r.status:
+            r.notice_at = float(r.status["spot-request"]["t"])  # noticed here, though not by the trainer
 
     def _console_tail(self) -> str:
         """The end of the instance's console output (cloud-init and the trainer's stderr), best effort."""

@@ -406,3 +406,20 @@ def test_attempt_cost(tmp_path: Any) -> None:
         "i-2", Placement(A, AZS[A], "g5.xlarge"), "x", 0.0, None, None, LocalStorage(tmp_path)
     )
     assert attempt_cost(unknown, 3600) == Cost(None, None, "spot", None, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("code", "marked"),
+    [
+        ("fulfilled", None),
+        ("marked-for-termination", "marked-for-termination"),
+        ("marked-for-stop", "marked-for-stop"),
+        ("marked-for-hibernation", "marked-for-hibernation"),
+        ("instance-terminated-by-price", None),  # already over: the instance state says so
+        ("", None),
+    ],
+)
+def test_spot_request_marked_for_interruption(code: str, marked: str | None) -> None:
+    from tasks.providers.aws_watch import spot_request_marked
+
+    assert spot_request_marked({"Status": {"Code": code}}) == marked
