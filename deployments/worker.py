@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prefect import get_client
 
+from tasks.providers.local import die_with_parent, on_spawner_thread
 from trainer.errors import SpotrunError
 
 POOL = "spotrun-local"
@@ -41,10 +42,15 @@ class LocalWorker:
         # How often it asks for runs; the default 10 s would add up to 10 s to every alert.
         env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": f"{self.query_s:g}"}
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+
+        def popen() -> subprocess.Popen[bytes]:  # dies with this process: no worker pulls runs for nobody
+            with open(self.log, "ab") as out:
+                return subprocess.Popen(
+                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=die_with_parent(),
+                )  # fmt: skip
+
+        self.proc = on_spawner_thread(popen)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -36,8 +36,9 @@ def free_port() -> int:
 class PrefectServer:
     """`prefect server start` on 127.0.0.1, SQLite under `home`; its output goes to home/server.log."""
 
-    def __init__(self, home: Path, port: int | None = None) -> None:
+    def __init__(self, home: Path, port: int | None = None, die_with_parent: bool = True) -> None:
         self.home, self.port = home, port or free_port()
+        self.die_with_parent = die_with_parent  # False: it may outlive this process (--keep-server)
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "server.log"
@@ -53,17 +54,32 @@ class PrefectServer:
             "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
         }
 
-    def start(self, timeout_s: float = 90) -> PrefectServer:
-        """Start the server and wait until /api/health answers; ServerStartError (naming the log) if not."""
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start `prefect server start` (not waiting for it). Unless told otherwise it dies with this
+        process (parent-death signal): a SIGKILLed demo or test leaves no server holding the database."""
+        from tasks.providers.local import die_with_parent, on_spawner_thread
+
         self.home.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port)]
         env = {**os.environ, **self.env()}
         env.pop("PREFECT_API_URL", None)  # the server itself must not talk to another server
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        preexec = die_with_parent() if self.die_with_parent else None
+
+        def popen() -> subprocess.Popen[bytes]:
+            with open(self.log, "wb") as out:
+                return subprocess.Popen(
+                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=preexec,
+                )  # fmt: skip
+
+        self.proc = on_spawner_thread(popen)
+        return self.proc
+
+    def start(self, timeout_s: float = 90) -> PrefectServer:
+        """Start the server and wait until /api/health answers; ServerStartError (naming the log) if not."""
+        self.spawn()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,7 +128,7 @@ def prefect_api(home: Path, *, use_env: bool = True, keep: bool = False) -> Iter
     under home/"prefect", started now and stopped on exit unless `keep`. The body runs with
     PREFECT_API_URL pointing at it (trainer subprocesses inherit it through the environment too)."""
     url = os.environ.get("PREFECT_API_URL", "").strip() if use_env else ""
-    server = None if url else PrefectServer(home / "prefect").start()
+    server = None if url else PrefectServer(home / "prefect", die_with_parent=not keep).start()
     api = PrefectApi(server.api_url, server) if server is not None else PrefectApi(url, None)
     try:
         with patched_environ(**(server.env() if server is not None else {})):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -400,3 +401,30 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     storms = store.alerts(job="digits", kind="restart-storm")  # a recovery note may follow, or not yet
     store.close()
     assert [a.status.value for a in storms] == ["logged"]
+
+
+SERVER_CHILD = """
+import sys, time
+from pathlib import Path
+from spotrun.server import PrefectServer
+print(PrefectServer(Path(sys.argv[1])).spawn().pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_prefect_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A demo or `spotrun run` killed with SIGKILL must not leave its server holding the database."""
+    from tests.e2e.test_flow import _gone_within
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", SERVER_CHILD, str(tmp_path / "prefect")]
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        server_pid = int(child.stdout.readline())
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        assert _gone_within(server_pid, 20), f"prefect server {server_pid} outlived its parent"
+    finally:
+        if child.poll() is None:
+            child.kill()
