@@ -7,7 +7,7 @@ The flow stays a short script by delegating all of this here; nothing in it deci
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ class JobRunLog:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
         self.flow_run_id = flow_run_id
         self.provider_name = "local"
-        self._provider: Provider | None = None
         self.records: list[AttemptRecord] = []
         self.traces: list[AttemptTrace] = []
         self.resume_step: int | None = None
@@ -89,16 +88,14 @@ class JobRunLog:
 
     def provider(self, cfg: LocalProviderConfig | AwsProviderConfig) -> Provider:
         self.provider_name = cfg.kind
-        self._provider = build_provider(cfg, self.dir / "workers", self.flow_run_id)
-        return self._provider
+        return build_provider(cfg, self.dir / "workers", self.flow_run_id)
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
         outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
-        cost = getattr(self._provider, "cost", None)  # providers that rent machines price each attempt
-        if cost is not None:
-            record.extra["cost"] = asdict(cost(worker, result.ended_at))
+        if "cost" in result.status:  # providers that rent machines price each attempt in their watch
+            record.extra["cost"] = dict(result.status["cost"])
         steps = list(result.step_times)
         if result.last_step and (not steps or steps[-1][1] < result.last_step):
             last_t = max((float(r.get("t", 0)) for r in result.status.values()), default=result.ended_at)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from uuid import UUID
 
-import boto3
 from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
 
+from tasks.providers.aws import ec2_client
 from tasks.providers.aws_sweeper import sweep
 
 
@@ -31,7 +31,7 @@ def flow_run_is_live(flow_run_id: str) -> bool:
 @task(name="sweep-instances", cache_policy=NO_CACHE)
 def sweep_instances(region: str, endpoint_url: str | None = None) -> list[str]:
     """Terminate every spotrun instance in `region` whose flow run is not live; return their ids."""
-    ec2 = boto3.session.Session().client("ec2", region_name=region, endpoint_url=endpoint_url or None)
+    ec2 = ec2_client(region, endpoint_url or None)
     swept = sweep(ec2, flow_run_is_live)
     get_run_logger().info("swept %d instance(s) in %s: %s", len(swept), region, ", ".join(swept) or "none")
     return swept

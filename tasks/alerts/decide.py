@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from tasks.alerts.message import AlertKind
+from tasks.alerts.message import AlertKind, utc
 from tasks.history import AlertRow, AlertStatus
 
 ANNOUNCED = frozenset({AlertStatus.SENT, AlertStatus.LOGGED})
@@ -59,7 +59,7 @@ def decide(
     key = f"{kind}:{job}:{run}"
     done = [a for a in mine if a.dedup_key == key and a.status in ANNOUNCED]
     if done:
-        return Decision(Action.SUPPRESS, key, f"already announced at {_iso(done[-1].created_at)}")
+        return Decision(Action.SUPPRESS, key, f"already announced at {utc(done[-1].created_at)}")
     if kind is AlertKind.GAVE_UP:
         return Decision(Action.SEND, key, "first give-up alert for this job run")
     since = run_started_at if run_started_at is not None else now - window_s
@@ -80,7 +80,7 @@ def _storm(job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> D
     announced = [a for a in recent if a.status in ANNOUNCED]
     if announced:
         last = announced[-1]
-        reason = f"storm already announced at {_iso(last.created_at)} (within {window_s:g} s)"
+        reason = f"storm already announced at {utc(last.created_at)} (within {window_s:g} s)"
         return Decision(Action.SUPPRESS, last.dedup_key, reason)
     if recent:  # earlier tries failed: the retry keeps their key
         return Decision(Action.SEND, recent[-1].dedup_key, "earlier tries were not delivered")
@@ -89,7 +89,3 @@ def _storm(job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> D
 
 def _stamp(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from tasks.providers.aws import AwsProvider
 from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_cost import Cost
 from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
 from tasks.providers.local import die_with_parent, on_spawner_thread
 from trainer.spec import JobSpec
@@ -87,6 +86,3 @@ class RehearsalProvider:
             self.inner.release(worker)
         finally:
             self.instances.stop(worker.id)
-
-    def cost(self, worker: Worker, ended_at: float | None = None) -> Cost:
-        return self.inner.cost(worker, ended_at)

@@ -4,11 +4,20 @@ automations must not see other modules' events)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.prefect_server import PrefectServer
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """SPOTRUN_HOME for the flow (its history.db lives there), SPOTRUN_DATABASE_URL unset."""
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
+    return tmp_path / "home"
 
 
 @pytest.fixture(scope="package")

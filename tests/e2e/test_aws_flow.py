@@ -45,13 +45,6 @@ def imds(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIMDS]:
     fake.close()
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
-    return tmp_path / "home"
-
-
 def ec2_job(tmp_path: Path, s3_bucket: tuple[str, str], **overrides: Any) -> JobSpec:
     endpoint, bucket = s3_bucket
     return job(tmp_path, name=f"ec2-{uuid.uuid4().hex[:6]}", storage=f"s3://{bucket}/job",

@@ -27,13 +27,6 @@ from trainer.spec import JobSpec
 PG = "postgresql://postgres@127.0.0.1:5432"
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
-    return tmp_path / "home"
-
-
 def job(tmp_path: Path, **overrides: Any) -> JobSpec:
     spec: dict[str, Any] = {
         "name": "flowjob",
