@@ -40,9 +40,11 @@ def cmd_history(args: argparse.Namespace) -> int:
     from tasks.history import HistoryStore, StoreUnavailable
     from tasks.settings import Settings
 
-    url = Settings.from_env().database_url
+    settings = Settings.from_env()
+    url = settings.database_url
     try:
-        store = None if _missing_sqlite(url) else HistoryStore.open(url)  # a read creates no database
+        # A read creates no database; opening one replays the writes its journal holds.
+        store = None if _missing_sqlite(url) else HistoryStore.open(url, journal_dir=settings.journal_dir)
         rows = store.attempts(job=args.job, limit=args.limit) if store is not None else []
     except (StoreUnavailable, ValueError, sa_exc.ArgumentError) as e:
         return error_exit(e)

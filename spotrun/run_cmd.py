@@ -338,7 +338,8 @@ def run_job(
     if provider.kind == "local":
         workdir = Path(provider.workdir) if provider.workdir else workdir
         provider = provider.model_copy(update={"workdir": str(workdir)})
-    store = HistoryStore.open(settings.database_url)  # migrated here, before the flow and the view share it
+    # Migrated (and its journal replayed) here, before the flow and the view share it.
+    store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     monitor = RunMonitor(store, job.name, workdir / job.name / "metrics.jsonl", time.time())
     with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
         state = resilient_training(job, provider, policy, return_state=True)

@@ -29,7 +29,7 @@ def slack_target() -> SlackTarget | None:
 def send_alert(settings: Settings, request: AlertRequest, target: SlackTarget | None) -> AlertResult:
     """Raise one alert (deduplicated in SQL); raises AlertNotDelivered when Slack did not take it."""
     log = get_run_logger()
-    with HistoryStore.open(settings.database_url) as store:
+    with HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir) as store:
         result = raise_alert(store, request, target)
         store.flush()
     where = target.describe() if target is not None else "the flow run log (no Slack configured)"

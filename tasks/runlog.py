@@ -77,7 +77,7 @@ class JobRunLog:
 
     @classmethod
     def start(cls, settings: Settings, job: JobSpec, provider_name: str, flow_run_id: str) -> JobRunLog:
-        store = HistoryStore.open(settings.database_url)
+        store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
         )
@@ -96,6 +96,9 @@ class JobRunLog:
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
         if "cost" in result.status:  # providers that rent machines price each attempt in their watch
             record.extra["cost"] = dict(result.status["cost"])
+        if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
+            record.extra["rejected"] = [list(r) for r in result.rejected]
+            self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)
         steps = list(result.step_times)
         if result.last_step and (not steps or steps[-1][1] < result.last_step):
             last_t = max((float(r.get("t", 0)) for r in result.status.values()), default=result.ended_at)
@@ -110,10 +113,9 @@ class JobRunLog:
         return provision_failed_record(attempt, self.provider_name, error, started_at, time.time())
 
     def resumed(self, point: ResumePoint) -> None:
-        """The checkpoint the next attempt starts from; newer ones passed over go to SQL with reasons."""
+        """The flow's estimate of the checkpoint the next attempt starts from (lost-steps accounting);
+        what the trainer passed over reaches SQL from its `started` record (classify)."""
         self.resume_step, self.resume_uri = point.step, point.uri
-        if point.rejected:
-            self.store.record_rejections(self.job_run_id, len(self.records) + 1, list(point.rejected))
 
     def record(self, record: AttemptRecord) -> None:
         if record.outcome is not Outcome.COMPLETED and self.resume_step is not None:

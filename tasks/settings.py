@@ -12,7 +12,7 @@ from tasks.history import database_url
 
 @dataclass(frozen=True)
 class Settings:
-    home: Path  # SPOTRUN_HOME: local checkpoints cache, worker directories, history.db, reports
+    home: Path  # SPOTRUN_HOME: local checkpoints cache, worker directories, history.db, journal/, reports
     database_url: str  # SPOTRUN_DATABASE_URL, default sqlite:///<home>/history.db
 
     @classmethod
@@ -20,6 +20,11 @@ class Settings:
         env = os.environ if environ is None else environ
         home = Path(env.get("SPOTRUN_HOME", ".spotrun")).expanduser().resolve()
         return cls(home, database_url(env, home))
+
+    @property
+    def journal_dir(self) -> Path:
+        """Where history writes wait while the database is down (one file per database URL)."""
+        return self.home / "journal"
 
     def job_dir(self, job: str) -> Path:
         return self.home / "jobs" / job

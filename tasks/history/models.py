@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -42,6 +43,7 @@ class JobStatus(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    CRASHED = "crashed"  # the controller died and its recovery gave up (no one finished the run)
 
 
 class AlertStatus(StrEnum):
@@ -93,6 +95,8 @@ class JobRun(Base):
     message: Mapped[str] = mapped_column(Text)
     started_at: Mapped[datetime]
     ended_at: Mapped[datetime | None]
+    # How many times a new flow run adopted this job run after its controller died.
+    controller_restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
 
 
 class Attempt(Base):
@@ -189,6 +193,7 @@ class JobRunRow:
     message: str
     started_at: float  # epoch seconds, as in AttemptRecord
     ended_at: float | None
+    controller_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,7 @@ def job_run_row(r: JobRun) -> JobRunRow:
         message=r.message,
         started_at=r.started_at.timestamp(),
         ended_at=r.ended_at.timestamp() if r.ended_at is not None else None,
+        controller_restarts=r.controller_restarts,
     )
 
 

@@ -1,11 +1,14 @@
 """The restart history in SQL, written so that a database that is down never stops training.
 
-Every write goes through `_write`: it first writes what earlier writes left buffered, in order, then
-its own. When the database cannot be reached (also at `open`), writes wait in memory, one warning
+Every write is an `Op` (a name and a JSON payload, see `ops.py`) and goes through `_write`: it first
+replays what waits in the journal, in order, then applies its own. When the database cannot be
+reached (also at `open`), the write is appended to the journal before `_write` returns, one warning
 says so, and each later write retries (connecting and migrating first when that never happened).
 Job-run ids are UUIDs made here, so attempts can name their job run before its row exists.
 
-Buffered writes live in memory only: they are lost if the process ends before the database returns.
+The journal is a file per database when `open` is given a directory (`journal.py`): what waits there
+survives the process and is replayed by the next spotrun process that opens the database. Without
+one it is memory, lost with the process.
 """
 
 from __future__ import annotations
@@ -15,19 +18,19 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, select, update
+from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
 from tasks.history.models import (
     Alert,
@@ -45,6 +48,7 @@ from tasks.history.models import (
     job_run_row,
     rejection_row,
 )
+from tasks.history.ops import Op, stamp
 
 log = logging.getLogger(__name__)
 
@@ -75,32 +79,34 @@ def normalize_url(url: str) -> URL:
     return u
 
 
-@dataclass
-class _Write:
-    what: str  # for logs: "attempt 3 of job run 1f0c…"
-    apply: Callable[[Session], None]
-    tried: bool = False  # once tried, a connection error leaves it unknown whether it landed
-
-
 class HistoryStore:
     """Job runs, attempts, checkpoint rejections and alerts in SQL (SQLite or PostgreSQL)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, journal: Journal | None = None) -> None:
         self._engine = engine
         self.url = engine.url.render_as_string(hide_password=True)
         self._lock = threading.RLock()
-        self._pending: deque[_Write] = deque()
+        self._journal: Journal = journal if journal is not None else MemoryJournal()
         self._ready = False  # connected once and migrated
         self._down = False  # in an outage that has been reported
         self._reason = ""
         self._job_names: dict[str, str] = {}
 
     @classmethod
-    def open(cls, url: str, *, connect_timeout_s: float = 5.0) -> HistoryStore:
-        """Open (and migrate) the database; never raises because it is down: it buffers instead."""
-        store = cls(_make_engine(normalize_url(url), connect_timeout_s))
+    def open(
+        cls, url: str, *, journal_dir: Path | None = None, connect_timeout_s: float = 5.0
+    ) -> HistoryStore:
+        """Open (and migrate) the database and replay its journal; never raises because it is down.
+
+        With `journal_dir` (Settings.journal_dir) writes that cannot reach the database wait in a
+        file there, replayed by the next process that opens it; without, in memory only.
+        """
+        engine = _make_engine(normalize_url(url), connect_timeout_s)
+        rendered = engine.url.render_as_string(hide_password=True)
+        journal = FileJournal(journal_path(journal_dir, rendered)) if journal_dir is not None else None
+        store = cls(engine, journal)
         with store._lock:
-            store._connect()
+            store._drain()
         return store
 
     # -- writes ---------------------------------------------------------------------------------
@@ -110,7 +116,7 @@ class HistoryStore:
     ) -> str:
         """Record a new job run as running; returns its id (usable at once, even while buffered)."""
         run_id = str(uuid.uuid4())
-        values: dict[str, Any] = dict(
+        args: dict[str, Any] = dict(
             id=run_id,
             job=job,
             spec_hash=spec_hash,
@@ -119,58 +125,38 @@ class HistoryStore:
             provider=provider,
             status=JobStatus.RUNNING.value,
             message="",
-            started_at=datetime.now(UTC),
-            ended_at=None,
+            started_at=stamp(datetime.now(UTC)),
         )
         self._job_names[run_id] = job
-        self._write(_Write(f"job run {run_id} of {job}", lambda s: s.add(JobRun(**values))))
+        self._write(Op("start_job_run", args, f"job run {run_id} of {job}"))
         return run_id
 
     def record_attempt(self, job_run_id: str, record: AttemptRecord) -> None:
         """Append one attempt (log tail bounded to LOG_TAIL_MAX_BYTES)."""
-        values = _attempt_values(record)
-        job = self._job_names.get(job_run_id)
-
-        def apply(s: Session) -> None:
-            name = job if job is not None else s.scalar(select(JobRun.job).where(JobRun.id == job_run_id))
-            if name is None:
-                raise LookupError(f"no job run {job_run_id} in {self.url}")
-            s.add(Attempt(job_run_id=job_run_id, job=name, **values))
-
-        self._write(_Write(f"attempt {record.attempt} of job run {job_run_id}", apply))
+        job = self._job_names.get(job_run_id)  # else the replay looks it up
+        args = dict(job_run_id=job_run_id, job=job, record=_attempt_values(record))
+        self._write(Op("record_attempt", args, f"attempt {record.attempt} of job run {job_run_id}"))
 
     def record_rejections(self, job_run_id: str, attempt: int, rejections: Sequence[tuple[int, str]]) -> None:
         """Record the checkpoints (step, reasons) the validator refused after `attempt`."""
         if not rejections:
             return
-        now = datetime.now(UTC)
-        rows = [(int(step), str(reasons)) for step, reasons in rejections]
-
-        def apply(s: Session) -> None:
-            s.add_all(
-                CheckpointRejection(
-                    job_run_id=job_run_id, attempt=attempt, step=st, reasons=r, created_at=now
-                )
-                for st, r in rows
-            )
-
-        self._write(_Write(f"{len(rows)} rejection(s) after attempt {attempt} of {job_run_id}", apply))
+        rows = [[int(step), str(reasons)] for step, reasons in rejections]
+        args = dict(job_run_id=job_run_id, attempt=attempt, rows=rows, created_at=stamp(datetime.now(UTC)))
+        what = f"{len(rows)} rejection(s) after attempt {attempt} of {job_run_id}"
+        self._write(Op("record_rejections", args, what))
 
     def finish_job_run(self, job_run_id: str, status: JobStatus | str, message: str = "") -> None:
-        """Mark a job run completed, failed or cancelled, with the one line that says why."""
+        """Mark a job run completed, failed, cancelled or crashed, with the one line that says why."""
         final = JobStatus(status)
-        now = datetime.now(UTC)
+        ended = stamp(datetime.now(UTC))
+        args = dict(job_run_id=job_run_id, status=final.value, message=message, ended_at=ended)
+        self._write(Op("finish_job_run", args, f"end ({final.value}) of job run {job_run_id}"))
 
-        def apply(s: Session) -> None:
-            done = s.execute(
-                update(JobRun)
-                .where(JobRun.id == job_run_id)
-                .values(status=final.value, message=message, ended_at=now)
-            )
-            if done.rowcount == 0:  # type: ignore[attr-defined]
-                raise LookupError(f"no job run {job_run_id} in {self.url}")
-
-        self._write(_Write(f"end ({final.value}) of job run {job_run_id}", apply))
+    def adopt_job_run(self, job_run_id: str, flow_run_id: str | None) -> None:
+        """Relink a running job run whose controller died to `flow_run_id`, counting the restart."""
+        args = dict(job_run_id=job_run_id, flow_run_id=flow_run_id)
+        self._write(Op("adopt_job_run", args, f"adoption of job run {job_run_id} by flow run {flow_run_id}"))
 
     def record_alert(
         self,
@@ -190,7 +176,7 @@ class HistoryStore:
         """Append one alert try (message, error and trigger bounded); `created_at` defaults to now."""
         if created_at is not None and created_at.tzinfo is None:
             raise ValueError(f"created_at={created_at!r} is naive: pass an aware datetime")
-        values: dict[str, Any] = dict(
+        args: dict[str, Any] = dict(
             dedup_key=dedup_key,
             kind=str(kind),
             job=job,
@@ -201,9 +187,9 @@ class HistoryStore:
             error=error[:ERROR_MAX_CHARS],
             message=message[:ALERT_MESSAGE_MAX_CHARS],
             trigger=trigger[:TRIGGER_MAX_CHARS],
-            created_at=created_at or datetime.now(UTC),
+            created_at=stamp(created_at or datetime.now(UTC)),
         )
-        self._write(_Write(f"{values['status']} alert {dedup_key}", lambda s: s.add(Alert(**values))))
+        self._write(Op("record_alert", args, f"{args['status']} alert {dedup_key}"))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Retry buffered writes until none is left or `timeout_s` passed; True when all are written."""
@@ -219,18 +205,29 @@ class HistoryStore:
 
     @property
     def pending(self) -> int:
-        """How many writes wait in memory for the database."""
-        return len(self._pending)
+        """How many writes wait in the journal for the database (from any process, for a file)."""
+        return len(self._journal)
+
+    @property
+    def journal(self) -> str:
+        """Where waiting writes are kept: the journal file's path, or "memory"."""
+        return self._journal.where
 
     def close(self) -> None:
-        """Try the buffered writes once more, say what is lost, and release the connections."""
+        """Try the waiting writes once more, say where they are kept, and release the connections."""
         with self._lock:
             if not self._drain():
-                log.warning(
-                    "history database %s still unavailable at close: %d buffered record(s) not written",
-                    self.url,
-                    len(self._pending),
-                )
+                n = len(self._journal)
+                if isinstance(self._journal, MemoryJournal):
+                    log.warning("history database %s unavailable at close: %d record(s) lost", self.url, n)
+                else:
+                    log.warning(
+                        "history database %s still unavailable at close: %d record(s) kept in the journal %s,"
+                        " replayed when a spotrun process next opens this database",
+                        self.url,
+                        n,
+                        self._journal.where,
+                    )
             self._engine.dispose()
 
     def __enter__(self) -> HistoryStore:
@@ -265,6 +262,16 @@ class HistoryStore:
         """The job's most recently started job run, if any."""
         runs = self.job_runs(job, limit=1)
         return runs[-1] if runs else None
+
+    def open_job_run(self, job: str) -> JobRunRow | None:
+        """The job's newest job run when it is still running (its controller died); else None."""
+        latest = self.latest_job_run(job)
+        return latest if latest is not None and latest.status is JobStatus.RUNNING else None
+
+    def next_attempt(self, job_run_id: str) -> int:
+        """The number the job run's next attempt takes: one past the highest recorded (1 if none)."""
+        q = select(func.max(Attempt.attempt)).where(Attempt.job_run_id == job_run_id)
+        return int(self._read(lambda s: s.scalar(q)) or 0) + 1
 
     def alerts(
         self,
@@ -308,47 +315,56 @@ class HistoryStore:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _write(self, w: _Write) -> None:
+    def _write(self, op: Op) -> None:
+        """Apply `op` after every write that waits before it; journal it when the database is down."""
         with self._lock:
-            self._pending.append(w)
-            self._drain(own=w)
+            if self._drain():
+                try:
+                    self._apply(op, replay=False)
+                    return
+                except Exception as e:  # only a connection failure is journaled; the caller's error raises
+                    if not _unreachable(e):
+                        raise
+                    self._reason = _one_line(e)
+            self._journal.append(op)  # may have landed before the connection broke: replays check
+            self._report_down()
 
-    def _drain(self, own: _Write | None = None) -> bool:
-        """Write the buffered writes in order; True when none is left. Raises `own`'s own errors."""
+    def _drain(self) -> bool:
+        """Replay the journal in order (any process's writes); True when nothing waits any more."""
         if not self._connect():
             return False
         written = 0
-        while self._pending:
-            w = self._pending[0]
+
+        def replay(op: Op) -> bool:
+            nonlocal written
             try:
-                with Session(self._engine, expire_on_commit=False) as s, s.begin():
-                    if self._engine.dialect.name == "sqlite":
-                        # Take the write lock first: a read-then-write transaction can deadlock with
-                        # another process's and fail at once instead of waiting out the busy timeout.
-                        s.connection().exec_driver_sql("BEGIN IMMEDIATE")
-                    w.apply(s)
-            except Exception as e:  # every failure is sorted here: buffer, raise to the caller, or drop
+                self._apply(op, replay=True)
+            except Exception as e:  # every failure is sorted here: stop (keep it) or drop it
                 if _unreachable(e):
-                    w.tried = True
-                    self._went_down(e)
+                    self._reason = _one_line(e)
                     return False
-                self._pending.popleft()
-                if w is own:
-                    raise  # the caller's own write is wrong (a duplicate attempt, an unknown job run)
-                if w.tried and isinstance(e, sa_exc.IntegrityError):
-                    log.info("history: %s was already written before the connection broke", w.what)
-                else:
-                    log.error("history: dropped buffered %s: %s", w.what, _one_line(e))
-                continue
-            self._pending.popleft()
+                log.error("history: dropped waiting %s: %s", op.what, _one_line(e))
+                return True
             written += 1
-        if self._down:
+            return True
+
+        if not self._journal.replay(replay):
+            return False
+        if self._down or written:
             self._down = False
-            log.info("history database %s is back: wrote %d buffered record(s)", self.url, written)
+            log.info("history database %s is back: wrote %d waiting record(s)", self.url, written)
         return True
 
+    def _apply(self, op: Op, replay: bool) -> None:
+        with Session(self._engine, expire_on_commit=False) as s, s.begin():
+            if self._engine.dialect.name == "sqlite":
+                # Take the write lock first: a read-then-write transaction can deadlock with
+                # another process's and fail at once instead of waiting out the busy timeout.
+                s.connection().exec_driver_sql("BEGIN IMMEDIATE")
+            op.apply(s, replay)
+
     def _connect(self) -> bool:
-        """Connect and migrate once; False (and buffering) while the database cannot be reached."""
+        """Connect and migrate once; False while the database cannot be reached."""
         if self._ready:
             return True
         try:
@@ -359,23 +375,26 @@ class HistoryStore:
         except Exception as e:  # connection-level failures buffer; anything else is a real error
             if not _unreachable(e):
                 raise
-            self._went_down(e)
+            self._reason = _one_line(e)
             return False
         self._ready = True
         return True
 
-    def _went_down(self, e: BaseException) -> None:
-        self._reason = _one_line(e)
-        if self._down or not self._pending:  # warn once per outage, when something waits for it
+    def _report_down(self) -> None:
+        """Warn once per outage, after the first write that waits for it."""
+        if self._down:
             log.debug("history database %s still unavailable: %s", self.url, self._reason)
             return
         self._down = True
+        memory = isinstance(self._journal, MemoryJournal)
+        kept = "in memory" if memory else f"in the journal {self._journal.where}"
         log.warning(
-            "history database %s unavailable (%s): %d record(s) buffered in memory, training continues;"
+            "history database %s unavailable (%s): %d record(s) buffered %s, training continues;"
             " retrying on each write",
             self.url,
             self._reason,
-            len(self._pending),
+            len(self._journal),
+            kept,
         )
 
     def _read(self, query: Callable[[Session], _T]) -> _T:
@@ -435,11 +454,11 @@ def _bounded_tail(text: str, max_bytes: int = LOG_TAIL_MAX_BYTES) -> str:
 
 
 def _attempt_values(r: AttemptRecord) -> dict[str, Any]:
-    """The record as column values, copied now: the caller may change it while it is buffered."""
+    """The record as a JSON payload, copied now: the caller may change it while it waits."""
     v = {f.name: getattr(r, f.name) for f in fields(AttemptRecord)}
     v["outcome"] = Outcome(r.outcome).value
-    v["started_at"] = datetime.fromtimestamp(r.started_at, UTC)
-    v["ended_at"] = datetime.fromtimestamp(r.ended_at, UTC)
+    v["started_at"] = stamp(datetime.fromtimestamp(r.started_at, UTC))
+    v["ended_at"] = stamp(datetime.fromtimestamp(r.ended_at, UTC))
     v["error"] = r.error[:ERROR_MAX_CHARS]
     v["log_tail"] = _bounded_tail(r.log_tail)
     v["extra"] = json.loads(json.dumps(r.extra, default=str))
