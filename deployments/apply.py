@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from uuid import UUID
 
@@ -20,12 +20,20 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from deployments.automations import AlertRules, Applied, apply_automations, build_automations
+from deployments.automations import (
+    AlertRules,
+    Applied,
+    RecoveryRules,
+    apply_automations,
+    build_automations,
+    build_recovery_automations,
+)
 from trainer.errors import SpotrunError
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 ALERT_DEPLOYMENT = "restart-alert/restart-alert"
+RECOVER_DEPLOYMENT = "recover-job/recover-job"
 DEPLOY_TIMEOUT_S = 300
 
 
@@ -59,6 +67,7 @@ class DeployReport:
     deployments: dict[str, UUID]
     pools_created: list[str]
     automations: list[Applied]
+    recovery: RecoveryRules = field(default_factory=RecoveryRules)
 
 
 def ensure_work_pool(client: SyncPrefectClient, name: str) -> bool:
@@ -104,15 +113,21 @@ def run_prefect_deploy(api_url: str, prefect_file: Path = PREFECT_FILE) -> None:
         raise DeployError(f"`prefect deploy` failed ({done.returncode}) for {prefect_file}: {tail}")
 
 
-def deploy(rules: AlertRules, prefect_file: Path = PREFECT_FILE) -> DeployReport:
+def deploy(
+    rules: AlertRules, prefect_file: Path = PREFECT_FILE, recovery: RecoveryRules | None = None
+) -> DeployReport:
     """Apply pools, deployments and automations to the server PREFECT_API_URL names."""
+    recovery = recovery or RecoveryRules()
     url = api_url()
     names = DeployedNames.read(prefect_file)
     with get_client(sync_client=True) as client:
         created = [p for p in sorted(set(names.pools.values()) - {""}) if ensure_work_pool(client, p)]
         run_prefect_deploy(url, prefect_file)
         ids = {name: client.read_deployment_by_name(name).id for name in names.pools}
-        if ALERT_DEPLOYMENT not in ids:
-            raise DeployError(f"{prefect_file} declares no {ALERT_DEPLOYMENT} deployment; alerts need it")
-        applied = apply_automations(client, build_automations(rules, ids[ALERT_DEPLOYMENT]))
-    return DeployReport(ids, created, applied)
+        for needed in (ALERT_DEPLOYMENT, RECOVER_DEPLOYMENT):
+            if needed not in ids:
+                raise DeployError(f"{prefect_file} declares no {needed} deployment; the automations need it")
+        wanted = build_automations(rules, ids[ALERT_DEPLOYMENT])
+        wanted += build_recovery_automations(recovery, ids[RECOVER_DEPLOYMENT])
+        applied = apply_automations(client, wanted)
+    return DeployReport(ids, created, applied, recovery)

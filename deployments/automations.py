@@ -15,6 +15,8 @@ from uuid import UUID
 
 from prefect.automations import AutomationCore, EventTrigger, Posture, RunDeployment
 from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
@@ -23,7 +25,13 @@ NAME_PREFIX = "spotrun"
 STORM = f"{NAME_PREFIX}: restart storm"
 GAVE_UP = f"{NAME_PREFIX}: job gave up"
 RECOVERED = f"{NAME_PREFIX}: job recovered"
+ZOMBIE = f"{NAME_PREFIX}: zombie training run"
+CRASHED = f"{NAME_PREFIX}: restart crashed training"
 ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
+TRAINING_FLOW = "resilient-training"
+HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefect's minimum
+TERMINAL = ("Completed", "Failed", "Cancelled", "Crashed")
 
 
 class AlertRules(BaseModel):
@@ -38,6 +46,23 @@ class AlertRules(BaseModel):
     recovery_note: bool = Field(default=True, description="say so when a job that restarted completes")
     retries: int = Field(default=3, ge=0, le=20, description="delivery retries of the alert run")
     retry_delay_s: float = Field(default=30, ge=0, description="seconds between delivery retries")
+
+
+class RecoveryRules(BaseModel):
+    """How a training run whose controller died is found and restarted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    controller_restarts: int = Field(
+        default=3, ge=0, le=100, description="restarts of one job per window after its controller died"
+    )
+    restart_window_s: float = Field(default=3600, gt=0, description="... the window, in seconds")
+    zombie_after_s: float = Field(
+        default=90,
+        ge=2 * HEARTBEAT_S,  # one late heartbeat on a busy host must not crash a live run
+        le=86400,
+        description="mark a training run Crashed after this many seconds without a heartbeat",
+    )
 
 
 def _alert_parameters(kind: str, rules: AlertRules, **templated: str) -> dict[str, Any]:
@@ -110,6 +135,68 @@ def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[Auto
             )
         )
     return out
+
+
+def _training_runs() -> list[dict[str, str | list[str]]]:
+    """Related-resource filters (all must match): the training flow, in a run that beats."""
+    role = "prefect.resource.role"
+    return [
+        {role: "flow", "prefect.resource.name": TRAINING_FLOW},
+        {role: "tag", "prefect.resource.id": f"prefect.tag.{HEARTBEAT_TAG}"},
+    ]
+
+
+def build_recovery_automations(rules: RecoveryRules, recover_deployment_id: UUID) -> list[AutomationCore]:
+    """The zombie and crashed automations (pure: no API calls)."""
+    runs: dict[str, str | list[str]] = {"prefect.resource.id": "prefect.flow-run.*"}
+    zombie = EventTrigger(
+        after={"prefect.flow-run.heartbeat"},
+        expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in TERMINAL)},
+        match=runs,
+        match_related=_training_runs(),  # type: ignore[arg-type]  # pydantic coerces the dicts
+        for_each={"prefect.resource.id"},
+        posture=Posture.Proactive,
+        threshold=1,
+        within=timedelta(seconds=rules.zombie_after_s),
+    )
+    mark = ChangeFlowRunState(
+        name=None,
+        state=StateType.CRASHED,
+        force=False,  # a run that ended meanwhile keeps its final state
+        message=f"no heartbeat for {rules.zombie_after_s:g} s: its host, worker or process is gone",
+    )
+    crashed = EventTrigger(
+        expect={"prefect.flow-run.Crashed"},
+        match=runs,
+        match_related=_training_runs(),  # type: ignore[arg-type]
+        for_each={"prefect.resource.id"},
+        posture=Posture.Reactive,
+        threshold=1,
+    )
+    parameters = {
+        # default(''): the server renders with strict undefined; recover-job rejects '' in one line
+        "crashed_flow_run_id": "{{ event.resource.id | default('') }}",
+        "limit": rules.controller_restarts,
+        "window_s": rules.restart_window_s,
+    }
+    restart = RunDeployment(
+        source="selected", deployment_id=recover_deployment_id, parameters=parameters, job_variables=None
+    )
+    return [
+        AutomationCore(
+            name=ZOMBIE,
+            description=f"a training run sent no heartbeat for {rules.zombie_after_s:g} s: mark it Crashed",
+            trigger=zombie,
+            actions=[mark],
+        ),
+        AutomationCore(
+            name=CRASHED,
+            description=f"rerun a crashed training run (at most {rules.controller_restarts} per job "
+            f"within {rules.restart_window_s:g} s, then a gave-up alert)",
+            trigger=crashed,
+            actions=[restart],
+        ),
+    ]
 
 
 Change = Literal["created", "updated", "unchanged", "deleted"]

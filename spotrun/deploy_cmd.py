@@ -21,7 +21,7 @@ from trainer.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: `spotrun --help` must stay fast
     from deployments.apply import DeployReport
-    from deployments.automations import AlertRules
+    from deployments.automations import AlertRules, RecoveryRules
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 RULE_FLAGS = {  # AlertRules field -> the flag that sets it, so an error names what the user typed
@@ -29,6 +29,8 @@ RULE_FLAGS = {  # AlertRules field -> the flag that sets it, so an error names w
     "restart_window_s": "--restart-window",
     "retries": "--alert-retries",
     "retry_delay_s": "--alert-retry-delay",
+    "controller_restarts": "--controller-restarts",
+    "zombie_after_s": "--zombie-after",
 }
 
 
@@ -57,12 +59,28 @@ def alert_rules(args: argparse.Namespace) -> AlertRules:
         raise ConfigError(f"{RULE_FLAGS.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}") from None
 
 
+def recovery_rules(args: argparse.Namespace) -> RecoveryRules:
+    """How dead controllers are found and restarted, from the flags; ConfigError naming the flag."""
+    from deployments.automations import RecoveryRules
+
+    try:
+        return RecoveryRules(
+            controller_restarts=args.controller_restarts,
+            restart_window_s=duration_s(args.restart_window),
+            zombie_after_s=duration_s(args.zombie_after),
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{RULE_FLAGS.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}") from None
+
+
 def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
     if as_json:
         doc = {
             "deployments": report.deployments,
             "pools_created": report.pools_created,
             "automations": [asdict(a) for a in report.automations],
+            "recovery": report.recovery.model_dump(),
         }
         print(json.dumps(doc, default=str, indent=2))
         return
@@ -81,6 +99,9 @@ def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
     for a in report.automations:
         autos.add_row(escape(a.name), a.change, str(a.id))
     out.print(autos)
+    r = report.recovery
+    out.print(f"a training run silent for {r.zombie_after_s:g} s is marked Crashed and rerun, at most "
+              f"{r.controller_restarts} times per job within {r.restart_window_s:g} s")  # fmt: skip
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -88,8 +109,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from deployments.apply import deploy
     from spotrun.server import PrefectApi
 
-    rules = alert_rules(args)
-    report = deploy(rules)
+    rules, recovery = alert_rules(args), recovery_rules(args)
+    report = deploy(rules, recovery=recovery)
     from prefect.settings import PREFECT_API_URL
 
     print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
@@ -99,11 +120,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """`spotrun serve`: deploy, then run a worker for the pool until interrupted."""
     from deployments.apply import deploy
-    from deployments.worker import LocalWorker
+    from deployments.worker import LocalWorker, supervise
     from spotrun.server import prefect_api
     from tasks.settings import Settings
 
-    rules = alert_rules(args)
+    rules, recovery = alert_rules(args), recovery_rules(args)
     settings = Settings.from_env()
     out = wide_console()
     stop = threading.Event()
@@ -115,13 +136,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with prefect_api(settings.home, keep=False) as api:
         if api.server is not None:
             out.print(f"started a Prefect server: {api.ui_url}", markup=False)
-        print_report(deploy(rules), api.ui_url, args.json)
+        print_report(deploy(rules, recovery=recovery), api.ui_url, args.json)
         worker = LocalWorker(settings.home / "worker.log", query_s=args.poll).start()
         try:
             out.print(f"worker {worker.name} runs the pool's flow runs (log: {worker.log}); Ctrl-C stops it")
-            while not stop.wait(1.0):
-                if worker.proc is not None and worker.proc.poll() is not None:
-                    raise ConfigError(f"the worker exited with {worker.proc.returncode}; see {worker.log}")
+            supervise(worker, stop, lambda line: out.print(line, markup=False))  # restarts it if it dies
         except KeyboardInterrupt:
             pass
         finally:
@@ -141,6 +160,12 @@ def _alert_flags(p: argparse.ArgumentParser) -> None:
                    help="delivery retries of an alert when Slack fails (default 3)")  # fmt: skip
     p.add_argument("--alert-retry-delay", default="30s", metavar="DURATION",
                    help="wait between delivery retries (default 30s)")  # fmt: skip
+    p.add_argument("--controller-restarts", type=int, default=3, metavar="N",
+                   help="rerun a training run whose controller died at most N times per job within "
+                   "--restart-window, then alert that it gave up (default 3; 0: never)")  # fmt: skip
+    p.add_argument("--zombie-after", default="90s", metavar="DURATION",
+                   help="mark a training run Crashed after this long without a heartbeat (default 90s, "
+                   "at least 60s: runs beat every 30 s)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print what was applied as JSON")
 
 

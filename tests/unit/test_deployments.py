@@ -5,18 +5,37 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import uuid4
 
 import pytest
 import yaml
 
-from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, REPO, DeployedNames
-from deployments.automations import GAVE_UP, RECOVERED, STORM, AlertRules, build_automations
+from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
+from deployments.automations import (
+    CRASHED,
+    GAVE_UP,
+    HEARTBEAT_S,
+    HEARTBEAT_TAG,
+    RECOVERED,
+    STORM,
+    TRAINING_FLOW,
+    ZOMBIE,
+    AlertRules,
+    RecoveryRules,
+    build_automations,
+    build_recovery_automations,
+)
 from spotrun.cli import main
-from spotrun.deploy_cmd import alert_rules, duration_s
+from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
 from tasks.policy import RetryPolicy
+from tasks.recovery import (
+    RecoveryError,
+    RestartAction,
+    decide_controller_restart,
+    parse_flow_run_id,
+)
 from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec
@@ -43,18 +62,29 @@ def test_training_parameters_are_a_valid_job_spec_and_policy(name: str) -> None:
 
 def test_shared_settings_come_from_definitions() -> None:
     pool = DOC["definitions"]["work_pools"]["local"]
-    assert all(d["work_pool"] == pool for d in DEPLOYMENTS.values())
+    assert all(pool.items() <= d["work_pool"].items() for d in DEPLOYMENTS.values())
     assert DeployedNames.read().pools == {
         "resilient-training/resilient-training": "spotrun-local",
         "resilient-training/nightly-retraining": "spotrun-local",
         "sweep-instances/sweep-instances": "spotrun-local",
         ALERT_DEPLOYMENT: "spotrun-local",
+        RECOVER_DEPLOYMENT: "spotrun-local",
     }
     (sweeper,) = DEPLOYMENTS["sweep-instances"]["schedules"]
     assert sweeper["active"] is False  # no AWS credentials by default: a failing run every 10 minutes
     (nightly,) = DEPLOYMENTS["nightly-retraining"]["schedules"]
     assert nightly["cron"] == "0 3 * * *" and nightly["slug"]  # the slug keeps redeploys idempotent
     assert DEPLOYMENTS["nightly-retraining"]["parameters"]["job"]["name"] != "digits"
+
+
+@pytest.mark.parametrize("name", ["resilient-training", "nightly-retraining"])
+def test_training_runs_beat_and_carry_the_tag_the_recovery_automations_watch(name: str) -> None:
+    d = DEPLOYMENTS[name]
+    env = d["work_pool"]["job_variables"]["env"]
+    assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_S)
+    assert HEARTBEAT_TAG in d["tags"] and d["entrypoint"].endswith(":" + TRAINING_FLOW.replace("-", "_"))
+    others = [n for n in DEPLOYMENTS if n not in ("resilient-training", "nightly-retraining")]
+    assert not any(HEARTBEAT_TAG in DEPLOYMENTS[n].get("tags", []) for n in others)
 
 
 def _by_name(rules: AlertRules) -> dict[str, Any]:
@@ -86,6 +116,83 @@ def test_recovery_note_can_be_switched_off() -> None:
     assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP}
 
 
+def _recovery(rules: RecoveryRules) -> dict[str, Any]:
+    return {a.name: a for a in build_recovery_automations(rules, uuid4())}
+
+
+def _related(trigger: Any) -> list[dict[str, Any]]:
+    return [spec.root for spec in trigger.match_related]
+
+
+WATCHED = [
+    {"prefect.resource.role": "flow", "prefect.resource.name": "resilient-training"},
+    {"prefect.resource.role": "tag", "prefect.resource.id": "prefect.tag.spotrun-heartbeat"},
+]
+
+
+def test_zombie_automation_crashes_a_training_run_silent_for_the_window() -> None:
+    zombie = _recovery(RecoveryRules(zombie_after_s=120))[ZOMBIE]
+    t = zombie.trigger
+    assert t.posture == "Proactive" and t.threshold == 1 and t.within == timedelta(seconds=120)
+    assert t.after == {"prefect.flow-run.heartbeat"}
+    assert t.expect == {"prefect.flow-run.heartbeat"} | {
+        f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")
+    }
+    assert t.for_each == {"prefect.resource.id"}  # one clock per flow run
+    assert t.match.root == {"prefect.resource.id": "prefect.flow-run.*"} and _related(t) == WATCHED
+    (action,) = zombie.actions
+    assert (action.type, action.state, action.force) == ("change-flow-run-state", "CRASHED", False)
+    assert "no heartbeat for 120 s" in action.message
+
+
+def test_crashed_automation_runs_recover_job_with_the_crashed_run_and_the_bound() -> None:
+    dep = uuid4()
+    (crashed,) = [
+        a for a in build_recovery_automations(RecoveryRules(controller_restarts=5), dep) if a.name == CRASHED
+    ]
+    t = crashed.trigger
+    assert (t.posture, t.expect, t.threshold) == ("Reactive", {"prefect.flow-run.Crashed"}, 1)
+    assert _related(t) == WATCHED  # other flows, and training runs that do not beat, are not rerun
+    (action,) = crashed.actions
+    assert (action.type, action.deployment_id) == ("run-deployment", dep)
+    assert action.parameters == {
+        "crashed_flow_run_id": "{{ event.resource.id | default('') }}",
+        "limit": 5,
+        "window_s": 3600,
+    }
+
+
+@pytest.mark.parametrize(
+    ("minutes_ago", "limit", "cancelling", "action", "restarts"),
+    [
+        ([], 3, False, RestartAction.RESTART, 0),
+        ([5, 30], 3, False, RestartAction.RESTART, 2),
+        ([5, 30, 59], 3, False, RestartAction.GIVE_UP, 3),
+        ([5, 30, 61, 120], 3, False, RestartAction.RESTART, 2),  # older ones left the window
+        ([-1, 5, 30], 3, False, RestartAction.RESTART, 2),  # a clock ahead: not counted
+        ([], 0, False, RestartAction.GIVE_UP, 0),  # restarts switched off
+        ([5], 1, False, RestartAction.GIVE_UP, 1),
+        ([], 3, True, RestartAction.LEAVE, 0),  # someone was cancelling it
+    ],
+)
+def test_decide_controller_restart(
+    minutes_ago: list[int], limit: int, cancelling: bool, action: RestartAction, restarts: int
+) -> None:
+    now = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
+    times = [now - timedelta(minutes=m) for m in minutes_ago]
+    decision = decide_controller_restart(times, now, limit, timedelta(hours=1), cancelling)
+    assert (decision.action, decision.restarts) == (action, restarts)
+    if action is RestartAction.GIVE_UP:
+        assert f"at most {limit} restarts" in decision.reason
+
+
+def test_crashed_flow_run_id_from_the_event_resource_or_bare() -> None:
+    u = uuid4()
+    assert parse_flow_run_id(f"prefect.flow-run.{u}") == u == parse_flow_run_id(str(u))
+    with pytest.raises(RecoveryError, match="is not a flow run id"):
+        parse_flow_run_id("")
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("3600", 3600), ("90s", 90), ("30m", 1800), ("1h", 3600), ("1.5h", 5400), ("2d", 172800)],
@@ -102,7 +209,7 @@ def test_bad_duration_says_what_to_write(text: str) -> None:
 
 def _args(**overrides: Any) -> argparse.Namespace:
     values = dict(restart_threshold=3, restart_window="1h", no_recovery_note=False, alert_retries=3,
-                  alert_retry_delay="30s")  # fmt: skip
+                  alert_retry_delay="30s", controller_restarts=3, zombie_after="90s")  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -121,6 +228,21 @@ def test_alert_rules_from_flags() -> None:
 def test_bad_alert_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         alert_rules(_args(**overrides))
+
+
+def test_recovery_rules_from_flags() -> None:
+    got = recovery_rules(_args(controller_restarts=0, zombie_after="2m", restart_window="30m"))
+    assert got == RecoveryRules(controller_restarts=0, zombie_after_s=120, restart_window_s=1800)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [({"controller_restarts": -1}, "--controller-restarts: Input should be greater than or equal to 0"),
+     ({"zombie_after": "45s"}, "--zombie-after: Input should be greater than or equal to 60")],
+)  # fmt: skip
+def test_bad_recovery_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        recovery_rules(_args(**overrides))
 
 
 def test_deploy_without_a_server_is_one_line_error(
