@@ -3,6 +3,10 @@ automation) execute here: `prefect worker start --pool spotrun-local` as a super
 
 Each flow run is a child process of the worker, started in the worker's environment: SPOTRUN_HOME,
 SPOTRUN_DATABASE_URL and the Slack settings reach the training and alert flows through it.
+
+`supervise` restarts a worker that dies (OOM killer, a crash in the worker itself) after an exponential
+backoff, forever: a serve that exits leaves scheduled and automation-started runs unserved, and a worker
+dying in a loop is retried at the cap rather than given up on.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
+import httpx
 from prefect import get_client
 
 from tasks.providers.local import die_with_parent, on_spawner_thread
@@ -34,6 +43,7 @@ class LocalWorker:
         self.log, self.pool, self.query_s, self.limit = log, pool, query_s, limit
         self.name = f"spotrun-{socket.gethostname()}-{os.getpid()}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0  # time.monotonic() at the last start
 
     def start(self, timeout_s: float = 60) -> LocalWorker:
         """Start the worker and wait until the server lists it in the pool."""
@@ -50,20 +60,33 @@ class LocalWorker:
                     preexec_fn=die_with_parent(),
                 )  # fmt: skip
 
+        before = self.heartbeat()  # a restart keeps the name: registered means a newer heartbeat
         self.proc = on_spawner_thread(popen)
-        deadline = time.monotonic() + timeout_s
+        self.started = time.monotonic()
+        deadline = self.started + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise WorkerStartError(f"prefect worker exited with {self.proc.returncode}; see {self.log}")
-            if self._registered():
+            beat = self.heartbeat()
+            if beat is not None and beat != before:
                 return self
             time.sleep(0.5)
         self.stop()
         raise WorkerStartError(f"prefect worker did not register within {timeout_s:.0f} s; see {self.log}")
 
-    def _registered(self) -> bool:
+    def heartbeat(self) -> datetime | None:
+        """The last heartbeat the server has from a worker of this name; None before the first."""
         with get_client(sync_client=True) as client:
-            return any(w.name == self.name for w in client.read_workers_for_work_pool(self.pool))
+            beats = [
+                w.last_heartbeat_time
+                for w in client.read_workers_for_work_pool(self.pool)
+                if w.name == self.name
+            ]
+        return beats[0] if beats else None
+
+    def exited(self) -> int | None:
+        """The worker's exit code once it has exited; None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.poll()
 
     def stop(self, grace_s: float = 10) -> None:
         """The worker sends SIGINT to its runs on the first TERM and kills them on the second."""
@@ -80,3 +103,47 @@ class LocalWorker:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+@dataclass
+class RestartBackoff:
+    """Waits before restarting a dead worker: base, 2·base, 4·base ... capped; a worker that stayed up
+    `stable_s` starts the sequence again."""
+
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    stable_s: float = 300.0
+    failures: int = 0
+
+    def next_delay(self, uptime_s: float) -> float:
+        """The wait before the next start of a worker that died after `uptime_s` seconds up."""
+        self.failures = 1 if uptime_s >= self.stable_s else self.failures + 1
+        return min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+
+
+def supervise(
+    worker: LocalWorker,
+    stop: threading.Event,
+    say: Callable[[str], None],
+    backoff: RestartBackoff | None = None,
+) -> None:
+    """Keep `worker` running until `stop` is set: a dead worker is restarted after the backoff, and a
+    restart that fails to register counts as one more death. Returns with the worker still running."""
+    backoff = backoff or RestartBackoff()
+    while not stop.wait(1.0):
+        code = worker.exited()
+        if code is None:
+            continue
+        uptime = time.monotonic() - worker.started
+        delay = backoff.next_delay(uptime)
+        say(f"worker {worker.name} exited with {code} after {uptime:.0f} s (see {worker.log}); "
+            f"restarting in {delay:g} s (restart {backoff.failures})")  # fmt: skip
+        while not stop.wait(delay):
+            try:
+                worker.start()
+                say(f"worker {worker.name} restarted (pid {worker.proc.pid if worker.proc else '?'})")
+                break
+            except (WorkerStartError, httpx.HTTPError, OSError) as e:  # the server may be down too: retry
+                worker.stop()  # a half-started worker must not run beside the next one
+                delay = backoff.next_delay(0.0)
+                say(f"{e}; retrying in {delay:g} s (restart {backoff.failures})")

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.outcome import FATAL_CODES
 
+DuplicateRuns = Literal["wait", "reject"]  # what a second flow run of a running job does (tasks/job_slot.py)
 ERROR_OUTCOMES = (Outcome.CRASHED, Outcome.LOST, Outcome.PROVISION_FAILED)
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"(?<!step )\b\d+(\.\d+)?\b")
@@ -50,6 +51,11 @@ class RetryPolicy(BaseModel):
         default=2,
         ge=2,
         description="give up when the same error recurs at the same step this many times",
+    )
+    duplicate_runs: DuplicateRuns = Field(
+        default="wait",
+        description="when this job is already running in another flow run: wait for it to end, "
+        "or reject this run at once (it ends Failed and records no attempt)",
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,166 @@
+"""One flow run per job: the training flow holds the only slot of a Prefect global concurrency limit
+named after the job for its whole run, so a second run of the job (a nightly run overlapping a slow
+one, a double click in the UI) waits or is refused before it starts a worker.
+
+This is the orchestration-level guard; the storage lease is the hard guarantee. Slots are held with a
+lease the flow renews in a background thread: a holder that is SIGKILLed (host lost) stops renewing and
+the server's repossessor frees the slot once the lease lapses, so a restarted run is blocked for at most
+about LEASE_S plus the repossessor's 15 s loop. The limit is created on first use (the server no longer
+creates limits on acquisition); an operator who sets it to 0 in the UI pauses the job's new runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import httpx
+from prefect import get_client, get_run_logger
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import ConcurrencyLeaseHolder, StateType
+from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+
+from tasks.policy import DuplicateRuns
+
+LIMIT_PREFIX = "spotrun-job:"
+LEASE_S = 60.0  # the shortest lease the server accepts: a dead holder's slot comes back soonest
+FLOW_NAME = "resilient-training"
+
+
+@dataclass(frozen=True)
+class RunningRun:
+    """A running flow run of the training flow, as far as the guard needs it."""
+
+    id: str
+    name: str
+    job: str
+    started: datetime | None
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What a run does when its job's slot is taken, and the one line it logs (or fails with)."""
+
+    wait: bool
+    message: str
+
+
+def limit_name(job: str) -> str:
+    """The global concurrency limit that admits one flow run of `job`."""
+    return f"{LIMIT_PREFIX}{job}"
+
+
+def holder_of(runs: list[RunningRun], job: str, me: str) -> RunningRun | None:
+    """The run most likely holding the job's slot: the earliest-started other running run of the job
+    (later ones are waiting, as this one is)."""
+    others = [r for r in runs if r.job == job and r.id != me]
+    return min(others, key=lambda r: (r.started is None, r.started or datetime.min), default=None)
+
+
+def on_busy(job: str, policy: DuplicateRuns, holder: RunningRun | None) -> Busy:
+    """Wait or refuse, with the line that names the run in the way."""
+    where = (
+        f"flow run {holder.name} ({holder.id})"
+        if holder
+        else f"another flow run (no running run of it is listed: a dead holder's slot in {limit_name(job)} "
+        f"comes back within {LEASE_S + 15:.0f} s)"
+    )
+    if policy == "reject":
+        return Busy(False, f"job {job} is already running in {where}; refused (duplicate_runs: reject)")
+    return Busy(True, f"job {job} is already running in {where}; waiting")
+
+
+@contextmanager
+def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
+    """Hold the job's slot for the block. Yields None when held, or the refusal line under "reject".
+    Outside a flow run (plain `.fn()` use) there is no server to ask: a no-op."""
+    me = flow_run.get_id()
+    if me is None:
+        yield None
+        return
+    name = limit_name(job)
+    _create_if_missing(name)
+    with ExitStack() as held:
+        try:
+            held.enter_context(_hold(name, me, max_retries=0))
+        except ConcurrencySlotAcquisitionError as e:
+            if not _locked(e):
+                raise
+            busy = on_busy(job, policy, holder_of(_running_runs(), job, me))
+            get_run_logger().warning(busy.message)
+            if not busy.wait:
+                yield busy.message
+                return
+            held.enter_context(_hold(name, me, max_retries=None))  # the server says when to ask again
+            get_run_logger().info("job %s: the slot is free, starting", job)
+        yield None
+
+
+def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
+    """Decorate a flow function taking `job` (a JobSpec) and `policy` (a RetryPolicy): its body runs
+    holding the job's slot; a refused run ends Failed with the line naming the running one, before the
+    body records anything."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> State:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        job, policy = bound.arguments["job"], bound.arguments["policy"]
+        with job_slot(job.name, policy.duplicate_runs) as refused:
+            return Failed(message=refused) if refused else fn(*args, **kwargs)
+
+    return guarded
+
+
+def _hold(name: str, me: str, max_retries: int | None) -> Any:
+    return concurrency(
+        name,
+        max_retries=max_retries,
+        lease_duration=LEASE_S,
+        strict=True,  # a missing limit must not pass as "no limit": it was just created
+        holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(me)),
+        # training goes on when the server is briefly unreachable: the storage lease still guards it
+        raise_on_lease_renewal_failure=False,
+    )
+
+
+def _locked(e: ConcurrencySlotAcquisitionError) -> bool:
+    cause = e.__cause__
+    return isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423
+
+
+def _create_if_missing(name: str) -> None:
+    # an existing limit is kept as it is: an operator may have set it to 0 to pause the job
+    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+
+def _running_runs() -> list[RunningRun]:
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+            flow_run_filter=FlowRunFilter(state=running),
+        )
+    return [
+        RunningRun(str(r.id), r.name, str((r.parameters.get("job") or {}).get("name", "")), r.start_time)
+        for r in runs
+    ]

@@ -1,0 +1,94 @@
+"""Table tests of the one-run-per-job guard's decisions and of the worker restart backoff."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from prefect import flow
+from prefect.states import Completed, State
+
+from deployments.worker import RestartBackoff
+from tasks.job_slot import RunningRun, holder_of, job_slot, limit_name, on_busy, one_run_per_job
+from tasks.policy import RetryPolicy
+from trainer.spec import JobSpec
+
+
+@flow
+@one_run_per_job
+def guarded(job: JobSpec, note: str = "", policy: RetryPolicy = RetryPolicy()) -> State:  # noqa: B008
+    return Completed(message=f"{job.name} {note} {policy.duplicate_runs}")
+
+
+def run(id_: str, job: str, minute: int | None) -> RunningRun:
+    started = None if minute is None else datetime(2026, 1, 1, 3, minute, tzinfo=UTC)
+    return RunningRun(id_, f"run-{id_}", job, started)
+
+
+@pytest.mark.parametrize(
+    ("runs", "holder"),
+    [
+        ([], None),
+        ([run("me", "a", 0)], None),  # only itself
+        ([run("x", "b", 0)], None),  # another job
+        ([run("me", "a", 0), run("x", "a", 5)], "x"),
+        ([run("y", "a", 9), run("x", "a", 5), run("me", "a", 7)], "x"),  # the earliest: later ones wait
+        ([run("y", "a", None), run("x", "a", 5)], "x"),  # not started yet: not the holder
+        ([run("y", "a", None)], "y"),
+    ],
+)
+def test_holder_is_the_earliest_other_running_run_of_the_job(
+    runs: list[RunningRun], holder: str | None
+) -> None:
+    found = holder_of(runs, "a", "me")
+    assert (found.id if found else None) == holder
+
+
+@pytest.mark.parametrize(
+    ("policy", "holder", "wait", "says"),
+    [
+        ("wait", run("x", "a", 0), True, "job a is already running in flow run run-x (x); waiting"),
+        ("reject", run("x", "a", 0), False, "job a is already running in flow run run-x (x); refused"),
+        ("wait", None, True, "spotrun-job:a comes back within 75 s); waiting"),
+        ("reject", None, False, "no running run of it is listed"),
+    ],
+)
+def test_busy_policy(policy: str, holder: RunningRun | None, wait: bool, says: str) -> None:
+    busy = on_busy("a", policy, holder)  # type: ignore[arg-type]
+    assert busy.wait is wait and says in busy.message
+    assert "\n" not in busy.message
+
+
+def test_limit_name_and_policy_default() -> None:
+    assert limit_name("charlm-nightly") == "spotrun-job:charlm-nightly"
+    assert RetryPolicy().duplicate_runs == "wait"
+    with pytest.raises(ValueError, match="duplicate_runs"):
+        RetryPolicy.model_validate({"duplicate_runs": "queue"})
+
+
+def test_guard_is_a_no_op_outside_a_flow_run() -> None:
+    with job_slot("a", "reject") as refused:
+        assert refused is None
+
+
+def test_a_guarded_flow_keeps_its_parameters_and_runs_as_fn() -> None:
+    assert list(guarded.parameters.properties) == ["job", "note", "policy"]
+    assert "duplicate_runs" in str(guarded.parameters.definitions)
+    spec = JobSpec.model_validate({"name": "a", "recipe": "digits", "total_steps": 10, "storage": "/tmp/x"})
+    state = guarded.fn(spec, "n", policy=RetryPolicy(duplicate_runs="reject"))
+    assert state.message == "a n reject"
+
+
+@pytest.mark.parametrize(
+    ("uptimes", "delays"),
+    [
+        ([0], [1]),
+        ([0, 0, 0, 0], [1, 2, 4, 8]),
+        ([0] * 9, [1, 2, 4, 8, 16, 32, 60, 60, 60]),  # dying in a loop: retried at the cap, forever
+        ([0, 0, 0, 400, 0], [1, 2, 4, 1, 2]),  # up 400 s (stable): the sequence starts again
+        ([0, 0, 299], [1, 2, 4]),
+    ],
+)
+def test_restart_backoff(uptimes: list[float], delays: list[float]) -> None:
+    backoff = RestartBackoff()
+    assert [backoff.next_delay(u) for u in uptimes] == delays
