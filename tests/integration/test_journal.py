@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -177,6 +178,14 @@ def test_op_lines_round_trip_and_reject_strangers() -> None:
 # -- the journal file -------------------------------------------------------------------------------
 
 
+def collect(into: list[Op]) -> Callable[[Op], bool]:
+    def apply(op: Op) -> bool:
+        into.append(op)
+        return True
+
+    return apply
+
+
 def test_journal_skips_a_cut_line_and_the_next_append_starts_fresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -188,7 +197,7 @@ def test_journal_skips_a_cut_line_and_the_next_append_starts_fresh(
     assert len(journal) == 2
     assert "skipped line 2" in caplog.text
     seen: list[Op] = []
-    assert journal.replay(lambda op: seen.append(op) is None)
+    assert journal.replay(collect(seen))
     assert seen == [START, ALERT]
     assert journal.path.stat().st_size == 0 and len(journal) == 0
 
@@ -199,7 +208,7 @@ def test_journal_replay_stops_and_keeps_the_rest_in_order(tmp_path: Path) -> Non
         journal.append(op)
     assert not journal.replay(lambda op: op != ATTEMPT)  # "down" at the attempt
     kept: list[Op] = []
-    assert journal.replay(lambda op: kept.append(op) is None)
+    assert journal.replay(collect(kept))
     assert kept == [ATTEMPT, FINISH]
 
 
