@@ -16,28 +16,44 @@ from prefect.states import Completed, Failed, State
 
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.checkpoints import select_checkpoint, validate_checkpoints
+from tasks.checkpoints import check_checkpoints
+from tasks.endings import record_ending
+from tasks.job_slot import one_run_per_job
 from tasks.policy import RetryPolicy, decide
 from tasks.providers import ProviderConfig
 from tasks.providers.base import ProvisionError
 from tasks.providers.local import LocalProviderConfig
 from tasks.runlog import JobRunLog
 from tasks.settings import Settings
-from tasks.workers import provision_worker, release_worker, train_on_worker
+from tasks.workers import provision_worker, train_on_worker
 from trainer.spec import JobSpec
 
 
-@flow(name="resilient-training", description="Train a job on spot workers until it is done or out of budget.")
+@flow(
+    name="resilient-training",
+    description="Train a job on spot workers until it is done or out of budget.",
+    on_cancellation=[record_ending],  # backups: the `except` below records the ending first
+    on_crashed=[record_ending],
+)
+@one_run_per_job  # a second run of a running job waits or is refused (policy.duplicate_runs)
 def resilient_training(
     job: JobSpec,
     provider: ProviderConfig = LocalProviderConfig(),  # noqa: B008 (pydantic default: the UI form)
     policy: RetryPolicy = RetryPolicy(),  # noqa: B008
 ) -> State:
-    logger = get_run_logger()
     settings = Settings.from_env()
     runlog = JobRunLog.start(
         settings, job, provider_name=provider.kind, flow_run_id=str(flow_run.get_id() or "")
     )
+    try:
+        return _train(job, provider, policy, runlog)
+    except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
+        runlog.interrupted(e)
+        raise
+
+
+def _train(job: JobSpec, provider: ProviderConfig, policy: RetryPolicy, runlog: JobRunLog) -> State:
+    logger = get_run_logger()
     workers = runlog.provider(provider)
     rng = random.Random(job.seed)
     started = time.time()
@@ -51,16 +67,15 @@ def resilient_training(
         except ProvisionError as e:
             record = runlog.provision_failed(attempt, e, t0)
         else:
+            runlog.in_flight = worker
             try:
                 result = train_on_worker(workers, worker, job, progress)
             finally:
-                release_worker(workers, worker)  # also on cancellation and crashes of this flow
+                workers.release(worker)  # plain call: also while this flow is being cancelled
             record = runlog.classify(worker, result)
         if record.outcome is not Outcome.COMPLETED:
-            reports = validate_checkpoints(job, runlog.cache)
-            point = select_checkpoint(reports, job)
-            runlog.resumed(point)
-        runlog.record(record)
+            runlog.resumed(check_checkpoints(job, runlog.cache))  # integrity only; the trainer decides
+        runlog.record(record)  # clears in_flight
         decision = decide(runlog.records, policy, rng)
         logger.info("attempt %d: %s (%s) -> %s %s", attempt, record.outcome, record.cause, decision.action,
                     decision.reason)  # fmt: skip
@@ -86,6 +101,7 @@ def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object
         "step": record.last_step,
         # strings, never None: the alert automation renders these into deployment parameters
         "checkpoint": runlog.resume_uri or "",
+        "rejected": "; ".join(f"step {s}: {why}" for s, why in record.extra.get("rejected", []))[:1000],
         "lost_steps": record.lost_steps,
         "error": record.error[:300],
         "flow_run_id": runlog.flow_run_id,

@@ -16,6 +16,7 @@ class Outcome(StrEnum):
     CRASHED = "crashed"  # non-zero exit or signal without a notice: bug, OOM, NaN, storage
     LOST = "lost"  # no heartbeat for the configured time; the worker was killed
     PROVISION_FAILED = "provision_failed"  # no worker could be started
+    CANCELLED = "cancelled"  # the controller stopped it: a cancel, Ctrl-C, or the controller's own end
 
 
 @dataclass

@@ -27,6 +27,8 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
     if completed:
         ended = f" (then {_how_ended(result)})" if result.exit_code != 0 else ""
         return Outcome.COMPLETED, f"completed at step {result.last_step}{ended}"
+    if result.stopped_by is not None:
+        return Outcome.CANCELLED, _stopped_cause(result)
     if result.lost:
         return Outcome.LOST, _lost_cause(result)
     if code in FATAL_CODES:
@@ -75,6 +77,23 @@ def _after_notice(result: WatchResult) -> str:
     if result.notice_kind == "spot-interruption":
         return f"spot notice, then the instance was reclaimed ({result.kill_reason}) after {lead}"
     return f"spot notice, then {_how_ended(result)} after {lead}"
+
+
+STOPPED_BY = {
+    "cancel": "flow run cancelled (or its worker shut down)",
+    "interrupt": "interrupted (Ctrl-C)",
+    "error": "the controller failed",
+}
+
+
+def _stopped_cause(result: WatchResult) -> str:
+    why = STOPPED_BY.get(result.stopped_by or "", result.stopped_by or "")
+    durable = result.last_durable_step
+    if result.kill_reason == "stop-grace":
+        return f"{why}; the trainer did not stop within the grace period (SIGKILL), durable step {durable}"
+    if result.trainer_code == ExitCode.PREEMPTED.name and durable == result.last_step:
+        return f"{why}; emergency checkpoint at step {durable}"
+    return f"{why}; {_how_ended(result)}, durable step {durable}"
 
 
 def _lost_cause(result: WatchResult) -> str:

@@ -6,6 +6,7 @@ The flow stays a short script by delegating all of this here; nothing in it deci
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,18 +15,24 @@ from typing import Any
 import yaml
 from prefect import get_run_logger
 
+from tasks import adoption
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import ResumePoint
+from tasks.endings import ending_for, flow_run_state
 from tasks.history import HistoryStore
+from tasks.history.models import JobRunRow
 from tasks.outcome import classify, provision_failed_record, to_record
 from tasks.providers import build_provider
+from tasks.providers.aws import AwsProvider
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
-from tasks.providers.local import LocalProviderConfig
+from tasks.providers.local import LocalProviderConfig, stop_cause
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
+from trainer.catalog import read_latest
 from trainer.ckpt_format import checkpoint_uri
+from trainer.heartbeat import read_heartbeat
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
@@ -74,21 +81,99 @@ class JobRunLog:
         self.dir = settings.job_dir(job.name)
         self.cache = self.dir / "flow-cache"
         self.spec_path = self.dir / "job.yaml"
+        self._in_flight: Worker | None = None
+        self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
 
     @classmethod
     def start(cls, settings: Settings, job: JobSpec, provider_name: str, flow_run_id: str) -> JobRunLog:
+        """Open the job run: a new one, or the job's running one whose controller died (adopted)."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
+        job_dir = settings.job_dir(job.name)
+        orphan = store.open_job_run(job.name)
+        if (
+            orphan is not None
+            and adoption.is_orphan(orphan, job.storage)
+            and orphan.flow_run_id != flow_run_id
+        ):
+            state = flow_run_state(orphan.flow_run_id or "")
+            if adoption.controller_gone(adoption.read_controller(job_dir), state):
+                log = cls(settings, job, store, orphan.id, flow_run_id)
+                log._adopt(orphan)
+                return log._opened()
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
         )
-        log = cls(settings, job, store, run_id, flow_run_id)
-        log.dir.mkdir(parents=True, exist_ok=True)
-        log.spec_path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-        return log
+        return cls(settings, job, store, run_id, flow_run_id)._opened()
+
+    def _opened(self) -> JobRunLog:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spec_path.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
+        adoption.write_controller(self.dir, self.job_run_id, self.flow_run_id)
+        return self
+
+    def _adopt(self, orphan: JobRunRow) -> None:
+        """Continue a job run whose controller died: its attempts, and a `lost` row for the one in flight."""
+        self.store.adopt_job_run(orphan.id, self.flow_run_id or None)
+        self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
+        self.leftover = adoption.read_worker(self.dir)
+        if self.leftover is not None and self.leftover.job_run_id != orphan.id:
+            self.leftover = None
+        storage = open_storage(self.job.storage, self.job.s3)
+        durable = read_latest(storage)
+        beat = read_heartbeat(storage, self.leftover.worker_id) if self.leftover is not None else None
+        last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
+        lost = adoption.lost_attempt(self.leftover, len(self.records) + 1, orphan.flow_run_id or "",
+                                     last_step, durable, time.time())  # fmt: skip
+        self.resume_step = durable
+        self.record(lost)
+        get_run_logger().warning(
+            "adopted job run %s of %s from dead flow run %s: attempt %d recorded as lost (controller died)",
+            orphan.id, self.job.name, orphan.flow_run_id, lost.attempt,
+        )  # fmt: skip
 
     def provider(self, cfg: LocalProviderConfig | AwsProviderConfig) -> Provider:
         self.provider_name = cfg.kind
-        return build_provider(cfg, self.dir / "workers", self.flow_run_id)
+        workers = build_provider(cfg, self.dir / "workers", self.flow_run_id)
+        left, self.leftover = self.leftover, None
+        if left is not None and left.process is not None:  # a local trainer the dead controller left
+            adoption.stop_local_worker(left.process)
+        elif left is not None and isinstance(workers, AwsProvider):
+            workers.stop_leftover(left.worker_id)
+        return workers
+
+    @property
+    def in_flight(self) -> Worker | None:
+        """The worker of the attempt in progress (recorded in worker.json for a controller that adopts)."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, worker: Worker | None) -> None:
+        self._in_flight = worker
+        if worker is not None:
+            adoption.write_worker(self.dir, self.job_run_id, self.flow_run_id, worker)
+        else:
+            adoption.clear_worker(self.dir)
+
+    def interrupted(self, error: BaseException) -> None:
+        """The flow is ending without returning (cancel, Ctrl-C, its own error): record the attempt in
+        flight (its worker was stopped gracefully by the provider) and the job run's final status."""
+        cancel_signal = type(error).__name__ == "TerminationSignal"
+        end = ending_for(error, flow_run_state(self.flow_run_id) if cancel_signal else None)
+        worker = self._in_flight
+        if worker is not None:
+            result = worker.result or WatchResult(started_at=worker.started_at)
+            result.stopped_by = result.stopped_by or stop_cause(error)
+            result.ended_at = result.ended_at or time.time()
+            try:
+                self.record(self.classify(worker, result))
+            except Exception as e:  # teardown: the job run status below matters more
+                logging.getLogger(__name__).warning("could not record the interrupted attempt: %s", e)
+        self.store.finish_job_run(self.job_run_id, end.status, end.message)
+        if not self.store.flush(timeout_s=5):
+            logging.getLogger(__name__).warning(
+                "history database unavailable: %d record(s) kept in the journal", self.store.pending
+            )
+        (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
@@ -124,7 +209,12 @@ class JobRunLog:
             record.lost_steps = record.last_step
         self.records.append(record)
         self.store.record_attempt(self.job_run_id, record)
-        report.attempts_table(self.job.name, self.records)
+        if self._in_flight is not None and self._in_flight.attempt == record.attempt:
+            self.in_flight = None
+        try:
+            report.attempts_table(self.job.name, self.records)
+        except Exception as e:  # an artifact is a view; the row above is the record
+            logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
 
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
         timeline = self._timeline()
@@ -134,6 +224,7 @@ class JobRunLog:
         report.publish_summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
                                                                       wall_s, timeline))  # fmt: skip
         self.store.finish_job_run(self.job_run_id, status, message)
+        (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
         if not self.store.flush(timeout_s=10):
             get_run_logger().warning(
                 "history database still unavailable: %d record(s) not written", self.store.pending

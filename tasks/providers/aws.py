@@ -171,6 +171,16 @@ class AwsProvider:
                 return
             raise RuntimeError(f"could not terminate {state.instance_id}: {e}; terminate it by hand") from e
 
+    def stop_leftover(self, instance_id: str) -> None:
+        """Terminate an instance a dead controller left running (a new controller adopts its job): its
+        trainer gets the OS's SIGTERM at shutdown, and the lease lets the next trainer take over."""
+        try:
+            self.ec2.terminate_instances(InstanceIds=[instance_id])
+            log.warning("terminated %s, left running by a controller that died", instance_id)
+        except BOTO_ERRORS as e:
+            if error_code(e) != "InvalidInstanceID.NotFound":
+                log.warning("could not terminate leftover %s: %s (the sweeper will retry)", instance_id, e)
+
     def cost(self, worker: Worker, ended_at: float | None = None) -> Cost:
         """The attempt's cost so far (or up to `ended_at`)."""
         return attempt_cost(worker.handle, ended_at if ended_at is not None else time.time())

@@ -43,6 +43,9 @@ class Worker:
     attempt: int
     started_at: float  # epoch seconds the trainer process was started
     handle: Any = field(default=None, repr=False, compare=False)  # the provider's own state
+    # What the provider has seen so far; final once `watch` returned or was interrupted (a cancel or
+    # Ctrl-C in the controller: the provider stops the trainer gracefully, then re-raises).
+    result: WatchResult | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class WatchResult:
     lost: bool = False  # the heartbeat (or startup) timeout was hit and the worker killed
     silent_s: float | None = None  # with `lost`: seconds without a line (or without `started`)
     log_tail: str = ""  # the last lines of stdout and stderr, status lines excluded
+    stopped_by: str | None = None  # the controller stopped the worker: "cancel", "interrupt", "error"
 
     def fold(self, kind: str, rec: dict[str, Any]) -> None:
         """Take one trainer status record: the last of each kind, the highest step and durable step."""
@@ -83,6 +87,14 @@ class WatchResult:
         """The checkpoint step the trainer started from (None: scratch or never started)."""
         step = self.status.get("started", {}).get("resumed_from")
         return int(step) if step is not None else None
+
+    @property
+    def rejected(self) -> list[tuple[int, str]]:
+        """(step, reason) of each checkpoint the trainer passed over when it chose where to resume."""
+        entries = self.status.get("started", {}).get("rejected") or []
+        return [
+            (int(e["step"]), str(e.get("reason", ""))) for e in entries if isinstance(e, dict) and "step" in e
+        ]
 
     @property
     def start_step(self) -> int:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
 from trainer.status import parse_status_line
+from trainer.storage.base import local_dir_name
 
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
@@ -118,6 +119,13 @@ class LocalProviderConfig(BaseModel):
         ge=0,
         description="seconds between a simulated notice (SIGTERM) and the hard kill (AWS gives 120)",
     )
+    stop_grace_s: float = Field(
+        default=20,
+        ge=0,
+        description="when the flow run is cancelled or interrupted (Ctrl-C): seconds the trainer gets after "
+        "its SIGTERM to take an emergency checkpoint before SIGKILL; keep it under the 30 s a Prefect worker "
+        "waits before it kills the flow process",
+    )
     keep_cache: bool = Field(
         default=True,
         description="reuse the local checkpoint cache across attempts; false rehearses a fresh machine "
@@ -164,21 +172,24 @@ class LocalProvider:
 
     name = "local"
 
-    def __init__(self, cfg: LocalProviderConfig | None = None) -> None:
+    def __init__(self, cfg: LocalProviderConfig | None = None, flow_run_id: str | None = None) -> None:
         self.cfg = cfg or LocalProviderConfig()
+        self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
 
     def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
         """Start the trainer for `attempt`; returns once the process exists (training starts later)."""
         if not spec_path.is_file():
             raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
-        work = Path(self.cfg.workdir or ".spotrun/local").resolve() / job.name
+        # Keyed by storage too: two jobs sharing a name must not share a cache. No --worker-id: the
+        # trainer's default lease holder is `local-<pid>`, this worker's id, and a heartbeat is not needed.
+        work = worker_dir(Path(self.cfg.workdir or ".spotrun/local"), job)
         cache = work / "cache" if self.cfg.keep_cache else work / f"attempt-{attempt}" / "cache"
         cmd = [self.cfg.python, "-m", "trainer", "--config", str(spec_path.resolve())]
         cmd += ["--storage", job.storage, "--cache", str(cache), "--metrics", str(work / "metrics.jsonl")]
         cmd += extra_args
         work.mkdir(parents=True, exist_ok=True)
         try:
-            proc = _spawn(cmd, _child_env())
+            proc = _spawn(cmd, _child_env(self.flow_run_id))
         except (OSError, subprocess.SubprocessError) as e:
             raise ProvisionError(f"cannot start {shlex.join(cmd[:3])}: {e}", retryable=False) from e
         handle = _Handle(proc, queue.Queue(), [], time.monotonic())
@@ -241,11 +252,39 @@ class _Watch:
 
     def run(self) -> WatchResult:
         proc = self.h.proc
-        while not _exited(proc):
-            self._drain(TICK_S)
-            now = time.monotonic()
-            self._simulate(now)
-            self._check_heartbeat(now)
+        self.worker.result = self.result
+        try:
+            while not _exited(proc):
+                self._drain(TICK_S)
+                now = time.monotonic()
+                self._simulate(now)
+                self._check_heartbeat(now)
+        except BaseException as e:  # a cancel (Prefect's TerminationSignal), Ctrl-C, or a callback's error
+            self._stop_gracefully(stop_cause(e))
+            raise
+        return self._reap()
+
+    def _stop_gracefully(self, cause: str) -> None:
+        """The controller is going away: SIGTERM the trainer (its emergency-checkpoint path), keep reading
+        its lines for up to `stop_grace_s`, then SIGKILL what is left; the result stays on the worker."""
+        self.result.stopped_by = cause
+        self.on_status = self.on_log = None  # the flow is being torn down: only fold records from here on
+        if not _exited(self.h.proc):
+            log.warning("%s: stopping the trainer (SIGTERM, %.0f s grace): %s", self.worker.id,
+                        self.cfg.stop_grace_s, cause)  # fmt: skip
+            _signal_group(self.h.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.stop_grace_s
+            try:
+                while not _exited(self.h.proc) and time.monotonic() < deadline:
+                    self._drain(TICK_S)
+            except BaseException:  # a second Ctrl-C or SIGTERM: no more grace
+                log.warning("%s: second interrupt; killing the trainer now", self.worker.id)
+        if not _exited(self.h.proc):
+            self._kill("stop-grace")
+        self._reap()
+
+    def _reap(self) -> WatchResult:
+        proc = self.h.proc
         self.result.ended_at = time.time()
         _kill_leftovers(proc)  # before reaping: a zombie leader keeps its pid (and session id) from reuse
         rc = proc.wait()
@@ -343,6 +382,15 @@ class _Watch:
         return r
 
 
+def stop_cause(e: BaseException) -> str:
+    """Why the controller stopped a worker, from what interrupted its watch."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupt"
+    if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge: a cancel or a worker shutdown
+        return "cancel"
+    return "error"
+
+
 def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None:
     try:
         for line in pipe:
@@ -385,12 +433,18 @@ def _kill_leftovers(proc: subprocess.Popen[str]) -> None:
                 continue
 
 
-def _child_env() -> dict[str, str]:
+def worker_dir(workdir: Path, job: JobSpec) -> Path:
+    """Where a job's local workers keep their cache and metrics.jsonl under `workdir`."""
+    return workdir.resolve() / local_dir_name(job.name, job.storage)
+
+
+def _child_env(flow_run_id: str | None = None) -> dict[str, str]:
     """The flow's environment, this project on PYTHONPATH, unbuffered output (lines are heartbeats)."""
     spec = importlib.util.find_spec("trainer")
     root = str(Path(spec.origin).resolve().parents[1]) if spec and spec.origin else os.getcwd()
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    run = {"SPOTRUN_FLOW_RUN_ID": flow_run_id} if flow_run_id else {}
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
 
 
 _T = TypeVar("_T")

@@ -261,3 +261,49 @@ def test_worker_dies_with_the_process_that_started_it(tmp_path: Path, python: st
     assert _wait_gone(pid), f"worker {pid} outlived its parent"
     if python == "silent":  # the data-loader-like grandchild is only reached by the session kill...
         os.kill(grandchild, signal.SIGKILL)  # ...which a SIGKILLed parent cannot run: clean up after it
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_watch_stops_the_trainer_gracefully(
+    tmp_path: Path, interruption: type[BaseException]
+) -> None:
+    """Ctrl-C (or a cancel, or a bug in a callback) in the controller while it watches: the trainer gets
+    SIGTERM, takes its emergency checkpoint at the step it stopped at, and the partial result stays on
+    the worker for the flow to record: a cancelled attempt that lost nothing."""
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path, stop_grace_s=60)
+    worker = provider.provision(job, 1, spec, [])
+
+    def on_status(rec: dict[str, Any]) -> None:
+        if rec["kind"] == "step" and rec["step"] >= 20:
+            raise interruption("stop")
+
+    with pytest.raises(interruption):
+        provider.watch(worker, on_status, None)
+    provider.release(worker)  # as the flow's `finally` does: nothing left to do
+    result = worker.result
+    assert result is not None and result.ended_at > 0
+    assert result.stopped_by == ("interrupt" if interruption is KeyboardInterrupt else "error")
+    assert result.trainer_code == "PREEMPTED" and result.killed_at is None
+    assert result.status["stopping"]["reason"] == "SIGTERM"
+    assert result.last_durable_step == result.last_step >= 20  # the emergency checkpoint: 0 lost steps
+    outcome, cause = classify(result, False)
+    assert outcome is Outcome.CANCELLED and f"emergency checkpoint at step {result.last_step}" in cause
+    assert to_record(worker, result, outcome, cause).lost_steps == 0
+    assert _gone(worker.handle.proc.pid)
+
+
+def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path, **LONG)
+    provider = _provider(tmp_path, stop_grace_s=0.5)
+    worker = provider.provision(job, 1, spec, ["--inject-fault", "hang@1"])
+
+    def on_status(rec: dict[str, Any]) -> None:
+        if rec["kind"] == "started":  # it hangs after step 1, before it looks at its stop request
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        provider.watch(worker, on_status, None)
+    result = worker.result
+    assert result is not None and result.kill_reason == "stop-grace" and result.signal == signal.SIGKILL
+    assert classify(result, False)[0] is Outcome.CANCELLED

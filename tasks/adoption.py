@@ -1,0 +1,223 @@
+"""A new controller adopts a job whose controller died: same job run, the lost attempt closed, no leftovers.
+
+The controller (the flow process) is as mortal as its workers. When it dies outright (host loss, SIGKILL)
+it records nothing: its job run stays `running` and its last attempt has no row. The next flow run of
+the job (started by the crashed-run automation, a schedule or a person) adopts it:
+
+    orphan = the job's newest job run still `running`, same storage, whose controller is gone
+    -> stop the worker the dead controller left (local: the pid in worker.json; EC2: that instance)
+    -> close its attempt as `lost (controller died)`, with the steps the trainer reached (its heartbeat)
+    -> continue the job run: attempt numbers, budgets and history go on where they stopped
+
+"Gone" is decided by `controller_gone` (a pure function): on this host, a controller whose process no
+longer exists is gone at once; elsewhere, Prefect's word that its flow run is final (Crashed by the
+zombie automation) is needed. A live controller is never adopted: two controllers would double-train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.history.models import AttemptRow, JobRunRow, JobStatus
+from tasks.providers.base import Worker
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_FILE = "controller.json"
+WORKER_FILE = "worker.json"
+LIVE_STATES = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A process on a host, robust to pid reuse (the kernel's start time of the pid is part of it)."""
+
+    host: str
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef:
+        return cls(socket.gethostname(), pid, _start_ticks(pid))
+
+    def alive_here(self) -> bool | None:
+        """True/False on this host; None when the process ran elsewhere (cannot tell from here)."""
+        if self.host != socket.gethostname():
+            return None
+        ticks = _start_ticks(self.pid)
+        return ticks is not None and (self.start_ticks is None or ticks == self.start_ticks)
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    """Who controls a job run right now: written by each controller when it starts (or adopts)."""
+
+    job_run_id: str
+    flow_run_id: str
+    process: ProcessRef
+    started_at: float
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The worker a controller is watching: written at provision, removed once the attempt is recorded."""
+
+    job_run_id: str
+    flow_run_id: str
+    worker_id: str
+    provider: str
+    attempt: int
+    started_at: float
+    process: ProcessRef | None  # local workers
+
+
+def controller_gone(info: ControllerInfo | None, flow_state: str | None) -> bool:
+    """Whether the controller of an orphan-looking job run is dead. Same host: the process decides at once.
+    Elsewhere (or no file): only a final flow-run state does; an unknown state is not proof of death."""
+    if info is not None:
+        here = info.process.alive_here()
+        if here is not None:
+            return not here
+    return flow_state is not None and flow_state not in LIVE_STATES
+
+
+def write_controller(job_dir: Path, job_run_id: str, flow_run_id: str) -> None:
+    info = ControllerInfo(job_run_id, flow_run_id, ProcessRef.of(os.getpid()), time.time())
+    _write_json(job_dir / CONTROLLER_FILE, asdict(info))
+
+
+def read_controller(job_dir: Path) -> ControllerInfo | None:
+    d = _read_json(job_dir / CONTROLLER_FILE)
+    if d is None:
+        return None
+    try:
+        return ControllerInfo(d["job_run_id"], d["flow_run_id"], ProcessRef(**d["process"]), d["started_at"])
+    except (KeyError, TypeError):
+        return None
+
+
+def write_worker(job_dir: Path, job_run_id: str, flow_run_id: str, worker: Worker) -> None:
+    proc = getattr(worker.handle, "proc", None)
+    ref = ProcessRef.of(proc.pid) if proc is not None else None
+    info = WorkerInfo(
+        job_run_id, flow_run_id, worker.id, worker.provider, worker.attempt, worker.started_at, ref
+    )
+    _write_json(job_dir / WORKER_FILE, asdict(info))
+
+
+def clear_worker(job_dir: Path) -> None:
+    (job_dir / WORKER_FILE).unlink(missing_ok=True)
+
+
+def read_worker(job_dir: Path) -> WorkerInfo | None:
+    d = _read_json(job_dir / WORKER_FILE)
+    if d is None:
+        return None
+    try:
+        ref = ProcessRef(**d["process"]) if d.get("process") else None
+        return WorkerInfo(**{**d, "process": ref})
+    except TypeError:
+        return None
+
+
+def stop_local_worker(ref: ProcessRef, grace_s: float = STOP_GRACE_S) -> bool:
+    """SIGTERM a leftover local trainer's process group (its emergency checkpoint), SIGKILL after `grace_s`.
+    False when it is not running here (gone, or on another host)."""
+    if ref.alive_here() is not True:
+        return False
+    log.warning("stopping the trainer (pid %d) left by the dead controller", ref.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(ref.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while ref.alive_here() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if ref.alive_here():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(ref.pid, signal.SIGKILL)
+    return True
+
+
+def to_records(rows: list[AttemptRow]) -> list[AttemptRecord]:
+    """The attempts of an adopted job run, as the control loop keeps them (budgets count them)."""
+    names = [f.name for f in fields(AttemptRecord)]
+    return [AttemptRecord(**{n: getattr(r, n) for n in names}) for r in rows]
+
+
+def lost_attempt(
+    worker: WorkerInfo | None,
+    attempt: int,
+    dead_flow_run: str,
+    last_step: int,
+    durable_step: int | None,
+    now: float,
+) -> AttemptRecord:
+    """The row for the attempt the dead controller never recorded: lost, with the steps its trainer had
+    reached (from the trainer's own heartbeat in storage) beyond the newest durable checkpoint."""
+    started = worker.started_at if worker is not None else now
+    return AttemptRecord(
+        attempt=attempt,
+        worker_id=worker.worker_id if worker is not None else "",
+        provider=worker.provider if worker is not None else "",
+        started_at=started,
+        ended_at=now,
+        outcome=Outcome.LOST,
+        cause=f"controller died (flow run {dead_flow_run or 'unknown'}); adopted by a new flow run",
+        error="controller died",
+        last_step=last_step,
+        last_durable_step=durable_step,
+        lost_steps=max(0, last_step - (durable_step or 0)),
+        wall_s=max(0.0, now - started),
+        extra={"controller_died": True},
+    )
+
+
+def is_orphan(row: JobRunRow | None, storage_uri: str) -> bool:
+    """A job run is a candidate for adoption: still `running`, on the same storage."""
+    return row is not None and row.status is JobStatus.RUNNING and row.storage_uri == storage_uri
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None if no process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        if not os.path.isdir("/proc"):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                return 0
+            return 0
+        return None
+    try:
+        after_name = stat.rsplit(")", 1)[1].split()
+        return None if after_name[0] in ("Z", "X") else int(after_name[19])  # a zombie is dead
+    except (IndexError, ValueError):
+        return None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
