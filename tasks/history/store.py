@@ -326,8 +326,21 @@ class HistoryStore:
                     if not _unreachable(e):
                         raise
                     self._reason = _one_line(e)
-            self._journal.append(op)  # may have landed before the connection broke: replays check
+            self._keep(op)
             self._report_down()
+
+    def _keep(self, op: Op) -> None:
+        """Journal `op` (it may have landed before the connection broke: replays check)."""
+        try:
+            self._journal.append(op)
+        except OSError as e:  # a full or read-only disk must not stop training either: memory it is
+            log.error(
+                "history journal %s cannot be written (%s): waiting records kept in memory only",
+                self._journal.where,
+                _one_line(e),
+            )
+            self._journal = MemoryJournal()
+            self._journal.append(op)
 
     def _drain(self) -> bool:
         """Replay the journal in order (any process's writes); True when nothing waits any more."""

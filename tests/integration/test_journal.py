@@ -342,3 +342,19 @@ def test_adopting_the_job_run_of_a_dead_controller(db_url: str) -> None:
         store.finish_job_run(orphan, JobStatus.CRASHED, "controller died; recovery gave up")
         assert store.open_job_run("digits") is None
         assert store.job_runs()[-1].status is JobStatus.CRASHED
+
+
+def test_a_journal_that_cannot_be_written_falls_back_to_memory(
+    outage: Outage, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # the journal directory cannot be made
+    store = HistoryStore.open(outage.url, journal_dir=blocked, connect_timeout_s=2)
+    run = new_run(store)
+    store.record_attempt(run, record(1))
+    assert store.pending == 2 and store.journal == "memory"
+    assert "cannot be written" in caplog.text
+    outage.recover()
+    assert store.flush(timeout_s=10)
+    assert [r.attempt for r in store.attempts(job_run_id=run)] == [1]
+    store.close()
