@@ -139,7 +139,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print_report(deploy(rules, recovery=recovery), api.ui_url, args.json)
         worker = LocalWorker(settings.home / "worker.log", query_s=args.poll).start()
         try:
-            out.print(f"worker {worker.name} runs the pool's flow runs (log: {worker.log}); Ctrl-C stops it")
+            pid = worker.proc.pid if worker.proc else "?"
+            out.print(f"worker {worker.name} (pid {pid}) runs the pool's flow runs (log: {worker.log}); "
+                      "Ctrl-C stops it", markup=False)  # fmt: skip
             supervise(worker, stop, lambda line: out.print(line, markup=False))  # restarts it if it dies
         except KeyboardInterrupt:
             pass

@@ -127,6 +127,9 @@ def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
         with job_slot(job.name, policy.duplicate_runs) as refused:
             return Failed(message=refused) if refused else fn(*args, **kwargs)
 
+    # Resolved types, not the strings `from __future__ import annotations` leaves: Prefect validates
+    # parameters against the signature in the namespace of the function it was given, this module's.
+    guarded.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
     return guarded
 
 

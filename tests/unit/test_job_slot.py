@@ -77,6 +77,9 @@ def test_a_guarded_flow_keeps_its_parameters_and_runs_as_fn() -> None:
     spec = JobSpec.model_validate({"name": "a", "recipe": "digits", "total_steps": 10, "storage": "/tmp/x"})
     state = guarded.fn(spec, "n", policy=RetryPolicy(duplicate_runs="reject"))
     assert state.message == "a n reject"
+    # what a deployment run does first, resolving the annotations outside the flow's module
+    params = guarded.validate_parameters({"job": spec.model_dump(mode="json"), "policy": {"max_errors": 1}})
+    assert params["job"] == spec and params["policy"] == RetryPolicy(max_errors=1)
 
 
 @pytest.mark.parametrize(
