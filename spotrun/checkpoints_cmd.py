@@ -1,4 +1,8 @@
-"""`spotrun checkpoints list|verify`: what a storage root holds, and whether it is safe to resume from."""
+"""`spotrun checkpoints list|verify`: what a storage root holds, and whether it is safe to resume from.
+
+Both read through trainer.catalog.Catalog and build no model by default: integrity, content, and with
+--spec whether the checkpoints are this job's (its shape hash). `verify --structure` also builds the
+job's recipe on CPU (user code, a dataset) and checks keys, shapes and dtypes against it."""
 
 from __future__ import annotations
 
@@ -10,20 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
-
-from trainer.catalog import fetch, list_checkpoints, read_latest
-from trainer.ckpt_format import load_part, step_dir
-from trainer.errors import ConfigError
-from trainer.spec import JobSpec, S3Options, load_spec, parse_spec
-from trainer.storage import Storage, open_storage
-from trainer.validate import Expectation, Problem, read_manifest, validate_dir
-
-if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
-    pass
 
 from spotrun.console import (
     EXIT_FINDINGS,
@@ -32,6 +26,12 @@ from spotrun.console import (
     size_text,
     wide_console,
 )
+from trainer.catalog import Catalog
+from trainer.ckpt_format import load_part, step_dir
+from trainer.errors import ConfigError
+from trainer.spec import JobSpec, S3Options, load_spec, parse_spec
+from trainer.storage import open_storage
+from trainer.validate import Expectation, Problem, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +67,41 @@ class Row:
 
 
 class Expectations:
-    """The structure a checkpoint must have: from --spec when given, else from the spec it carries.
+    """What a checkpoint must match. By default only --spec's shape hash (another job's checkpoints are
+    reported first), built from nothing. With `structure`, the recipe's model and optimizer shapes: of
+    --spec's recipe, else of the spec each checkpoint carries, built on CPU once per shape hash."""
 
-    Built recipes are cached by shape hash: every checkpoint of one job shares one."""
-
-    def __init__(self, spec: JobSpec | None) -> None:
-        self.fixed = Expectation.for_spec(spec) if spec is not None else None
+    def __init__(self, spec: JobSpec | None, structure: bool = False) -> None:
+        self.spec, self.structure = spec, structure
         self._by_shape: dict[str, Expectation | None] = {}
 
     def for_dir(self, d: Path) -> Expectation | None:
-        if self.fixed is not None:
-            return self.fixed
-        spec = _embedded_spec(d)
+        if not self.structure:
+            return Expectation.of_shape(self.spec.shape_hash()) if self.spec is not None else None
+        spec = self.spec if self.spec is not None else _embedded_spec(d)
         if spec is None:
             return None
         key = spec.shape_hash()
         if key not in self._by_shape:
             try:
-                self._by_shape[key] = Expectation.for_spec(spec)
-            except ConfigError as e:  # e.g. a user recipe not importable here: check integrity only
+                self._by_shape[key] = recipe_expectation(spec)
+            except ConfigError as e:
+                if self.spec is not None:
+                    raise  # the user's own --spec: its recipe not building is the answer
                 log.info("not checking structure of %s against its recipe: %s", d.name, e)
-                self._by_shape[key] = None
+                self._by_shape[key] = None  # e.g. a user recipe not importable here: no structure check
         return self._by_shape[key]
+
+
+def recipe_expectation(spec: JobSpec) -> Expectation:
+    """Build the spec's recipe on CPU and read off its shapes (ConfigError if it cannot be built)."""
+    import torch
+
+    from trainer import recipes  # models, datasets: only `verify --structure` pays for them
+
+    ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
+    parts = recipes.build(spec.recipe, spec.args, ctx)
+    return Expectation.from_parts(parts.model, parts.optimizer, spec.shape_hash())
 
 
 def _embedded_spec(d: Path) -> JobSpec | None:
@@ -96,28 +109,29 @@ def _embedded_spec(d: Path) -> JobSpec | None:
     try:
         meta = load_part(d / "trainer.pt")["state"]
         return parse_spec(meta["spec"], source=f"{d.name}/trainer.pt")
-    except Exception:  # a damaged or foreign trainer.pt: validate_dir reports it; check without a recipe
+    except Exception:  # a damaged or foreign trainer.pt: validation reports it; check without a recipe
         return None
 
 
-def inspect_step(storage: Storage, step: int, cache: Path, expect: Expectations) -> list[Problem]:
-    """Fetch one committed checkpoint into `cache` and validate it."""
-    path = fetch(storage, step, cache)
-    return validate_dir(path, expect.for_dir(path))
+def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> list[Problem]:
+    """Fetch one committed checkpoint into the catalog's cache and validate it."""
+    _, problems = catalog.validate(step, expect.for_dir(catalog.fetch(step)))
+    return problems
 
 
-def list_rows(storage: Storage, cache: Path, expect: Expectations) -> list[Row]:
+def list_rows(catalog: Catalog, expect: Expectations) -> list[Row]:
     """Every step directory under the storage root, newest first, each validated when committed."""
-    latest = read_latest(storage)
+    latest = catalog.latest()
     rows = []
-    for step, listed in sorted(list_checkpoints(storage).items(), reverse=True):
-        row = Row(step, sum(listed.files.values()), listed.committed, step == latest)
-        if listed.committed:
+    for step, entry in sorted(catalog.list().items(), reverse=True):
+        row = Row(step, sum(entry.files.values()), entry.committed, step == latest)
+        if entry.committed:
             try:
-                row.problems = inspect_step(storage, step, cache, expect)
+                row.problems = inspect_step(catalog, step, expect)
             except FileNotFoundError:  # deleted by a running trainer's retention since the listing
                 continue
-            manifest, _ = read_manifest(cache / step_dir(step))
+            assert catalog.cache is not None
+            manifest, _ = read_manifest(catalog.cache / step_dir(step))
             row.metrics = manifest.metrics if manifest is not None else {}
         rows.append(row)
     return rows
@@ -125,28 +139,29 @@ def list_rows(storage: Storage, cache: Path, expect: Expectations) -> list[Row]:
 
 def cmd_checkpoints_list(args: argparse.Namespace) -> int:
     """`spotrun checkpoints list`: a table (or JSON) of every checkpoint and whether it is valid."""
-    with _checkpoint_context(args) as (storage, cache, expect):
-        rows = list_rows(storage, cache, expect)
+    with _checkpoint_context(args) as (catalog, expect):
+        rows = list_rows(catalog, expect)
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     else:
-        print_rows(storage.uri, rows)
+        print_rows(catalog.storage.uri, rows)
     return EXIT_OK
 
 
 def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
     """`spotrun checkpoints verify`: exit 0 only when the newest committed checkpoint is valid."""
-    with _checkpoint_context(args) as (storage, cache, expect):
-        listed = list_checkpoints(storage)
+    with _checkpoint_context(args) as (catalog, expect):
+        listed = catalog.list()
         committed = sorted((s for s, c in listed.items() if c.committed), reverse=True)
+        uri = catalog.storage.uri
         if not committed:
             partial = f" ({len(listed)} incomplete step directories)" if listed else ""
-            print(f"no committed checkpoint in {storage.uri}{partial}")
+            print(f"no committed checkpoint in {uri}{partial}")
             return EXIT_FINDINGS
         step = committed[0]
-        problems = inspect_step(storage, step, cache, expect)
+        problems = inspect_step(catalog, step, expect)
     if not problems:
-        print(f"step {step} in {storage.uri}: valid")
+        print(f"step {step} in {uri}: valid")
         return EXIT_OK
     for p in ranked(problems):
         print(f"step {step}: {p.kind}: {p}")
@@ -154,7 +169,7 @@ def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Storage, Path, Expectations]]:
+def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Catalog, Expectations]]:
     spec = load_spec(args.spec) if args.spec else None
     uri = args.uri or (spec.storage if spec is not None else None)
     if uri is None:
@@ -162,9 +177,9 @@ def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Storage, Pat
     s3 = spec.s3 if spec is not None else S3Options()
     updates = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region)) if v}
     storage = open_storage(uri, s3.model_copy(update=updates), create=False)
-    expect = Expectations(spec)
+    expect = Expectations(spec, structure=getattr(args, "structure", False))
     with tempfile.TemporaryDirectory(prefix="spotrun-ckpt-") as cache:
-        yield storage, Path(cache), expect
+        yield Catalog(storage, Path(cache)), expect
 
 
 def print_rows(uri: str, rows: list[Row]) -> None:
@@ -213,9 +228,16 @@ def add_checkpoints(sub: Subparsers) -> None:
         q.add_argument(
             "uri", nargs="?", help="directory, file:// URI or s3://bucket/prefix (default: the spec's)"
         )
-        q.add_argument("--spec", metavar="JOB.yaml", help="check structure against this job's recipe")
+        q.add_argument("--spec", metavar="JOB.yaml", help="refuse checkpoints of another job (shape hash)")
         q.add_argument("--endpoint-url", help="S3-compatible endpoint (credentials from the environment)")
         q.add_argument("--region", help="S3 region")
         if name == "list":
             q.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+        else:
+            q.add_argument(
+                "--structure",
+                action="store_true",
+                help="also build the recipe (--spec's, else the checkpoint's own) on CPU and check keys, "
+                "shapes and dtypes against it: runs the recipe's code",
+            )
         q.set_defaults(handler=handler)

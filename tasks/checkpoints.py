@@ -1,4 +1,12 @@
-"""Validate every checkpoint of a job and select the one to resume from (the trainer's own validator)."""
+"""The controller's integrity check of a job's checkpoints: quarantine what storage lost, estimate the
+resume point.
+
+The trainer is the one authority on where an attempt resumes (it validates against the model it
+built and reports its choice in its `started` record); the flow builds no recipe and runs no user
+code. What it still does, through storage only: hash every committed checkpoint against its manifest,
+quarantine the damaged ones (so no trainer resumes from an intact local copy of what storage lost),
+and estimate the step the next attempt will start from, for lost-steps accounting.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +16,17 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trainer.catalog import fetch, list_checkpoints, quarantine, select_newest_valid
+from trainer.catalog import Catalog, select_newest_valid
 from trainer.ckpt_format import checkpoint_uri
-from trainer.errors import ConfigError
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
-from trainer.validate import Expectation, validate_dir
+from trainer.validate import Problem
 
 
 @dataclass(frozen=True)
 class CheckpointReport:
     step: int
-    problems: tuple[str, ...]  # empty: valid
-    damaged: bool = False  # integrity/structure/content problems, as opposed to another job's checkpoint
+    problems: tuple[str, ...]  # empty: intact
 
     @property
     def valid(self) -> bool:
@@ -29,61 +35,51 @@ class CheckpointReport:
 
 @dataclass(frozen=True)
 class ResumePoint:
+    """The flow's estimate of where the next attempt starts; the trainer's `started` record is the fact."""
+
     step: int | None  # None: scratch
     uri: str | None
     rejected: tuple[tuple[int, str], ...]  # (step, reasons) of every newer checkpoint passed over
 
 
-def expectation_for(job: JobSpec) -> Expectation | None:
-    """The recipe's model and optimizer shapes, built on CPU; None when the recipe cannot be built here."""
-    try:
-        return Expectation.for_spec(job)
-    except ConfigError:
-        return None
-
-
 def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
-    """Every step directory under the job's storage, newest first, with the problems found."""
-    storage = open_storage(job.storage, job.s3)
-    expect = expectation_for(job)
+    """Every committed checkpoint under the job's storage, newest first, with its integrity problems."""
+    catalog = Catalog(open_storage(job.storage, job.s3), cache)
     reports = []
-    for step, listed in sorted(list_checkpoints(storage).items(), reverse=True):
-        if not listed.committed:
+    for step, entry in sorted(catalog.list().items(), reverse=True):
+        if not entry.committed:
             continue  # a partial write (or a quarantined checkpoint): never a candidate
-        problems = validate_dir(fetch(storage, step, cache), expect)
-        damaged = bool(problems) and all(p.kind != "compat" for p in problems)
-        reports.append(CheckpointReport(step, tuple(str(p) for p in problems), damaged))
+        try:
+            _, problems = catalog.validate(step, None, integrity_only=True, entry=entry)
+        except FileNotFoundError:
+            continue  # deleted by retention since the listing: not a candidate either
+        reports.append(CheckpointReport(step, tuple(str(p) for p in problems)))
     return reports
 
 
 def choose(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
-    """Newest valid checkpoint, cascading back; scratch if none (the trainer makes the same choice)."""
-    by_step = {r.step: r for r in reports}
-    sel = select_newest_valid(list(by_step), lambda s: (None, list(by_step[s].problems)))  # type: ignore[arg-type]
+    """Newest intact checkpoint, cascading back; scratch if none (the trainer's choice, barring structure)."""
+    by_step = {r.step: [Problem("integrity", None, p) for p in r.problems] for r in reports}
+    sel = select_newest_valid(list(by_step), lambda s: (None, by_step[s]))
     rejected = tuple((r.step, r.reason()) for r in sel.rejected)
     uri = checkpoint_uri(storage_uri, sel.step) if sel.step is not None else None
     return ResumePoint(sel.step, uri, rejected)
 
 
-@task(name="validate-checkpoints", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def validate_checkpoints(job: JobSpec, cache: Path) -> list[CheckpointReport]:
-    """Integrity, structure and content of every checkpoint under the job's storage."""
+@task(name="check-checkpoints", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def check_checkpoints(job: JobSpec, cache: Path) -> ResumePoint:
+    """Hash every committed checkpoint, quarantine the damaged ones, estimate the next resume point."""
     reports = validate_all(job, cache)
     log = get_run_logger()
-    for r in reports:
-        log.info("checkpoint step %d: %s", r.step, "valid" if r.valid else "; ".join(r.problems[:3]))
-    return reports
-
-
-@task(name="select-checkpoint", cache_policy=NO_CACHE)
-def select_checkpoint(reports: list[CheckpointReport], job: JobSpec) -> ResumePoint:
-    """Pick the newest valid checkpoint, quarantine the damaged newer ones, say why they were passed over."""
+    catalog = Catalog(open_storage(job.storage, job.s3))
+    damaged = [r for r in reports if not r.valid]
+    for r in damaged:  # the trainer must not resume from a local copy of what storage lost
+        reason = "; ".join(r.problems[:3])
+        log.warning("checkpoint step %d is damaged in storage, quarantined: %s", r.step, reason)
+        catalog.quarantine(r.step, reason)
     point = choose(reports, job.storage)
-    log = get_run_logger()
-    damaged = {r.step for r in reports if r.damaged}
-    for step, why in point.rejected:
-        log.warning("rejected checkpoint step %d: %s", step, why)
-        if step in damaged:  # the trainer must not resume from a local copy of what storage lost
-            quarantine(open_storage(job.storage, job.s3), step, why)
-    log.info("next attempt resumes from %s", point.uri or "scratch (no valid checkpoint)")
+    log.info(
+        "%d checkpoint(s) intact, %d quarantined; the next attempt likely resumes from %s",
+        len(reports) - len(damaged), len(damaged), point.uri or "scratch",
+    )  # fmt: skip
     return point

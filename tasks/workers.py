@@ -34,9 +34,10 @@ def train_on_worker(provider: Provider, worker: Worker, job: JobSpec, progress: 
         nonlocal last_update
         kind = rec.get("kind")
         if kind == "started":
-            log.info(
-                "training from %s", f"step {rec['resumed_from']}" if rec.get("resumed_from") else "scratch"
-            )
+            log.info("training from %s", rec.get("checkpoint") or rec.get("resumed_from") or "scratch")
+            rejected = rec.get("rejected")
+            for r in rejected if isinstance(rejected, list) else []:
+                log.warning("trainer passed over checkpoint step %s: %s", r.get("step"), r.get("reason"))
         elif kind == "durable":
             log.info("checkpoint step %s durable", rec.get("step"))
         elif kind == "stopping":

@@ -1,7 +1,7 @@
 """What checkpoints exist under a storage root, which one to resume from, and which to delete.
 
-Policy lives in pure functions (`select_newest_valid`, `plan_retention`) that tests drive with
-tables; the rest moves bytes.
+`Catalog` is the one home for reading and pruning the timeline. Policy lives in pure functions
+(`select_newest_valid`, `plan_retention`) that tests drive with tables; the rest moves bytes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from trainer.ckpt_format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from trainer.ckpt_format import LATEST, MANIFEST, Manifest, checkpoint_uri, parse_step_dir, step_dir
 from trainer.storage import Storage, get_bytes, put_bytes
 from trainer.validate import Expectation, Problem, validate_dir
 
@@ -89,6 +90,13 @@ def fetch(storage: Storage, step: int, cache: Path) -> Path:
     return dst
 
 
+MAX_REPORTED = 20  # rejections in one status line: the newest ones explain the choice
+REASON_CHARS = 300
+# Catalog.list shadows the builtin in its class body's annotations
+Steps = list[int]
+Problems = list[Problem]
+
+
 @dataclass(frozen=True)
 class Rejection:
     step: int
@@ -103,12 +111,17 @@ class Selection:
     step: int | None
     path: Path | None = None
     rejected: list[Rejection] = field(default_factory=list)
+    uri: str | None = None  # the chosen checkpoint's directory URI
 
     def describe(self, uri: str) -> str:
         rej = "".join(f"; rejected step {r.step}: {r.reason()}" for r in self.rejected)
         if self.step is None:
             return f"no valid checkpoint in {uri}, starting from scratch{rej}"
         return f"resuming from step {self.step} of {uri}{rej}"
+
+    def rejected_records(self, most: int = MAX_REPORTED) -> list[dict[str, Any]]:
+        """The rejections as the `started` status record carries them: newest first, reasons cut short."""
+        return [{"step": r.step, "reason": r.reason()[:REASON_CHARS]} for r in self.rejected[:most]]
 
 
 def select_newest_valid(
@@ -124,43 +137,107 @@ def select_newest_valid(
     return Selection(None, None, rejected)
 
 
-def find_resume_point(
-    storage: Storage, cache: Path, expect: Expectation | None, only_step: int | None = None
-) -> Selection:
-    """Newest valid checkpoint under `storage` (or exactly `only_step`), fetched into `cache`; records
-    why newer ones were rejected."""
-    listed = list_checkpoints(storage)
-    if only_step is not None:
-        listed = {only_step: listed[only_step]} if only_step in listed else {}
-
-    def check(step: int) -> tuple[Path | None, list[Problem]]:
-        if not listed[step].committed:
-            return None, [
-                Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")
-            ]
-        path = fetch(storage, step, cache)
-        return path, validate_dir(path, expect)
-
-    return select_newest_valid(list(listed), check)
-
-
 REJECTED = "REJECTED.json"
 
 
-def quarantine(storage: Storage, step: int, reasons: str) -> None:
-    """Take a damaged checkpoint out of the timeline without destroying the evidence: its manifest
-    moves into REJECTED.json (with the reasons), so no reader sees it as committed again (a trainer
-    with an intact local copy would otherwise resume from a step whose durable copy is broken).
-    Retention deletes it later, like any partial write older than the newest verified step."""
-    name = step_dir(step)
-    try:
-        manifest = get_bytes(storage, f"{name}/{MANIFEST}").decode(errors="replace")
-    except FileNotFoundError:
-        return
-    body = {"step": step, "reasons": reasons, "rejected_at": time.time(), "manifest": manifest}
-    put_bytes(storage, f"{name}/{REJECTED}", json.dumps(body).encode())
-    storage.delete([f"{name}/{MANIFEST}"])
-    log.warning("quarantined checkpoint step %d in %s: %s", step, storage.uri, reasons)
+class Catalog:
+    """The checkpoints under one storage root: list, validate, select, quarantine, retain.
+
+    The one place that reads the timeline: the trainer selects its resume point with it (the only
+    authority on resume), the flow checks integrity and quarantines with it, `spotrun checkpoints`
+    lists with it. `cache` is local disk for the copies `validate` hashes; only reads need it."""
+
+    def __init__(self, storage: Storage, cache: Path | None = None) -> None:
+        self.storage, self.cache = storage, cache
+
+    def list(self) -> dict[int, Listed]:
+        """Every step directory, committed or not."""
+        return list_checkpoints(self.storage)
+
+    def latest(self) -> int | None:
+        return read_latest(self.storage)
+
+    def uri(self, step: int) -> str:
+        return checkpoint_uri(self.storage.uri, step)
+
+    def fetch(self, step: int) -> Path:
+        """One committed checkpoint's files in the cache (an identical copy there is reused)."""
+        if self.cache is None:
+            raise ValueError("Catalog needs a cache directory to fetch into")
+        return fetch(self.storage, step, self.cache)
+
+    def validate(
+        self,
+        step: int,
+        expect: Expectation | None,
+        *,
+        integrity_only: bool = False,
+        entry: Listed | None = None,
+    ) -> tuple[Path | None, Problems]:
+        """Fetch one checkpoint into the cache and validate it: integrity alone, or with the content
+        checks and `expect` (structure, shape hash). `entry`: its listing, when the caller has one."""
+        entry = entry if entry is not None else self.list().get(step)
+        if entry is None:
+            return None, [Problem("integrity", None, "no such checkpoint")]
+        if not entry.committed:
+            return None, [self._uncommitted(entry)]
+        path = self.fetch(step)
+        return path, validate_dir(path, expect, integrity_only)
+
+    def select(
+        self, expect: Expectation | None, only_step: int | None = None, *, integrity_only: bool = False
+    ) -> Selection:
+        """The newest valid checkpoint (or exactly `only_step`), fetched, and why newer ones were refused."""
+        listed = self.list()
+        if only_step is not None:
+            listed = {only_step: listed[only_step]} if only_step in listed else {}
+        sel = select_newest_valid(
+            list(listed), lambda s: self.validate(s, expect, integrity_only=integrity_only, entry=listed[s])
+        )
+        sel.uri = self.uri(sel.step) if sel.step is not None else None
+        return sel
+
+    def quarantine(self, step: int, reasons: str) -> None:
+        """Take a damaged checkpoint out of the timeline without destroying the evidence: its manifest
+        moves into REJECTED.json (with the reasons), so no reader sees it as committed again (a trainer
+        with an intact local copy would otherwise resume from a step whose durable copy is broken).
+        Retention deletes it later, like any partial write older than the newest verified step."""
+        name = step_dir(step)
+        try:
+            manifest = get_bytes(self.storage, f"{name}/{MANIFEST}").decode(errors="replace")
+        except FileNotFoundError:
+            return
+        body = {"step": step, "reasons": reasons, "rejected_at": time.time(), "manifest": manifest}
+        put_bytes(self.storage, f"{name}/{REJECTED}", json.dumps(body).encode())
+        self.storage.delete([f"{name}/{MANIFEST}"])
+        log.warning("quarantined checkpoint step %d in %s: %s", step, self.storage.uri, reasons)
+
+    def retain(self, verified: int, keep: int, orphan_age_s: float = 3600.0) -> Steps:
+        """Delete what plan_retention says, manifest first (so a half-deleted one is never a checkpoint)."""
+        listed = self.list()
+        committed = [s for s, c in listed.items() if c.committed]
+        incomplete = [s for s, c in listed.items() if not c.committed]
+        doomed = plan_retention(committed, incomplete, verified, keep)
+        for step in doomed:
+            files = listed[step].files
+            name = step_dir(step)
+            if MANIFEST in files:
+                self.storage.delete([f"{name}/{MANIFEST}"])
+            self.storage.delete([f"{name}/{f}" for f in files if f != MANIFEST])
+        if doomed:
+            log.info("retention: deleted steps %s from %s", doomed, self.storage.uri)
+        self.storage.cleanup_incomplete(orphan_age_s)
+        return doomed
+
+    def _uncommitted(self, entry: Listed) -> Problem:
+        """Why a directory without a manifest is no checkpoint: quarantined (with the reasons), or partial."""
+        if REJECTED in entry.files:
+            try:
+                body = json.loads(get_bytes(self.storage, f"{step_dir(entry.step)}/{REJECTED}"))
+                return Problem("integrity", None, f"quarantined: {body['reasons']}")
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                pass  # deleted by retention since the listing, or unreadable: a partial write all the same
+        return Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")
 
 
 def plan_retention(committed: list[int], incomplete: list[int], verified: int, keep: int) -> list[int]:
@@ -178,21 +255,8 @@ def plan_retention(committed: list[int], incomplete: list[int], verified: int, k
 
 
 def apply_retention(storage: Storage, verified: int, keep: int, orphan_age_s: float = 3600.0) -> list[int]:
-    """Delete what plan_retention says, manifest first (so a half-deleted one is never a checkpoint)."""
-    listed = list_checkpoints(storage)
-    committed = [s for s, c in listed.items() if c.committed]
-    incomplete = [s for s, c in listed.items() if not c.committed]
-    doomed = plan_retention(committed, incomplete, verified, keep)
-    for step in doomed:
-        files = listed[step].files
-        name = step_dir(step)
-        if MANIFEST in files:
-            storage.delete([f"{name}/{MANIFEST}"])
-        storage.delete([f"{name}/{f}" for f in files if f != MANIFEST])
-    if doomed:
-        log.info("retention: deleted steps %s from %s", doomed, storage.uri)
-    storage.cleanup_incomplete(orphan_age_s)
-    return doomed
+    """Catalog(storage).retain(...), for the checkpointer's upload thread."""
+    return Catalog(storage).retain(verified, keep, orphan_age_s)
 
 
 def prune_local(cache: Path, keep_steps: set[int]) -> None:

@@ -95,7 +95,10 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     rng_state = run.restore(selection.path) if selection.path is not None else None
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
-    opts.reporter.emit("started", resumed_from=selection.step, step=run.step, total_steps=spec.total_steps)
+    opts.reporter.emit(
+        "started", resumed_from=selection.step, checkpoint=selection.uri,
+        rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
+    )  # fmt: skip
     code = run.train(end, rng_state)
     if code is ExitCode.COMPLETED:
         mark_completed(storage, spec, run.step)

@@ -1,4 +1,8 @@
-"""Where an attempt starts: the newest valid checkpoint, an explicit one, or scratch; and loading it."""
+"""Where an attempt starts: the newest valid checkpoint, an explicit one, or scratch; and loading it.
+
+The trainer is the one authority on the resume point: it validates against the model it built and
+reports its selection, with every checkpoint it passed over, in its `started` status record.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from trainer.catalog import Selection, find_resume_point, list_checkpoints, read_latest, read_marker_step
+from trainer.catalog import Catalog, Selection, read_marker_step
 from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.recipes import Parts
@@ -40,7 +44,7 @@ def durable_here(selection: Selection, source: ResumeSource | None) -> int | Non
 def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource | None) -> Selection:
     """Pick the checkpoint to resume from; refuse another job's checkpoints and unusable explicit ones."""
     source = src.storage if src is not None and src.storage is not None else storage
-    selection = find_resume_point(source, cache, expect, only_step=src.step if src else None)
+    selection = Catalog(source, cache).select(expect, only_step=src.step if src else None)
     for r in selection.rejected:
         compat = [p for p in r.problems if p.kind == "compat"]
         if compat:
@@ -50,7 +54,7 @@ def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource
             )
     if src is not None:
         _check_explicit_source(storage, source, src.step, selection)
-    latest = read_latest(storage)
+    latest = Catalog(storage).latest()
     if latest is not None and latest != selection.step and src is None:
         log.info("'latest' marker says step %d; newest valid is %s", latest, selection.step)
     return selection
@@ -65,7 +69,7 @@ def _check_explicit_source(storage: Storage, source: Storage, step: int, selecti
         )
     # Rolling back inside one storage would leave newer checkpoints of the abandoned timeline that a
     # later automatic resume would pick; they are committed work, so refuse rather than delete them.
-    newer = [s for s, c in list_checkpoints(storage).items() if c.committed and s > step]
+    newer = [s for s, c in Catalog(storage).list().items() if c.committed and s > step]
     if newer:
         raise ConfigError(
             f"--resume-from {step}: {storage.uri} holds newer checkpoints {sorted(newer)[:3]}; "

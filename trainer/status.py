@@ -1,7 +1,10 @@
 """Structured progress lines on stdout, for whoever supervises the trainer (the flow's provider).
 
 Each line is `@spotrun {json}`, flushed at once. Kinds:
-  started   {attempt_pid, resumed_from, total_steps}         training is about to take its first step
+  started   {resumed_from, checkpoint, step, total_steps,      training is about to take its first step,
+             rejected: [{step, reason}]}                       from the checkpoint the trainer chose (URI,
+                                                               or null: scratch) past the ones it refused,
+                                                               newest first: the one authority on resume
   step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   durable   {step}                                             a checkpoint was read back and verified
   notice    {cloud, action, stop, deadline}                    a cloud notice (a rebalance: stop false)

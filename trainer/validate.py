@@ -4,6 +4,9 @@ Three layers, cheapest first where it matters: integrity (sizes and SHA-256 agai
 torch.load and safetensors load flipped tensor bits silently, measured 148/148), structure (safe
 load; keys, shapes and dtypes against the recipe's model and optimizer), content (NaN/Inf, the same
 step in every part). Hashing runs in threads (hashlib releases the GIL) while the main thread loads.
+
+Nothing here builds a recipe: the trainer hands in an `Expectation` read off the model it built; a
+controller checks integrity alone (`check_integrity`) or the shape hash (`Expectation.of_shape`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch
 from safetensors import safe_open
 
 from trainer.ckpt_format import MANIFEST, MODEL_FILE, REQUIRED_FILES, Manifest, load_part, sha256_file
-from trainer.spec import JobSpec
 from trainer.state import iter_tensors
 
 Kind = Literal["integrity", "structure", "content", "compat"]
@@ -37,20 +39,17 @@ class Problem:
 
 @dataclass(frozen=True)
 class Expectation:
-    """What the running job's recipe says a checkpoint must contain."""
+    """What the running job says a checkpoint must contain. `model` and `param_shapes` come from a
+    built recipe (the trainer's); None skips the structure check and leaves the shape hash alone."""
 
-    model: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    param_shapes: list[tuple[int, ...]]
+    model: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+    param_shapes: list[tuple[int, ...]] | None = None
     shape_hash: str | None = None
 
     @classmethod
-    def for_spec(cls, spec: JobSpec) -> Expectation:
-        """Build the spec's recipe on CPU and read off its shapes (ConfigError if it cannot be built)."""
-        from trainer import recipes  # recipes import torch.nn models; validation alone does not need them
-
-        ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
-        parts = recipes.build(spec.recipe, spec.args, ctx)
-        return cls.from_parts(parts.model, parts.optimizer, spec.shape_hash())
+    def of_shape(cls, shape_hash: str) -> Expectation:
+        """Only JobSpec.shape_hash(): refuses another job's checkpoints without building a recipe."""
+        return cls(shape_hash=shape_hash)
 
     @classmethod
     def from_parts(
@@ -83,7 +82,12 @@ def read_manifest(d: Path) -> tuple[Manifest | None, list[Problem]]:
         return None, [Problem("integrity", MANIFEST, str(e))]
 
 
-def validate_dir(d: Path, expect: Expectation | None = None) -> list[Problem]:
+def check_integrity(d: Path) -> list[Problem]:
+    """The manifest, and every file's presence, size and SHA-256 against it; loads nothing."""
+    return validate_dir(d, None, integrity_only=True)
+
+
+def validate_dir(d: Path, expect: Expectation | None = None, integrity_only: bool = False) -> list[Problem]:
     """Validate one local checkpoint directory; an empty list means it is safe to resume from."""
     manifest, problems = read_manifest(d)
     if manifest is None:
@@ -95,7 +99,7 @@ def validate_dir(d: Path, expect: Expectation | None = None) -> list[Problem]:
         missing = [f for f in REQUIRED_FILES if f not in manifest.files]
         problems += [Problem("integrity", f, "file not listed in manifest") for f in missing]
         loaded: list[Problem] = []
-        if not missing:
+        if not missing and not integrity_only:
             loaded = _check_contents(d, manifest, expect)
         problems += _collect(hashes)
     # A file that fails its hash explains any load error it caused: report integrity alone then.
@@ -149,12 +153,13 @@ def _check_model(d: Path, step: int, expect: Expectation | None) -> list[Problem
             if meta.get("step") != str(step):
                 out.append(Problem("content", MODEL_FILE, f"step {meta.get('step')} != manifest step {step}"))
             keys = set(f.keys())
-            if expect is not None and keys != set(expect.model):
-                diff = sorted(keys ^ set(expect.model))[:3]
+            model = expect.model if expect is not None else None
+            if model is not None and keys != set(model):
+                diff = sorted(keys ^ set(model))[:3]
                 out.append(Problem("structure", MODEL_FILE, f"keys differ from the recipe's model: {diff}"))
             for k in sorted(keys):
                 t = f.get_tensor(k)
-                want = expect.model.get(k) if expect is not None else None
+                want = model.get(k) if model is not None else None
                 if want is not None and (tuple(t.shape), t.dtype) != want:
                     out.append(
                         Problem("structure", MODEL_FILE, f"{k}: {tuple(t.shape)} {t.dtype}, expected {want}")
@@ -171,17 +176,16 @@ def _check_optimizer(sd: Any, expect: Expectation | None) -> list[Problem]:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         return [Problem("structure", "optimizer.pt", "not an optimizer state_dict")]
     n_params = sum(len(g["params"]) for g in sd["param_groups"])
-    if expect is not None and n_params != len(expect.param_shapes):
-        out.append(
-            Problem("structure", "optimizer.pt", f"{n_params} params, recipe has {len(expect.param_shapes)}")
-        )
+    shapes = expect.param_shapes if expect is not None else None
+    if shapes is not None and n_params != len(shapes):
+        out.append(Problem("structure", "optimizer.pt", f"{n_params} params, recipe has {len(shapes)}"))
         return out
     for idx, st in sd["state"].items():
         for name, t in st.items():
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 continue
-            if expect is not None and tuple(t.shape) != expect.param_shapes[int(idx)]:
-                want = expect.param_shapes[int(idx)]
+            if shapes is not None and tuple(t.shape) != shapes[int(idx)]:
+                want = shapes[int(idx)]
                 out.append(
                     Problem("structure", "optimizer.pt", f"param {idx} {name}: {tuple(t.shape)} != {want}")
                 )

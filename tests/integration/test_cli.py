@@ -111,12 +111,26 @@ def test_a_different_jobs_spec_is_reported_first(
 ) -> None:
     other = write_spec(tmp_path / "other.yaml", total_steps=30, args={"hidden": 16})
     code, out, _ = run(capsys, "checkpoints", "verify", str(job[1]), "--spec", str(other))
+    assert code == 1  # the shape hash alone tells: no recipe built
+    assert out.startswith("step 30: compat: made by a job with different shape settings")
+    code, out, _ = run(capsys, "checkpoints", "verify", str(job[1]), "--spec", str(other), "--structure")
     assert code == 1
     lines = out.splitlines()
     assert lines[0].startswith("step 30: compat: made by a job with different shape settings")
     assert any("structure" in line and "model.safetensors" in line for line in lines[1:])
     rows = listed(capsys, str(job[1]), "--spec", str(other))
     assert not any(r["valid"] for r in rows)
+
+
+def test_list_builds_no_recipe_and_verify_structure_does(
+    capsys: pytest.CaptureFixture[str], job: tuple[Path, Path], tmp_path: Path
+) -> None:
+    broken = write_spec(tmp_path / "b.yaml", total_steps=30, args={"hidden": 32, "nonsense": 1})
+    rows = listed(capsys, str(job[1]), "--spec", str(broken))  # its recipe would not build: never tried
+    assert [r["valid"] for r in rows] == [False, False]
+    assert rows[0]["problems"][0]["kind"] == "compat"
+    code, _, err = run(capsys, "checkpoints", "verify", str(job[1]), "--spec", str(broken), "--structure")
+    assert_one_line_error(code, err, "recipe 'digits' could not be built", "nonsense", "fix args in the job")
 
 
 def test_corrupt_newest_fails_verify_naming_file(capsys: pytest.CaptureFixture[str], store: Path) -> None:

@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load, save
 
 from trainer import recipes
-from trainer.catalog import find_resume_point, list_checkpoints, write_latest
+from trainer.catalog import Catalog, list_checkpoints, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, sha256_file, step_dir
 from trainer.errors import ResumeIncompatible
 from trainer.loop import AttemptOptions, run_attempt
 from trainer.spec import JobSpec, S3Options
+from trainer.status import StatusReporter, parse_status_line
 from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes
 from trainer.validate import Expectation
 
@@ -148,7 +149,7 @@ def test_damage_is_detected_and_previous_valid_selected(
 ) -> None:
     damage, chosen, reason = CASES[case]
     damage(storage, tmp_path)
-    sel = find_resume_point(storage, tmp_path / "cache", expect)
+    sel = Catalog(storage, tmp_path / "cache").select(expect)
     assert sel.step == chosen
     if reason:
         assert sel.rejected and reason in sel.rejected[0].reason()
@@ -163,7 +164,7 @@ def test_half_finished_upload_is_skipped(
     storage: Storage, expect: Expectation, tmp_path: Path, pristine: dict[str, bytes]
 ) -> None:
     _upload_partially(pristine)(storage, tmp_path)
-    sel = find_resume_point(storage, tmp_path / "cache", expect)
+    sel = Catalog(storage, tmp_path / "cache").select(expect)
     assert sel.step == 30
     assert sel.rejected[0].step == 40 and "missing manifest" in sel.rejected[0].reason()
 
@@ -172,7 +173,7 @@ def test_kill_during_publish_leaves_a_complete_newer_checkpoint_that_is_used(
     storage: Storage, expect: Expectation, tmp_path: Path, pristine: dict[str, bytes]
 ) -> None:
     _publish_without_latest(pristine)(storage, tmp_path)
-    sel = find_resume_point(storage, tmp_path / "cache", expect)
+    sel = Catalog(storage, tmp_path / "cache").select(expect)
     assert sel.step == 40 and not sel.rejected
 
 
@@ -185,7 +186,7 @@ def test_kill_during_local_save_leaves_only_ignorable_temp_files(
     (store.root / S40 / ".spotrun-tmp-model.safetensors.1234").write_bytes(b"half")
     cache = tmp_path / "cache"
     (cache / f".tmp-{step_dir(50)}-99").mkdir(parents=True)
-    sel = find_resume_point(store, cache, expect)
+    sel = Catalog(store, cache).select(expect)
     assert sel.step == 40
     assert store.cleanup_incomplete(older_than_s=0) == 1
 
@@ -201,7 +202,7 @@ def test_resume_after_corruption_trains_on_and_retention_removes_the_bad_one(
     listed = list_checkpoints(storage)
     assert sorted(listed) == [20, 30, 40, 50]  # keep 4; 30 and 40 rewritten by the resumed run
     assert all(c.committed for c in listed.values())
-    assert find_resume_point(storage, tmp_path / "cache2", None).step == 50
+    assert Catalog(storage, tmp_path / "cache2").select(None).step == 50
 
 
 def test_checkpoint_from_another_model_is_refused_and_nothing_deleted(
@@ -225,3 +226,39 @@ def test_manifest_lists_every_file_with_size_and_hash(pristine: dict[str, bytes]
     for name in m.files:
         if name.endswith(".pt"):
             torch.load(io.BytesIO(pristine[f"{S30}/{name}"]), weights_only=True)
+
+
+def test_quarantined_checkpoint_is_rejected_with_its_reasons_even_with_an_intact_local_copy(
+    storage: Storage, expect: Expectation, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    assert Catalog(storage, cache).select(expect).step == 30  # the trainer's local copy of step 30
+    Catalog(storage).quarantine(30, "sha256 mismatch in model.safetensors")
+    sel = Catalog(storage, cache).select(expect)
+    assert sel.step == 20 and sel.uri == f"{storage.uri.rstrip('/')}/{step_dir(20)}"
+    assert [(r.step, r.reason()) for r in sel.rejected] == [
+        (30, "quarantined: sha256 mismatch in model.safetensors")
+    ]
+
+
+def test_integrity_only_passes_what_only_the_recipe_can_refuse(storage: Storage, tmp_path: Path) -> None:
+    _with_model(storage, _reshape, tmp_path)  # rehashed: the manifest agrees with the wrong shape
+    catalog = Catalog(storage, tmp_path / "cache")
+    assert catalog.validate(30, None, integrity_only=True)[1] == []
+    other = JobSpec.model_validate({**SPEC, "args": {"hidden": 48}})
+    _, problems = catalog.validate(30, Expectation.of_shape(other.shape_hash()))
+    assert [p.kind for p in problems] == ["compat"]
+
+
+def test_started_record_carries_the_trainers_selection_and_rejections(
+    storage: Storage, tmp_path: Path
+) -> None:
+    _flip_middle_byte(storage, f"{S30}/model.safetensors")
+    stream = io.StringIO()
+    spec = JobSpec.model_validate({**SPEC, "total_steps": 30})
+    run_attempt(spec, storage, AttemptOptions(cache=tmp_path / "cache", reporter=StatusReporter(stream)))
+    records = [parse_status_line(line) for line in stream.getvalue().splitlines()]
+    started = next(r for r in records if r is not None and r["kind"] == "started")
+    assert started["resumed_from"] == 20
+    assert started["checkpoint"] == f"{storage.uri.rstrip('/')}/{step_dir(20)}"
+    assert started["rejected"] == [{"step": 30, "reason": "sha256 mismatch in model.safetensors"}]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,8 @@ def resolve(name: str) -> Recipe:
 
 
 def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
-    """Resolve and call a recipe; bad recipe arguments become a ConfigError naming them."""
+    """Resolve and call a recipe. Whatever stops it from building is the job file's to fix: a
+    ConfigError naming the recipe, its args and the error (the trainer exits CONFIG_ERROR, not retried)."""
     fn = resolve(name)
     try:
         inspect.signature(fn).bind(args, ctx)
@@ -78,11 +80,23 @@ def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
         raise ConfigError(f"recipe {name!r} must take (args, ctx): {e}") from None
     try:
         parts = fn(args, ctx)
-    except TypeError as e:
-        raise ConfigError(f"recipe {name!r}: bad args {sorted(args)}: {e}") from None
+    except ConfigError:
+        raise  # already one line that says what to fix
+    except OSError:
+        raise  # a dataset download or a disk that failed: may pass on retry, so not the job file's fault
+    except Exception as e:  # the recipe's own checks, torch's (nn.Linear(64, -4)): the args are wrong
+        raise ConfigError(
+            f"recipe {name!r} could not be built with args {json.dumps(args, default=str)}: "
+            f"{type(e).__name__}: {_first_line(e)}; fix args in the job file"
+        ) from None
     if not isinstance(parts, Parts):
         raise ConfigError(f"recipe {name!r} returned {type(parts).__name__}, expected trainer.recipes.Parts")
     return parts
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
 
 
 def warmup_cosine(total_steps: int, warmup: int) -> Callable[[int], float]:

@@ -1,0 +1,94 @@
+"""Catalog selection as a table: which checkpoint an attempt resumes from, and why newer ones were
+passed over, over intact, damaged, partial and quarantined step directories (integrity only: no model)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from trainer.catalog import Catalog
+from trainer.ckpt_format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
+from trainer.storage import LocalStorage, put_bytes
+
+
+def _write(store: LocalStorage, step: int, state: str) -> None:
+    """One step directory: `ok`, `damaged` (a byte flipped after hashing), `partial` (no manifest),
+    or `quarantined` (a flow moved its manifest into REJECTED.json)."""
+    name = step_dir(step)
+    files = {f: f"{f} of step {step}".encode() for f in REQUIRED_FILES}
+    entries = {f: FileEntry(len(b), hashlib.sha256(b).hexdigest()) for f, b in files.items()}
+    if state == "damaged":
+        files["model.safetensors"] = files["model.safetensors"][::-1]
+    for f, b in files.items():
+        put_bytes(store, f"{name}/{f}", b)
+    if state != "partial":
+        put_bytes(store, f"{name}/{MANIFEST}", Manifest(step, "spec", "shape", 1, entries).to_json())
+    if state == "quarantined":
+        Catalog(store).quarantine(step, "sha256 mismatch in model.safetensors")
+
+
+SHA = "sha256 mismatch in model.safetensors"
+PARTIAL = "missing manifest (incomplete or interrupted write) in manifest.json"
+QUARANTINED = f"quarantined: {SHA}"
+ALL_THREE = [(30, PARTIAL), (20, QUARANTINED), (10, SHA)]
+
+
+@pytest.mark.parametrize(
+    ("dirs", "only_step", "chosen", "rejected"),
+    [
+        ({}, None, None, []),
+        ({10: "ok", 20: "ok"}, None, 20, []),
+        ({10: "ok", 20: "damaged"}, None, 10, [(20, SHA)]),
+        ({10: "ok", 20: "ok", 30: "partial"}, None, 20, [(30, PARTIAL)]),
+        ({10: "ok", 20: "quarantined"}, None, 10, [(20, QUARANTINED)]),
+        ({10: "damaged", 20: "quarantined", 30: "partial"}, None, None, ALL_THREE),
+        ({10: "damaged", 20: "ok"}, None, 20, []),  # older damage is never looked at
+        ({10: "ok", 20: "ok"}, 10, 10, []),  # an explicit step, though a newer one is valid
+        ({10: "ok", 20: "damaged"}, 20, None, [(20, SHA)]),
+        ({10: "ok"}, 99, None, []),  # no such step: nothing to choose, nothing rejected
+    ],
+)  # fmt: skip
+def test_select(
+    tmp_path: Path,
+    dirs: dict[int, str],
+    only_step: int | None,
+    chosen: int | None,
+    rejected: list[tuple[int, str]],
+) -> None:
+    store = LocalStorage(tmp_path / "store")
+    for step, state in dirs.items():
+        _write(store, step, state)
+    sel = Catalog(store, tmp_path / "cache").select(None, only_step, integrity_only=True)
+    assert sel.step == chosen
+    assert [(r.step, r.reason()) for r in sel.rejected] == rejected
+    assert sel.uri == (None if chosen is None else f"{store.uri}/{step_dir(chosen)}")
+    assert sel.rejected_records() == [{"step": s, "reason": why} for s, why in rejected]
+
+
+def test_rejected_records_are_bounded(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path / "store")
+    for step in range(1, 26):
+        _write(store, step, "partial")
+    sel = Catalog(store, tmp_path / "cache").select(None)
+    assert len(sel.rejected) == 25 and [r["step"] for r in sel.rejected_records()] == list(range(25, 5, -1))
+
+
+def test_quarantine_keeps_the_evidence_and_retention_removes_it(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path / "store")
+    for step, state in ((10, "ok"), (20, "ok"), (30, "quarantined"), (40, "ok")):
+        _write(store, step, state)
+    catalog = Catalog(store)
+    listed = catalog.list()
+    assert not listed[30].committed and "REJECTED.json" in listed[30].files
+    assert catalog.retain(verified=40, keep=2) == [10, 30]
+    assert sorted(catalog.list()) == [20, 40]
+
+
+def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path / "store")
+    _write(store, 10, "ok")
+    with pytest.raises(ValueError, match="cache directory"):
+        Catalog(store).validate(10, None)
+    assert Catalog(store).validate(11, None)[1][0].detail == "no such checkpoint"
