@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect.exceptions import TerminationSignal
 
 from tasks import adoption
 from tasks.adoption import ControllerInfo, ProcessRef, controller_gone
@@ -20,18 +21,14 @@ from tasks.providers.base import WatchResult
 from tasks.providers.local import stop_cause
 
 
-class TerminationSignal(BaseException):  # noqa: N818 (Prefect's name; matched by name, like the real one)
-    pass
-
-
 @pytest.mark.parametrize(
     ("error", "state", "status", "words"),
     [
         (KeyboardInterrupt(), None, JobStatus.CANCELLED, "Ctrl-C"),
-        (TerminationSignal(), "CANCELLING", JobStatus.CANCELLED, "cancelled"),
-        (TerminationSignal(), "CANCELLED", JobStatus.CANCELLED, "cancelled"),
-        (TerminationSignal(), "RUNNING", JobStatus.CRASHED, "SIGTERM"),
-        (TerminationSignal(), None, JobStatus.CRASHED, "SIGTERM"),
+        (TerminationSignal(15), "CANCELLING", JobStatus.CANCELLED, "cancelled"),
+        (TerminationSignal(15), "CANCELLED", JobStatus.CANCELLED, "cancelled"),
+        (TerminationSignal(15), "RUNNING", JobStatus.CRASHED, "SIGTERM"),
+        (TerminationSignal(15), None, JobStatus.CRASHED, "SIGTERM"),
         (RuntimeError("boom\nsecond line"), None, JobStatus.CRASHED, "RuntimeError: boom"),
     ],
 )
@@ -51,7 +48,7 @@ def test_ending_for_state(state: str, status: JobStatus) -> None:
 
 @pytest.mark.parametrize(
     ("error", "cause"),
-    [(KeyboardInterrupt(), "interrupt"), (TerminationSignal(), "cancel"), (ValueError("x"), "error")],
+    [(KeyboardInterrupt(), "interrupt"), (TerminationSignal(15), "cancel"), (ValueError("x"), "error")],
 )
 def test_stop_cause(error: BaseException, cause: str) -> None:
     assert stop_cause(error) == cause
