@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -210,6 +211,28 @@ def test_journal_replay_stops_and_keeps_the_rest_in_order(tmp_path: Path) -> Non
     kept: list[Op] = []
     assert journal.replay(collect(kept))
     assert kept == [ATTEMPT, FINISH]
+
+
+def test_two_writers_share_a_journal_without_tearing_lines(tmp_path: Path) -> None:
+    """Each writer has its own FileJournal (its own lock descriptor), as two processes would."""
+    path, n = tmp_path / "j.jsonl", 40
+    ops = [[Op("finish_job_run", FINISH.args | {"message": f"{w}{i}"}, "e") for i in range(n)] for w in "ab"]
+
+    def write(batch: list[Op]) -> None:
+        journal = FileJournal(path)
+        for op in batch:
+            journal.append(op)
+
+    threads = [threading.Thread(target=write, args=(b,)) for b in ops]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    seen: list[Op] = []
+    assert FileJournal(path).replay(collect(seen))
+    for batch in ops:  # every write whole, and each writer's in its own order
+        assert [op for op in seen if op in batch] == batch
+    assert len(seen) == 2 * n
 
 
 def test_journal_is_per_database_under_the_settings_home(tmp_path: Path) -> None:
