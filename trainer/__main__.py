@@ -14,6 +14,8 @@ from trainer.ckpt_format import parse_step_dir
 from trainer.errors import (
     CheckpointError,
     ConfigError,
+    LeaseHeld,
+    LeaseLost,
     ResumeIncompatible,
     StorageError,
     TrainingDiverged,
@@ -22,12 +24,14 @@ from trainer.errors import (
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.heartbeat import HeartbeatWriter
+from trainer.lease import DEFAULT_TTL_S, Holder, held
 from trainer.loop import AttemptOptions, ResumeSource, run_attempt
 from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
 from trainer.status import StatusReporter, stdout_reporter
 from trainer.storage import open_storage
+from trainer.storage.base import local_dir_name
 
 log = logging.getLogger("trainer")
 
@@ -40,12 +44,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-steps", type=int, help="stop after this many steps in this attempt (with a checkpoint)"
     )
     p.add_argument("--resume-from", help="require resuming from this step (or a step_NNN directory URI)")
-    p.add_argument("--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>)")
+    p.add_argument(
+        "--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>-<storage hash>)"
+    )
     p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")
     p.add_argument("--inject-fault", metavar="KIND@STEP", help="sigkill|sigterm|crash|hang after step STEP")
     p.add_argument(
         "--worker-id",
         help="write a heartbeat to <storage>/_workers/ID/heartbeat.json (default $SPOTRUN_WORKER_ID)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help=f"seconds the storage lease lasts unrenewed, renewed every third (default {DEFAULT_TTL_S:g})",
+    )
+    p.add_argument(
+        "--lease-takeover",
+        action="append",
+        default=[],
+        metavar="WORKER_ID",
+        help="a worker the controller has released: take its storage lease at once (repeatable)",
     )
     return p.parse_args(argv)
 
@@ -58,6 +77,7 @@ class Environ:
     rank: int
     world_size: int
     worker_id: str | None  # --worker-id, else SPOTRUN_WORKER_ID
+    flow_run_id: str | None  # SPOTRUN_FLOW_RUN_ID: named in the storage lease
     metadata_endpoint: str | None  # SPOTRUN_IMDS_ENDPOINT: the notice watcher's base URL
 
     @classmethod
@@ -68,6 +88,7 @@ class Environ:
             rank=int(env.get("RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
             worker_id=args.worker_id or env.get("SPOTRUN_WORKER_ID") or None,
+            flow_run_id=env.get("SPOTRUN_FLOW_RUN_ID") or None,
             metadata_endpoint=env.get("SPOTRUN_IMDS_ENDPOINT") or None,
         )
 
@@ -105,6 +126,14 @@ def _classify(e: Exception) -> ExitCode:
     if isinstance(e, TrainingDiverged):
         log.error("%s", e)
         return ExitCode.DIVERGED
+    if isinstance(e, LeaseHeld):
+        log.error("%s", e)
+        return ExitCode.LEASE_HELD
+    lost = e if isinstance(e, LeaseLost) else e.__cause__
+    if isinstance(lost, LeaseLost):
+        log.error("%s", lost)
+        # taken over: another writer is live; merely expired (storage unreachable): a retry re-acquires
+        return ExitCode.LEASE_LOST if lost.taken_by is not None else ExitCode.CRASHED
     cause = e.__cause__ if isinstance(e, CheckpointError) else e
     if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
         log.error("%s", cause)
@@ -125,7 +154,7 @@ def _run(
     if args.storage:  # validated like the job file's own field
         spec = parse_spec({**spec.model_dump(mode="json"), "storage": args.storage}, "--storage")
     opts = AttemptOptions(
-        cache=Path(args.cache) if args.cache else env.home / "cache" / spec.name,
+        cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
         max_steps=args.max_steps,
         metrics_path=Path(args.metrics) if args.metrics else None,
         rank=env.rank,
@@ -149,8 +178,11 @@ def _run(
     watcher = make_watcher(spec.preemption, stop, on_notice, env.metadata_endpoint)
     if watcher is not None:
         watcher.start()
+    me = Holder.this_process(env.worker_id, env.flow_run_id)
     try:
-        result = run_attempt(spec, storage, opts)
+        # before anything is published; released before the exit record, so the next attempt finds it free
+        with held(storage, me, args.lease_ttl, args.lease_takeover) as fenced:
+            result = run_attempt(spec, fenced, opts)
     finally:
         if watcher is not None:
             watcher.close()

@@ -4,6 +4,10 @@ Pipeline per checkpoint (background thread): write the step directory locally (f
 last, one rename) -> upload every file, manifest last -> read the remote copy back and compare every
 SHA-256 with the manifest -> move `latest` -> retention. A failure anywhere is kept and raised in the
 loop at its next `check()`, so training never runs on believing a checkpoint exists that does not.
+
+Fencing: the storage given to a trainer is a `lease.FencedStorage`, which refuses every write once the
+lease is lost (and re-reads the lease before a manifest, `latest` or COMPLETED.json); the LeaseLost
+reaches the loop as itself, so the exit code says "someone else writes here" rather than a crash.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, LeaseLost
 from trainer.state import Snapshotter
 from trainer.storage import Storage, sha256_of
 
@@ -89,6 +93,8 @@ class Checkpointer:
         """Raise the background failure, if one happened."""
         with self._lock:
             err, self._error = self._error, None
+        if isinstance(err, LeaseLost):
+            raise err  # not a failed save: this trainer may no longer save at all
         if err is not None:
             raise CheckpointError(f"checkpoint failed: {type(err).__name__}: {err}") from err
 

@@ -29,3 +29,24 @@ class CheckpointError(SpotrunError):
 
 class TrainingDiverged(SpotrunError):
     """The loss became NaN or infinite."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional write found the object changed (or present, or absent) since it was read.
+
+    Not a failure to retry as is: the caller re-reads the object and decides again."""
+
+
+class LeaseHeld(SpotrunError):
+    """Another live trainer holds the job's storage lease; the message names it and when it expires."""
+
+
+class LeaseLost(SpotrunError):
+    """This trainer no longer holds the storage lease: it must publish nothing more.
+
+    `taken_by` names the worker that took it over, or is None when the lease merely ran out without
+    a renewal (storage unreachable for a whole TTL): then nobody else is known to be writing."""
+
+    def __init__(self, message: str, taken_by: str | None = None) -> None:
+        super().__init__(message)
+        self.taken_by = taken_by

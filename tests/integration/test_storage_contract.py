@@ -6,6 +6,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 
 from tests.servers import Fault, FaultProxy
-from trainer.errors import StorageError, TransientStorageError
+from trainer.errors import PreconditionFailed, StorageError, TransientStorageError
 from trainer.spec import S3Options
 from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes, sha256_of
 from trainer.storage.local import TMP_MARK
@@ -187,6 +188,58 @@ def test_bytes_helpers(backend: Backend) -> None:
     assert get_bytes(backend.storage, "empty") == b""
 
 
+# -- conditional writes (the storage lease) --------------------------------------------------------
+
+
+def test_put_if_absent_creates_once(backend: Backend) -> None:
+    store = backend.storage
+    v1 = store.put_if("_lease.json", b"first", if_version=None)
+    with pytest.raises(PreconditionFailed):
+        store.put_if("_lease.json", b"second", if_version=None)
+    assert store.read_versioned("_lease.json") == (b"first", v1)
+    assert [o.key for o in store.list()] == ["_lease.json"]  # no lock or temp file shows
+
+
+def test_put_if_version_is_compare_and_swap(backend: Backend) -> None:
+    store = backend.storage
+    v1 = store.put_if("_lease.json", b"one", if_version=None)
+    v2 = store.put_if("_lease.json", b"two", if_version=v1)
+    assert v2 != v1
+    with pytest.raises(PreconditionFailed):
+        store.put_if("_lease.json", b"stale", if_version=v1)
+    assert store.read_versioned("_lease.json") == (b"two", v2)
+    put_bytes(store, "_lease.json", b"overwritten")  # an unconditional put changes the version too
+    with pytest.raises(PreconditionFailed):
+        store.put_if("_lease.json", b"three", if_version=v2)
+
+
+def test_put_if_version_on_a_missing_key_fails(backend: Backend) -> None:
+    with pytest.raises(PreconditionFailed):
+        backend.storage.put_if("nothing-here", b"x", if_version="0123abcd")
+    with pytest.raises(FileNotFoundError):
+        backend.storage.read_versioned("nothing-here")
+    assert backend.storage.list() == []
+
+
+def test_put_if_one_of_racing_writers_wins(backend: Backend) -> None:
+    if isinstance(backend.storage, S3Storage):
+        pytest.skip("moto checks If-Match and then writes without a lock (AWS S3 is atomic): it races")
+    store = backend.storage
+    v0 = store.put_if("_lease.json", b"0", if_version=None)
+
+    def swap(i: int) -> bool:
+        try:
+            store.put_if("_lease.json", str(i).encode(), if_version=v0)
+        except PreconditionFailed:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(swap, range(1, 9)))
+    assert won.count(True) == 1
+    assert store.read_versioned("_lease.json")[0] == str(won.index(True) + 1).encode()
+
+
 # -- S3 only --------------------------------------------------------------------------------------
 
 Session = boto3.session.Session
@@ -311,6 +364,8 @@ def test_credential_errors_say_what_to_fix(code: str, status: int, words: str) -
         (client_error("RequestLimitExceeded", 400), TransientStorageError),
         (client_error("InternalError", 500), TransientStorageError),
         (client_error("InvalidArgument", 400), StorageError),
+        (client_error("PreconditionFailed", 412), PreconditionFailed),
+        (client_error("ConditionalRequestConflict", 409), PreconditionFailed),
         (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), TransientStorageError),
         (ReadTimeoutError(endpoint_url="http://127.0.0.1:1"), TransientStorageError),
         (ConnectionResetError(104, "Connection reset by peer"), TransientStorageError),

@@ -4,6 +4,10 @@ Keys are '/'-separated paths relative to the backend's root. `put` is atomic per
 both backends: a reader sees the old object, the whole new one, or nothing. A checkpoint as a
 whole becomes visible only when its manifest (written last) exists; that is the format's rule,
 not the backend's.
+
+`read_versioned` and `put_if` are a compare-and-swap on one small object (the storage lease,
+trainer/lease.py): a version is an opaque string (S3's ETag, a content hash locally) and a put
+whose precondition no longer holds raises `PreconditionFailed` and changes nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +58,31 @@ class Storage(Protocol):
     def cleanup_incomplete(self, older_than_s: float) -> int:
         """Remove partial writes older than the age (temp files, multipart uploads); return how many."""
         ...
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and its version. FileNotFoundError if absent."""
+        ...
+
+    def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
+        """Store `data` only if `key` is at `if_version` (None: only if absent); return the new version.
+
+        PreconditionFailed, with nothing written, when the condition does not hold."""
+        ...
+
+
+def normalize_uri(uri: str) -> str:
+    """One spelling per storage location: `s3://bucket/prefix` without a trailing '/', or an absolute
+    local path (relative paths resolve against the current directory)."""
+    if uri.startswith("s3://"):
+        return uri.rstrip("/")
+    return str(Path(uri.removeprefix("file://")).expanduser().resolve())
+
+
+def local_dir_name(job_name: str, uri: str) -> str:
+    """`<job>-<8 hex>`: the name of a job's local directories (checkpoint cache, worker files), keyed by
+    its storage as well, so two jobs sharing a `name:` with different storage never share a cache."""
+    digest = hashlib.sha256(normalize_uri(uri).encode()).hexdigest()[:8]
+    return f"{job_name}-{digest}"
 
 
 def put_bytes(storage: Storage, key: str, data: bytes) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import time
@@ -9,10 +12,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trainer.errors import StorageError
+from trainer.errors import PreconditionFailed, StorageError
 from trainer.storage.base import CHUNK, ObjectInfo
 
 TMP_MARK = ".spotrun-tmp-"
+# `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
+# (unlinking a lock file someone holds would let a third writer lock a fresh inode), never listed.
+LOCK_SUFFIX = ".spotrun-lock"
 
 
 def fsync_dir(path: Path) -> None:
@@ -77,7 +83,7 @@ class LocalStorage:
         out = []
         for dirpath, _dirs, files in os.walk(self.root):
             for f in files:
-                if f.startswith(TMP_MARK):
+                if f.startswith(TMP_MARK) or f.endswith(LOCK_SUFFIX):
                     continue
                 full = Path(dirpath) / f
                 key = full.relative_to(self.root).as_posix()
@@ -109,6 +115,56 @@ class LocalStorage:
             except FileNotFoundError:
                 continue
         return n
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        p = self._path(key)
+        try:
+            data = p.read_bytes()  # a whole old or new file: writers replace it with a rename
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"{self.uri}/{key}") from None
+        return data, _version(data)
+
+    def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
+        dst = self._path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            _write_durable(tmp, data)
+            with _locked(dst.with_name(dst.name + LOCK_SUFFIX)):
+                try:
+                    current: str | None = _version(dst.read_bytes())
+                except FileNotFoundError:
+                    current = None
+                if current != if_version:
+                    want = "absent" if if_version is None else f"at version {if_version[:12]}"
+                    raise PreconditionFailed(f"{self.uri}/{key}: expected it {want}")
+                os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(dst.parent)
+        return _version(data)
+
+
+def _version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """An exclusive flock on `lock`: released by the kernel when the holder dies, so no stale locks."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _iter_file(p: Path) -> Iterator[bytes]:

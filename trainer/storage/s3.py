@@ -8,6 +8,7 @@ once the headers arrive, so an error while reading the body is never retried by 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore import exceptions as bce
 from botocore.config import Config
 
-from trainer.errors import StorageError, TransientStorageError
+from trainer.errors import PreconditionFailed, StorageError, TransientStorageError
 from trainer.spec import S3Options
 from trainer.storage.base import CHUNK, ObjectInfo
 from trainer.storage.local import TMP_MARK
@@ -41,6 +42,9 @@ T = TypeVar("T")
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request may carry
 THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"})
 TRANSIENT_CODES = THROTTLE_CODES | {"RequestTimeout", "InternalError", "ServiceUnavailable"}
+# 412: an If-Match/If-None-Match did not hold. 409 ConditionalRequestConflict: another conditional
+# write to the key raced this one (AWS); either way the caller re-reads and decides again.
+PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 EXPIRED_FIX = "the session token has expired; refresh the credentials (aws sso login, renew the role)"
 CREDENTIAL_FIXES = {
     "InvalidAccessKeyId": "the access key id is unknown to S3; check AWS_ACCESS_KEY_ID or the AWS profile",
@@ -87,7 +91,8 @@ def make_s3_client(
 
 
 def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
-    """Translate a boto3/botocore error into FileNotFoundError, StorageError or TransientStorageError."""
+    """Translate a boto3/botocore error into FileNotFoundError, PreconditionFailed, StorageError or
+    TransientStorageError."""
     where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
     if isinstance(e, S3UploadFailedError) and e.__context__ is not None:
         # boto3 wraps the ClientError of an upload without chaining it as __cause__.
@@ -108,6 +113,8 @@ def _map_code(code: str, status: int, message: str, bucket: str, where: str) -> 
         return StorageError(f"bucket {bucket!r} does not exist: create it or fix storage: in the job file")
     if code in ("NoSuchKey", "NotFound") or (status == 404 and code == "404"):
         return FileNotFoundError(where)
+    if code in PRECONDITION_CODES or status == 412:
+        return PreconditionFailed(f"{where}: {code or status}: it changed since it was read")
     if code in CREDENTIAL_FIXES or status == 403:
         fix = CREDENTIAL_FIXES.get(code, CREDENTIAL_FIXES["AccessDenied"])
         return StorageError(f"cannot access {where} ({code or status}): {fix}")
@@ -279,6 +286,38 @@ class S3Storage:
             e = errors[0]
             where = f"s3://{self.bucket}/{e.get('Key', '')}"
             raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        full = self._key(key)
+
+        def get() -> tuple[bytes, str]:
+            resp = self._get_object(full)
+            with s3_errors(self.bucket, full), contextlib.closing(resp["Body"]) as body:
+                return body.read(), resp["ETag"]
+
+        return self._retry(get)
+
+    def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
+        """A conditional PutObject (If-None-Match: * or If-Match: ETag). A retried request whose first
+        try did land answers 412: callers re-read and recognise their own write."""
+        full = self._key(key)
+        cond = {"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version}
+
+        def put() -> str:
+            try:
+                with s3_errors(self.bucket, full):
+                    resp = self.client.put_object(
+                        Bucket=self.bucket,
+                        Key=full,
+                        Body=data,
+                        **cond,
+                        **self.extra_args,  # type: ignore[arg-type]
+                    )
+            except FileNotFoundError:  # If-Match on a key that is gone: S3 answers 404 NoSuchKey
+                raise PreconditionFailed(f"s3://{self.bucket}/{full}: expected it to exist") from None
+            return resp["ETag"]
+
+        return self._retry(put)
 
     def cleanup_incomplete(self, older_than_s: float) -> int:
         cutoff = time.time() - older_than_s

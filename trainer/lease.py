@@ -1,0 +1,345 @@
+"""One writer per job: a lease object in the job's storage that a trainer must hold to publish.
+
+Two trainers writing one storage root corrupt each other (one's retention deletes the other's files,
+a read-back finds the other's bytes). So a trainer takes `_lease.json` at the storage root before it
+publishes anything, renews it while it trains, and gives it back when it exits. The object:
+
+    {"holder": {"worker_id", "flow_run_id", "host", "pid", "pid_ns"},
+     "token": int,           fencing token: +1 at every takeover, never reset (release keeps it)
+     "acquired_at", "renewed_at", "expires_at": epoch seconds, "ttl_s": float,
+     "released": bool}       the holder gave it back (an expired lease, as far as takeover goes)
+
+Every change is a compare-and-swap (`Storage.put_if` against the version read), so of two trainers
+racing for it exactly one wins. Who may take a lease is `decide_takeover`, a pure function. Recovery
+never waits on a dead holder: same pid namespace with the pid gone, or a worker the controller says it
+released (`--lease-takeover`), is taken at once; only a live holder elsewhere is refused until expiry.
+
+Fencing: `FencedStorage` wraps the storage the trainer writes through. Every write first checks that
+the lease is still ours by the local clock (renewed within its TTL, no takeover seen); the commit
+points (a manifest, `latest`, COMPLETED.json) also re-read the lease object. A check that passes just
+before the holder stalls leaves a window of at most one renewal period: fencing by a token only the
+storage could enforce, which S3 has no way to do for ordinary puts. Clocks of the machines sharing a
+storage must agree to well within `ttl_s / 10`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from trainer.ckpt_format import COMPLETED, LATEST, MANIFEST
+from trainer.errors import ConfigError, LeaseHeld, LeaseLost, PreconditionFailed
+from trainer.storage import ObjectInfo, Storage
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "_lease.json"
+DEFAULT_TTL_S = 30.0
+MIN_TTL_S = 3.0
+ACQUIRE_TRIES = 5  # each lost race re-reads; the winner of a race is live, so the next read refuses
+COMMIT_NAMES = (MANIFEST, LATEST, COMPLETED)
+
+
+@dataclass(frozen=True)
+class Holder:
+    worker_id: str
+    flow_run_id: str | None
+    host: str
+    pid: int
+    pid_ns: str  # boot id + pid namespace: a pid means the same process only within one
+
+    @classmethod
+    def this_process(cls, worker_id: str | None, flow_run_id: str | None) -> Holder:
+        """This trainer; without a worker id it is `local-<pid>`, what the local provider calls it."""
+        pid = os.getpid()
+        return cls(worker_id or f"local-{pid}", flow_run_id, socket.gethostname(), pid, pid_namespace())
+
+    def same_process(self, other: Holder) -> bool:
+        return bool(self.pid_ns) and self.pid_ns == other.pid_ns and self.pid == other.pid
+
+
+@dataclass(frozen=True)
+class LeaseDoc:
+    holder: Holder
+    token: int
+    acquired_at: float
+    renewed_at: float
+    expires_at: float
+    ttl_s: float
+    released: bool = False
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LeaseDoc:
+        """Parse a lease object; ValueError when it is not one."""
+        try:
+            d = json.loads(data)
+            return cls(**{**d, "holder": Holder(**d["holder"])})
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a lease object: {e}") from None
+
+
+@dataclass(frozen=True)
+class Takeover:
+    take: bool
+    reason: str
+
+
+def decide_takeover(
+    current: LeaseDoc | None,
+    me: Holder,
+    now: float,
+    released: Collection[str],
+    pid_alive: Callable[[int], bool],
+    uri: str,
+) -> Takeover:
+    """May `me` take the lease `current`? Refusals carry the one line a person reads."""
+    if current is None:
+        return Takeover(True, "no lease")
+    h = current.holder
+    if current.released:
+        return Takeover(True, f"released by {h.worker_id}")
+    if now >= current.expires_at:
+        return Takeover(True, f"lease of {h.worker_id} expired {now - current.expires_at:.0f} s ago")
+    if me.same_process(h):
+        return Takeover(True, "held by this process")
+    if h.worker_id in released:
+        return Takeover(True, f"{h.worker_id} was released by the controller")
+    if h.pid_ns and h.pid_ns == me.pid_ns:
+        if not pid_alive(h.pid):
+            return Takeover(True, f"holder {h.worker_id} (pid {h.pid}) is gone")
+    elif h.worker_id == me.worker_id:
+        return Takeover(True, f"an earlier trainer of this worker ({h.worker_id})")
+    return Takeover(False, held_message(current, now, uri))
+
+
+def held_message(doc: LeaseDoc, now: float, uri: str) -> str:
+    h = doc.holder
+    until = datetime.fromtimestamp(doc.expires_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (
+        f"storage {uri} is held by worker {h.worker_id} (flow run {h.flow_run_id or '-'}, host {h.host}, "
+        f"pid {h.pid}) until {until} (in {max(0, round(doc.expires_at - now))} s); "
+        "stop that run or wait for the lease to expire"
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists here (a zombie counts: it is not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def pid_namespace() -> str:
+    """`<boot id>:<pid namespace>`, or "" where unknown (then no pid is trusted as dead)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def read_lease(storage: Storage) -> tuple[LeaseDoc | None, str | None]:
+    """The lease and its version; (None, None) if absent, (None, version) if unreadable."""
+    try:
+        data, version = storage.read_versioned(LEASE_KEY)
+    except FileNotFoundError:
+        return None, None
+    try:
+        return LeaseDoc.from_json(data), version
+    except ValueError as e:
+        log.warning("ignoring a malformed lease %s/%s (%s): taking it over", storage.uri, LEASE_KEY, e)
+        return None, version
+
+
+class Lease:
+    """A held lease: `acquire` it, `start` renewing, `check` before publishing, `release` at exit."""
+
+    def __init__(
+        self, storage: Storage, doc: LeaseDoc, version: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.storage, self.doc, self.version, self.clock = storage, doc, version, clock
+        self.valid_until = doc.expires_at  # by our clock: the time of the last successful renew's send
+        self.lost: LeaseLost | None = None
+        self._lock = threading.Lock()  # guards doc, version, valid_until, lost
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def margin_s(self) -> float:
+        return self.doc.ttl_s / 10
+
+    @classmethod
+    def acquire(
+        cls,
+        storage: Storage,
+        me: Holder,
+        ttl_s: float = DEFAULT_TTL_S,
+        released: Collection[str] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> Lease:
+        """Take the lease or raise LeaseHeld naming the live holder."""
+        if ttl_s < MIN_TTL_S:
+            raise ConfigError(f"--lease-ttl {ttl_s:g}: use at least {MIN_TTL_S:g} seconds")
+        for _ in range(ACQUIRE_TRIES):
+            current, version = read_lease(storage)
+            now = clock()
+            verdict = decide_takeover(current, me, now, released, pid_alive, storage.uri)
+            if not verdict.take:
+                raise LeaseHeld(verdict.reason)
+            token = current.token + 1 if current is not None else 1
+            doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s)
+            try:
+                new_version = storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
+            except PreconditionFailed:
+                continue  # someone else wrote it meanwhile: read again and decide again
+            log.info("lease of %s taken (token %d): %s", storage.uri, token, verdict.reason)
+            return cls(storage, doc, new_version, clock)
+        raise LeaseHeld(f"storage {storage.uri}: lost {ACQUIRE_TRIES} races for its lease; try again")
+
+    def start(self) -> Lease:
+        """Renew in a daemon thread every ttl/3."""
+        self._thread = threading.Thread(target=self._renew_loop, name="spotrun-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def check(self, remote: bool = False) -> None:
+        """Raise LeaseLost unless the lease is still ours; `remote` also re-reads the lease object."""
+        with self._lock:
+            if self.lost is None and self.clock() >= self.valid_until - self.margin_s:
+                self.lost = LeaseLost(f"the lease of {self.storage.uri} ran out without a renewal")
+            if self.lost is not None:
+                raise self.lost
+            token = self.doc.token
+        if remote:
+            current, _ = read_lease(self.storage)
+            if current is None or current.token != token or current.released:
+                raise self._lose(current)
+
+    def renew(self) -> None:
+        """One conditional put extending the lease; marks it lost when someone else took it."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            sent = self.clock()
+            doc = replace(self.doc, renewed_at=sent, expires_at=sent + self.doc.ttl_s)
+            version = self.version
+        try:
+            new_version = self.storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
+        except PreconditionFailed:
+            current, current_version = read_lease(self.storage)
+            if current != doc or current_version is None:  # not our own write landing on a retry
+                self._lose(current)
+                return
+            new_version = current_version
+        with self._lock:
+            self.doc, self.version, self.valid_until = doc, new_version, sent + doc.ttl_s
+
+    def release(self) -> None:
+        """Stop renewing and give the lease back (marked released, token kept for the next holder)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            if self.lost is not None:
+                return
+            now = self.clock()
+            doc = replace(self.doc, renewed_at=now, expires_at=now, released=True)
+            version = self.version
+        try:
+            self.storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
+        except Exception as e:  # boundary: exiting anyway; an unreleased lease just expires (ttl_s)
+            log.warning("could not release the lease of %s (%s); it expires by itself", self.storage.uri, e)
+        else:
+            log.info("lease of %s released", self.storage.uri)
+
+    def _lose(self, current: LeaseDoc | None) -> LeaseLost:
+        """Mark the lease lost (once) and return the error that says to whom."""
+        with self._lock:
+            if self.lost is not None:
+                return self.lost
+            if current is None or current.released:
+                self.lost = LeaseLost(f"the lease of {self.storage.uri} was removed or released by another")
+            else:
+                h = current.holder
+                self.lost = LeaseLost(
+                    f"the lease of {self.storage.uri} was taken over by worker {h.worker_id} (flow run "
+                    f"{h.flow_run_id or '-'}, host {h.host}, pid {h.pid}, token {current.token}); "
+                    "this trainer stopped without publishing more",
+                    taken_by=h.worker_id,
+                )
+            lost = self.lost
+        log.error("%s", lost)
+        return lost
+
+    def _renew_loop(self) -> None:
+        every = self.doc.ttl_s / 3
+        while not self._stop.wait(every):
+            try:
+                self.renew()
+            except Exception as e:  # boundary: keep trying; check() fails once the TTL runs out
+                log.warning("lease renewal of %s failed: %s: %s", self.storage.uri, type(e).__name__, e)
+            if self.lost is not None:
+                return
+
+
+class FencedStorage:
+    """The storage a lease holder writes through: every write checks the lease first (see module doc)."""
+
+    def __init__(self, inner: Storage, lease: Lease) -> None:
+        self.inner, self.lease, self.uri = inner, lease, inner.uri
+
+    def put(self, key: str, src: Path) -> None:
+        self.lease.check(remote=key.rpartition("/")[2] in COMMIT_NAMES)
+        self.inner.put(key, src)
+
+    def get(self, key: str, dst: Path) -> None:
+        self.inner.get(key, dst)
+
+    def read(self, key: str) -> Iterator[bytes]:
+        return self.inner.read(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        self.lease.check()
+        self.inner.delete(keys)
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        self.lease.check()
+        return self.inner.cleanup_incomplete(older_than_s)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        return self.inner.read_versioned(key)
+
+    def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
+        self.lease.check()
+        return self.inner.put_if(key, data, if_version=if_version)
+
+
+@contextlib.contextmanager
+def held(
+    storage: Storage, me: Holder, ttl_s: float = DEFAULT_TTL_S, released: Collection[str] = ()
+) -> Iterator[FencedStorage]:
+    """Acquire, renew while the block runs, release after it: the block writes through the result."""
+    lease = Lease.acquire(storage, me, ttl_s, released).start()
+    try:
+        yield FencedStorage(storage, lease)
+    finally:
+        lease.release()
