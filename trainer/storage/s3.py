@@ -301,18 +301,13 @@ class S3Storage:
         """A conditional PutObject (If-None-Match: * or If-Match: ETag). A retried request whose first
         try did land answers 412: callers re-read and recognise their own write."""
         full = self._key(key)
-        cond = {"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": data, **self.extra_args}
+        kwargs.update({"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version})
 
         def put() -> str:
             try:
                 with s3_errors(self.bucket, full):
-                    resp = self.client.put_object(
-                        Bucket=self.bucket,
-                        Key=full,
-                        Body=data,
-                        **cond,
-                        **self.extra_args,  # type: ignore[arg-type]
-                    )
+                    resp = self.client.put_object(**kwargs)
             except FileNotFoundError:  # If-Match on a key that is gone: S3 answers 404 NoSuchKey
                 raise PreconditionFailed(f"s3://{self.bucket}/{full}: expected it to exist") from None
             return resp["ETag"]
