@@ -50,3 +50,13 @@ def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path: Path) -> None
     other = write_spec(tmp_path / "b.yaml", total_steps=28, args={"hidden": 48})
     _assert_one_clear_error(trainer(other, str(store), tmp_path), "different shape settings")
     assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+
+
+def test_recipe_that_cannot_be_built_is_a_config_error_naming_the_args(tmp_path: Path) -> None:
+    job = write_spec(tmp_path / "job.yaml", args={"hidden": -4})  # torch: negative dimension
+    r = trainer(job, str(tmp_path / "s"), tmp_path)
+    _assert_one_clear_error(r, "recipe 'digits' could not be built with args {")
+    assert '"hidden": -4' in r.stderr and "RuntimeError: Trying to create tensor with negative" in r.stderr
+    assert "fix args in the job file" in r.stderr
+    job = write_spec(tmp_path / "job.yaml", args={"hidden": 8, "hiden": 8})
+    _assert_one_clear_error(trainer(job, str(tmp_path / "s"), tmp_path), "unknown argument(s) ['hiden']")
