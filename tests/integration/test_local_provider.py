@@ -17,11 +17,19 @@ import pytest
 from tasks.attempts import Outcome
 from tasks.outcome import classify, to_record
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tasks.providers.local import (
+    LocalProvider,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+    worker_dir,
+)
 from tests.trainer_runs import REPO, write_spec
 from trainer.ckpt_format import COMPLETED
 from trainer.exitcodes import ExitCode
+from trainer.lease import read_lease
 from trainer.spec import JobSpec, load_spec
+from trainer.storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,6 +100,7 @@ def test_local_provider_satisfies_the_protocol() -> None:
 def test_run_without_preemption_completes(tmp_path: Path) -> None:
     job, spec = _job(tmp_path, total_steps=30)
     provider = _provider(tmp_path)
+    provider.flow_run_id = "run-1234"
     worker = provider.provision(job, 1, spec, [])
     assert worker.id == f"local-{worker.handle.proc.pid}" and worker.provider == "local"
     result, statuses, logs = _watch(provider, worker)
@@ -105,7 +114,10 @@ def test_run_without_preemption_completes(tmp_path: Path) -> None:
     assert result.started_at < result.started_training_at < result.ended_at
     record = to_record(worker, result, outcome, cause)
     assert record.lost_steps == 0 and 0 < record.productive_s < record.wall_s
-    assert (tmp_path / "work" / job.name / "metrics.jsonl").is_file()  # --metrics under the workdir
+    assert (worker_dir(tmp_path / "work", job) / "metrics.jsonl").is_file()  # --metrics under the workdir
+    lease, _ = read_lease(LocalStorage(tmp_path / "store"))  # the lease names the worker as the flow does
+    assert lease is not None and lease.released
+    assert (lease.holder.worker_id, lease.holder.flow_run_id) == (worker.id, "run-1234")
     provider.release(worker)  # again, after watch: fine
 
 

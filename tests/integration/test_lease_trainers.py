@@ -1,0 +1,125 @@
+"""One writer per job, with real trainers: a second trainer is refused, a dead one is taken over at once,
+and a trainer whose lease is stolen stops publishing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
+from trainer.catalog import list_checkpoints, read_latest
+from trainer.ckpt_format import step_dir
+from trainer.exitcodes import ExitCode
+from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
+from trainer.spec import S3Options
+from trainer.storage import LocalStorage, Storage, open_storage
+
+WAIT_S = 120  # generous: two cores shared with other test runs
+
+
+def start(config: Path, storage: str, work: Path, *extra: str) -> subprocess.Popen[bytes]:
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache"), *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(work / "stderr", "wb") as err:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def wait_for_latest(store: Storage, proc: subprocess.Popen[bytes], at_least: int) -> int:
+    deadline = time.monotonic() + WAIT_S
+    while (step := read_latest(store) or 0) < at_least:
+        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    return step
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if " ERROR " in line]
+
+
+def test_second_trainer_refused_then_dead_holder_taken_over_at_once(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "job.yaml", total_steps=42)
+    store_dir = tmp_path / "store"
+    store = LocalStorage(store_dir)
+    # holds the lease (60 s, so only a takeover, not an expiry, lets the next one in) and hangs at 15
+    first = start(spec, str(store_dir), tmp_path / "a", "--inject-fault", "hang@15", "--lease-ttl", "60")
+    try:
+        wait_for_latest(store, first, 14)
+        second = trainer(spec, str(store_dir), _mk(tmp_path / "b"))
+        assert second.returncode == ExitCode.LEASE_HELD, second.stderr
+        assert "Traceback" not in second.stderr
+        (line,) = error_lines(second.stderr)
+        assert f"is held by worker local-{first.pid} (flow run -, host " in line
+        assert "stop that run or wait for the lease to expire" in line
+        assert read_latest(store) == 14 and not (tmp_path / "b" / "cache").exists()  # touched nothing
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    third = trainer(spec, str(store_dir), _mk(tmp_path / "c"))
+    assert third.returncode == ExitCode.COMPLETED, third.stderr
+    assert f"(pid {first.pid}) is gone" in third.stderr  # taken at once, not after the 60 s expiry
+    assert "resuming from step 14" in third.stderr
+    reference = trainer(spec, str(tmp_path / "ref"), _mk(tmp_path / "r"))
+    assert reference.returncode == 0, reference.stderr
+    final = step_dir(42)
+    assert_states_equal(store_dir / final, tmp_path / "ref" / final)
+    lease, _ = read_lease(store)
+    assert lease is not None and lease.released and lease.token == 2
+
+
+def test_stolen_lease_stops_publishing(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "job.yaml", total_steps=5000)
+    store_dir = tmp_path / "store"
+    store = LocalStorage(store_dir)
+    proc = start(spec, str(store_dir), tmp_path / "a")
+    try:
+        wait_for_latest(store, proc, 7)
+        lease, version = read_lease(store)
+        assert lease is not None and version is not None
+        thief = Holder("thief", "run-x", "elsewhere", 1, "other-boot:pid:[1]")
+        stolen = dataclasses.replace(lease, holder=thief, token=lease.token + 1, expires_at=time.time() + 600)
+        store.put_if(LEASE_KEY, stolen.to_json(), if_version=version)
+        latest_at_theft = read_latest(store)
+        rc = proc.wait(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = (tmp_path / "a" / "stderr").read_text()
+    assert rc == ExitCode.LEASE_LOST, stderr
+    assert "taken over by worker thief" in stderr and "Traceback" not in stderr
+    assert read_latest(store) == latest_at_theft  # `latest` never moved again
+    committed = [s for s, c in list_checkpoints(store).items() if c.committed]
+    # at most the one checkpoint whose manifest check passed just before the theft; nothing after it
+    assert max(committed) <= (latest_at_theft or 0) + 7
+    assert read_lease(store)[0] == stolen  # the thief's lease is untouched: no release over it
+
+
+def test_s3_live_holder_elsewhere_is_refused(tmp_path: Path, s3_bucket: tuple[str, str]) -> None:
+    endpoint, bucket = s3_bucket
+    uri = f"s3://{bucket}/job"
+    spec = write_spec(tmp_path / "job.yaml", total_steps=14, s3={"endpoint_url": endpoint})
+    store = open_storage(uri, S3Options(endpoint_url=endpoint))
+    other = Holder("i-0abc", "run-7", "ip-10-0-0-7", 4242, "other-boot:pid:[1]")
+    Lease.acquire(store, other, ttl_s=600)  # a live trainer on another machine (never renewed: 600 s)
+    result = trainer(spec, uri, _mk(tmp_path / "b"))
+    assert result.returncode == ExitCode.LEASE_HELD, result.stderr
+    (line,) = error_lines(result.stderr)
+    assert f"storage {uri} is held by worker i-0abc (flow run run-7, host ip-10-0-0-7, pid 4242)" in line
+    assert list_checkpoints(store) == {}
+    # the controller released that instance: the next attempt takes over at once
+    taken = trainer(spec, uri, _mk(tmp_path / "c"), "--lease-takeover", "i-0abc")
+    assert taken.returncode == ExitCode.COMPLETED, taken.stderr
+    assert "i-0abc was released by the controller" in taken.stderr
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
