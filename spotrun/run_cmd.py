@@ -77,6 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_result(out, result, api.flow_run_url(result.flow_run_id))
     if api.server is not None:
         out.print("the Prefect server has stopped; set PREFECT_API_URL to a running one to keep flow runs")
+    last = result.attempts[-1] if result.attempts else None
+    if not result.completed and last is not None and last.trainer_code == "CONFIG_ERROR":
+        # bad input the trainer found (a recipe that cannot be built): exit 2 with its one line, like ours
+        raise ConfigError(f"attempt {last.attempt}: {last.error.removeprefix('ConfigError: ')}")
     return EXIT_OK if result.completed else EXIT_FAILED
 
 

@@ -116,7 +116,10 @@ def test_newest_checkpoint_corrupted_between_attempts(
     store = HistoryStore.open(f"sqlite:///{home / 'history.db'}")
     rejected = store.rejections(rows[0].job_run_id)
     store.close()
-    assert len(rejected) == 1 and "sha256 mismatch in model.safetensors" in rejected[0].reasons
+    # the trainer of attempt 2 reports what it passed over: the step the flow quarantined, and why
+    assert len(rejected) == 1 and rejected[0].attempt == 2
+    assert rejected[0].reasons == "quarantined: sha256 mismatch in model.safetensors"
+    assert rows[1].extra["rejected"] == [[rejected[0].step, rejected[0].reasons]]
     assert rows[1].resumed_from is not None and rows[1].resumed_from < rejected[0].step
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
 
@@ -238,3 +241,28 @@ def test_database_down_does_not_stop_training(
     assert any(
         "buffered" in r.getMessage() and "training continues" in r.getMessage() for r in caplog.records
     )
+
+
+def test_recipe_that_cannot_be_built_stops_at_once_with_one_line(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    """The flow builds no recipe; the trainer's CONFIG_ERROR stops the run (no retry), and `spotrun run`
+    exits 2 with that one line."""
+    spec = job(tmp_path, total_steps=50, args={"hidden": -4})
+    state = run_flow(spec, LocalProviderConfig())
+    assert state.is_failed() and "not retryable (CONFIG_ERROR)" in state.message
+    assert "recipe 'digits' could not be built" in state.message and "RuntimeError" in state.message
+    rows = attempts(home)
+    assert [(r.outcome.value, r.trainer_code) for r in rows] == [("crashed", "CONFIG_ERROR")]
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(spec.model_dump(mode="json")))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_API_URL", prefect_api)
+        r = subprocess.run(
+            [sys.executable, "-m", "spotrun.cli", "run", str(path)],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.startswith("spotrun: error: attempt 1: recipe 'digits' could not be built"), r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
