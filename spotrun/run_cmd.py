@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQ
 
 from spotrun.console import (
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     Subparsers,
     attempts_table,
@@ -73,7 +76,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         out.print(f"PREFECT_API_URL is unset: starting a Prefect server under {settings.home / 'prefect'}")
     with prefect_api(settings.home) as api:
         out.print(f"flow run of job {job.name} against {api.url}", markup=False)
-        result = run_job(job, provider, policy, settings, out)
+        try:
+            result = run_job(job, provider, policy, settings, out)
+        except KeyboardInterrupt:  # the flow stopped its trainer (emergency checkpoint) and recorded it
+            print_interrupted(out, settings, job)
+            return EXIT_INTERRUPTED
         print_result(out, result, api.flow_run_url(result.flow_run_id))
     if api.server is not None:
         out.print("the Prefect server has stopped; set PREFECT_API_URL to a running one to keep flow runs")
@@ -167,7 +174,7 @@ def _validated(model: type[_M], values: dict[str, Any]) -> _M:
 class RunMonitor:
     """Follows one job run from outside the flow, through two outputs that are contracts, not log text:
     the trainer's --metrics file (one JSON line per step, appended by every attempt of the job; the
-    local provider writes it to <workdir>/<job>/metrics.jsonl) for the step and loss, and the SQL
+    local provider writes it to <workdir>/<job>-<storage hash>/metrics.jsonl) for the step and loss, and the SQL
     history for the job run (its flow run id) and each attempt once the flow has recorded it."""
 
     def __init__(self, store: HistoryStore, job: str, metrics: Path, since: float) -> None:
@@ -224,8 +231,14 @@ class RunMonitor:
                 self.step, self.loss, self.stepped_at = rec[0], float.fromhex(rec[1]), time.monotonic()
 
     def _read_history(self) -> list[AttemptRow]:
+        from tasks.history.models import JobStatus
+
         if self.job_run is None:
-            runs = [r for r in self.store.job_runs(self.job, limit=5) if r.started_at >= self.since - 1]
+            runs = [  # a job run adopted from a dead controller started before this command
+                r
+                for r in reversed(self.store.job_runs(self.job, limit=5))
+                if r.started_at >= self.since - 1 or r.status is JobStatus.RUNNING
+            ]
             if not runs:
                 return []
             self.job_run = runs[0]
@@ -337,6 +350,7 @@ def run_job(
     Per-step progress comes from local workers' metrics files; EC2 workers show their attempts only."""
     from flows.resilient_training import resilient_training
     from tasks.history import HistoryStore
+    from tasks.providers.local import worker_dir
 
     workdir = settings.job_dir(job.name) / "workers"
     if provider.kind == "local":
@@ -344,7 +358,8 @@ def run_job(
         provider = provider.model_copy(update={"workdir": str(workdir)})
     # Migrated (and its journal replayed) here, before the flow and the view share it.
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
-    monitor = RunMonitor(store, job.name, workdir / job.name / "metrics.jsonl", time.time())
+    metrics = worker_dir(workdir, job) / "metrics.jsonl"
+    monitor = RunMonitor(store, job.name, metrics, time.time())
     with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
         state = resilient_training(job, provider, policy, return_state=True)
     data = state.result(raise_on_failure=False)
@@ -404,13 +419,34 @@ def print_result(out: Console, r: RunResult, flow_run_url: str) -> None:
         out.print(f"flow run: {flow_run_url}", markup=False)
 
 
+def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:
+    """After Ctrl-C: the job run's attempts and end as SQL has them, and the command that resumes it."""
+    from tasks.history import HistoryStore, StoreUnavailable
+
+    store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
+    try:
+        run = store.latest_job_run(job.name)
+        rows = store.attempts(job_run_id=run.id, limit=10_000) if run is not None else []
+    except StoreUnavailable as e:
+        run, rows = None, []
+        out.print(f"history unavailable ({one_line(e)}); it is kept in the journal", markup=False)
+    finally:
+        store.close()
+    if rows:
+        out.print(attempts_table(rows, "attempts (from the SQL history)"))
+    status = f"{run.status.value}: {run.message}" if run is not None else "interrupted"
+    out.print(f"[bold yellow]Interrupted[/]: {escape(status)}")
+    out.print(f"resume with: {shlex.join(['spotrun', *sys.argv[1:]])}", markup=False)
+
+
 def add_run(sub: Subparsers) -> None:
     help_ = "train a job through the resilient-training flow here, with a live progress view"
     epilog = (
         "The flow runs in this process against PREFECT_API_URL, or against a Prefect server started "
         "under $SPOTRUN_HOME/prefect for the run. Workers are local trainer processes, reclaimed by "
         "the spot simulator as the --preempt-* options say, or EC2 spot instances (--provider with kind "
-        "aws). Exit 0 Completed, 1 Failed, 2 bad input."
+        "aws). Exit 0 Completed, 1 Failed, 2 bad input, 130 interrupted (Ctrl-C: the trainer takes an "
+        "emergency checkpoint first; the same command resumes)."
     )
     p = sub.add_parser("run", help=help_, description=help_, epilog=epilog)
     p.add_argument("job", metavar="JOB.yaml", help="the job spec")

@@ -203,7 +203,11 @@ class JobRunLog:
         self.resume_step, self.resume_uri = point.step, point.uri
 
     def record(self, record: AttemptRecord) -> None:
-        if record.outcome is not Outcome.COMPLETED and self.resume_step is not None:
+        # Lost steps count from the checkpoint the next attempt resumes from, once selected. A cancelled
+        # or adopted attempt ends the run here: its own count (from its newest durable step) stands.
+        if record.outcome is Outcome.CANCELLED or record.extra.get("controller_died"):
+            pass
+        elif record.outcome is not Outcome.COMPLETED and self.resume_step is not None:
             record.lost_steps = max(0, record.last_step - self.resume_step)
         elif record.outcome is not Outcome.COMPLETED:
             record.lost_steps = record.last_step

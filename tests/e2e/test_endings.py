@@ -1,0 +1,111 @@
+"""Every ending is recorded, and a stop by the user loses no work: Ctrl-C under `spotrun run` and a
+cancel of the flow run (the worker's SIGTERM to the flow process) both let the trainer take an emergency
+checkpoint at the step it stopped at, record the attempt as cancelled and the job run as cancelled; the
+same command then resumes and ends bitwise equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prefect import get_client
+from prefect.states import Cancelling
+
+from tasks.history import HistoryStore
+from tasks.history.models import JobStatus
+from tests.e2e.test_flow import FLOW_SCRIPT, job, reference_dir
+from tests.trainer_runs import REPO, assert_states_equal
+from trainer.ckpt_format import step_dir
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _history(home: Path, name: str) -> tuple[Any, list[Any]]:
+    store = HistoryStore.open(f"sqlite:///{home / 'history.db'}")
+    try:
+        run = store.latest_job_run(name)
+        assert run is not None
+        return run, store.attempts(job_run_id=run.id)
+    finally:
+        store.close()
+
+
+def _wait_for_steps(home: Path, name: str, steps: int, timeout_s: float = 180) -> None:
+    """Until the job's metrics file (written by the trainer) shows `steps` steps."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for m in (home / "jobs" / name).glob("workers/*/metrics.jsonl"):
+            lines = m.read_text().splitlines()
+            if len(lines) >= steps:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the trainer of {name} did not reach step {steps}")
+
+
+def _assert_cancelled_without_loss(home: Path, name: str, words: str) -> int:
+    run, rows = _history(home, name)
+    assert run.status is JobStatus.CANCELLED and words in run.message, run
+    assert [r.outcome.value for r in rows] == ["cancelled"], rows
+    a = rows[0]
+    assert a.last_durable_step == a.last_step > 0, a  # the emergency checkpoint at the stopping step
+    assert a.lost_steps == 0 and "emergency checkpoint" in a.cause, a
+    return a.last_step
+
+
+def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    spec = job(tmp_path, name="ctrlc", total_steps=4000)
+    path = tmp_path / "ctrlc.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(home)}
+    cmd = [sys.executable, "-m", "spotrun.cli", "run", str(path)]
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_steps(home, "ctrlc", 100)
+        child.send_signal(signal.SIGINT)  # what a terminal sends; the trainer is in its own session
+        out, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and f"resume with: spotrun run {path}" in out, out[-3000:]
+    stopped = _assert_cancelled_without_loss(home, "ctrlc", "Ctrl-C")
+    assert stopped < spec.total_steps
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    _, rows = _history(home, "ctrlc")
+    assert rows[0].resumed_from == stopped and rows[-1].outcome.value == "completed"
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_cancel_stops_the_trainer_gracefully_and_is_recorded(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    """A Prefect worker cancels a run by setting Cancelling and sending SIGTERM to the flow's process."""
+    spec = job(tmp_path, name="cancelme", total_steps=100_000)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
+    flow_proc = subprocess.Popen([sys.executable, "-c", FLOW_SCRIPT, spec.model_dump_json()], env=env)
+    try:
+        _wait_for_steps(home, "cancelme", 100)
+        run, _ = _history(home, "cancelme")
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run.flow_run_id, Cancelling(), force=True)  # type: ignore[arg-type]
+        flow_proc.send_signal(signal.SIGTERM)
+        flow_proc.wait(timeout=60)
+    finally:
+        if flow_proc.poll() is None:
+            flow_proc.kill()
+    _assert_cancelled_without_loss(home, "cancelme", "cancelled")
+    latest = json.loads((Path(spec.storage) / "latest").read_text())
+    _, rows = _history(home, "cancelme")
+    assert latest["step"] == rows[0].last_step  # storage agrees: the stopping step is durable
