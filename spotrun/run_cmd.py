@@ -174,8 +174,8 @@ def _validated(model: type[_M], values: dict[str, Any]) -> _M:
 class RunMonitor:
     """Follows one job run from outside the flow, through two outputs that are contracts, not log text:
     the trainer's --metrics file (one JSON line per step, appended by every attempt of the job; the
-    local provider writes it to <workdir>/<job>-<storage hash>/metrics.jsonl) for the step and loss, and the SQL
-    history for the job run (its flow run id) and each attempt once the flow has recorded it."""
+    local provider writes it to <workdir>/<job>-<storage hash>/metrics.jsonl) for the step and loss,
+    and the SQL history for the job run (its flow run id) and each attempt once the flow recorded it."""
 
     def __init__(self, store: HistoryStore, job: str, metrics: Path, since: float) -> None:
         self.store, self.job, self.metrics, self.since = store, job, metrics, since
