@@ -63,7 +63,7 @@ def _train(job: JobSpec, provider: ProviderConfig, policy: RetryPolicy, runlog: 
         report.emit(report.ATTEMPT_STARTED, job.name, attempt=attempt, step=runlog.resume_step)
         t0 = time.time()
         try:
-            worker = provision_worker(workers, job, attempt, runlog.spec_path)
+            worker = provision_worker(workers, job, attempt, runlog.spec_path, runlog.released)
         except ProvisionError as e:
             record = runlog.provision_failed(attempt, e, t0)
         else:
@@ -72,6 +72,7 @@ def _train(job: JobSpec, provider: ProviderConfig, policy: RetryPolicy, runlog: 
                 result = train_on_worker(workers, worker, job, progress)
             finally:
                 workers.release(worker)  # plain call: also while this flow is being cancelled
+                runlog.released = worker.id  # gone: the next trainer may take over its storage lease
             record = runlog.classify(worker, result)
         if record.outcome is not Outcome.COMPLETED:
             runlog.resumed(check_checkpoints(job, runlog.cache))  # integrity only; the trainer decides

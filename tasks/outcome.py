@@ -17,7 +17,11 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.providers.base import ProvisionError, WatchResult, Worker
 from trainer.exitcodes import ExitCode
 
-FATAL_CODES = (ExitCode.CONFIG_ERROR.name, ExitCode.DIVERGED.name)  # the trainer says: retrying won't help
+# The trainer says retrying won't help: a bad job, a diverged loss, or another live writer on the
+# storage (held, or taken over mid-run): a second writer would corrupt it, so stop and say who holds it.
+FATAL_CODES = tuple(
+    c.name for c in (ExitCode.CONFIG_ERROR, ExitCode.DIVERGED, ExitCode.LEASE_HELD, ExitCode.LEASE_LOST)
+)
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:.*)?$")
 
 

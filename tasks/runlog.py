@@ -83,6 +83,7 @@ class JobRunLog:
         self.spec_path = self.dir / "job.yaml"
         self._in_flight: Worker | None = None
         self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
+        self.released: str | None = None  # the last worker released: its lease may be taken at once
 
     @classmethod
     def start(cls, settings: Settings, job: JobSpec, provider_name: str, flow_run_id: str) -> JobRunLog:
@@ -139,6 +140,8 @@ class JobRunLog:
             adoption.stop_local_worker(left.process)
         elif left is not None and isinstance(workers, AwsProvider):
             workers.stop_leftover(left.worker_id)
+        if left is not None:
+            self.released = left.worker_id
         return workers
 
     @property

@@ -17,9 +17,13 @@ PROGRESS_EVERY_S = 2.0
 
 
 @task(name="provision", cache_policy=NO_CACHE)
-def provision_worker(provider: Provider, job: JobSpec, attempt: int, spec_path: Path) -> Worker:
-    """Rent (or, locally, start) a worker running the trainer for this job."""
-    worker = provider.provision(job, attempt, spec_path, [])
+def provision_worker(
+    provider: Provider, job: JobSpec, attempt: int, spec_path: Path, released: str | None = None
+) -> Worker:
+    """Rent (or, locally, start) a worker running the trainer for this job. `released`: the worker this
+    controller released last (or a dead controller left); the new trainer may take its lease at once."""
+    extra = ["--lease-takeover", released] if released else []
+    worker = provider.provision(job, attempt, spec_path, extra)
     get_run_logger().info("attempt %d: worker %s (%s) provisioned", attempt, worker.id, provider.name)
     return worker
 
