@@ -14,13 +14,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-import httpx
 from prefect import get_client, get_run_logger
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.filters import (
@@ -31,7 +30,6 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder, StateType
-from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.runtime import flow_run
@@ -74,8 +72,11 @@ def holder_of(runs: list[RunningRun], job: str, me: str) -> RunningRun | None:
     return min(others, key=lambda r: (r.started is None, r.started or datetime.min), default=None)
 
 
-def on_busy(job: str, policy: DuplicateRuns, holder: RunningRun | None) -> Busy:
+def on_busy(job: str, policy: DuplicateRuns, holder: RunningRun | None, paused: bool = False) -> Busy:
     """Wait or refuse, with the line that names the run in the way."""
+    if paused:
+        where = f"nothing: the limit {limit_name(job)} is set to 0 (paused); raise it to 1 to run the job"
+        return Busy(policy != "reject", f"job {job} waits for {where}")
     where = (
         f"flow run {holder.name} ({holder.id})"
         if holder
@@ -96,19 +97,25 @@ def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
         yield None
         return
     name = limit_name(job)
-    _create_if_missing(name)
-    with ExitStack() as held:
-        try:
-            held.enter_context(_hold(name, me, max_retries=0))
-        except ConcurrencySlotAcquisitionError as e:
-            if not _locked(e):
-                raise
-            busy = on_busy(job, policy, holder_of(_running_runs(), job, me))
-            get_run_logger().warning(busy.message)
-            if not busy.wait:
-                yield busy.message
-                return
-            held.enter_context(_hold(name, me, max_retries=None))  # the server says when to ask again
+    # Look before taking: a refused non-blocking acquire makes Prefect log an ERROR with a traceback.
+    # Two runs starting within the same few milliseconds may both see the slot free; the loser then
+    # waits in the acquire below even under "reject", which is still one run at a time.
+    taken, limit = _occupancy(name)
+    if taken >= limit:
+        busy = on_busy(job, policy, holder_of(_running_runs(), job, me), paused=limit == 0)
+        get_run_logger().warning(busy.message)
+        if not busy.wait:
+            yield busy.message
+            return
+    with concurrency(
+        name,
+        lease_duration=LEASE_S,
+        strict=True,  # a missing limit must not pass as "no limit"
+        holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(me)),
+        # training goes on when the server is briefly unreachable: the storage lease still guards it
+        raise_on_lease_renewal_failure=False,
+    ):  # waits while the slot is taken, asking again when the server says to
+        if taken >= limit:
             get_run_logger().info("job %s: the slot is free, starting", job)
         yield None
 
@@ -133,27 +140,14 @@ def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
     return guarded
 
 
-def _hold(name: str, me: str, max_retries: int | None) -> Any:
-    return concurrency(
-        name,
-        max_retries=max_retries,
-        lease_duration=LEASE_S,
-        strict=True,  # a missing limit must not pass as "no limit": it was just created
-        holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(me)),
-        # training goes on when the server is briefly unreachable: the storage lease still guards it
-        raise_on_lease_renewal_failure=False,
-    )
-
-
-def _locked(e: ConcurrencySlotAcquisitionError) -> bool:
-    cause = e.__cause__
-    return isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423
-
-
-def _create_if_missing(name: str) -> None:
-    # an existing limit is kept as it is: an operator may have set it to 0 to pause the job
-    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+def _occupancy(name: str) -> tuple[int, int]:
+    """(slots taken, limit) of the job's limit, created with limit 1 if missing."""
+    with get_client(sync_client=True) as client:
+        # an existing limit is kept as it is: an operator may have set it to 0 to pause the job
+        with suppress(ObjectAlreadyExists):
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        found = client.read_global_concurrency_limit_by_name(name)
+    return found.active_slots, found.limit
 
 
 def _running_runs() -> list[RunningRun]:

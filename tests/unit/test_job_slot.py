@@ -59,6 +59,12 @@ def test_busy_policy(policy: str, holder: RunningRun | None, wait: bool, says: s
     assert "\n" not in busy.message
 
 
+@pytest.mark.parametrize(("policy", "wait"), [("wait", True), ("reject", False)])
+def test_a_paused_job_says_how_to_resume(policy: str, wait: bool) -> None:
+    busy = on_busy("a", policy, None, paused=True)  # type: ignore[arg-type]
+    assert busy.wait is wait and "spotrun-job:a is set to 0 (paused); raise it to 1" in busy.message
+
+
 def test_limit_name_and_policy_default() -> None:
     assert limit_name("charlm-nightly") == "spotrun-job:charlm-nightly"
     assert RetryPolicy().duplicate_runs == "wait"

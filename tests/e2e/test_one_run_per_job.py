@@ -1,0 +1,77 @@
+"""One flow run per job against a real Prefect server: while a run trains, a second run of the job under
+"reject" ends Failed naming it and records nothing; a third under "wait" waits, then finds the job
+complete; the store ends bitwise equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import copy_context
+from pathlib import Path
+from typing import Any
+
+from prefect import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.exceptions import ObjectNotFound
+
+from spotrun.server import flush_to_api
+from tasks.history import HistoryStore
+from tasks.job_slot import limit_name
+from tasks.policy import RetryPolicy
+from tests.e2e.test_flow import attempts, job, reference_dir, run_flow, schedule
+from tests.trainer_runs import assert_states_equal
+from trainer.ckpt_format import step_dir
+
+
+def active_slots(name: str) -> int:
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).active_slots
+        except ObjectNotFound:
+            return 0
+
+
+def logs_of(flow_run_id: Any) -> str:
+    flush_to_api()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(log.message for log in logs)
+
+
+def test_a_second_run_is_refused_and_a_third_waits_for_the_first(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    spec = job(tmp_path, name=f"once-{uuid.uuid4().hex[:6]}", total_steps=1500)
+    provider = schedule((0.5, True))  # one reclaim: the holder runs through two trainer starts
+    with ThreadPoolExecutor(2) as pool:
+        # each thread in a copy of this context: Prefect's settings (the server's URL) live in contextvars
+        first: Future[Any] = pool.submit(copy_context().run, run_flow, spec, provider)
+        while not active_slots(limit_name(spec.name)):
+            assert not first.done(), first.result().message
+            time.sleep(0.2)
+        refused = run_flow(spec, provider, RetryPolicy(duplicate_runs="reject"))
+        waiter: Future[Any] = pool.submit(copy_context().run, run_flow, spec, provider)
+        held, waited = first.result(), waiter.result()
+    assert held.is_completed(), held.message
+    assert waited.is_completed(), waited.message
+    with get_client(sync_client=True) as client:
+        holder = client.read_flow_run(held.state_details.flow_run_id)
+    assert refused.is_failed()
+    assert f"job {spec.name} is already running in flow run {holder.name}" in refused.message
+    assert "refused (duplicate_runs: reject)" in refused.message
+    assert f"already running in flow run {holder.name} ({holder.id}); waiting" in logs_of(
+        waited.state_details.flow_run_id
+    )
+    store = HistoryStore.open(f"sqlite:///{home / 'history.db'}")
+    try:
+        runs = {r.flow_run_id: r for r in store.job_runs(spec.name)}
+    finally:
+        store.close()
+    assert str(refused.state_details.flow_run_id) not in runs  # the refused run recorded nothing
+    assert set(runs) == {str(held.state_details.flow_run_id), str(waited.state_details.flow_run_id)}
+    waited_run = runs[str(waited.state_details.flow_run_id)].id
+    outcomes = [r.outcome.value for r in attempts(home) if r.job_run_id == waited_run]
+    assert outcomes == ["completed"]  # the job was done: one attempt that trained nothing
+    assert active_slots(limit_name(spec.name)) == 0
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
