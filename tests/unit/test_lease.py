@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,16 @@ def test_local_dir_name_keys_by_storage() -> None:
     assert a != b and a.startswith("job-") and len(a) == len("job-") + 8
     assert local_dir_name("job", "file:///data/a") == a
     assert local_dir_name("job", "s3://bkt/p/") == local_dir_name("job", "s3://bkt/p")
+
+
+def test_renewal_thread_renews_until_released(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path)
+    lease = Lease.acquire(store, ME, ttl_s=3).start()  # renews every second
+    first = lease.doc.renewed_at
+    deadline = time.monotonic() + 60
+    while read_lease(store)[0].renewed_at == first:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "never renewed"
+        time.sleep(0.05)
+    lease.check(remote=True)
+    lease.release()
+    assert read_lease(store)[0].released  # type: ignore[union-attr]
