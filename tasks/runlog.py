@@ -20,7 +20,7 @@ from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import ResumePoint
 from tasks.endings import ending_for, flow_run_state
-from tasks.history import HistoryStore
+from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
 from tasks.outcome import classify, provision_failed_record, to_record
 from tasks.providers import build_provider
@@ -90,7 +90,11 @@ class JobRunLog:
         """Open the job run: a new one, or the job's running one whose controller died (adopted)."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
         job_dir = settings.job_dir(job.name)
-        orphan = store.open_job_run(job.name)
+        try:
+            orphan = store.open_job_run(job.name)
+        except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
+            get_run_logger().warning("cannot look for a job run to adopt: %s", e)
+            orphan = None
         if (
             orphan is not None
             and adoption.is_orphan(orphan, job.storage)

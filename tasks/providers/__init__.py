@@ -30,4 +30,4 @@ def build_provider(cfg: LocalProviderConfig | AwsProviderConfig, workdir: Path, 
         return AwsProvider.from_config(cfg, flow_run_id=flow_run_id or None)
     if cfg.workdir is None:
         cfg = cfg.model_copy(update={"workdir": str(workdir)})
-    return LocalProvider(cfg)
+    return LocalProvider(cfg, flow_run_id or None)
