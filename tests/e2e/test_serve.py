@@ -1,6 +1,7 @@
 """`spotrun serve` keeps its worker alive: the worker child is SIGKILLed, serve restarts it, the new
 worker registers and runs a training deployment run. Its own Prefect server: serve applies the alert
-automations, which must not react to other modules' events."""
+automations, which must not react to other modules' events. A cancelled run gives its job's slot back.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +12,23 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect import get_client
-from prefect.client.schemas.objects import WorkerStatus
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import State, WorkerStatus
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelling
 
 from deployments.worker import POOL
 from spotrun.server import PrefectServer
+from tasks.job_slot import limit_name
 from tests.e2e.test_flow import job
+from tests.e2e.test_one_run_per_job import active_slots
+from trainer.spec import JobSpec
 
 ROOT = Path(__file__).parents[2]
 PID = re.compile(r"worker (\S+) (?:\(pid (\d+)\) runs|restarted \(pid (\d+)\))")
@@ -87,12 +94,36 @@ def test_serve_restarts_a_killed_worker_which_then_runs_a_deployment(
         (worker,) = [w for w in client.read_workers_for_work_pool(POOL) if w.name == name]
         assert worker.status is WorkerStatus.ONLINE
         spec = job(tmp_path, name=f"served-{uuid.uuid4().hex[:6]}", total_steps=50, args={"hidden": 16})
-        dep = client.read_deployment_by_name("resilient-training/resilient-training")
-        params = {"job": spec.model_dump(mode="json"), "policy": {"max_errors": 1}}
-        run = client.create_flow_run_from_deployment(dep.id, parameters=params)
-        deadline = time.monotonic() + 180  # worker poll (1 s), a flow-run subprocess, a trainer
-        while not (state := client.read_flow_run(run.id).state) or not state.is_final():
-            assert time.monotonic() < deadline, f"the run is still {state}: {''.join(serve.lines)}"
-            time.sleep(1)
-    assert state.is_completed(), state.message
+        state = final_state(client, deployment_run(client, spec))
+        assert state.is_completed(), state.message
+        # a cancelled run gives its job's slot back as it stops, not a lease (60 s) later
+        spec = job(tmp_path / "long", name=f"cancelled-{uuid.uuid4().hex[:6]}", total_steps=10**6)
+        run_id = deployment_run(client, spec)
+        wait_for(lambda: active_slots(limit_name(spec.name)) == 1, "the run took no slot", serve)
+        client.set_flow_run_state(run_id, Cancelling(), force=True)
+        state = final_state(client, run_id)
+        assert state.is_cancelled(), state
+        assert active_slots(limit_name(spec.name)) == 0
     assert serve.stop() == 0, "".join(serve.lines)
+
+
+def deployment_run(client: SyncPrefectClient, spec: JobSpec) -> UUID:
+    dep = client.read_deployment_by_name("resilient-training/resilient-training")
+    params = {"job": spec.model_dump(mode="json"), "policy": {"max_errors": 1}}
+    return client.create_flow_run_from_deployment(dep.id, parameters=params).id
+
+
+def wait_for(done: Callable[[], bool], what: str, serve: Serve, timeout_s: float = 180) -> None:
+    """Poll until done(); the generous timeout covers the worker's poll, a flow-run subprocess, a trainer."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: {''.join(serve.lines)}"
+        time.sleep(0.5)
+
+
+def final_state(client: SyncPrefectClient, run_id: UUID) -> State:
+    deadline = time.monotonic() + 180
+    while not (state := client.read_flow_run(run_id).state) or not state.is_final():
+        assert time.monotonic() < deadline, f"the run is still {state}"
+        time.sleep(0.5)
+    return state
