@@ -1,0 +1,79 @@
+"""The chaos campaign's invariants, checked from outside the processes under test.
+
+Pure functions (`interleaved_writers`, `history_gaps`) are driven by tables in the suite; the rest read
+storage and /proc. Every check uses its own storage client straight to moto, never the fault proxy.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from trainer.catalog import Catalog
+from trainer.storage import Storage
+
+
+def interleaved_writers(pids: Iterable[int]) -> int:
+    """How many writers wrote to one storage again after another writer had written to it.
+
+    Writers of one storage must follow one another (a killed one never writes again; a stopped one
+    released the lease before the next acquired it), so the log reads as runs of one pid each:
+    A A B B C is fine, A B A is one writer too many."""
+    seen: set[int] = set()
+    bad: set[int] = set()
+    last: int | None = None
+    for pid in pids:
+        if pid != last and pid in seen:
+            bad.add(pid)
+        seen.add(pid)
+        last = pid
+    return len(bad)
+
+
+def publog_pids(publog: Path) -> list[int]:
+    """The writer pid of every logged put/delete, in the order they were sent."""
+    if not publog.exists():
+        return []
+    return [int(json.loads(line)["pid"]) for line in publog.read_text().splitlines() if line.strip()]
+
+
+def history_gaps(written: Iterable[int], present: Iterable[int]) -> int:
+    """Rows written (or journaled) but missing after replay, plus rows present more than once."""
+    counts = collections.Counter(present)
+    missing = sum(1 for a in set(written) if counts[a] == 0)
+    return missing + sum(n - 1 for n in counts.values() if n > 1)
+
+
+def newest_verified(storage: Storage, cache: Path) -> int | None:
+    """The newest committed checkpoint whose files all match its manifest: what a resume must pick."""
+    return Catalog(storage, cache).select(None, integrity_only=True).step
+
+
+def latest_unreadable(storage: Storage, cache: Path) -> str | None:
+    """Why `latest` names no checkpoint that verifies; None when it does (or names nothing yet)."""
+    catalog = Catalog(storage, cache)
+    step = catalog.latest()
+    if step is None:
+        return None
+    _, problems = catalog.validate(step, None, integrity_only=True)
+    return f"latest -> step {step}: {problems[0]}" if problems else None
+
+
+def processes_with(mark: str) -> list[int]:
+    """Pids (not this one) whose command line contains `mark`: the campaign's trainers and their
+    data-loader workers all carry the campaign directory in theirs."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in cmdline and state != "Z":
+            found.append(int(d.name))
+    return found

@@ -1,0 +1,144 @@
+"""The chaos campaign's stand-in for the worker's `python`: runs `python -m trainer` with faults wired in.
+
+`install(dir)` writes an executable `chaos-python` that the local provider starts as its interpreter
+(LocalProviderConfig.python). Before the trainer's own `__main__` runs, it reads the plan (JSON, path
+in SPOTRUN_CHAOS_PLAN, read once at start: the campaign rewrites it before each attempt) and wraps:
+
+  phases   write (local checkpoint dir), upload, verify (read-back), publish (`latest`), retention:
+           {"kill": {"signal": "SIGKILL"|"SIGTERM", "phase": P, "nth": n, "delay_s": d}} sends the
+           signal to this process d seconds after the n-th entry into phase P, from a timer thread,
+           so it lands inside the phase (or just after it, when the phase is quicker than d)
+  disk     {"disk": {"errno": "ENOSPC"|"EIO", "nth": n}}: the n-th local checkpoint write fails the
+           way a full or failing disk does: ENOSPC from the first optimizer.pt write (the weights
+           already on disk), EIO from the manifest's fsync; a partial .tmp directory stays behind
+  writes   every S3 put and delete (but the lease's and heartbeats') is appended to the plan's
+           `publog` as {"pid", "op", "key"} before it is sent: the campaign finds two writers of
+           one storage by interleaving in this log
+
+Trainer code is not edited: the wrappers replace module attributes in this process only.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PHASES = ("write", "upload", "verify", "publish", "retention")
+PLAN_ENV = "SPOTRUN_CHAOS_PLAN"
+
+
+def install(directory: Path) -> Path:
+    """Write an executable `chaos-python` into `directory` and return its path."""
+    exe = directory / "chaos-python"
+    repo = str(Path(__file__).resolve().parents[1])
+    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {repo!r})\n"
+                   "from bench.chaos_hook import main\nmain()\n")  # fmt: skip
+    exe.chmod(0o755)
+    return exe
+
+
+def main() -> None:
+    plan_path = os.environ.get(PLAN_ENV)
+    plan: dict[str, Any] = json.loads(Path(plan_path).read_text()) if plan_path else {}
+    _wrap(plan)
+    if sys.argv[1:3] != ["-m", "trainer"]:
+        raise SystemExit("chaos-python runs only `-m trainer ...`")
+    sys.argv = ["trainer", *sys.argv[3:]]
+    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+
+
+def _wrap(plan: dict[str, Any]) -> None:
+    import trainer.checkpointer as ck
+    import trainer.ckpt_format as fmt
+    from trainer.storage import s3
+
+    kill, disk, publog = plan.get("kill"), plan.get("disk"), plan.get("publog")
+    names = {"write": "write_checkpoint_dir", "upload": "upload", "verify": "verify_remote",
+             "publish": "write_latest", "retention": "apply_retention"}  # fmt: skip
+    entries = dict.fromkeys(PHASES, 0)
+    for phase, attr in names.items():
+        setattr(ck, attr, _counted(getattr(ck, attr), phase, entries, kill))
+    if disk is not None:
+        real = ck.write_checkpoint_dir
+        ck.write_checkpoint_dir = _disk_fault(real, fmt, int(disk["nth"]), getattr(errno, disk["errno"]))
+    if publog is not None:
+        _log_writes(s3.S3Storage, Path(publog))
+
+
+def _counted(fn: Callable[..., Any], phase: str, entries: dict[str, int], kill: Any) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        entries[phase] += 1
+        if kill is not None and kill["phase"] == phase and entries[phase] == int(kill["nth"]):
+            sig = signal.Signals[kill["signal"]]
+            threading.Timer(float(kill["delay_s"]), os.kill, (os.getpid(), sig)).start()
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Callable[..., Any]:
+    calls = [0]
+
+    def write_checkpoint_dir(parent: Path, snap: dict[str, Any], base: dict[str, Any]) -> Any:
+        calls[0] += 1
+        if calls[0] != nth:
+            return real(parent, snap, base)
+        if code == errno.ENOSPC:
+            orig = fmt._save_part
+
+            def full(path: Path, obj: Any) -> Any:
+                path.write_bytes(b"\0" * 512)  # what fit before the disk filled up
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+            fmt._save_part = full
+            try:
+                return real(parent, snap, base)
+            finally:
+                fmt._save_part = orig
+        orig_fsync = fmt._fsync_file
+
+        def failing(path: Path) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+        fmt._fsync_file = failing
+        try:
+            return real(parent, snap, base)
+        finally:
+            fmt._fsync_file = orig_fsync
+
+    return write_checkpoint_dir
+
+
+def _log_writes(cls: Any, publog: Path) -> None:
+    def note(op: str, key: str) -> None:
+        if key.startswith(("_lease", "_workers/")):
+            return
+        line = json.dumps({"pid": os.getpid(), "op": op, "key": key}) + "\n"
+        fd = os.open(publog, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())  # one write with O_APPEND: lines from processes never tear
+        finally:
+            os.close(fd)
+
+    put, delete = cls.put, cls.delete
+
+    def logged_put(self: Any, key: str, src: Path) -> None:
+        note("put", key)
+        put(self, key, src)
+
+    def logged_delete(self: Any, keys: Any) -> None:
+        for k in keys:
+            note("delete", k)
+        delete(self, keys)
+
+    cls.put, cls.delete = logged_put, logged_delete

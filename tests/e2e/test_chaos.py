@@ -1,0 +1,55 @@
+"""The chaos campaign's 50-fault variant (bench/chaos.py), and its invariant checks driven by tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import chaos  # noqa: E402
+from bench.chaos_checks import history_gaps, interleaved_writers  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("pids", "bad"),
+    [
+        ([], 0),
+        ([1, 1, 1], 0),
+        ([1, 1, 2, 2, 3], 0),  # one after another: a takeover after each death
+        ([1, 2, 1], 1),  # 1 wrote again after 2 took over
+        ([1, 2, 1, 2], 2),
+        ([1, 2, 3, 1, 3], 2),
+    ],
+)
+def test_interleaved_writers(pids: list[int], bad: int) -> None:
+    assert interleaved_writers(pids) == bad
+
+
+@pytest.mark.parametrize(
+    ("written", "present", "gaps"),
+    [
+        ([1, 2, 3], [1, 2, 3], 0),
+        ([1, 2, 3], [1, 3], 1),  # a journaled row never replayed
+        ([1, 2], [1, 2, 2], 1),  # replayed twice
+        ([], [1], 0),  # a row the campaign did not see written (killed mid-write) may land
+        ([1], [], 1),
+    ],
+)
+def test_history_gaps(written: list[int], present: list[int], gaps: int) -> None:
+    assert history_gaps(written, present) == gaps
+
+
+@pytest.mark.slow
+def test_fifty_faults_break_no_invariant(tmp_path: Path) -> None:
+    tally = chaos.run(faults=50, seed=11, minutes=4, root=tmp_path)
+    assert sum(tally.faults.values()) >= 50
+    assert tally.problems == []
+    summary = tally.summary()
+    invariants = ("bad_resumes", "unreadable_latest", "lost_history_rows", "leaked_processes")
+    for key in (*invariants, "duplicate_writers"):
+        assert summary[key] == 0, key
+    assert tally.attempts >= 3
