@@ -10,17 +10,20 @@ and estimate the step the next attempt will start from, for lost-steps accountin
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from typing import Protocol
 
 from trainer.catalog import Catalog, select_newest_valid
 from trainer.ckpt_format import checkpoint_uri
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
 from trainer.validate import Problem
+
+
+class LogSink(Protocol):
+    def log(self, level: int, msg: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -66,20 +69,16 @@ def choose(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
     return ResumePoint(sel.step, uri, rejected)
 
 
-@task(name="check-checkpoints", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def check_checkpoints(job: JobSpec, cache: Path) -> ResumePoint:
+def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
     """Hash every committed checkpoint, quarantine the damaged ones, estimate the next resume point."""
     reports = validate_all(job, cache)
-    log = get_run_logger()
     catalog = Catalog(open_storage(job.storage, job.s3))
     damaged = [r for r in reports if not r.valid]
     for r in damaged:  # the trainer must not resume from a local copy of what storage lost
         reason = "; ".join(r.problems[:3])
-        log.warning("checkpoint step %d is damaged in storage, quarantined: %s", r.step, reason)
+        sink.log(logging.WARNING, f"checkpoint step {r.step} is damaged in storage, quarantined: {reason}")
         catalog.quarantine(r.step, reason)
     point = choose(reports, job.storage)
-    log.info(
-        "%d checkpoint(s) intact, %d quarantined; the next attempt likely resumes from %s",
-        len(reports) - len(damaged), len(damaged), point.uri or "scratch",
-    )  # fmt: skip
+    sink.log(logging.INFO, f"{len(reports) - len(damaged)} checkpoint(s) intact, {len(damaged)} quarantined; "
+                           f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip
     return point

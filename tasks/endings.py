@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 from tasks.history.models import JobStatus
 
@@ -49,7 +50,9 @@ def ending_for_state(state_type: str, message: str) -> Ending:
 
 def flow_run_state(flow_run_id: str) -> str | None:
     """The flow run's state type from the API (e.g. "CANCELLING"), or None when it cannot be read."""
-    if not flow_run_id:
+    try:
+        UUID(flow_run_id)
+    except ValueError:  # no flow run (a plain-Python caller) or not one of Prefect's
         return None
     from prefect import get_client
 

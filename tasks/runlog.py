@@ -10,10 +10,9 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
-from prefect import get_run_logger
 
 from tasks import adoption
 from tasks import reporting as report
@@ -23,11 +22,9 @@ from tasks.endings import ending_for, flow_run_state
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
 from tasks.outcome import classify, provision_failed_record, to_record
-from tasks.providers import build_provider
 from tasks.providers.aws import AwsProvider
-from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
-from tasks.providers.local import LocalProviderConfig, stop_cause
+from tasks.providers.local import stop_cause
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from trainer.catalog import read_latest
@@ -67,11 +64,39 @@ class Summary:
         return dict(self.__dict__)
 
 
+class ReportSink(Protocol):
+    """What the run log reports through (tasks/control.py's Sink is one)."""
+
+    def log(self, level: int, msg: str) -> None: ...
+
+    def attempts(self, job: str, records: list[AttemptRecord]) -> None: ...
+
+    def summary(self, job: str, markdown: str) -> None: ...
+
+
+class _LogOnly:
+    def log(self, level: int, msg: str) -> None:
+        logging.getLogger(__name__).log(level, msg)
+
+    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
+        pass
+
+    def summary(self, job: str, markdown: str) -> None:
+        pass
+
+
 class JobRunLog:
     def __init__(
-        self, settings: Settings, job: JobSpec, store: HistoryStore, job_run_id: str, flow_run_id: str = ""
+        self,
+        settings: Settings,
+        job: JobSpec,
+        store: HistoryStore,
+        job_run_id: str,
+        flow_run_id: str = "",
+        sink: ReportSink | None = None,
     ) -> None:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
+        self.sink: ReportSink = sink if sink is not None else _LogOnly()
         self.flow_run_id = flow_run_id
         self.provider_name = "local"
         self.records: list[AttemptRecord] = []
@@ -86,29 +111,38 @@ class JobRunLog:
         self.released: str | None = None  # the last worker released: its lease may be taken at once
 
     @classmethod
-    def start(cls, settings: Settings, job: JobSpec, provider_name: str, flow_run_id: str) -> JobRunLog:
+    def start(
+        cls,
+        settings: Settings,
+        job: JobSpec,
+        provider_name: str,
+        flow_run_id: str,
+        sink: ReportSink | None = None,
+    ) -> JobRunLog:
         """Open the job run: a new one, or the job's running one whose controller died (adopted)."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
         job_dir = settings.job_dir(job.name)
         try:
             orphan = store.open_job_run(job.name)
         except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
-            get_run_logger().warning("cannot look for a job run to adopt: %s", e)
+            (sink or _LogOnly()).log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
             orphan = None
         if (
             orphan is not None
             and adoption.is_orphan(orphan, job.storage)
             and orphan.flow_run_id != flow_run_id
         ):
-            state = flow_run_state(orphan.flow_run_id or "")
-            if adoption.controller_gone(adoption.read_controller(job_dir), state):
-                log = cls(settings, job, store, orphan.id, flow_run_id)
+            info = adoption.read_controller(job_dir)
+            here = info.process.alive_here() if info is not None else None  # decides without Prefect
+            state = flow_run_state(orphan.flow_run_id or "") if here is None else None
+            if adoption.controller_gone(info, state):
+                log = cls(settings, job, store, orphan.id, flow_run_id, sink)
                 log._adopt(orphan)
                 return log._opened()
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
         )
-        return cls(settings, job, store, run_id, flow_run_id)._opened()
+        return cls(settings, job, store, run_id, flow_run_id, sink)._opened()
 
     def _opened(self) -> JobRunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -131,22 +165,22 @@ class JobRunLog:
                                      last_step, durable, time.time())  # fmt: skip
         self.resume_step = durable
         self.record(lost)
-        get_run_logger().warning(
-            "adopted job run %s of %s from dead flow run %s: attempt %d recorded as lost (controller died)",
-            orphan.id, self.job.name, orphan.flow_run_id, lost.attempt,
-        )  # fmt: skip
+        self.sink.log(
+            logging.WARNING,
+            f"adopted job run {orphan.id} of {self.job.name} from dead flow run {orphan.flow_run_id}: "
+            f"attempt {lost.attempt} recorded as lost (controller died)",
+        )
 
-    def provider(self, cfg: LocalProviderConfig | AwsProviderConfig) -> Provider:
-        self.provider_name = cfg.kind
-        workers = build_provider(cfg, self.dir / "workers", self.flow_run_id)
+    def stop_leftover(self, provider: Provider) -> None:
+        """Stop the worker a dead controller left (adoption), and let the next trainer take its lease."""
         left, self.leftover = self.leftover, None
-        if left is not None and left.process is not None:  # a local trainer the dead controller left
+        if left is None:
+            return
+        if left.process is not None:  # a local trainer
             adoption.stop_local_worker(left.process)
-        elif left is not None and isinstance(workers, AwsProvider):
-            workers.stop_leftover(left.worker_id)
-        if left is not None:
-            self.released = left.worker_id
-        return workers
+        elif isinstance(provider, AwsProvider):
+            provider.stop_leftover(left.worker_id)
+        self.released = left.worker_id
 
     @property
     def in_flight(self) -> Worker | None:
@@ -223,7 +257,7 @@ class JobRunLog:
         if self._in_flight is not None and self._in_flight.attempt == record.attempt:
             self.in_flight = None
         try:
-            report.attempts_table(self.job.name, self.records)
+            self.sink.attempts(self.job.name, self.records)
         except Exception as e:  # an artifact is a view; the row above is the record
             logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
 
@@ -232,13 +266,15 @@ class JobRunLog:
         final = max((r.last_step for r in self.records), default=0)
         summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
                           wall_s, timeline, *total_cost(self.records))  # fmt: skip
-        report.publish_summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
-                                                                      wall_s, timeline))  # fmt: skip
+        self.sink.summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
+                                                                 wall_s, timeline))  # fmt: skip
         self.store.finish_job_run(self.job_run_id, status, message)
         (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
         if not self.store.flush(timeout_s=10):
-            get_run_logger().warning(
-                "history database still unavailable: %d record(s) not written", self.store.pending
+            self.sink.log(
+                logging.WARNING,
+                f"history database still unavailable: {self.store.pending} record(s) wait in the journal "
+                "and are written when it answers",
             )
         return summary
 

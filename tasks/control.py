@@ -1,0 +1,230 @@
+"""The control loop of one job: provision, train, release, check, record, decide; repeat. Plain Python.
+
+    worker = provision(attempt)                  # the trainer on a fresh worker
+    result = watch(worker); release(worker)      # always released, also on a cancel or Ctrl-C
+    record = classify(result); check checkpoints # integrity only: the trainer picks the resume point
+    decision = decide(records, policy)           # done | give_up | retry after a delay (tasks/policy.py)
+
+`run_job` needs no Prefect server: what it reports (log lines, events, artifacts, task runs) goes to a
+`Sink`. `PlainSink` logs through `logging` and keeps events in a list (tests, scripts); the flow
+(flows/resilient_training.py) passes `tasks.prefect_sink.PrefectSink`, which turns the same calls into
+Prefect task runs, events and artifacts. Every ending reaches SQL: a cancel, Ctrl-C or an error here
+records the attempt in flight and the job run's status before it propagates (JobRunLog.interrupted).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from tasks import reporting as report
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.checkpoints import check_integrity
+from tasks.policy import RetryPolicy, decide
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tasks.runlog import JobRunLog, Summary
+from tasks.settings import Settings
+from trainer.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+PROGRESS_EVERY_S = 2.0
+
+
+class Sink(Protocol):
+    """Where the control loop reports. Implementations: PlainSink (here) and PrefectSink."""
+
+    def step(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run one step of the loop (`provision`, `train`, `check-checkpoints`): a Prefect task run."""
+        ...
+
+    def log(self, level: int, msg: str) -> None: ...
+
+    def event(
+        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
+    ) -> None:
+        """A `spotrun.*` event about the job (automations listen to them)."""
+        ...
+
+    def progress(self, job: str, step: int, total: int) -> None: ...
+
+    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
+        """The attempts so far (an artifact on the flow run)."""
+        ...
+
+    def summary(self, job: str, markdown: str) -> None: ...
+
+
+@dataclass
+class PlainSink:
+    """No Prefect: steps are plain calls, log lines go to `logging`, events are kept in `events`."""
+
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("spotrun.control"))
+
+    def step(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
+        return fn(*args)
+
+    def log(self, level: int, msg: str) -> None:
+        self.logger.log(level, msg)
+
+    def event(
+        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
+    ) -> None:
+        self.events.append((name, {"job": job, **payload, **(labels or {})}))
+
+    def progress(self, job: str, step: int, total: int) -> None:
+        pass
+
+    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
+        pass
+
+    def summary(self, job: str, markdown: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class JobResult:
+    completed: bool
+    message: str  # why it gave up, or how it completed
+    summary: Summary
+
+
+def run_job(
+    job: JobSpec,
+    provider: Provider,
+    policy: RetryPolicy,
+    sink: Sink,
+    *,
+    settings: Settings,
+    flow_run_id: str = "",
+    sleep: Callable[[float], None] = time.sleep,
+) -> JobResult:
+    """Train `job` on `provider`'s workers until it completes or the policy gives up."""
+    runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink)
+    try:
+        runlog.stop_leftover(provider)
+        return _loop(job, provider, policy, sink, runlog, sleep)
+    except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
+        runlog.interrupted(e)
+        raise
+
+
+def _loop(
+    job: JobSpec,
+    provider: Provider,
+    policy: RetryPolicy,
+    sink: Sink,
+    runlog: JobRunLog,
+    sleep: Callable[[float], None],
+) -> JobResult:
+    rng = random.Random(job.seed)
+    started = time.time()
+    while True:
+        attempt = len(runlog.records) + 1
+        sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
+        record = _attempt(job, provider, sink, runlog, attempt)
+        if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
+            runlog.resumed(sink.step("check-checkpoints", check_integrity, job, runlog.cache, sink))
+        runlog.record(record)
+        decision = decide(runlog.records, policy, rng)
+        sink.log(
+            logging.INFO,
+            f"attempt {attempt}: {record.outcome} ({record.cause}) -> {decision.action} {decision.reason}",
+        )
+        if decision.action == "done":
+            restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
+            payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id}
+            sink.event(report.JOB_COMPLETED, job.name, payload, restarted)
+            return _finish(runlog, "completed", "", started)
+        sink.event(report.attempt_event(record), job.name, _event_payload(record, runlog))
+        if decision.action == "give_up":
+            sink.event(report.JOB_GAVE_UP, job.name, {
+                "attempts": attempt, "reason": decision.reason, "checkpoint": runlog.resume_uri or "",
+                "flow_run_id": runlog.flow_run_id})  # fmt: skip
+            return _finish(runlog, "failed", decision.reason, started)
+        sink.event(report.JOB_RESTARTED, job.name, {**_event_payload(record, runlog), "restarts": attempt})
+        sleep(decision.delay_s)
+
+
+def _attempt(job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, attempt: int) -> AttemptRecord:
+    """One attempt, provisioned, watched and released; its record, classified."""
+    t0 = time.time()
+    try:
+        args = (provider, job, attempt, runlog.spec_path, runlog.released, sink)
+        worker = sink.step("provision", provision, *args)
+    except ProvisionError as e:
+        return runlog.provision_failed(attempt, e, t0)
+    runlog.in_flight = worker
+    try:
+        result = sink.step("train", watch, provider, worker, job, sink)
+    finally:
+        provider.release(worker)  # plain call: also while the run is being cancelled
+        runlog.released = worker.id  # gone: the next trainer may take over its storage lease
+    return runlog.classify(worker, result)
+
+
+def provision(
+    provider: Provider, job: JobSpec, attempt: int, spec_path: Path, released: str | None, sink: Sink
+) -> Worker:
+    """Rent (or, locally, start) a worker running the trainer. `released`: the worker released last (or
+    left by a dead controller); the new trainer may take over its storage lease at once."""
+    extra = ["--lease-takeover", released] if released else []
+    worker = provider.provision(job, attempt, spec_path, extra)
+    sink.log(logging.INFO, f"attempt {attempt}: worker {worker.id} ({provider.name}) provisioned")
+    return worker
+
+
+def watch(provider: Provider, worker: Worker, job: JobSpec, sink: Sink) -> WatchResult:
+    """Stream the worker's log and progress to the sink until the worker is gone."""
+    last_update = 0.0
+
+    def on_status(rec: dict[str, Any]) -> None:
+        nonlocal last_update
+        kind = rec.get("kind")
+        if kind == "started":
+            start = rec.get("checkpoint") or rec.get("resumed_from") or "scratch"
+            sink.log(logging.INFO, f"training from {start}")
+            rejected = rec.get("rejected")
+            for r in rejected if isinstance(rejected, list) else []:
+                why = f"trainer passed over checkpoint step {r.get('step')}: {r.get('reason')}"
+                sink.log(logging.WARNING, why)
+        elif kind == "durable":
+            sink.log(logging.INFO, f"checkpoint step {rec.get('step')} durable")
+        elif kind == "stopping":
+            sink.log(logging.WARNING, f"worker stopping on {rec.get('reason')} at step {rec.get('step')}")
+        elif kind == "step" and time.monotonic() - last_update > PROGRESS_EVERY_S:
+            last_update = time.monotonic()
+            sink.progress(job.name, int(rec["step"]), job.total_steps)
+
+    def on_log(line: str) -> None:
+        sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
+
+    return provider.watch(worker, on_status, on_log)
+
+
+def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object]:
+    return {
+        "attempt": record.attempt,
+        "cause": record.cause,
+        "outcome": record.outcome.value,
+        "step": record.last_step,
+        # strings, never None: the alert automation renders these into deployment parameters
+        "checkpoint": runlog.resume_uri or "",
+        "rejected": "; ".join(f"step {s}: {why}" for s, why in record.extra.get("rejected", []))[:1000],
+        "lost_steps": record.lost_steps,
+        "error": record.error[:300],
+        "flow_run_id": runlog.flow_run_id,
+    }
+
+
+def _finish(runlog: JobRunLog, status: str, message: str, started: float) -> JobResult:
+    summary = runlog.finish(status, message, time.time() - started)
+    text = message or f"completed in {len(runlog.records)} attempt(s), goodput {summary.goodput:.1%}"
+    return JobResult(status == "completed", text, summary)

@@ -1,0 +1,106 @@
+"""The control loop as plain Python: no Prefect server (the API address points at a closed port), real
+trainers through the local provider, SQL history in SQLite; and adoption of a job whose controller died."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks import adoption
+from tasks.control import PlainSink, run_job
+from tasks.history import HistoryStore
+from tasks.history.models import JobStatus
+from tasks.policy import RetryPolicy
+from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tasks.settings import Settings
+from trainer.spec import JobSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def no_prefect(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # anything that calls Prefect fails
+
+
+def _job(tmp_path: Path, **overrides: Any) -> JobSpec:
+    spec: dict[str, Any] = {
+        "name": "plain",
+        "recipe": "digits",
+        "args": {"hidden": 32},
+        "total_steps": 600,
+        "threads": 1,
+        "seed": 3,
+        "checkpoint": {"every_steps": 25, "keep": 2},
+        "storage": str(tmp_path / "store"),
+        "log_every": 100,
+    }
+    return JobSpec.model_validate({**spec, **overrides})
+
+
+def _provider(tmp_path: Path, *plan: PlannedPreemption) -> LocalProvider:
+    sim = SpotSimulatorConfig(schedule=list(plan))
+    return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, notice_s=10))
+
+
+def _settings(tmp_path: Path) -> Settings:
+    home = tmp_path / "home"
+    return Settings(home, f"sqlite:///{home / 'history.db'}")
+
+
+def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> None:
+    sink = PlainSink()
+    job = _job(tmp_path)
+    settings = _settings(tmp_path)
+    result = run_job(job, _provider(tmp_path, PlannedPreemption(after_s=0.2)), RetryPolicy(), sink,
+                     settings=settings, sleep=lambda s: None)  # fmt: skip
+    assert result.completed, result.message
+    names = [name for name, _ in sink.events]
+    assert names == [
+        "spotrun.attempt.started", "spotrun.attempt.preempted", "spotrun.job.restarted",
+        "spotrun.attempt.started", "spotrun.job.completed",
+    ]  # fmt: skip
+    store = HistoryStore.open(settings.database_url)
+    runs, rows = store.job_runs("plain"), store.attempts(job="plain")
+    store.close()
+    assert [r.status for r in runs] == [JobStatus.COMPLETED]
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"]
+    assert rows[1].resumed_from == rows[0].last_durable_step
+    assert not (settings.job_dir("plain") / adoption.CONTROLLER_FILE).exists()  # released at the end
+
+
+def test_a_new_controller_adopts_a_job_whose_controller_died(tmp_path: Path, no_prefect: None) -> None:
+    """A controller SIGKILLed mid-attempt left a `running` job run, a controller file naming its dead
+    process and a worker file; the next run_job continues the same job run, records the dead attempt as
+    lost (controller died), lets the new trainer take the lease at once, and completes."""
+    job, settings = _job(tmp_path), _settings(tmp_path)
+    store = HistoryStore.open(settings.database_url)
+    run_id = store.start_job_run("plain", job.spec_hash(), "dead-flow-run", job.storage, "local")
+    store.close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    job_dir = settings.job_dir("plain")
+    ref = adoption.ProcessRef(adoption.ProcessRef.of(1).host, dead.pid, 1)
+    info = adoption.ControllerInfo(run_id, "dead-flow-run", ref, time.time() - 60)
+    job_dir.mkdir(parents=True)
+    (job_dir / adoption.CONTROLLER_FILE).write_text(__import__("json").dumps(adoption.asdict(info)))
+    worker = adoption.WorkerInfo(run_id, "dead-flow-run", "local-999999", "local", 1, time.time() - 50, None)
+    (job_dir / adoption.WORKER_FILE).write_text(__import__("json").dumps(adoption.asdict(worker)))
+
+    result = run_job(job, _provider(tmp_path), RetryPolicy(), PlainSink(), settings=settings,
+                     flow_run_id="new-flow-run", sleep=lambda s: None)  # fmt: skip
+    assert result.completed, result.message
+    store = HistoryStore.open(settings.database_url)
+    runs, rows = store.job_runs("plain"), store.attempts(job_run_id=run_id)
+    store.close()
+    assert [(r.id, r.status, r.flow_run_id, r.controller_restarts) for r in runs] == [
+        (run_id, JobStatus.COMPLETED, "new-flow-run", 1)
+    ]
+    assert [r.outcome.value for r in rows] == ["lost", "completed"]
+    assert "controller died" in rows[0].cause and rows[0].worker_id == "local-999999"
+    assert rows[1].attempt == 2
