@@ -5,23 +5,26 @@ one, a double click in the UI) waits or is refused before it starts a worker.
 This is the orchestration-level guard; the storage lease is the hard guarantee. Slots are held with a
 lease the flow renews in a background thread: a holder that is SIGKILLed (host lost) stops renewing and
 the server's repossessor frees the slot once the lease lapses, so a restarted run is blocked for at most
-about LEASE_S plus the repossessor's 15 s loop. The limit is created on first use (the server no longer
-creates limits on acquisition); an operator who sets it to 0 in the UI pauses the job's new runs.
+about LEASE_S plus the repossessor's 15 s loop. Leases live in the server's memory: after a server
+restart a held slot stays taken for good, so a waiting run frees a slot that stayed taken ORPHAN_S with
+no running run of the job. The limit is created on first use (the server no longer creates limits on
+acquisition); an operator who sets it to 0 in the UI pauses the job's new runs.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from prefect import get_client, get_run_logger
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.filters import (
     FlowFilter,
     FlowFilterName,
@@ -39,6 +42,10 @@ from tasks.policy import DuplicateRuns
 
 LIMIT_PREFIX = "spotrun-job:"
 LEASE_S = 60.0  # the shortest lease the server accepts: a dead holder's slot comes back soonest
+# A dead holder's lease lapses and is revoked within LEASE_S + 15 s; a slot still taken with no run to
+# hold it after this long lost its lease (a server restart: leases live in the server's memory).
+ORPHAN_S = LEASE_S + 30
+POLL_S = 5.0
 FLOW_NAME = "resilient-training"
 
 
@@ -88,6 +95,23 @@ def on_busy(job: str, policy: DuplicateRuns, holder: RunningRun | None, paused: 
     return Busy(True, f"job {job} is already running in {where}; waiting")
 
 
+WaitAction = Literal["take", "wait", "free"]
+
+
+def while_busy(
+    free: bool, holder: bool, paused: bool, alone_since: float | None, now: float
+) -> tuple[WaitAction, float | None]:
+    """One look at a taken slot while waiting: take it once free; free it when it stayed taken with no
+    running holder for ORPHAN_S (its lease is gone); else wait. Returns the action and since when the
+    slot has been taken with no holder."""
+    if free:
+        return "take", None
+    if holder or paused:
+        return "wait", None
+    since = now if alone_since is None else alone_since
+    return ("free" if now - since >= ORPHAN_S else "wait"), since
+
+
 @contextmanager
 def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
     """Hold the job's slot for the block. Yields None when held, or the refusal line under "reject".
@@ -107,6 +131,7 @@ def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
         if not busy.wait:
             yield busy.message
             return
+        _wait_for_slot(name, job, me)
     with concurrency(
         name,
         lease_duration=LEASE_S,
@@ -114,7 +139,7 @@ def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
         holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(me)),
         # training goes on when the server is briefly unreachable: the storage lease still guards it
         raise_on_lease_renewal_failure=False,
-    ):  # waits while the slot is taken, asking again when the server says to
+    ):  # normally free now; if another waiter took it first, waits, asking when the server says to
         if taken >= limit:
             get_run_logger().info("job %s: the slot is free, starting", job)
         yield None
@@ -140,6 +165,29 @@ def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
     return guarded
 
 
+def _wait_for_slot(name: str, job: str, me: str) -> None:
+    """Poll until the slot is free, freeing one whose holder is gone without its lease."""
+    alone_since: float | None = None
+    while True:
+        taken, limit = _occupancy(name)
+        holder = holder_of(_running_runs(), job, me) if taken >= limit else None
+        action, alone_since = while_busy(
+            taken < limit, holder is not None, limit == 0, alone_since, time.monotonic()
+        )
+        if action == "take":
+            return
+        if action == "free":
+            get_run_logger().warning(
+                "job %s: %s stayed taken %.0f s with no running flow run of the job (its lease was lost, "
+                "e.g. by a server restart); freeing it",
+                job, name, ORPHAN_S,
+            )  # fmt: skip
+            with get_client(sync_client=True) as client:
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+            continue
+        time.sleep(POLL_S)
+
+
 def _occupancy(name: str) -> tuple[int, int]:
     """(slots taken, limit) of the job's limit, created with limit 1 if missing."""
     with get_client(sync_client=True) as client:
@@ -151,7 +199,9 @@ def _occupancy(name: str) -> tuple[int, int]:
 
 
 def _running_runs() -> list[RunningRun]:
-    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    # a run being cancelled still holds its slot until its process stops
+    states = [StateType.RUNNING, StateType.CANCELLING]
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=states))
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),

@@ -11,14 +11,18 @@ from contextvars import copy_context
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prefect import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.exceptions import ObjectNotFound
 
 from spotrun.server import flush_to_api
+from tasks import job_slot
 from tasks.history import HistoryStore
 from tasks.job_slot import limit_name
 from tasks.policy import RetryPolicy
+from tasks.providers.local import LocalProviderConfig
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow, schedule
 from tests.trainer_runs import assert_states_equal
 from trainer.ckpt_format import step_dir
@@ -75,3 +79,23 @@ def test_a_second_run_is_refused_and_a_third_waits_for_the_first(
     assert outcomes == ["completed"]  # the job was done: one attempt that trained nothing
     assert active_slots(limit_name(spec.name)) == 0
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_a_slot_left_taken_by_a_server_restart_is_freed_by_the_waiting_run(
+    prefect_api: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restarted server keeps active_slots in its database but lost the leases (held in memory): the
+    # slot is taken with no lease to lapse and no run to hold it. The real wait is ORPHAN_S (90 s).
+    monkeypatch.setattr(job_slot, "ORPHAN_S", 1.0)
+    monkeypatch.setattr(job_slot, "POLL_S", 0.2)
+    spec = job(tmp_path, name=f"orphan-{uuid.uuid4().hex[:6]}", total_steps=50, args={"hidden": 16})
+    name = limit_name(spec.name)
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=1))
+    state = run_flow(spec, LocalProviderConfig())
+    assert state.is_completed(), state.message
+    said = logs_of(state.state_details.flow_run_id)
+    assert "no running run of it is listed" in said and "waiting" in said
+    assert f"{name} stayed taken 1 s with no running flow run of the job" in said
+    assert active_slots(name) == 0

@@ -9,7 +9,16 @@ from prefect import flow
 from prefect.states import Completed, State
 
 from deployments.worker import RestartBackoff
-from tasks.job_slot import RunningRun, holder_of, job_slot, limit_name, on_busy, one_run_per_job
+from tasks.job_slot import (
+    ORPHAN_S,
+    RunningRun,
+    holder_of,
+    job_slot,
+    limit_name,
+    on_busy,
+    one_run_per_job,
+    while_busy,
+)
 from tasks.policy import RetryPolicy
 from trainer.spec import JobSpec
 
@@ -63,6 +72,35 @@ def test_busy_policy(policy: str, holder: RunningRun | None, wait: bool, says: s
 def test_a_paused_job_says_how_to_resume(policy: str, wait: bool) -> None:
     busy = on_busy("a", policy, None, paused=True)  # type: ignore[arg-type]
     assert busy.wait is wait and "spotrun-job:a is set to 0 (paused); raise it to 1" in busy.message
+
+
+@pytest.mark.parametrize(
+    ("free", "holder", "paused", "alone_since", "now", "action", "since"),
+    [
+        (True, False, False, None, 100.0, "take", None),
+        (True, False, False, 50.0, 100.0, "take", None),
+        (False, True, False, None, 100.0, "wait", None),
+        (False, True, False, 50.0, 100.0, "wait", None),  # a holder appeared: the clock starts again
+        (False, False, True, 1.0, 1000.0, "wait", None),  # paused (limit 0): never freed
+        (False, False, False, None, 100.0, "wait", 100.0),  # no holder: the clock starts
+        (False, False, False, 100.0, 100.0 + ORPHAN_S - 1, "wait", 100.0),  # a lapsing lease: wait
+        (False, False, False, 100.0, 100.0 + ORPHAN_S, "free", 100.0),  # lost lease: free it
+    ],
+)
+def test_while_busy(
+    free: bool,
+    holder: bool,
+    paused: bool,
+    alone_since: float | None,
+    now: float,
+    action: str,
+    since: float | None,
+) -> None:
+    assert while_busy(free, holder, paused, alone_since, now) == (action, since)
+
+
+def test_orphans_wait_out_a_lapsing_lease() -> None:
+    assert ORPHAN_S > 60 + 15  # lease plus the repossessor's loop: a dead holder's slot frees itself first
 
 
 def test_limit_name_and_policy_default() -> None:
