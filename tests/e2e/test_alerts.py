@@ -138,10 +138,10 @@ def test_deploy_twice_changes_nothing(stack: Stack) -> None:
     assert {a.change for a in again.automations} == {"unchanged"}
     assert [a.id for a in again.automations] == [a.id for a in stack.report.automations]
     with get_client(sync_client=True) as client:
-        assert len(spotrun_automations(client)) == 3
+        assert len(spotrun_automations(client)) == 5  # storm, gave up, recovered, zombie, crashed
         names = _deployment_names(client)
         nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
-    assert names == set(stack.report.deployments) and len(names) == 4
+    assert names == set(stack.report.deployments) and len(names) == 5  # + recover-job
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]  # type: ignore[union-attr]
 
 
