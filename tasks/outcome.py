@@ -14,7 +14,7 @@ import signal
 from bisect import bisect_left
 
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.providers.base import ProvisionError, WatchResult, Worker
+from tasks.providers.base import KillReason, NoticeKind, ProvisionError, StopCause, WatchResult, Worker
 from trainer.exitcodes import ExitCode
 
 # The trainer says retrying won't help: a bad job, a diverged loss, or another live writer on the
@@ -39,12 +39,12 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
         return Outcome.CRASHED, f"exited {code}: {error}"
     if result.notice_at is not None:
         return Outcome.PREEMPTED, _after_notice(result)
-    if result.notice_kind == "sim-no-notice":
+    if result.notice_kind == NoticeKind.SIM_NO_NOTICE:
         return Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)"
-    if result.notice_kind == "spot-interruption":  # EC2 took the instance; the trainer saw no notice
-        return Outcome.PREEMPTED, f"reclaimed by EC2 without a notice seen ({result.kill_reason})"
+    if result.notice_kind == NoticeKind.SPOT_INTERRUPTION:  # EC2 took the instance; the trainer saw no notice
+        return Outcome.PREEMPTED, f"reclaimed by EC2 without a notice seen ({_kill_words(result)})"
     if code == ExitCode.PREEMPTED.name:
-        reason = result.status.get("stopping", {}).get("reason") or "a stop request"
+        reason = (result.stopping.reason if result.stopping is not None else "") or "a stop request"
         return Outcome.PREEMPTED, f"stopped on {reason} (no simulator notice), exited PREEMPTED"
     if code == ExitCode.STOPPED.name:  # --max-steps: a planned stop with a durable checkpoint
         return Outcome.PREEMPTED, f"stopped at --max-steps (step {result.last_step}), exited STOPPED"
@@ -57,7 +57,7 @@ def _crash_cause(result: WatchResult) -> str:
         return f"exited CRASHED: {error or 'no error text'}"
     if code == ExitCode.COMPLETED.name:
         return "exited COMPLETED but COMPLETED.json is missing"
-    if result.kill_reason == "release":
+    if result.kill_reason == KillReason.RELEASE:
         return "killed by release() while running (flow cancelled or failed)"
     if result.signal == signal.SIGKILL:
         return "killed by SIGKILL (out of memory?)"
@@ -71,29 +71,29 @@ def _after_notice(result: WatchResult) -> str:
     assert result.notice_at is not None
     lead = _secs(result.ended_at - result.notice_at)
     code = result.trainer_code
-    if result.kill_reason == "notice-window" and result.killed_at is not None:
+    if result.kill_reason == KillReason.NOTICE_WINDOW and result.killed_at is not None:
         return f"spot notice, killed after the {_secs(result.killed_at - result.notice_at)} window"
     if code == ExitCode.PREEMPTED.name:
         return f"spot notice, exited PREEMPTED after {lead}"
     if code is not None:
         error = _first_line(result.trainer_error)
         return f"spot notice, then exited {code} after {lead}" + (f": {error}" if error else "")
-    if result.notice_kind == "spot-interruption":
-        return f"spot notice, then the instance was reclaimed ({result.kill_reason}) after {lead}"
+    if result.notice_kind == NoticeKind.SPOT_INTERRUPTION:
+        return f"spot notice, then the instance was reclaimed ({_kill_words(result)}) after {lead}"
     return f"spot notice, then {_how_ended(result)} after {lead}"
 
 
 STOPPED_BY = {
-    "cancel": "flow run cancelled (or its worker shut down)",
-    "interrupt": "interrupted (Ctrl-C)",
-    "error": "the controller failed",
+    StopCause.CANCEL: "flow run cancelled (or its worker shut down)",
+    StopCause.INTERRUPT: "interrupted (Ctrl-C)",
+    StopCause.ERROR: "the controller failed",
 }
 
 
 def _stopped_cause(result: WatchResult) -> str:
-    why = STOPPED_BY.get(result.stopped_by or "", result.stopped_by or "")
+    why = STOPPED_BY.get(result.stopped_by, str(result.stopped_by)) if result.stopped_by is not None else ""
     durable = result.last_durable_step
-    if result.kill_reason == "stop-grace":
+    if result.kill_reason == KillReason.STOP_GRACE:
         return f"{why}; the trainer did not stop within the grace period (SIGKILL), durable step {durable}"
     if result.trainer_code == ExitCode.PREEMPTED.name and durable == result.last_step:
         return f"{why}; emergency checkpoint at step {durable}"
@@ -177,9 +177,10 @@ def to_record(
         extra={
             "notice_kind": result.notice_kind,
             "kill_reason": result.kill_reason,
+            "kill_detail": result.kill_detail or None,
             "silent_s": result.silent_s,
             "started_training_at": result.started_training_at,
-            "total_steps": result.status.get("started", {}).get("total_steps"),
+            "total_steps": result.started.total_steps if result.started is not None else None,
         },
     )
 
@@ -208,6 +209,11 @@ def last_exception(log_tail: str) -> str:
         if _EXCEPTION_LINE.match(line):
             return line[:300]
     return ""
+
+
+def _kill_words(result: WatchResult) -> str:
+    """The cloud's own reason code when it gave one ("Server.SpotInstanceTermination"), else ours."""
+    return result.kill_detail or str(result.kill_reason)
 
 
 def _how_ended(result: WatchResult) -> str:

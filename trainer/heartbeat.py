@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.records import KINDS, Durable, Record, parse_record
 from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,15 @@ def read_heartbeat(storage: Storage, worker_id: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def heartbeat_records(doc: dict[str, Any]) -> list[Record]:
+    """The records of a heartbeat, oldest first (by `t`, then in the order a trainer writes the kinds);
+    unknown and malformed ones left out."""
+    raw = doc.get("records")
+    found = [r for v in raw.values() if (r := parse_record(v)) is not None] if isinstance(raw, dict) else []
+    order = list(KINDS)
+    return sorted(found, key=lambda r: (r.t, order.index(r.kind)))
+
+
 class HeartbeatWriter:
     """A StatusReporter listener (`reporter.subscribe(writer)`) that mirrors records into storage."""
 
@@ -97,16 +107,17 @@ class HeartbeatWriter:
         self._thread.start()
         return self
 
-    def __call__(self, rec: dict[str, Any]) -> None:
-        kind = str(rec.get("kind"))
+    def __call__(self, rec: Record) -> None:
+        kind = rec.kind
         with self._state:
-            self.records[kind] = rec
-            if isinstance(rec.get("step"), int):
-                self.last_step = rec["step"]
-                if kind == "durable":
-                    self.durable_step = rec["step"]
-            if isinstance(rec.get("durable_step"), int):
-                self.durable_step = rec["durable_step"]
+            self.records[kind] = rec.to_json()
+            step, durable = getattr(rec, "step", None), getattr(rec, "durable_step", None)
+            if isinstance(step, int):
+                self.last_step = step
+                if isinstance(rec, Durable):
+                    self.durable_step = step
+            if isinstance(durable, int):
+                self.durable_step = durable
             due = time.monotonic() - self._last_scheduled >= self.every_s
             if kind in PROMPT_KINDS or kind == "exit" or due:
                 self._schedule()

@@ -13,7 +13,8 @@ Each line is `@spotrun {json}`, flushed at once. Kinds:
                                                                checkpoint taken or skipped, and why
   exit      {code, name, error, step, durable_step}            the attempt is over
 A supervisor treats the time since the last line as the heartbeat: a hung trainer stops writing.
-Listeners (`subscribe`) get every record as a dict, also without a stream: the storage heartbeat
+Each record is a typed dataclass (trainer/records.py) on both sides; the line is its JSON form.
+Listeners (`subscribe`) get every record, also without a stream: the storage heartbeat
 (trainer/heartbeat.py) for supervisors that cannot read stdout.
 """
 
@@ -25,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
+
+from trainer.records import Durable, Record, build, parse_record
 
 PREFIX = "@spotrun "
 
@@ -39,19 +42,23 @@ class StatusReporter:
         self._lock = threading.Lock()
         self.last_step: int | None = None  # newest step seen, reported or not: the exit line carries it
         self.last_durable: int | None = None
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._listeners: list[Callable[[Record], None]] = []
 
-    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+    def subscribe(self, listener: Callable[[Record], None]) -> None:
         """Call `listener(record)` after each record is written; it runs in the emitting thread and
         must not raise."""
         self._listeners.append(listener)
 
     def emit(self, kind: str, **fields: Any) -> None:
-        if kind == "durable":
-            self.last_durable = fields["step"]
-        rec = {"kind": kind, "t": time.time(), **fields}
+        """Report a record of `kind` with these fields, stamped now (trainer/records.py lists them)."""
+        self.report(build(kind, time.time(), **fields))
+
+    def report(self, rec: Record) -> None:
+        """Write one record and hand it to the listeners."""
+        if isinstance(rec, Durable):
+            self.last_durable = rec.step
         if self.stream is not None:
-            line = PREFIX + json.dumps(rec, separators=(",", ":"))
+            line = PREFIX + json.dumps(rec.to_json(), separators=(",", ":"))
             with self._lock:
                 self.stream.write(line + "\n")
                 self.stream.flush()
@@ -71,12 +78,13 @@ def stdout_reporter() -> StatusReporter:
     return StatusReporter(sys.stdout)
 
 
-def parse_status_line(line: str) -> dict[str, Any] | None:
-    """The status record in a stdout line, or None for ordinary output."""
+def parse_status_line(line: str) -> Record | None:
+    """The status record in a stdout line, or None for ordinary output (and for a record this version
+    does not know or cannot read: the caller keeps such a line as log)."""
     if not line.startswith(PREFIX):
         return None
     try:
-        rec = json.loads(line[len(PREFIX) :])
+        obj = json.loads(line[len(PREFIX) :])
     except json.JSONDecodeError:
         return None
-    return rec if isinstance(rec, dict) and "kind" in rec else None
+    return parse_record(obj)

@@ -6,7 +6,8 @@ the last status record of each kind (trainer/status.py); records are fed in as t
 feeds status lines, but only the newest of each kind survives between two polls. Staleness is judged
 on the watcher's clock (when the object last changed), never by comparing clocks across machines.
 
-A spot reclaim sets notice_kind "spot-interruption"; notice_at is when the trainer heard of it: its
+A spot reclaim sets notice_kind "spot-interruption" and kill_reason "reclaimed" (kill_detail: EC2's
+StateReason code); notice_at is when the trainer heard of it: its
 `notice` record (the instance metadata's interruption notice, trainer/notices.py) or, failing that,
 its `stopping` record (the SIGTERM of the shutdown). A reclaim with neither leaves notice_at None.
 
@@ -33,9 +34,10 @@ from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_errors import error_code
 from tasks.providers.aws_launch import TAG_LEASE, lease_value
 from tasks.providers.aws_policy import Placement
-from tasks.providers.base import StatusCallback, WatchResult, Worker
+from tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
 from trainer.errors import StorageError
-from trainer.heartbeat import read_heartbeat
+from trainer.heartbeat import heartbeat_records, read_heartbeat
+from trainer.records import Durable, Record, Started, Step
 from trainer.storage import Storage
 
 if TYPE_CHECKING:
@@ -48,8 +50,7 @@ SPOT_RECLAIMS = frozenset(
     {"Server.SpotInstanceTermination", "Server.SpotInstanceShutdown", "Server.InsufficientInstanceCapacity"}
 )
 USER_SHUTDOWN = "Client.UserInitiatedShutdown"
-SPOT_INTERRUPTION = "spot-interruption"  # WatchResult.notice_kind of a reclaim by the spot market
-RECORD_ORDER = ("started", "step", "durable", "notice", "stopping", "exit")
+SPOT_INTERRUPTION = NoticeKind.SPOT_INTERRUPTION  # WatchResult.notice_kind of a reclaim by the spot market
 # Spot request status codes that announce the end (EC2 sets them with the 2-minute notice).
 SPOT_MARKED = frozenset({"marked-for-termination", "marked-for-stop", "marked-for-hibernation"})
 STEP_SAMPLES, TAIL_LINES, TAIL_BYTES = 4096, 60, 8192
@@ -77,13 +78,16 @@ def spot_request_marked(request: Mapping[str, Any]) -> str | None:
     return code if code in SPOT_MARKED else None
 
 
-def end_of_instance(state: str, reason_code: str, released: bool) -> tuple[str | None, str | None]:
-    """(notice_kind, kill_reason) for an instance EC2 reports in `state` with StateReason `reason_code`."""
+def end_of_instance(
+    state: str, reason_code: str, released: bool
+) -> tuple[NoticeKind | None, KillReason, str]:
+    """(notice_kind, kill_reason, kill_detail) for an instance EC2 reports in `state` with StateReason
+    `reason_code`."""
     if reason_code in SPOT_RECLAIMS:
-        return SPOT_INTERRUPTION, reason_code
+        return SPOT_INTERRUPTION, KillReason.RECLAIMED, reason_code
     if reason_code == USER_SHUTDOWN and released:
-        return None, "release"
-    return None, reason_code or f"instance {state}"
+        return None, KillReason.RELEASE, reason_code
+    return None, KillReason.INSTANCE_GONE, reason_code or f"instance {state}"
 
 
 class WorkerWatch:
@@ -100,7 +104,7 @@ class WorkerWatch:
         self.ec2, self.cfg, self.worker, self.state = ec2, cfg, worker, worker.handle
         self.on_status, self.exit_status = on_status, exit_status
         self.result = WatchResult(started_at=worker.started_at)
-        self.seen: dict[str, dict[str, Any]] = {}
+        self.seen: dict[str, Record] = {}
         self.beat_t: Any = None  # the heartbeat's own `t`, to see it change
         now = time.monotonic()
         self.alive_mono = now - max(0.0, time.time() - self.state.launched_at)  # launch, then each beat
@@ -115,7 +119,7 @@ class WorkerWatch:
             if self._instance_gone() or self._process_exited():
                 self._read_heartbeat()  # the last records, written while it shut down
                 break
-            if "exit" in self.result.status or self._lost():
+            if self.result.exit is not None or self._lost():
                 break
             time.sleep(self.cfg.poll_s)
         return self._finish()
@@ -144,29 +148,25 @@ class WorkerWatch:
             return
         if hb.get("t") != self.beat_t:
             self.beat_t, self.alive_mono = hb.get("t"), time.monotonic()
-        records = hb.get("records")
-        records = records if isinstance(records, dict) else {}
-        fresh = [(k, rec) for k in RECORD_ORDER if isinstance(rec := records.get(k), dict)]
-        for kind, rec in sorted(fresh, key=lambda kr: float(kr[1].get("t") or 0)):
-            if rec == self.seen.get(kind):
+        for rec in heartbeat_records(hb):
+            if rec == self.seen.get(rec.kind):
                 continue
-            self.seen[kind] = rec
-            self._record(kind, rec)
+            self.seen[rec.kind] = rec
+            self._record(rec)
             if self.on_status is not None:
                 self.on_status(rec)
         self._sample(hb)
 
-    def _record(self, kind: str, rec: dict[str, Any]) -> None:
-        r, step = self.result, rec.get("step")
-        r.fold(kind, rec)
-        t = float(rec.get("t") or time.time())
-        if kind == "started":
-            r.started_training_at = t
-            self.steps.append((t, int(step or 0)))
-        elif kind == "step" and isinstance(step, int):
-            self.steps.append((t, step))
-        elif kind == "durable" and isinstance(step, int):
-            r.durable_times.append((t, step))
+    def _record(self, rec: Record) -> None:
+        r = self.result
+        r.fold(rec)
+        if isinstance(rec, Started):
+            r.started_training_at = rec.t
+            self.steps.append((rec.t, rec.step))
+        elif isinstance(rec, Step):
+            self.steps.append((rec.t, rec.step))
+        elif isinstance(rec, Durable):
+            r.durable_times.append((rec.t, rec.step))
 
     def _sample(self, hb: dict[str, Any]) -> None:
         """The heartbeat's own step counters: newer than the last step record between two of them."""
@@ -198,9 +198,9 @@ class WorkerWatch:
 
     def _check_spot_request(self) -> None:
         """The controller's own notice: the spot request marked for interruption (the trainer's IMDS
-        watcher may be off or slower). Recorded in status["spot-request"]; notice_at if none better."""
+        watcher may be off or slower). Recorded in facts["spot-request"]; notice_at if none better."""
         rid = self.instance.get("SpotInstanceRequestId")
-        if not rid or "spot-request" in self.result.status:
+        if not rid or "spot-request" in self.result.facts:
             return
         try:
             out = self.ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[str(rid)])
@@ -209,7 +209,7 @@ class WorkerWatch:
             return
         code = next((spot_request_marked(r) for r in out.get("SpotInstanceRequests", [])), None)
         if code is not None:
-            self.result.status["spot-request"] = {"code": code, "t": time.time()}
+            self.result.facts["spot-request"] = {"code": code, "t": time.time()}
             log.warning("%s: spot request %s is %s", self.worker.id, rid, code)
 
     def _process_exited(self) -> bool:
@@ -230,7 +230,7 @@ class WorkerWatch:
         if silent < limit:
             return False
         r.lost, r.silent_s = True, round(silent, 1)
-        r.killed_at, r.kill_reason = time.time(), "lost"
+        r.killed_at, r.kill_reason = time.time(), KillReason.LOST
         log.warning("%s: no heartbeat for %.1f s; terminating it", self.worker.id, silent)
         try:
             self.ec2.terminate_instances(InstanceIds=[self.state.instance_id])
@@ -241,24 +241,24 @@ class WorkerWatch:
     def _finish(self) -> WatchResult:
         r = self.result
         r.ended_at = time.time()
-        code = r.status.get("exit", {}).get("code")
-        if isinstance(code, int) and r.exit_code is None and r.signal is None:  # the process's own wins
-            r.exit_code, r.signal = code, None
+        if r.exit is not None and r.exit_code is None and r.signal is None:  # the process's own wins
+            r.exit_code, r.signal = r.exit.code, None
         state = str(self.instance.get("State", {}).get("Name") or "")
         if state in GONE_STATES and not r.lost:
             reason = str(self.instance.get("StateReason", {}).get("Code") or "")
-            r.notice_kind, r.kill_reason = end_of_instance(state, reason, self.state.released_at is not None)
-            if r.kill_reason == "release":
+            released = self.state.released_at is not None
+            r.notice_kind, r.kill_reason, r.kill_detail = end_of_instance(state, reason, released)
+            if r.kill_reason == KillReason.RELEASE:
                 r.killed_at = self.state.released_at
         self._notice()
-        r.status["ec2"] = {
+        r.facts["ec2"] = {
             "instance_id": self.state.instance_id,
             "state": state,
             "reason_code": self.instance.get("StateReason", {}).get("Code"),
             "reason": self.instance.get("StateReason", {}).get("Message"),
         }
         r.step_times = list(self.steps)
-        if "exit" not in r.status:
+        if r.exit is None:
             r.log_tail = self._console_tail()
         return r
 
@@ -266,13 +266,12 @@ class WorkerWatch:
         """A stop notice the trainer reported makes the end a spot interruption, whatever EC2 says by
         now (the trainer may exit before the instance goes); notice_at is when the trainer heard."""
         r = self.result
-        notice, stopping = r.status.get("notice"), r.status.get("stopping")
-        if notice is not None and notice.get("stop"):
-            r.notice_kind, r.notice_at = SPOT_INTERRUPTION, float(notice.get("t") or r.ended_at)
-        elif r.notice_kind == SPOT_INTERRUPTION and stopping is not None:
-            r.notice_at = float(stopping.get("t") or r.ended_at)
-        elif r.notice_kind == SPOT_INTERRUPTION and "spot-request" in r.status:
-            r.notice_at = float(r.status["spot-request"]["t"])  # noticed here, though not by the trainer
+        if r.notice is not None and r.notice.stop:
+            r.notice_kind, r.notice_at = SPOT_INTERRUPTION, r.notice.t
+        elif r.notice_kind == SPOT_INTERRUPTION and r.stopping is not None:
+            r.notice_at = r.stopping.t
+        elif r.notice_kind == SPOT_INTERRUPTION and "spot-request" in r.facts:
+            r.notice_at = float(r.facts["spot-request"]["t"])  # noticed here, though not by the trainer
 
     def _console_tail(self) -> str:
         """The end of the instance's console output (cloud-init and the trainer's stderr), best effort."""

@@ -13,16 +13,47 @@ not decide what happens next (tasks/policy.py). The caller owns cleanup:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from trainer.records import KINDS, Durable, Exit, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
 
-StatusCallback = Callable[[dict[str, Any]], None]
+StatusCallback = Callable[[Record], None]
 LogCallback = Callable[[str], None]
+
+
+class NoticeKind(StrEnum):
+    """Who ended an attempt on purpose (a reclaim, real or simulated)."""
+
+    SIM_NOTICE = "sim-notice"  # the local simulator: SIGTERM, then SIGKILL after the notice window
+    SIM_NO_NOTICE = "sim-no-notice"  # the local simulator: SIGKILL with no warning
+    SPOT_INTERRUPTION = "spot-interruption"  # the cloud's spot market took the instance
+
+
+class KillReason(StrEnum):
+    """Why the worker was killed rather than left to exit (values are stored in the attempts' extra)."""
+
+    NOTICE_WINDOW = "notice-window"  # still running when the notice window ran out
+    NO_NOTICE = "no-notice"  # a reclaim without notice
+    LOST = "lost"  # silent past the heartbeat (or startup) timeout
+    RELEASE = "release"  # release() while it ran: the controller gave it back
+    STOP_GRACE = "stop-grace"  # the controller stopped it and the grace period ran out
+    RECLAIMED = "reclaimed"  # the cloud reclaimed the instance (kill_detail: its reason code)
+    INSTANCE_GONE = "instance-gone"  # the instance stopped or vanished for another reason (kill_detail)
+
+
+class StopCause(StrEnum):
+    """What made the controller stop a worker it was watching."""
+
+    CANCEL = "cancel"  # a flow-run cancel or a Prefect worker shutdown (SIGTERM to the flow)
+    INTERRUPT = "interrupt"  # Ctrl-C
+    ERROR = "error"  # the controller itself failed (a callback raised)
 
 
 class ProvisionError(Exception):
@@ -48,69 +79,119 @@ class Worker:
     result: WatchResult | None = field(default=None, repr=False, compare=False)
 
 
+# WatchResult attribute holding the last record of each kind.
+_SLOT = {"started": "started", "step": "progress", "durable": "durable", "notice": "notice",
+         "stopping": "stopping", "exit": "exit"}  # fmt: skip
+
+
 @dataclass
 class WatchResult:
     """What a provider saw of one attempt, from start to the worker being gone. Times are epoch seconds
-    on the watcher's clock; step numbers come from the trainer's status lines (trainer/status.py)."""
+    on the watcher's clock; step numbers come from the trainer's status records (trainer/records.py)."""
 
     started_at: float  # the process started
     ended_at: float = 0.0  # the process was seen gone
     exit_code: int | None = None  # the process exit status; None when a signal ended it
     signal: int | None = None  # the signal that ended it
-    status: dict[str, dict[str, Any]] = field(default_factory=dict)  # last status record of each kind
+    # The last status record of each kind (`fold`).
+    started: Started | None = None
+    progress: Step | None = None
+    durable: Durable | None = None
+    notice: Notice | None = None
+    stopping: Stopping | None = None
+    exit: Exit | None = None
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # the provider's own: "ec2", "cost", ...
     started_training_at: float | None = None  # the `started` record arrived
     last_step: int = 0  # highest step reported (step, stopping and exit records)
     last_durable_step: int | None = None  # newest checkpoint reported durable
     durable_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) per durable record
     step_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) samples, oldest dropped
     notice_at: float | None = None  # a notice (SIGTERM) was delivered
-    notice_kind: str | None = None  # who ended it on purpose: "sim-notice", "sim-no-notice", ...
-    killed_at: float | None = None  # the provider sent SIGKILL
-    kill_reason: str | None = None  # "notice-window", "no-notice", "lost", "release"
+    notice_kind: NoticeKind | None = None  # who ended it on purpose
+    killed_at: float | None = None  # the worker was killed (by the provider, the cloud or release)
+    kill_reason: KillReason | None = None
+    kill_detail: str = ""  # the cloud's own words for the end ("Server.SpotInstanceTermination")
     lost: bool = False  # the heartbeat (or startup) timeout was hit and the worker killed
     silent_s: float | None = None  # with `lost`: seconds without a line (or without `started`)
     log_tail: str = ""  # the last lines of stdout and stderr, status lines excluded
-    stopped_by: str | None = None  # the controller stopped the worker: "cancel", "interrupt", "error"
+    stopped_by: StopCause | None = None  # the controller stopped the worker
 
-    def fold(self, kind: str, rec: dict[str, Any]) -> None:
+    def fold(self, rec: Record) -> None:
         """Take one trainer status record: the last of each kind, the highest step and durable step."""
-        self.status[kind] = rec
-        step = rec.get("step")
+        setattr(self, _SLOT[rec.kind], rec)
+        step = getattr(rec, "step", None)
         if isinstance(step, int):
             self.last_step = max(self.last_step, step)
-        durable = step if kind == "durable" else rec.get("durable_step")
+        durable = rec.step if isinstance(rec, Durable) else getattr(rec, "durable_step", None)
         if isinstance(durable, int):
             self.last_durable_step = max(self.last_durable_step or 0, durable)
+
+    def records(self) -> list[Record]:
+        """The last record of each kind, oldest first."""
+        found: list[Record] = [r for s in _SLOT.values() if (r := getattr(self, s)) is not None]
+        return sorted(found, key=lambda r: r.t)
+
+    @property
+    def status(self) -> StatusView:
+        """The records and facts as dicts, by kind: the shape before records were typed. Read the
+        attributes (`exit`, `started`, ...) and `facts` instead; this stays for older callers."""
+        return StatusView(self)
 
     @property
     def resumed_from(self) -> int | None:
         """The checkpoint step the trainer started from (None: scratch or never started)."""
-        step = self.status.get("started", {}).get("resumed_from")
-        return int(step) if step is not None else None
+        return self.started.resumed_from if self.started is not None else None
 
     @property
     def rejected(self) -> list[tuple[int, str]]:
         """(step, reason) of each checkpoint the trainer passed over when it chose where to resume."""
-        entries = self.status.get("started", {}).get("rejected") or []
-        return [
-            (int(e["step"]), str(e.get("reason", ""))) for e in entries if isinstance(e, dict) and "step" in e
-        ]
+        return [(r.step, r.reason) for r in self.started.rejected] if self.started is not None else []
 
     @property
     def start_step(self) -> int:
         """The step training began at in this attempt."""
-        return int(self.status.get("started", {}).get("step") or 0)
+        return self.started.step if self.started is not None else 0
 
     @property
     def trainer_code(self) -> str | None:
         """The trainer's own ExitCode name from its `exit` record, if it wrote one."""
-        name = self.status.get("exit", {}).get("name")
-        return str(name) if name is not None else None
+        return self.exit.name if self.exit is not None else None
 
     @property
     def trainer_error(self) -> str:
         """The error text of the trainer's `exit` record ("RuntimeError: ..."), or ""."""
-        return str(self.status.get("exit", {}).get("error") or "")
+        return self.exit.error if self.exit is not None else ""
+
+
+class StatusView(MutableMapping[str, dict[str, Any]]):
+    """`WatchResult.status`: each record's JSON by kind, then the provider's facts. Records are
+    read-only here (`fold` them); other keys read and write `facts`."""
+
+    def __init__(self, result: WatchResult) -> None:
+        self._r = result
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        if key in _SLOT:
+            rec: Record | None = getattr(self._r, _SLOT[key])
+            if rec is None:
+                raise KeyError(key)
+            return rec.to_json()
+        return self._r.facts[key]
+
+    def __setitem__(self, key: str, value: dict[str, Any]) -> None:
+        if key in KINDS:
+            raise TypeError(f"status[{key!r}] is a trainer record: fold() a typed record instead")
+        self._r.facts[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._r.facts[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k, s in _SLOT.items() if getattr(self._r, s) is not None)
+        yield from self._r.facts
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @runtime_checkable

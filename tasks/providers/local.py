@@ -31,11 +31,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
+from typing import IO, TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
+from tasks.providers.base import (
+    KillReason,
+    LogCallback,
+    NoticeKind,
+    ProvisionError,
+    StatusCallback,
+    StopCause,
+    WatchResult,
+    Worker,
+)
+from trainer.records import Durable, Record, Started, Step
 from trainer.status import parse_status_line
 from trainer.storage.base import local_dir_name
 
@@ -264,7 +274,7 @@ class _Watch:
             raise
         return self._reap()
 
-    def _stop_gracefully(self, cause: str) -> None:
+    def _stop_gracefully(self, cause: StopCause) -> None:
         """The controller is going away: SIGTERM the trainer (its emergency-checkpoint path), keep reading
         its lines for up to `stop_grace_s`, then SIGKILL what is left; the result stays on the worker."""
         self.result.stopped_by = cause
@@ -280,7 +290,7 @@ class _Watch:
             except BaseException:  # a second Ctrl-C or SIGTERM: no more grace
                 log.warning("%s: second interrupt; killing the trainer now", self.worker.id)
         if not _exited(self.h.proc):
-            self._kill("stop-grace")
+            self._kill(KillReason.STOP_GRACE)
         self._reap()
 
     def _reap(self) -> WatchResult:
@@ -321,37 +331,37 @@ class _Watch:
         if self.on_status is not None:
             self.on_status(rec)
 
-    def _record(self, rec: dict[str, Any], ev: _Event) -> None:
-        r, kind, step = self.result, str(rec["kind"]), rec.get("step")
-        r.fold(kind, rec)
-        if kind == "started":
+    def _record(self, rec: Record, ev: _Event) -> None:
+        r = self.result
+        r.fold(rec)
+        if isinstance(rec, Started):
             self.training_mono, r.started_training_at = ev.mono, ev.wall
-            self.steps.append((ev.wall, int(step or 0)))
-        elif kind == "step" and isinstance(step, int):
-            self.steps.append((ev.wall, step))
-        elif kind == "durable" and isinstance(step, int):
-            r.durable_times.append((ev.wall, step))
+            self.steps.append((ev.wall, rec.step))
+        elif isinstance(rec, Step):
+            self.steps.append((ev.wall, rec.step))
+        elif isinstance(rec, Durable):
+            r.durable_times.append((ev.wall, rec.step))
 
     def _simulate(self, now: float) -> None:
         r = self.result
         if self.hard_kill_at is not None and now >= self.hard_kill_at:
             self.hard_kill_at = None
-            self._kill("notice-window")
+            self._kill(KillReason.NOTICE_WINDOW)
             return
         if self.plan is None or self.training_mono is None or r.notice_kind is not None:
             return
-        if "exit" in r.status or now - self.training_mono < self.plan.after_s:
+        if r.exit is not None or now - self.training_mono < self.plan.after_s:
             return  # an attempt that has reported its exit is over: a reclaim now would only blur it
         pid, after = self.h.proc.pid, self.plan.after_s
         if self.plan.notice:
-            r.notice_kind, r.notice_at = "sim-notice", time.time()
+            r.notice_kind, r.notice_at = NoticeKind.SIM_NOTICE, time.time()
             self.hard_kill_at = now + self.cfg.notice_s
             log.info("spot simulator: notice (SIGTERM) to %s after %.2f s of training", self.worker.id, after)
             _signal_group(pid, signal.SIGTERM)
         else:
-            r.notice_kind = "sim-no-notice"
+            r.notice_kind = NoticeKind.SIM_NO_NOTICE
             log.info("spot simulator: %s reclaimed without notice after %.2f s", self.worker.id, after)
-            self._kill("no-notice")
+            self._kill(KillReason.NO_NOTICE)
 
     def _check_heartbeat(self, now: float) -> None:
         r = self.result
@@ -364,9 +374,9 @@ class _Watch:
         if silent >= limit:
             r.lost, r.silent_s = True, round(silent, 1)
             log.warning("%s: no progress for %.1f s; killing it", self.worker.id, silent)
-            self._kill("lost")
+            self._kill(KillReason.LOST)
 
-    def _kill(self, reason: str) -> None:
+    def _kill(self, reason: KillReason) -> None:
         r = self.result
         if r.killed_at is None:
             r.killed_at, r.kill_reason = time.time(), reason
@@ -376,19 +386,19 @@ class _Watch:
         r = self.result
         r.exit_code, r.signal = (rc, None) if rc >= 0 else (None, -rc)
         if r.killed_at is None and self.h.released_at is not None:
-            r.killed_at, r.kill_reason = self.h.released_at, "release"
+            r.killed_at, r.kill_reason = self.h.released_at, KillReason.RELEASE
         r.step_times = list(self.steps)
         r.log_tail = "\n".join(self.tail)[-TAIL_BYTES:]
         return r
 
 
-def stop_cause(e: BaseException) -> str:
+def stop_cause(e: BaseException) -> StopCause:
     """Why the controller stopped a worker, from what interrupted its watch."""
     if isinstance(e, KeyboardInterrupt):
-        return "interrupt"
+        return StopCause.INTERRUPT
     if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge: a cancel or a worker shutdown
-        return "cancel"
-    return "error"
+        return StopCause.CANCEL
+    return StopCause.ERROR
 
 
 def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None:

@@ -28,7 +28,7 @@ from tasks.providers.aws_errors import NO_CREDENTIALS
 from tasks.providers.aws_policy import Placement, PlacementEvent, PlacementOutcome
 from tasks.providers.aws_sweeper import sweep
 from tasks.providers.aws_watch import SPOT_INTERRUPTION
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResult, Worker
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from trainer.heartbeat import heartbeat_key
@@ -173,7 +173,8 @@ def test_spot_interruption_after_a_notice_is_preempted(
     beat(job[0], worker, started, *progress, stopping)
     aws_backdoor.spot_interrupt(worker.id, ec2_world.region)
     result, seen = watch(provider, worker)
-    assert (result.notice_kind, result.kill_reason) == (SPOT_INTERRUPTION, "Server.SpotInstanceTermination")
+    assert (result.notice_kind, result.kill_reason) == (SPOT_INTERRUPTION, KillReason.RECLAIMED)
+    assert result.kill_detail == "Server.SpotInstanceTermination"
     assert result.notice_at == stopping["t"] and not result.lost
     assert (result.last_step, result.last_durable_step, result.started_training_at) == (12, 10, started["t"])
     assert [r["kind"] for r in seen] == ["started", "step", "durable", "stopping"]
@@ -192,8 +193,9 @@ def test_spot_interruption_without_a_notice(ec2_world: Ec2World, job: tuple[JobS
     beat(job[0], worker, rec("started", step=0), rec("step", step=5))
     aws_backdoor.spot_interrupt(worker.id, ec2_world.region)
     result, _ = watch(provider, worker)
-    assert (result.notice_kind, result.kill_reason, result.notice_at) == (
+    assert (result.notice_kind, result.kill_reason, result.kill_detail, result.notice_at) == (
         SPOT_INTERRUPTION,
+        KillReason.RECLAIMED,
         "Server.SpotInstanceTermination",
         None,
     )
@@ -218,7 +220,7 @@ def test_imds_notice_then_preempted_exit(ec2_world: Ec2World, job: tuple[JobSpec
 
 def test_outcome_counts_a_reclaim_without_notice_as_preempted() -> None:
     result = WatchResult(started_at=0.0, ended_at=1.0, notice_kind=SPOT_INTERRUPTION)
-    result.kill_reason = "Server.SpotInstanceTermination"
+    result.kill_reason, result.kill_detail = KillReason.RECLAIMED, "Server.SpotInstanceTermination"
     assert classify(result, completed=False)[0] is Outcome.PREEMPTED
 
 
@@ -353,7 +355,8 @@ wid = os.environ["SPOTRUN_WORKER_ID"]
 path = os.path.join(spec["storage"], "_workers", wid, "heartbeat.json")
 os.makedirs(os.path.dirname(path), exist_ok=True)
 now = time.time()
-exit = {{"kind": "exit", "t": now, "code": 0, "name": "COMPLETED", "step": 7, "argv": sys.argv[1:]}}
+argv = json.dumps(sys.argv[1:])  # in `error`: unknown fields are not kept
+exit = {{"kind": "exit", "t": now, "code": 0, "name": "COMPLETED", "step": 7, "error": argv}}
 records = {{"started": {{"kind": "started", "t": now, "step": 0}}, "exit": exit}}
 beat = {{"worker_id": wid, "t": now, "pid": os.getpid(), "last_step": 7, "records": records}}
 json.dump(beat, open(path, "w"))
@@ -376,7 +379,7 @@ json.dump(beat, open(path, "w"))
     result, _ = watch(provider, worker)
     assert (workdir / "job.yaml").read_text() == job[1].read_text()
     assert result.exit_code == 0 and result.trainer_code == "COMPLETED" and result.last_step == 7
-    assert result.status["exit"]["argv"] == [
+    assert json.loads(result.trainer_error) == [
         "-m",
         "trainer",
         "--config",

@@ -107,7 +107,7 @@ def test_aws_notice_checkpoints_the_stopping_step_and_heartbeats(imds: FakeIMDS,
     )
     assert run.last("notice")["action"] == "spot terminate"
     beat = read_heartbeat(run.storage, "w1")
-    assert beat is not None and beat["records"]["exit"] == exit_
+    assert beat is not None and beat["records"]["exit"] == exit_.to_json()
     assert (beat["last_step"], beat["durable_step"]) == (stopping["step"],) * 2
     assert {"started", "notice", "stopping", "durable"} <= set(beat["records"])
 

@@ -17,8 +17,9 @@ from tasks.attempts import Outcome
 from tasks.endings import ending_for, ending_for_state
 from tasks.history.models import JobRunRow, JobStatus
 from tasks.outcome import classify
-from tasks.providers.base import WatchResult
+from tasks.providers.base import StopCause, WatchResult
 from tasks.providers.local import stop_cause
+from trainer.records import Exit
 
 
 @pytest.mark.parametrize(
@@ -139,9 +140,11 @@ def test_controller_and_worker_files_round_trip(tmp_path: Path) -> None:
 def test_a_stopped_worker_is_cancelled(
     stopped_by: str, code: str | None, durable: int, last: int, words: str
 ) -> None:
-    r = WatchResult(started_at=0.0, ended_at=1.0, exit_code=75 if code else None, stopped_by=stopped_by)
+    r = WatchResult(
+        started_at=0.0, ended_at=1.0, exit_code=75 if code else None, stopped_by=StopCause(stopped_by)
+    )
     r.last_step, r.last_durable_step = last, durable
     if code:
-        r.status["exit"] = {"kind": "exit", "name": code, "code": 75}
+        r.fold(Exit(t=0.5, name=code, code=75))
     outcome, cause = classify(r, completed=False)
     assert outcome is Outcome.CANCELLED and words in cause

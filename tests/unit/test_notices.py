@@ -17,7 +17,7 @@ from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, unused_
 from trainer.catalog import list_checkpoints
 from trainer.checkpointer import Checkpointer, SaveTimings
 from trainer.errors import ConfigError
-from trainer.heartbeat import HeartbeatWriter, heartbeat_key, read_heartbeat
+from trainer.heartbeat import HeartbeatWriter, heartbeat_key, heartbeat_records, read_heartbeat
 from trainer.notices import (
     AWS_INSTANCE_ACTION,
     AWS_TOKEN,
@@ -34,6 +34,7 @@ from trainer.notices import (
     parse_gcp_preempted,
 )
 from trainer.preemption import StopRequest, plan_emergency_save
+from trainer.records import Durable, Exit, Started, Step
 from trainer.spec import SHAPE_FIELDS, PreemptionOptions, parse_spec
 from trainer.storage import LocalStorage, put_bytes
 
@@ -336,16 +337,17 @@ def test_heartbeat_contract(tmp_path: Path) -> None:
     assert wait_until(lambda: read_heartbeat(storage, "w1") is not None)
     first = read_heartbeat(storage, "w1")
     assert first is not None and first["records"] == {} and first["worker_id"] == "w1"
-    hb({"kind": "started", "t": 1.0, "resumed_from": None, "step": 0, "total_steps": 9})
-    hb({"kind": "step", "t": 2.0, "step": 5, "loss": 0.5, "steps_per_s": 3.0, "durable_step": None})
-    hb({"kind": "durable", "t": 3.0, "step": 5})
-    hb({"kind": "exit", "t": 4.0, "code": 75, "name": "PREEMPTED", "error": "", "step": 6, "durable_step": 5})
+    hb(Started(t=1.0, resumed_from=None, step=0, total_steps=9))
+    hb(Step(t=2.0, step=5, loss=0.5, steps_per_s=3.0, durable_step=None))
+    hb(Durable(t=3.0, step=5))
+    hb(Exit(t=4.0, code=75, name="PREEMPTED", error="", step=6, durable_step=5))
     doc = read_heartbeat(storage, "w1")  # the exit write is synchronous: no waiting
     hb.close()
     assert doc is not None
     assert set(doc) == {"worker_id", "t", "pid", "last_step", "durable_step", "records"}
     assert (doc["last_step"], doc["durable_step"]) == (6, 5)
     assert doc["records"]["exit"]["name"] == "PREEMPTED" and doc["records"]["step"]["step"] == 5
+    assert [r.kind for r in heartbeat_records(doc)] == ["started", "step", "durable", "exit"]
     assert [o.key for o in storage.list()] == [heartbeat_key("w1")] == ["_workers/w1/heartbeat.json"]
 
 
@@ -355,7 +357,7 @@ def test_heartbeat_write_failures_never_raise(tmp_path: Path) -> None:
             raise OSError("disk on fire")
 
     hb = HeartbeatWriter(Broken(tmp_path / "s"), "w1").start()
-    hb({"kind": "exit", "t": 1.0, "code": 1})
+    hb(Exit(t=1.0, code=1))
     hb.close()
     assert hb.failures >= 1 and hb.writes == 0
 

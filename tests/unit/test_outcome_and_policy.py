@@ -20,15 +20,18 @@ from tasks.outcome import (
     to_record,
 )
 from tasks.policy import RetryPolicy, backoff_delay, decide, normalize_error
+from tasks.providers.base import KillReason as KR
+from tasks.providers.base import NoticeKind as NK
 from tasks.providers.base import ProvisionError, WatchResult, Worker
 from tasks.providers.local import PlannedPreemption, SpotSimulatorConfig, plan_preemption, simulator_rng
+from trainer.records import Exit, Started, Stopping
 
 T0 = 1_000_000.0
 KILL, TERM = int(signal.SIGKILL), int(signal.SIGTERM)
 
 
 def _exit(name: str, error: str = "") -> dict[str, Any]:
-    return {"exit": {"kind": "exit", "code": 0, "name": name, "error": error}}
+    return {"exit": Exit(t=T0, code=0, name=name, error=error)}
 
 
 def _result(**kw: Any) -> WatchResult:
@@ -36,46 +39,47 @@ def _result(**kw: Any) -> WatchResult:
     return WatchResult(**{**base, **kw})
 
 
-NOTICE = {"notice_kind": "sim-notice", "notice_at": T0 + 8}
+NOTICE = {"notice_kind": NK.SIM_NOTICE, "notice_at": T0 + 8}
 CLASSIFY_CASES = [
     # completed marker outranks every exit code and signal
-    ("done, exit 0", _result(exit_code=0, status=_exit("COMPLETED"), last_step=30), True,
+    ("done, exit 0", _result(exit_code=0, **_exit("COMPLETED"), last_step=30), True,
      Outcome.COMPLETED, "completed at step 30"),
     ("done, SIGTERM in teardown", _result(signal=TERM, last_step=30), True,
      Outcome.COMPLETED, "completed at step 30 (then killed by SIGTERM)"),
     ("done, torchrun rc 1", _result(exit_code=1), True, Outcome.COMPLETED, "(then exit code 1)"),
-    ("lost in training", _result(signal=KILL, lost=True, silent_s=3.04, last_step=20, kill_reason="lost"),
+    ("lost in training", _result(signal=KILL, lost=True, silent_s=3.04, last_step=20, kill_reason=KR.LOST),
      False, Outcome.LOST, "no heartbeat for 3 s (after step 20); worker killed"),
     ("lost in start-up", _result(signal=KILL, lost=True, silent_s=600, started_training_at=None), False,
      Outcome.LOST, "did not start training within 600 s; worker killed"),
-    ("notice, clean exit", _result(exit_code=75, status=_exit("PREEMPTED"), ended_at=T0 + 8.8, **NOTICE),
+    ("notice, clean exit", _result(exit_code=75, **_exit("PREEMPTED"), ended_at=T0 + 8.8, **NOTICE),
      False, Outcome.PREEMPTED, "spot notice, exited PREEMPTED after 0.8 s"),
     ("notice, window expired",
-     _result(signal=KILL, kill_reason="notice-window", killed_at=T0 + 13, ended_at=T0 + 13.1, **NOTICE),
+     _result(signal=KILL, kill_reason=KR.NOTICE_WINDOW, killed_at=T0 + 13, ended_at=T0 + 13.1, **NOTICE),
      False, Outcome.PREEMPTED, "spot notice, killed after the 5 s window"),
-    ("notice, crash while stopping", _result(exit_code=1, status=_exit("CRASHED", "OSError: disk"), **NOTICE),
+    ("notice, crash while stopping", _result(exit_code=1, **_exit("CRASHED", "OSError: disk"), **NOTICE),
      False, Outcome.PREEMPTED, "spot notice, then exited CRASHED after 2 s: OSError: disk"),
     ("notice, but diverged",
-     _result(exit_code=3, status=_exit("DIVERGED", "TrainingDiverged: nan"), **NOTICE), False,
+     _result(exit_code=3, **_exit("DIVERGED", "TrainingDiverged: nan"), **NOTICE), False,
      Outcome.CRASHED, "exited DIVERGED: TrainingDiverged: nan"),
-    ("no-notice reclaim", _result(signal=KILL, notice_kind="sim-no-notice", kill_reason="no-notice"), False,
+    ("no-notice reclaim", _result(signal=KILL, notice_kind=NK.SIM_NO_NOTICE, kill_reason=KR.NO_NOTICE), False,
      Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)"),
     ("SIGKILL nobody sent", _result(signal=KILL), False,
      Outcome.CRASHED, "killed by SIGKILL (out of memory?)"),
     ("SIGSEGV", _result(signal=int(signal.SIGSEGV)), False, Outcome.CRASHED, "killed by SIGSEGV"),
-    ("user SIGTERM", _result(exit_code=75, status={**_exit("PREEMPTED"), "stopping": {"reason": "SIGTERM"}}),
+    ("user SIGTERM",
+     _result(exit_code=75, **_exit("PREEMPTED"), stopping=Stopping(t=T0, reason="SIGTERM", step=5)),
      False, Outcome.PREEMPTED, "stopped on SIGTERM (no simulator notice), exited PREEMPTED"),
-    ("--max-steps", _result(exit_code=4, status=_exit("STOPPED"), last_step=13), False,
+    ("--max-steps", _result(exit_code=4, **_exit("STOPPED"), last_step=13), False,
      Outcome.PREEMPTED, "stopped at --max-steps (step 13)"),
-    ("crash", _result(exit_code=1, status=_exit("CRASHED", "RuntimeError: injected crash at step 30")), False,
+    ("crash", _result(exit_code=1, **_exit("CRASHED", "RuntimeError: injected crash at step 30")), False,
      Outcome.CRASHED, "exited CRASHED: RuntimeError: injected crash at step 30"),
-    ("config error", _result(exit_code=2, status=_exit("CONFIG_ERROR", "ConfigError: bad\nmore")), False,
+    ("config error", _result(exit_code=2, **_exit("CONFIG_ERROR", "ConfigError: bad\nmore")), False,
      Outcome.CRASHED, "exited CONFIG_ERROR: ConfigError: bad"),
-    ("exit 0, no marker", _result(exit_code=0, status=_exit("COMPLETED")), False,
+    ("exit 0, no marker", _result(exit_code=0, **_exit("COMPLETED")), False,
      Outcome.CRASHED, "exited COMPLETED but COMPLETED.json is missing"),
     ("died before reporting", _result(exit_code=1, log_tail="Traceback:\n  x\nImportError: no torch"), False,
      Outcome.CRASHED, "exited with code 1 before reporting: ImportError: no torch"),
-    ("released mid-run", _result(signal=KILL, kill_reason="release"), False,
+    ("released mid-run", _result(signal=KILL, kill_reason=KR.RELEASE), False,
      Outcome.CRASHED, "killed by release() while running"),
 ]  # fmt: skip
 
@@ -133,7 +137,7 @@ def test_simulator_config_rejects_bad_values() -> None:
 def test_accounting_lost_steps_and_productive_time() -> None:
     r = _result(
         started_training_at=T0 + 4,
-        status={"started": {"kind": "started", "step": 20, "resumed_from": 20}},
+        started=Started(t=T0 + 4, step=20, resumed_from=20),
         last_step=47,
         last_durable_step=40,
         step_times=[(T0 + 4, 20), (T0 + 5, 30), (T0 + 6, 50)],
@@ -150,9 +154,7 @@ def test_accounting_lost_steps_and_productive_time() -> None:
 
 def test_to_record_and_provision_failed_record() -> None:
     worker = Worker("local-1", "local", 2, T0)
-    r = _result(
-        exit_code=1, status=_exit("CRASHED", "RuntimeError: boom"), last_step=33, last_durable_step=28
-    )
+    r = _result(exit_code=1, **_exit("CRASHED", "RuntimeError: boom"), last_step=33, last_durable_step=28)
     outcome, cause = classify(r, False)
     rec = to_record(worker, r, outcome, cause, resumed_checkpoint="s3://b/j/step_000000028")
     assert (rec.attempt, rec.worker_id, rec.outcome, rec.error) == (
