@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -124,27 +124,33 @@ class FakeProvider:
         clock = _Clock(worker.started_at)
         with h.lock:
             h.watching = h.released_at is None
+
+        def emit(rec: Record, quiet: bool = False) -> None:
+            self._fold(result, rec)
+            if isinstance(rec, Durable):
+                self.durable[h.job.name] = max(self.durable.get(h.job.name, 0), rec.step)
+            if on_status is not None and not quiet:
+                on_status(rec)
+
         try:
             if h.watching:
                 for rec in self._records(h, clock):
                     if h.released_at is not None:
                         break
-                    self._fold(result, rec)
-                    if isinstance(rec, Durable):
-                        self.durable[h.job.name] = max(self.durable.get(h.job.name, 0), rec.step)
-                    if on_status is not None:
-                        on_status(rec)
+                    emit(rec)
                 for line in h.script.log:
                     result.log_tail = "\n".join([*result.log_tail.splitlines(), line])
                     if on_log is not None:
                         on_log(line)
         except BaseException as e:  # a cancel, Ctrl-C or a callback's error: stop gracefully, as local does
-            self._stop_gracefully(h, result, clock, e)
+            result.stopped_by = stop_cause(e)
+            self._graceful_exit(result, clock, lambda rec: emit(rec, quiet=True))  # the flow is going away
+            result.ended_at = clock.now()
             raise
         if h.released_at is not None:
             result.signal, result.killed_at, result.kill_reason = KILL, h.released_at, KillReason.RELEASE
         else:
-            self._end(h, result, clock)
+            self._end(h, result, clock, emit)
         result.ended_at = clock.now()
         return result
 
@@ -173,11 +179,11 @@ class FakeProvider:
                 durable = step
                 yield Durable(t=clock.now(), step=step)
 
-    def _end(self, h: _Handle, r: WatchResult, clock: _Clock) -> None:
+    def _end(self, h: _Handle, r: WatchResult, clock: _Clock, emit: Callable[[Record], None]) -> None:
         s, step = h.script, r.last_step
         if s.ending is Ending.NOTICE:
             r.notice_kind, r.notice_at = NoticeKind.SIM_NOTICE, clock.now()
-            self._graceful_exit(h, r, clock, "SIGTERM")
+            self._graceful_exit(r, clock, emit)
         elif s.ending is Ending.NO_NOTICE:
             r.notice_kind, r.signal = NoticeKind.SIM_NO_NOTICE, KILL
             r.killed_at, r.kill_reason = clock.now(), KillReason.NO_NOTICE
@@ -194,29 +200,20 @@ class FakeProvider:
             )
             if code is ExitCode.COMPLETED and self.write_marker:
                 mark_completed(open_storage(h.job.storage, h.job.s3), h.job, step)
-            r.fold(Exit(t=clock.now(), code=int(code), name=code.name, error=s.error, step=step,
-                        durable_step=r.last_durable_step))  # fmt: skip
+            emit(Exit(t=clock.now(), code=int(code), name=code.name, error=s.error, step=step,
+                      durable_step=r.last_durable_step))  # fmt: skip
             r.exit_code = int(code)
 
-    def _graceful_exit(self, h: _Handle, r: WatchResult, clock: _Clock, reason: str) -> None:
+    def _graceful_exit(self, r: WatchResult, clock: _Clock, emit: Callable[[Record], None]) -> None:
         """The trainer on SIGTERM: stopping, an emergency checkpoint at the current step, exit 75."""
         step = r.last_step
         clock.tick(self.step_s)
-        r.fold(Stopping(t=clock.now(), reason=reason, step=step))
+        emit(Stopping(t=clock.now(), reason="SIGTERM", step=step))
         if r.started is not None:
-            r.fold(Durable(t=clock.now(), step=step))
-            r.durable_times.append((clock.now(), step))
-            self.durable[h.job.name] = max(self.durable.get(h.job.name, 0), step)
+            emit(Durable(t=clock.now(), step=step))
         code = ExitCode.PREEMPTED
-        r.fold(
-            Exit(t=clock.now(), code=int(code), name=code.name, step=step, durable_step=r.last_durable_step)
-        )
+        emit(Exit(t=clock.now(), code=int(code), name=code.name, step=step, durable_step=r.last_durable_step))
         r.exit_code = int(code)
-
-    def _stop_gracefully(self, h: _Handle, r: WatchResult, clock: _Clock, e: BaseException) -> None:
-        r.stopped_by = stop_cause(e)
-        self._graceful_exit(h, r, clock, "SIGTERM")
-        r.ended_at = clock.now()
 
     @staticmethod
     def _fold(r: WatchResult, rec: Record) -> None:
