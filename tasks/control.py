@@ -29,6 +29,7 @@ from tasks.policy import RetryPolicy, decide
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.runlog import JobRunLog, Summary
 from tasks.settings import Settings
+from trainer.records import Durable, Record, Started, Step, Stopping
 from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -185,23 +186,19 @@ def watch(provider: Provider, worker: Worker, job: JobSpec, sink: Sink) -> Watch
     """Stream the worker's log and progress to the sink until the worker is gone."""
     last_update = 0.0
 
-    def on_status(rec: dict[str, Any]) -> None:
+    def on_status(rec: Record) -> None:
         nonlocal last_update
-        kind = rec.get("kind")
-        if kind == "started":
-            start = rec.get("checkpoint") or rec.get("resumed_from") or "scratch"
-            sink.log(logging.INFO, f"training from {start}")
-            rejected = rec.get("rejected")
-            for r in rejected if isinstance(rejected, list) else []:
-                why = f"trainer passed over checkpoint step {r.get('step')}: {r.get('reason')}"
-                sink.log(logging.WARNING, why)
-        elif kind == "durable":
-            sink.log(logging.INFO, f"checkpoint step {rec.get('step')} durable")
-        elif kind == "stopping":
-            sink.log(logging.WARNING, f"worker stopping on {rec.get('reason')} at step {rec.get('step')}")
-        elif kind == "step" and time.monotonic() - last_update > PROGRESS_EVERY_S:
+        if isinstance(rec, Started):
+            sink.log(logging.INFO, f"training from {rec.checkpoint or rec.resumed_from or 'scratch'}")
+            for r in rec.rejected:
+                sink.log(logging.WARNING, f"trainer passed over checkpoint step {r.step}: {r.reason}")
+        elif isinstance(rec, Durable):
+            sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
+        elif isinstance(rec, Stopping):
+            sink.log(logging.WARNING, f"worker stopping on {rec.reason} at step {rec.step}")
+        elif isinstance(rec, Step) and time.monotonic() - last_update > PROGRESS_EVERY_S:
             last_update = time.monotonic()
-            sink.progress(job.name, int(rec["step"]), job.total_steps)
+            sink.progress(job.name, rec.step, job.total_steps)
 
     def on_log(line: str) -> None:
         sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
