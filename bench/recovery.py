@@ -4,9 +4,10 @@ attempt, and the goodput that follows when a spot market takes the worker once a
 Measured in one run, with the local provider (each worker a `python -m trainer` subprocess):
   (a) recovery: a chain of attempts of one job, each killed by the spot simulator after a few
       seconds of training (alternately with and without notice). Recovery runs from the moment
-      the death is observed (watch() returned) through the flow's own validate + select
-      (tasks.checkpoints.validate_all, choose), provision, and the resumed trainer's first `step`
-      status line. Cold start: the same trainer with an empty storage, provision -> first `step`.
+      the death is observed (watch() returned) through the flow's own integrity check + estimate
+      (tasks.checkpoints.validate_all, choose; no recipe is built), provision, and the resumed
+      trainer's first `step` status line. Cold start: the same trainer with an empty storage,
+      provision -> first `step`.
       Each cold start runs between a death and its recovery (the recovery clock starts after it),
       so both see the same machine. log_every: 1, so the first step is reported at once. Sizes:
       digits (kilobytes of state) and charlm with ~100 MB, where loading a checkpoint costs
@@ -207,7 +208,7 @@ class Chain:
             simulator=SpotSimulatorConfig(schedule=plan),
         )  # fmt: skip
         chain = cls(LocalProvider(cfg), job, write_job(job, root / "job.yaml"), root / "flow-cache")
-        validate_all(job, chain.flow_cache)  # a flow's first validation imports and builds the recipe, once
+        validate_all(job, chain.flow_cache)  # warm up: the first integrity check imports the hashing paths
         return chain
 
     def first(self) -> None:
