@@ -45,8 +45,8 @@ class LocalWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0  # time.monotonic() at the last start
 
-    def start(self, timeout_s: float = 60) -> LocalWorker:
-        """Start the worker and wait until the server lists it in the pool."""
+    def start(self, timeout_s: float = 60, stop: threading.Event | None = None) -> LocalWorker:
+        """Start the worker and wait until the server lists it in the pool (or `stop` is set)."""
         cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process"]
         cmd += ["--name", self.name] + (["--limit", str(self.limit)] if self.limit else [])
         # How often it asks for runs; the default 10 s would add up to 10 s to every alert.
@@ -70,6 +70,9 @@ class LocalWorker:
             beat = self.heartbeat()
             if beat is not None and beat != before:
                 return self
+            if stop is not None and stop.is_set():  # serve was told to stop: do not wait out the start
+                self.stop()
+                raise WorkerStartError("stopped while the worker was starting")
             time.sleep(0.5)
         self.stop()
         raise WorkerStartError(f"prefect worker did not register within {timeout_s:.0f} s; see {self.log}")
@@ -126,11 +129,12 @@ def supervise(
     stop: threading.Event,
     say: Callable[[str], None],
     backoff: RestartBackoff | None = None,
+    poll_s: float = 1.0,
 ) -> None:
     """Keep `worker` running until `stop` is set: a dead worker is restarted after the backoff, and a
-    restart that fails to register counts as one more death. Returns with the worker still running."""
+    restart that fails to register counts as one more death. The caller stops the worker."""
     backoff = backoff or RestartBackoff()
-    while not stop.wait(1.0):
+    while not stop.wait(poll_s):
         code = worker.exited()
         if code is None:
             continue
@@ -140,7 +144,7 @@ def supervise(
             f"restarting in {delay:g} s (restart {backoff.failures})")  # fmt: skip
         while not stop.wait(delay):
             try:
-                worker.start()
+                worker.start(stop=stop)
                 say(f"worker {worker.name} restarted (pid {worker.proc.pid if worker.proc else '?'})")
                 break
             except (WorkerStartError, httpx.HTTPError, OSError) as e:  # the server may be down too: retry
