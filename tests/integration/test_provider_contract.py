@@ -8,6 +8,7 @@ in the order they were written."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,9 @@ class Case:
 
 
 def _job(tmp_path: Path, **over: Any) -> tuple[JobSpec, Path]:
-    path = write_spec(tmp_path / "job.yaml", storage=str(tmp_path / "store"), total_steps=TOTAL, **over)
+    path = write_spec(
+        tmp_path / "job.yaml", storage=str(tmp_path / "store"), **{"total_steps": TOTAL, **over}
+    )
     return load_spec(path), path
 
 
@@ -112,6 +115,7 @@ def rehearsal_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest
     cfg = AwsProviderConfig(
         region=world.region, instance_types=["g6.xlarge"], subnets=world.subnets, image_id=world.image_id,
         security_groups=[world.security_group], endpoint_url=world.endpoint, workdir=str(tmp_path / "i"),
+        python=sys.executable,
         poll_s=0.1, heartbeat_timeout_s=60, rehearse_locally=True,
     )  # fmt: skip
     return Case(RehearsalProvider(cfg, tmp_path / "instances", None), load_spec(path), path)
