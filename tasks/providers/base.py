@@ -196,8 +196,9 @@ class StatusView(MutableMapping[str, dict[str, Any]]):
 
 @runtime_checkable
 class Provider(Protocol):
-    """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator) and
-    tasks/providers/aws.py (EC2 spot)."""
+    """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator),
+    tasks/providers/aws.py (EC2 spot), aws_rehearsal.py and fake.py (scripted, no processes); one
+    contract for all in tests/integration/test_provider_contract.py."""
 
     name: str
 
