@@ -220,14 +220,14 @@ class JobRunLog:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
         outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
-        if "cost" in result.status:  # providers that rent machines price each attempt in their watch
-            record.extra["cost"] = dict(result.status["cost"])
+        if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
+            record.extra["cost"] = dict(result.facts["cost"])
         if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
             record.extra["rejected"] = [list(r) for r in result.rejected]
             self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)
         steps = list(result.step_times)
         if result.last_step and (not steps or steps[-1][1] < result.last_step):
-            last_t = max((float(r.get("t", 0)) for r in result.status.values()), default=result.ended_at)
+            last_t = max((r.t for r in result.records()), default=result.ended_at)
             steps.append((last_t, result.last_step))  # step lines come once a second: add the last one
         self.traces.append(
             AttemptTrace(record.attempt, outcome.value, worker.started_at, result.ended_at,
