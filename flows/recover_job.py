@@ -15,6 +15,8 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from tasks import reporting as report
+from tasks.endings import Ending, close_job_run_of
+from tasks.history.models import JobStatus
 from tasks.recovery import (
     JOB_CRASHED,
     RESTART_TAG,
@@ -50,6 +52,9 @@ def recover_job(crashed_flow_run_id: str, limit: int = 3, window_s: float = 3600
     if decision.action is RestartAction.GIVE_UP:
         report.emit(report.JOB_GAVE_UP, crashed.job, reason=decision.reason, checkpoint="",
                     flow_run_id=str(crashed_id))  # fmt: skip
+        close_job_run_of(crashed.job, str(crashed_id), Ending(JobStatus.CRASHED, decision.reason))
+    elif decision.action is RestartAction.LEAVE:
+        close_job_run_of(crashed.job, str(crashed_id), Ending(JobStatus.CANCELLED, decision.reason))
     if decision.action is not RestartAction.RESTART:
         return {"action": str(decision.action), "reason": decision.reason}
     new = run_deployment(  # sync_compatible: a FlowRun in this sync flow

@@ -67,20 +67,27 @@ def flow_run_state(flow_run_id: str) -> str | None:
 
 def record_ending(flow: Any, flow_run: Any, state: Any) -> None:
     """on_cancellation / on_crashed hook: close this flow run's job run if it is still `running`."""
+    job = (flow_run.parameters or {}).get("job") or {}
+    name = job.get("name") if isinstance(job, dict) else getattr(job, "name", None)
+    if name:
+        close_job_run_of(name, str(flow_run.id), ending_for_state(state.type.value, state.message or ""))
+
+
+def close_job_run_of(job: str, flow_run_id: str, end: Ending) -> bool:
+    """Give the job run that flow run `flow_run_id` controls its final status, if it is still `running`
+    (a later controller that adopted it relinked it to itself, so it is left alone). True if closed."""
     from tasks.history import HistoryStore
     from tasks.settings import Settings
 
-    job = (flow_run.parameters or {}).get("job") or {}
-    name = job.get("name") if isinstance(job, dict) else getattr(job, "name", None)
-    if not name:
-        return
     settings = Settings.from_env()
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
+    closed = False
     try:
-        for run in store.job_runs(name, limit=10):
-            if run.flow_run_id == str(flow_run.id) and run.status is JobStatus.RUNNING:
-                end = ending_for_state(state.type.value, state.message or "")
+        for run in store.job_runs(job, limit=10):
+            if run.flow_run_id == flow_run_id and run.status is JobStatus.RUNNING:
                 store.finish_job_run(run.id, end.status, end.message)
-                log.warning("job run %s of %s closed as %s by the flow's hook", run.id, name, end.status)
+                log.warning("job run %s of %s closed as %s: %s", run.id, job, end.status, end.message)
+                closed = True
     finally:
         store.close()
+    return closed

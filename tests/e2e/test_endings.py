@@ -21,11 +21,14 @@ from prefect.states import Cancelling
 
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
+from tasks.providers.local import LocalProviderConfig
+from tests.e2e import test_flow
 from tests.e2e.test_flow import FLOW_SCRIPT, job, reference_dir
 from tests.trainer_runs import REPO, assert_states_equal
 from trainer.ckpt_format import step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pg_database = test_flow.pg_database  # a fresh PostgreSQL database (URL), dropped afterwards
 
 
 def _history(home: Path, name: str) -> tuple[Any, list[Any]]:
@@ -109,3 +112,71 @@ def test_cancel_stops_the_trainer_gracefully_and_is_recorded(
     latest = json.loads((Path(spec.storage) / "latest").read_text())
     _, rows = _history(home, "cancelme")
     assert latest["step"] == rows[0].last_step  # storage agrees: the stopping step is durable
+
+
+PREEMPTING_FLOW = """
+import sys
+from flows.resilient_training import resilient_training
+from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from trainer.spec import JobSpec
+plan = [PlannedPreemption(after_s=0.3, notice=True)] * 2
+spec = JobSpec.model_validate_json(sys.argv[1])
+resilient_training(spec, LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=plan), notice_s=10))
+"""
+
+
+def test_flow_killed_while_the_database_is_down_then_adopted(
+    prefect_api: str, home: Path, tmp_path: Path, pg_database: str
+) -> None:
+    """PostgreSQL unreachable (a relay that is not listening), the flow process SIGKILLed after two
+    preemptions: its rows wait in the journal. The next run replays them, adopts the job run (its
+    controller is dead), records the killed attempt as lost and completes the job, bitwise."""
+    from tests.integration.databases import Relay, free_port
+
+    relay = Relay(free_port())
+    url = pg_database.replace(":5432/", f":{relay.port}/")
+    spec = job(tmp_path, name="dbdown", total_steps=3000)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO),
+           "SPOTRUN_HOME": str(home), "SPOTRUN_DATABASE_URL": url}  # fmt: skip
+    flow_proc = subprocess.Popen([sys.executable, "-c", PREEMPTING_FLOW, spec.model_dump_json()], env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # the job run and both preempted attempts are journaled
+            lines = [ln for j in (home / "journal").glob("*.jsonl") for ln in j.read_text().splitlines()]
+            if sum('"record_attempt"' in ln for ln in lines) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the flow journaled no attempts")
+        flow_proc.send_signal(signal.SIGKILL)
+        flow_proc.wait(timeout=30)
+    finally:
+        if flow_proc.poll() is None:
+            flow_proc.kill()
+    relay.start()
+    try:
+        store = HistoryStore.open(url, journal_dir=home / "journal")  # any spotrun process replays
+        runs, rows = store.job_runs("dbdown"), store.attempts(job="dbdown")
+        assert store.pending == 0
+        store.close()
+        assert [r.status for r in runs] == [JobStatus.RUNNING]  # its controller died mid-run
+        assert [r.outcome.value for r in rows][:2] == ["preempted", "preempted"]
+
+        from tests.e2e.test_flow import run_flow
+
+        os.environ["SPOTRUN_DATABASE_URL"] = url
+        try:
+            state = run_flow(spec, LocalProviderConfig())
+        finally:
+            del os.environ["SPOTRUN_DATABASE_URL"]
+        assert state.is_completed(), state.message
+        store = HistoryStore.open(url, journal_dir=home / "journal")
+        runs, rows = store.job_runs("dbdown"), store.attempts(job="dbdown")
+        store.close()
+    finally:
+        relay.stop()
+    assert [(r.status, r.controller_restarts) for r in runs] == [(JobStatus.COMPLETED, 1)]
+    outcomes = [r.outcome.value for r in rows]
+    assert outcomes[:2] == ["preempted", "preempted"] and outcomes[-2:] == ["lost", "completed"], outcomes
+    assert "controller died" in rows[-2].cause
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))

@@ -148,3 +148,24 @@ def test_a_stopped_worker_is_cancelled(
         r.fold(Exit(t=0.5, name=code, code=75))
     outcome, cause = classify(r, completed=False)
     assert outcome is Outcome.CANCELLED and words in cause
+
+
+def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.endings import Ending, close_job_run_of
+    from tasks.history import HistoryStore
+
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path))
+    monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
+    store = HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}")
+    mine = store.start_job_run("j", "h", "fr-1", "/s", "local")
+    other = store.start_job_run("j", "h", "fr-2", "/s", "local")
+    store.close()
+    gave_up = Ending(JobStatus.CRASHED, "controller died; gave up after 3 restarts")
+    assert close_job_run_of("j", "fr-1", gave_up) is True
+    assert close_job_run_of("j", "fr-1", gave_up) is False  # already closed: left alone
+    store = HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}")
+    status = {r.id: (r.status, r.message) for r in store.job_runs("j")}
+    store.close()
+    assert status == {mine: (JobStatus.CRASHED, gave_up.message), other: (JobStatus.RUNNING, "")}
