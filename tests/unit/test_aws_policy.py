@@ -26,6 +26,7 @@ from tasks.providers.aws_policy import (
     spot_shortage_since,
 )
 from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance
+from tasks.providers.base import KillReason
 from trainer.storage import LocalStorage
 
 A, B, C = "subnet-0000000a", "subnet-0000000b", "subnet-0000000c"
@@ -382,16 +383,36 @@ def test_fleet_params_and_template() -> None:
             "terminated",
             "Server.SpotInstanceTermination",
             False,
-            (SPOT_INTERRUPTION, "Server.SpotInstanceTermination"),
+            (SPOT_INTERRUPTION, KillReason.RECLAIMED, "Server.SpotInstanceTermination"),
         ),
-        ("stopped", "Server.SpotInstanceShutdown", False, (SPOT_INTERRUPTION, "Server.SpotInstanceShutdown")),
-        ("terminated", "Client.UserInitiatedShutdown", True, (None, "release")),
-        ("terminated", "Client.UserInitiatedShutdown", False, (None, "Client.UserInitiatedShutdown")),
-        ("terminated", "Server.InternalError", False, (None, "Server.InternalError")),
-        ("terminated", "", False, (None, "instance terminated")),
+        (
+            "stopped",
+            "Server.SpotInstanceShutdown",
+            False,
+            (SPOT_INTERRUPTION, KillReason.RECLAIMED, "Server.SpotInstanceShutdown"),
+        ),
+        (
+            "terminated",
+            "Client.UserInitiatedShutdown",
+            True,
+            (None, KillReason.RELEASE, "Client.UserInitiatedShutdown"),
+        ),
+        (
+            "terminated",
+            "Client.UserInitiatedShutdown",
+            False,
+            (None, KillReason.INSTANCE_GONE, "Client.UserInitiatedShutdown"),
+        ),
+        (
+            "terminated",
+            "Server.InternalError",
+            False,
+            (None, KillReason.INSTANCE_GONE, "Server.InternalError"),
+        ),
+        ("terminated", "", False, (None, KillReason.INSTANCE_GONE, "instance terminated")),
     ],
 )
-def test_end_of_instance(state: str, code: str, released: bool, expected: tuple[str | None, str]) -> None:
+def test_end_of_instance(state: str, code: str, released: bool, expected: tuple[object, ...]) -> None:
     assert end_of_instance(state, code, released) == expected
 
 
