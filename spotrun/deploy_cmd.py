@@ -140,9 +140,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker = LocalWorker(settings.home / "worker.log", query_s=args.poll).start()
         try:
             pid = worker.proc.pid if worker.proc else "?"
+            # soft_wrap: one line however long the log path (people and tests grep for it)
             out.print(f"worker {worker.name} (pid {pid}) runs the pool's flow runs (log: {worker.log}); "
-                      "Ctrl-C stops it", markup=False)  # fmt: skip
-            supervise(worker, stop, lambda line: out.print(line, markup=False))  # restarts it if it dies
+                      "Ctrl-C stops it", markup=False, soft_wrap=True)  # fmt: skip
+            supervise(worker, stop, lambda line: out.print(line, markup=False, soft_wrap=True))
         except KeyboardInterrupt:
             pass
         finally:
