@@ -28,6 +28,7 @@ from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from tasks.history import HistoryStore
 from tasks.recovery import JOB_CRASHED, RESTART_TAG, job_tag
 from tests.e2e.test_flow import job, reference_dir
 from tests.prefect_server import PrefectServer
@@ -188,4 +189,11 @@ def test_host_loss_is_detected_and_the_job_resumes_by_itself(server: PrefectServ
     # resumed, not retrained: the adopted run started from the checkpoint the dead one made
     after = (tmp_path / "home" / "worker.log").read_text().split("adopted job run", 1)
     assert len(after) == 2 and "starting from scratch" not in after[1], after[-1][-3000:]
+    history = HistoryStore.open(f"sqlite:///{tmp_path / 'home' / 'history.db'}")
+    runs, rows = history.job_runs(spec.name), history.attempts(job=spec.name)
+    history.close()
+    assert [(r.status.value, r.controller_restarts) for r in runs] == [
+        ("completed", 1)
+    ]  # one job run, continued
+    assert [r.outcome.value for r in rows] == ["lost", "completed"] and "controller died" in rows[0].cause
     assert_states_equal(store / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
