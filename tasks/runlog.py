@@ -109,6 +109,7 @@ class JobRunLog:
         self._in_flight: Worker | None = None
         self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
         self.released: str | None = None  # the last worker released: its lease may be taken at once
+        self.adopted_from = ""  # the dead controller's flow run, when this run adopted its job run
 
     @classmethod
     def start(
@@ -153,6 +154,7 @@ class JobRunLog:
     def _adopt(self, orphan: JobRunRow) -> None:
         """Continue a job run whose controller died: its attempts, and a `lost` row for the one in flight."""
         self.store.adopt_job_run(orphan.id, self.flow_run_id or None)
+        self.adopted_from = orphan.flow_run_id or ""
         self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
         self.leftover = adoption.read_worker(self.dir)
         if self.leftover is not None and self.leftover.job_run_id != orphan.id:
@@ -174,12 +176,13 @@ class JobRunLog:
     def stop_leftover(self, provider: Provider) -> None:
         """Stop the worker a dead controller left (adoption), and let the next trainer take its lease."""
         left, self.leftover = self.leftover, None
+        if isinstance(provider, AwsProvider) and self.adopted_from:  # by tag: the file may be elsewhere
+            swept = provider.stop_leftovers(self.adopted_from)
+            self.released = swept[-1] if swept else self.released
         if left is None:
             return
         if left.process is not None:  # a local trainer
             adoption.stop_local_worker(left.process)
-        elif isinstance(provider, AwsProvider):
-            provider.stop_leftover(left.worker_id)
         self.released = left.worker_id
 
     @property

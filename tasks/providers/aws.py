@@ -37,6 +37,7 @@ from tasks.providers.aws_policy import (
     choose_market,
     rank_placements,
 )
+from tasks.providers.aws_sweeper import sweep_flow_run
 from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
 from trainer.storage import Storage, open_storage
@@ -171,15 +172,14 @@ class AwsProvider:
                 return
             raise RuntimeError(f"could not terminate {state.instance_id}: {e}; terminate it by hand") from e
 
-    def stop_leftover(self, instance_id: str) -> None:
-        """Terminate an instance a dead controller left running (a new controller adopts its job): its
-        trainer gets the OS's SIGTERM at shutdown, and the lease lets the next trainer take over."""
+    def stop_leftovers(self, flow_run_id: str) -> list[str]:
+        """Terminate the instances a dead controller's flow run left (found by its tag, from any host);
+        their trainers get the OS's SIGTERM at shutdown. Returns their ids (the newest last)."""
         try:
-            self.ec2.terminate_instances(InstanceIds=[instance_id])
-            log.warning("terminated %s, left running by a controller that died", instance_id)
-        except BOTO_ERRORS as e:
-            if error_code(e) != "InvalidInstanceID.NotFound":
-                log.warning("could not terminate leftover %s: %s (the sweeper will retry)", instance_id, e)
+            return sweep_flow_run(self.ec2, flow_run_id)
+        except BOTO_ERRORS as e:  # the sweeper deployment is the backstop; the new trainer's lease waits
+            log.warning("could not look for instances of flow run %s: %s", flow_run_id, e)
+            return []
 
     def cost(self, worker: Worker, ended_at: float | None = None) -> Cost:
         """The attempt's cost so far (or up to `ended_at`)."""

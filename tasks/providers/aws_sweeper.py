@@ -74,3 +74,25 @@ def sweep(ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = No
     for i in range(0, len(ids), TERMINATE_BATCH):
         ec2.terminate_instances(InstanceIds=ids[i : i + TERMINATE_BATCH])
     return ids
+
+
+def sweep_flow_run(ec2: EC2Client, flow_run_id: str) -> list[str]:
+    """Terminate every instance a (dead) flow run launched: a new controller adopting its job calls this
+    before it starts a worker, whatever host the dead one ran on (the tag is the only trace)."""
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": f"tag:{TAG_FLOW_RUN}", "Values": [flow_run_id]},
+            {"Name": "instance-state-name", "Values": SWEPT_STATES},
+        ]
+    )
+    ids = [
+        i["InstanceId"]
+        for page in pages
+        for r in page.get("Reservations", [])
+        for i in r.get("Instances", [])
+    ]
+    for i in range(0, len(ids), TERMINATE_BATCH):
+        ec2.terminate_instances(InstanceIds=ids[i : i + TERMINATE_BATCH])
+    for iid in ids:
+        log.warning("terminated %s, left running by flow run %s whose controller died", iid, flow_run_id)
+    return ids

@@ -479,3 +479,27 @@ def test_sweeper_terminates_a_live_runs_worker_once_its_lease_ran_out(
     fresh, expired, garbled = launch(str(int(now + 600))), launch(str(int(now - 1))), launch("soon")
     assert sorted(sweep(ec2, lambda run: True, now=now)) == sorted([expired, garbled])
     assert sweep(ec2, lambda run: True, now=now + 601) == [fresh]
+
+
+def test_an_adopting_controller_terminates_the_dead_runs_instances_by_tag(
+    moto_server: str, boto_session: boto3.session.Session
+) -> None:
+    """Host loss on EC2: the new controller runs elsewhere and has no file of the dead one's worker;
+    the flow-run tag finds it."""
+    from tasks.providers.aws_sweeper import sweep_flow_run
+
+    ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="ap-south-1")
+
+    def launch(run: str) -> str:
+        tags = [{"Key": "spotrun:job", "Value": "j"}, {"Key": "spotrun:flow-run", "Value": run}]
+        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1,
+                                TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])  # fmt: skip
+        return str(out["Instances"][0]["InstanceId"])
+
+    dead, other = launch("run-dead"), launch("run-other")
+    assert sweep_flow_run(ec2, "run-dead") == [dead]
+    states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"]
+              for i in r["Instances"]}  # fmt: skip
+    assert (states[dead], states[other]) == ("terminated", "running")
+    assert sweep_flow_run(ec2, "run-dead") == []  # idempotent
+    ec2.terminate_instances(InstanceIds=[other])
