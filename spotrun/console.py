@@ -47,7 +47,7 @@ def attempts_table(rows: Sequence[AttemptRow], title: str, with_run: bool = Fals
     numeric = {"attempt", "resumed from", "last step", "lost steps", "wall s"}
     for name in names:
         table.add_column(name, justify="right" if name in numeric else "left", overflow="fold")
-    colors = {"completed": "green", "preempted": "yellow"}
+    colors = {"completed": "green", "preempted": "yellow", "cancelled": "blue"}
     for r in rows:
         outcome = f"[{colors.get(r.outcome.value, 'red')}]{r.outcome.value}[/]"
         cells = [escape(r.job), r.job_run_id[:8]] if with_run else []

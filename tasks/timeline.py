@@ -10,7 +10,13 @@ import matplotlib
 matplotlib.use("Agg")  # no display on workers and CI; must precede pyplot
 import matplotlib.pyplot as plt
 
-COLORS = {"completed": "tab:green", "preempted": "tab:orange", "crashed": "tab:red", "lost": "tab:purple"}
+COLORS = {
+    "completed": "tab:green",
+    "preempted": "tab:orange",
+    "crashed": "tab:red",
+    "lost": "tab:purple",
+    "cancelled": "tab:blue",
+}
 
 
 @dataclass
