@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -37,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from trainer.ckpt_format import COMPLETED, LATEST, MANIFEST
-from trainer.errors import ConfigError, LeaseHeld, LeaseLost, PreconditionFailed
+from trainer.errors import ConfigError, LeaseHeld, LeaseLost, PreconditionFailed, TransientStorageError
 from trainer.storage import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ LEASE_KEY = "_lease.json"
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 3.0
 ACQUIRE_TRIES = 5  # each lost race re-reads; the winner of a race is live, so the next read refuses
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # between acquire tries the storage failed transiently
 COMMIT_NAMES = (MANIFEST, LATEST, COMPLETED)
 
 
@@ -192,25 +194,59 @@ class Lease:
         ttl_s: float = DEFAULT_TTL_S,
         released: Collection[str] = (),
         clock: Callable[[], float] = time.time,
+        wait_s: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> Lease:
-        """Take the lease or raise LeaseHeld naming the live holder."""
+        """Take the lease or raise LeaseHeld naming the live holder.
+
+        Storage that fails transiently (TransientStorageError: the storage layer's own retries ran out)
+        is retried with backoff for `wait_s`, by default one TTL: a holder that cannot reach storage
+        for that long gives its lease up (`check`), so a trainer that cannot reach it for as long could
+        not train safely either, and its controller's retry policy takes over. Within the budget, a
+        burst of throttling or resets at startup costs seconds instead of a crashed attempt."""
         if ttl_s < MIN_TTL_S:
             raise ConfigError(f"--lease-ttl {ttl_s:g}: use at least {MIN_TTL_S:g} seconds")
-        for _ in range(ACQUIRE_TRIES):
-            current, version = read_lease(storage)
-            now = clock()
-            verdict = decide_takeover(current, me, now, released, pid_alive, storage.uri)
-            if not verdict.take:
-                raise LeaseHeld(verdict.reason)
-            token = current.token + 1 if current is not None else 1
-            doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s)
+        deadline = clock() + (ttl_s if wait_s is None else wait_s)
+        races, backoff = 0, FIRST_BACKOFF_S
+        while True:
             try:
-                new_version = storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
-            except PreconditionFailed:
-                continue  # someone else wrote it meanwhile: read again and decide again
-            log.info("lease of %s taken (token %d): %s", storage.uri, token, verdict.reason)
-            return cls(storage, doc, new_version, clock)
-        raise LeaseHeld(f"storage {storage.uri}: lost {ACQUIRE_TRIES} races for its lease; try again")
+                return cls._try_acquire(storage, me, ttl_s, released, clock)
+            except PreconditionFailed:  # someone else wrote it meanwhile: read again and decide again
+                races += 1
+                if races >= ACQUIRE_TRIES:
+                    raise LeaseHeld(
+                        f"storage {storage.uri}: lost {ACQUIRE_TRIES} races for its lease; try again"
+                    ) from None
+            except TransientStorageError as e:
+                # a put that failed this way may still have landed: the re-read finds us the holder
+                left = deadline - clock()
+                if left <= 0:
+                    raise
+                pause = min(left, random.uniform(backoff / 2, backoff))
+                log.warning("lease of %s: %s; again in %.1f s (%.0f s left)", storage.uri, e, pause, left)
+                sleep(pause)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    @classmethod
+    def _try_acquire(
+        cls,
+        storage: Storage,
+        me: Holder,
+        ttl_s: float,
+        released: Collection[str],
+        clock: Callable[[], float],
+    ) -> Lease:
+        """One read, decide, conditional put; PreconditionFailed when another write came between."""
+        current, version = read_lease(storage)
+        now = clock()
+        verdict = decide_takeover(current, me, now, released, pid_alive, storage.uri)
+        if not verdict.take:
+            raise LeaseHeld(verdict.reason)
+        token = current.token + 1 if current is not None else 1
+        doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s)
+        new_version = storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
+        log.info("lease of %s taken (token %d): %s", storage.uri, token, verdict.reason)
+        return cls(storage, doc, new_version, clock)
 
     def start(self) -> Lease:
         """Renew in a daemon thread every ttl/3."""
