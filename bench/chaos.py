@@ -14,12 +14,16 @@ python. What is injected, and where (each fault counted once, by kind, only when
                                  a connection reset, or half a body, several per attempt
   db-down                        the history database (PostgreSQL via a relay) goes away while
                                  attempts are recorded; the writes journal and replay on reopen
+  controller@WHERE               every 4th episode: the controller (run_job in its own process) is
+                                 SIGKILLed and started again, 1-3 times (bench/chaos_controller.py)
 
 After every attempt, checked from outside: `latest` names a checkpoint that verifies; the trainer's
 `started` record resumes from the newest checkpoint that verified just before it started (Catalog,
 integrity only, through a client straight to moto); the two trainers of a duplicate never both train.
 After every episode: the S3 write log shows no writer resuming after another (interleaving); every
-attempt row written reaches SQL exactly once after replay; no process of the campaign is left.
+attempt row written reaches SQL exactly once after replay; no process of the campaign is left. After a
+controller episode: one job run, completed, controller_restarts and `lost (controller died)` rows
+matching the kills (`bad_adoptions`).
 Lost steps per preemption: the last step the killed attempt reported minus where the next resumed.
 
     .venv/bin/python bench/chaos.py [--faults 1000] [--seed 0] [--minutes 30]
@@ -54,6 +58,7 @@ import boto3  # noqa: E402
 import yaml  # noqa: E402
 
 from bench import chaos_checks as checks  # noqa: E402
+from bench import chaos_controller  # noqa: E402
 from bench.chaos_hook import PHASES, PLAN_ENV, install  # noqa: E402
 from tasks.attempts import AttemptRecord, Outcome  # noqa: E402
 from tasks.history import HistoryStore  # noqa: E402
@@ -70,6 +75,7 @@ PROCESS_FAULTS += ["sigkill@random", "sigterm@random", "disk-enospc", "disk-eio"
 S3_KINDS = {"503": 0.4, "reset": 0.3, "cut": 0.3}
 S3_PER_ATTEMPT = 6  # each costs up to seconds of botocore backoff; process faults need the time more
 PG = ("127.0.0.1", 5432)
+CONTROLLER_EVERY = 4  # episodes; a controller kill costs seconds (3.4 s of imports per start)
 
 
 def say(msg: str) -> None:
@@ -84,6 +90,7 @@ class Tally:
     lost_history_rows: int = 0
     leaked_processes: int = 0
     duplicate_writers: int = 0
+    bad_adoptions: int = 0
     lost_steps: list[int] = field(default_factory=list)
     attempts: int = 0
     episodes: int = 0
@@ -99,7 +106,7 @@ class Tally:
             "faults": sum(self.faults.values()), "bad_resumes": self.bad_resumes,
             "unreadable_latest": self.unreadable_latest, "lost_history_rows": self.lost_history_rows,
             "leaked_processes": self.leaked_processes, "duplicate_writers": self.duplicate_writers,
-            "mean_lost_steps": round(mean, 2),
+            "bad_adoptions": self.bad_adoptions, "mean_lost_steps": round(mean, 2),
         }  # fmt: skip
 
 
@@ -445,7 +452,10 @@ def _run(faults: int, seed: int, minutes: float, root: Path) -> Tally:
         n = 0
         while sum(camp.tally.faults.values()) < faults and time.monotonic() - t0 < minutes * 60:
             n += 1
-            camp.episode(n)
+            if n % CONTROLLER_EVERY == 2:
+                chaos_controller.episode(camp, n)
+            else:
+                camp.episode(n)
             total = sum(camp.tally.faults.values())
             say(f"episode {n}: {total}/{faults} faults, {camp.tally.attempts} attempts, "
                 f"{len(camp.tally.problems)} violations, {time.monotonic() - t0:.0f} s")  # fmt: skip

@@ -1,7 +1,8 @@
 """The chaos campaign's invariants, checked from outside the processes under test.
 
-Pure functions (`interleaved_writers`, `history_gaps`) are driven by tables in the suite; the rest read
-storage and /proc. Every check uses its own storage client straight to moto, never the fault proxy.
+Pure functions (`interleaved_writers`, `history_gaps`, `bad_adoptions`) are driven by tables in the
+suite; the rest read storage and /proc. Every check uses its own storage client straight to moto, never
+the fault proxy.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from trainer.catalog import Catalog
@@ -45,6 +46,20 @@ def history_gaps(written: Iterable[int], present: Iterable[int]) -> int:
     counts = collections.Counter(present)
     missing = sum(1 for a in set(written) if counts[a] == 0)
     return missing + sum(n - 1 for n in counts.values() if n > 1)
+
+
+def bad_adoptions(kills: Sequence[str], runs: Sequence[tuple[str, int]], lost: Sequence[str]) -> int:
+    """How far the SQL history of a job whose controllers were SIGKILLed is from what the kills imply.
+
+    `kills`: for each controller killed once its job run existed, the worker it was watching ("" when
+    none); `runs`: (status, controller_restarts) of every job run of the job; `lost`: the worker of
+    each attempt recorded lost because its controller died, in attempt order. Expected: one job run,
+    completed, restarted once per kill, and one lost row per kill naming the worker that kill left."""
+    bad = abs(len(runs) - 1)
+    if runs:
+        status, restarts = runs[-1]
+        bad += int(status != "completed") + abs(restarts - len(kills))
+    return bad + abs(len(lost) - len(kills)) + sum(k != w for k, w in zip(kills, lost, strict=False))
 
 
 def newest_verified(storage: Storage, cache: Path) -> int | None:

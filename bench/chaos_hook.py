@@ -7,7 +7,8 @@ in SPOTRUN_CHAOS_PLAN, read once at start: the campaign rewrites it before each 
   phases   write (local checkpoint dir), upload, verify (read-back), publish (`latest`), retention:
            {"kill": {"signal": "SIGKILL"|"SIGTERM", "phase": P, "nth": n, "delay_s": d}} sends the
            signal to this process d seconds after the n-th entry into phase P, from a timer thread,
-           so it lands inside the phase (or just after it, when the phase is quicker than d)
+           so it lands inside the phase (or just after it, when the phase is quicker than d);
+           with "target": "parent" the signal goes to the trainer's parent, the controller
   disk     {"disk": {"errno": "ENOSPC"|"EIO", "nth": n}}: the n-th local checkpoint write fails the
            way a full or failing disk does: ENOSPC from the first optimizer.pt write (the weights
            already on disk), EIO from the manifest's fsync; a partial .tmp directory stays behind
@@ -72,6 +73,8 @@ def _wrap(plan: dict[str, Any]) -> None:
         ck.write_checkpoint_dir = _disk_fault(real, fmt, int(disk["nth"]), getattr(errno, disk["errno"]))
     if publog is not None:
         _log_writes(s3.S3Storage, Path(publog))
+    if plan.get("resumes") is not None:
+        _log_resumes(plan["resumes"])
 
 
 def _counted(fn: Callable[..., Any], phase: str, entries: dict[str, int], kill: Any) -> Callable[..., Any]:
@@ -80,7 +83,8 @@ def _counted(fn: Callable[..., Any], phase: str, entries: dict[str, int], kill: 
         entries[phase] += 1
         if kill is not None and kill["phase"] == phase and entries[phase] == int(kill["nth"]):
             sig = signal.Signals[kill["signal"]]
-            threading.Timer(float(kill["delay_s"]), os.kill, (os.getpid(), sig)).start()
+            pid = os.getppid() if kill.get("target") == "parent" else os.getpid()
+            threading.Timer(float(kill["delay_s"]), os.kill, (pid, sig)).start()
         return fn(*args, **kwargs)
 
     return wrapper
@@ -142,3 +146,25 @@ def _log_writes(cls: Any, publog: Path) -> None:
         delete(self, keys)
 
     cls.put, cls.delete = logged_put, logged_delete
+
+
+def _log_resumes(where: dict[str, str]) -> None:
+    from bench.chaos_checks import newest_verified
+    from trainer.records import Started
+    from trainer.spec import S3Options
+    from trainer.status import StatusReporter
+    from trainer.storage.s3 import S3Storage, make_s3_client
+
+    opts = S3Options(endpoint_url=where["endpoint"])
+    direct = S3Storage(make_s3_client(opts), where["bucket"], where["prefix"], opts)
+    expected = newest_verified(direct, Path(where["cache"]) / str(os.getpid()))
+    report = StatusReporter.report
+
+    def logged_report(self: Any, rec: Any) -> None:
+        if isinstance(rec, Started):
+            line = json.dumps({"pid": os.getpid(), "resumed_from": rec.resumed_from, "expected": expected})
+            with open(where["log"], "a") as f:
+                f.write(line + "\n")
+        report(self, rec)
+
+    StatusReporter.report = logged_report  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""The chaos campaign's 50-fault variant (bench/chaos.py), and its invariant checks driven by tables."""
+"""The chaos campaign's 50-fault variant (bench/chaos.py, with a controller episode), and its invariant
+checks driven by tables."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import chaos  # noqa: E402
-from bench.chaos_checks import history_gaps, interleaved_writers  # noqa: E402
+from bench.chaos_checks import bad_adoptions, history_gaps, interleaved_writers  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,23 @@ def test_history_gaps(written: list[int], present: list[int], gaps: int) -> None
     assert history_gaps(written, present) == gaps
 
 
+@pytest.mark.parametrize(
+    ("kills", "runs", "lost", "bad"),
+    [
+        ([], [("completed", 0)], [], 0),  # never killed, or killed before it held the job run
+        (["w1", ""], [("completed", 2)], ["w1", ""], 0),  # the 2nd kill came between attempts
+        (["w1"], [("completed", 1), ("completed", 0)], ["w1"], 2),  # not adopted: a 2nd job run, no restart
+        (["w1"], [("running", 1)], ["w1"], 1),  # never closed
+        (["w1", "w2"], [("completed", 1)], ["w1", "w2"], 1),  # a restart not counted
+        (["w1", "w2"], [("completed", 2)], ["w1"], 1),  # a kill left no lost row
+        (["w1"], [("completed", 1)], ["w9"], 1),  # the lost row names another worker
+        (["w1"], [], [], 3),
+    ],
+)
+def test_bad_adoptions(kills: list[str], runs: list[tuple[str, int]], lost: list[str], bad: int) -> None:
+    assert bad_adoptions(kills, runs, lost) == bad
+
+
 @pytest.mark.slow
 def test_fifty_faults_break_no_invariant(tmp_path: Path) -> None:
     tally = chaos.run(faults=50, seed=11, minutes=4, root=tmp_path)
@@ -50,6 +68,7 @@ def test_fifty_faults_break_no_invariant(tmp_path: Path) -> None:
     assert tally.problems == []
     summary = tally.summary()
     invariants = ("bad_resumes", "unreadable_latest", "lost_history_rows", "leaked_processes")
-    for key in (*invariants, "duplicate_writers"):
+    for key in (*invariants, "duplicate_writers", "bad_adoptions"):
         assert summary[key] == 0, key
     assert tally.attempts >= 3
+    assert any(kind.startswith("controller@") for kind in tally.faults), tally.faults  # episode 2
