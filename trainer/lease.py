@@ -13,6 +13,7 @@ Every change is a compare-and-swap (`Storage.put_if` against the version read), 
 racing for it exactly one wins. Who may take a lease is `decide_takeover`, a pure function. Recovery
 never waits on a dead holder: same pid namespace with the pid gone, or a worker the controller says it
 released (`--lease-takeover`), is taken at once; only a live holder elsewhere is refused until expiry.
+A storage that fails transiently while the lease is taken is retried for one TTL (`Lease.acquire`).
 
 Fencing: `FencedStorage` wraps the storage the trainer writes through. Every write first checks that
 the lease is still ours by the local clock (renewed within its TTL, no takeover seen); the commit
