@@ -38,7 +38,9 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+from tasks import adoption
 from tasks.policy import DuplicateRuns
+from tasks.settings import Settings
 
 LIMIT_PREFIX = "spotrun-job:"
 LEASE_S = 60.0  # the shortest lease the server accepts: a dead holder's slot comes back soonest
@@ -176,16 +178,34 @@ def _wait_for_slot(name: str, job: str, me: str) -> None:
         )
         if action == "take":
             return
+        if holder is not None and _controller_dead_here(job, holder.id):
+            get_run_logger().warning(
+                "job %s: the controller of flow run %s (%s) ran on this host and is gone; freeing %s now "
+                "instead of waiting for its lease to lapse", job, holder.name, holder.id, name,
+            )  # fmt: skip
+            _free(name)
+            continue
         if action == "free":
             get_run_logger().warning(
                 "job %s: %s stayed taken %.0f s with no running flow run of the job (its lease was lost, "
                 "e.g. by a server restart); freeing it",
                 job, name, ORPHAN_S,
             )  # fmt: skip
-            with get_client(sync_client=True) as client:
-                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+            _free(name)
             continue
         time.sleep(POLL_S)
+
+
+def _free(name: str) -> None:
+    with get_client(sync_client=True) as client:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+
+
+def _controller_dead_here(job: str, flow_run_id: str) -> bool:
+    """Whether `flow_run_id` is the job's last controller on this host and its process is gone (SIGKILL,
+    OOM): its slot can never be renewed, so waiting out the lease only delays the recovery."""
+    info = adoption.read_controller(Settings.from_env().job_dir(job))
+    return info is not None and info.flow_run_id == flow_run_id and info.process.alive_here() is False
 
 
 def _occupancy(name: str) -> tuple[int, int]:
