@@ -7,11 +7,13 @@
         scaler.pt              GradScaler.state_dict(), only with AMP
         rng.rank<R>.pt         python / numpy / torch / CUDA RNG of rank R
         trainer.pt             step, data position, best metric, spec + hashes, versions, threads, world
+        extra.<name>.pt        a recipe's extra_state part (an EMA, a stream cursor), one per name
         manifest.json          written LAST: every file's size and sha256, the step, metrics, spec hash
     <root>/latest              {"step": 1200, "dir": "step_000001200"}: moved after read-back verification
     <root>/COMPLETED.json      written when the job has finished
 
 A checkpoint exists only once its manifest exists: a directory without one is a partial write.
+Which parts there are, and which file and encoding each gets, is trainer/stateful.py's registry.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
+from trainer.stateful import STANDARD, Codec, spec_of
 from trainer.storage.local import fsync_dir
 
 FORMAT_VERSION = 1
@@ -35,8 +38,8 @@ FORMAT_TAG = f"spotrun/{FORMAT_VERSION}"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 COMPLETED = "COMPLETED.json"
-MODEL_FILE = "model.safetensors"
-REQUIRED_FILES = (MODEL_FILE, "optimizer.pt", "scheduler.pt", "trainer.pt")
+MODEL_FILE = spec_of("model").file
+REQUIRED_FILES = tuple(p.file for p in STANDARD if p.required)
 _DIR_RE = re.compile(r"^step_(\d{9,})$")
 
 
@@ -55,7 +58,7 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def rng_file(rank: int) -> str:
-    return f"rng.rank{rank}.pt"
+    return spec_of("rng").file_for(rank)
 
 
 @dataclass
@@ -156,23 +159,24 @@ class _HashingWriter:
         return FileEntry(self.size, self._h.hexdigest())
 
 
-def _save_part(path: Path, obj: Any) -> FileEntry:
+def write_part(path: Path, codec: Codec, state: Any, step: int) -> FileEntry:
+    """Write one part's state in its codec, fsynced and hashed as it is written."""
     w = _HashingWriter(path)
     try:
-        torch.save(obj, w)  # type: ignore[arg-type]
+        if codec is Codec.SAFETENSORS:
+            w.write(save(state, metadata={"format": FORMAT_TAG, "step": str(step)}))
+        else:
+            torch.save({"step": step, "state": state}, w)  # type: ignore[arg-type]
     finally:
         entry = w.close()
     return entry
 
 
-def _save_weights(path: Path, tensors: dict[str, torch.Tensor], step: int) -> FileEntry:
-    data = save(tensors, metadata={"format": FORMAT_TAG, "step": str(step)})
-    w = _HashingWriter(path)
-    try:
-        w.write(data)
-    finally:
-        entry = w.close()
-    return entry
+def read_part(path: Path, codec: Codec) -> Any:
+    """Load one part's state whole, safely (safetensors, or torch.load weights_only)."""
+    if codec is Codec.SAFETENSORS:
+        return load_file(str(path))
+    return load_part(path)["state"]
 
 
 def write_checkpoint_dir(
@@ -181,26 +185,22 @@ def write_checkpoint_dir(
     """Write a snapshot as a complete checkpoint directory under `parent`, durably.
 
     Files go to a temp directory, each fsynced and hashed as written, then the manifest (last), then
-    one rename makes the directory visible under its step name. `snap` holds: model, optimizer,
-    scheduler, scaler (or None), rng (per this rank), trainer (meta dict); `manifest_base` the
-    Manifest fields but files."""
+    one rename makes the directory visible under its step name. `snap` is `Registry.capture()`: part
+    name -> state (None: not held), `trainer` carrying this rank; `manifest_base` the Manifest fields
+    but files."""
     step = int(manifest_base["step"])
     final = parent / step_dir(step)
     tmp = parent / f".tmp-{step_dir(step)}-{os.getpid()}"
     if tmp.exists():
         _remove_tree(tmp)
     tmp.mkdir(parents=True)
-    files = {MODEL_FILE: _save_weights(tmp / MODEL_FILE, snap["model"], step)}
-    parts = {
-        "optimizer.pt": "optimizer",
-        "scheduler.pt": "scheduler",
-        "scaler.pt": "scaler",
-        "trainer.pt": "trainer",
-    }
-    parts[rng_file(int(snap["trainer"]["rank"]))] = "rng"
-    for name, key in parts.items():
-        if snap.get(key) is not None:
-            files[name] = _save_part(tmp / name, {"step": step, "state": snap[key]})
+    rank = int(snap["trainer"]["rank"])
+    files: dict[str, FileEntry] = {}
+    for name, state in snap.items():
+        if state is not None:
+            spec = spec_of(name)
+            fname = spec.file_for(rank)
+            files[fname] = write_part(tmp / fname, spec.codec, state, step)
     manifest = Manifest(files=files, **manifest_base)
     (tmp / MANIFEST).write_bytes(manifest.to_json())
     _fsync_file(tmp / MANIFEST)

@@ -1,7 +1,8 @@
 """One training attempt: build, resume from the newest valid checkpoint, train, checkpoint, stop.
 
-Order matters for bitwise-exact resume (shared/notes/torch.md §1.4): seed -> model -> optimizer ->
-scheduler -> load their states -> data iterator for the epoch -> restore RNG -> first step.
+Order matters for bitwise-exact resume: seed -> model -> optimizer -> scheduler -> load their
+states -> data iterator for the epoch -> restore RNG -> first step. What is saved and loaded is the
+registry of stateful parts (trainer/stateful.py); its `rng` part is deferred for that last step.
 """
 
 from __future__ import annotations
@@ -33,9 +34,18 @@ from trainer.preemption import (
     plan_emergency_save,
 )
 from trainer.recipes import Parts, RecipeContext
-from trainer.resume import ResumeSource, completed_step, durable_here, load_state, mark_completed, select
+from trainer.resume import (
+    Restored,
+    ResumeSource,
+    completed_step,
+    durable_here,
+    load_state,
+    mark_completed,
+    select,
+)
 from trainer.spec import JobSpec
-from trainer.state import capture_rng, restore_rng, state_nbytes
+from trainer.state import RngState, state_nbytes
+from trainer.stateful import Registry, Stateful
 from trainer.status import StatusReporter
 from trainer.storage import Storage
 from trainer.validate import Expectation
@@ -83,26 +93,26 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         spec.recipe, spec.args, RecipeContext(spec.seed, spec.total_steps, spec.batch_size, device)
     )
     scaler = torch.amp.GradScaler(device.type) if spec.amp else None
-    expect = Expectation.from_parts(parts.model, parts.optimizer, spec.shape_hash())
+    run = _Run(spec, parts, scaler, device, opts)
+    expect = Expectation.from_registry(run.state, spec.shape_hash())
     selection = select(storage, opts.cache, expect, opts.resume_from)
     log.info(selection.describe(storage.uri))
-    ckpt = Checkpointer(
+    run.ckpt = Checkpointer(
         storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
         pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
         on_durable=lambda step: opts.reporter.emit("durable", step=step),
     )  # fmt: skip
-    run = _Run(spec, parts, scaler, device, opts, ckpt)
-    rng_state = run.restore(selection.path) if selection.path is not None else None
+    pending = run.restore(selection.path) if selection.path is not None else None
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
     opts.reporter.emit(
         "started", resumed_from=selection.step, checkpoint=selection.uri,
         rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
     )  # fmt: skip
-    code = run.train(end, rng_state)
+    code = run.train(end, pending)
     if code is ExitCode.COMPLETED:
         mark_completed(storage, spec, run.step)
-    return AttemptResult(code, run.step, selection.step, ckpt.durable_step)
+    return AttemptResult(code, run.step, selection.step, run.ckpt.durable_step)
 
 
 class _Run:
@@ -115,16 +125,9 @@ class _Run:
         scaler: torch.amp.GradScaler | None,
         device: torch.device,
         opts: AttemptOptions,
-        ckpt: Checkpointer,
     ) -> None:
-        self.spec, self.parts, self.scaler, self.device, self.opts, self.ckpt = (
-            spec,
-            parts,
-            scaler,
-            device,
-            opts,
-            ckpt,
-        )
+        self.spec, self.parts, self.scaler, self.device, self.opts = spec, parts, scaler, device, opts
+        self.ckpt: Checkpointer  # set once the resume point is chosen: it starts from that durable step
         self.loader = ResumableLoader(
             parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size
         )
@@ -133,10 +136,33 @@ class _Run:
         self.since_ckpt = time.monotonic()
         self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
         self.stop_reported = False
+        held: dict[str, Stateful] = {"model": parts.model, "optimizer": parts.optimizer}
+        held |= {"scheduler": parts.scheduler} | ({"scaler": scaler} if scaler is not None else {})
+        held |= {"rng": RngState(device), "trainer": self}
+        self.state = Registry(opts.rank, held, parts.extra_state)
 
-    def restore(self, path: Path) -> dict[str, Any]:
-        """Load model/optimizer/scheduler/scaler and position; return the RNG state to apply later."""
-        meta, rng_state = load_state(path, self.parts, self.scaler, self.opts.rank)
+    def restore(self, path: Path) -> Restored:
+        """Load every part but the RNG, which `_loop` applies once the epoch's iterator exists."""
+        return load_state(path, self.state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The registry's `trainer` part (trainer.pt; docs/checkpoint-format.md)."""
+        spec = self.spec
+        return {
+            "step": self.step,
+            "position": self.loader.position.state_dict(),
+            "best_metric": self.best,
+            "spec": spec.model_dump(mode="json"),
+            "spec_hash": spec.spec_hash(),
+            "shape_hash": spec.shape_hash(),
+            "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
+            "threads": self.threads,
+            "rank": self.opts.rank,
+            "world_size": self.opts.world_size,
+            "device": self.device.type,
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
         self.step, self.best = int(meta["step"]), float(meta["best_metric"])
         self.loader.position.load_state_dict(meta["position"])
         saved = int(meta["threads"])
@@ -145,13 +171,12 @@ class _Run:
             log.warning(
                 "thread count %d differs from the checkpoint's %d: results will drift", self.threads, saved
             )
-        return rng_state
 
-    def train(self, end: int, rng_state: dict[str, Any] | None) -> ExitCode:
+    def train(self, end: int, pending: Restored | None) -> ExitCode:
         self.parts.model.train()
         metrics = open(self.opts.metrics_path, "a") if self.opts.metrics_path else None  # noqa: SIM115
         try:
-            self._loop(end, rng_state, metrics, _Meter(self.step))
+            self._loop(end, pending, metrics, _Meter(self.step))
             if self.opts.stop.deadline is not None and not self.stop_reported:  # before a first step
                 self._stopping()
             # Final, max-steps and emergency checkpoints are synchronous: exit only once durable.
@@ -164,15 +189,13 @@ class _Run:
                 metrics.close()
         return self._outcome()
 
-    def _loop(
-        self, end: int, rng_state: dict[str, Any] | None, metrics: IO[str] | None, meter: _Meter
-    ) -> None:
+    def _loop(self, end: int, pending: Restored | None, metrics: IO[str] | None, meter: _Meter) -> None:
         stop, pos = self.opts.stop, self.loader.position
         while self.step < end and not stop.requested:
             it = self.loader.epoch_iter()
-            if rng_state is not None:  # after iter(): creating the iterator may draw from the global RNG
-                restore_rng(rng_state, self.device)
-                rng_state = None
+            if pending is not None:  # after iter(): creating the iterator may draw from the global RNG
+                pending.apply(self.state)
+                pending = None
             for batch in it:
                 loss = _step(self.parts, self.scaler, batch, self.device, self.spec.amp, self.step)
                 self.step, pos.batch = self.step + 1, pos.batch + 1
@@ -251,28 +274,8 @@ class _Run:
         return blocked
 
     def capture(self) -> dict[str, Any]:
-        """The full training state, as the checkpoint stores it (docs/checkpoint-format.md)."""
-        p, spec = self.parts, self.spec
-        return {
-            "model": p.model.state_dict(),
-            "optimizer": p.optimizer.state_dict(),
-            "scheduler": p.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": capture_rng(self.device),
-            "trainer": {
-                "step": self.step,
-                "position": self.loader.position.state_dict(),
-                "best_metric": self.best,
-                "spec": spec.model_dump(mode="json"),
-                "spec_hash": spec.spec_hash(),
-                "shape_hash": spec.shape_hash(),
-                "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
-                "threads": self.threads,
-                "rank": self.opts.rank,
-                "world_size": self.opts.world_size,
-                "device": self.device.type,
-            },
-        }
+        """The full training state, part name -> state, as the checkpoint stores it."""
+        return self.state.capture()
 
     def manifest_base(self) -> dict[str, Any]:
         metrics = {k: v for k, v in (("loss", self.last_loss), ("best_loss", self.best)) if math.isfinite(v)}

@@ -13,14 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
-
 from trainer.catalog import Catalog, Selection, read_marker_step
-from trainer.ckpt_format import COMPLETED, MODEL_FILE, load_part, rng_file
+from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
 from trainer.errors import ConfigError, ResumeIncompatible
-from trainer.recipes import Parts
 from trainer.spec import JobSpec
+from trainer.stateful import Registry, reconcile
 from trainer.storage import Storage, put_bytes
 from trainer.validate import Expectation
 
@@ -77,16 +74,44 @@ def _check_explicit_source(storage: Storage, source: Storage, step: int, selecti
         )
 
 
-def load_state(
-    path: Path, parts: Parts, scaler: torch.amp.GradScaler | None, rank: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    parts.model.load_state_dict(load_file(str(path / MODEL_FILE)))
-    parts.optimizer.load_state_dict(load_part(path / "optimizer.pt")["state"])
-    parts.scheduler.load_state_dict(load_part(path / "scheduler.pt")["state"])
-    if scaler is not None:
-        scaler.load_state_dict(load_part(path / "scaler.pt")["state"])
-    meta = load_part(path / "trainer.pt")["state"]
-    return meta, load_part(path / rng_file(rank))["state"]
+@dataclass
+class Restored:
+    """What `load_state` loaded but left to the caller: deferred parts' states, by name."""
+
+    deferred: dict[str, Any]
+
+    def apply(self, registry: Registry) -> None:
+        """Load the deferred parts now (the RNG: once the epoch's data iterator exists)."""
+        for name, state in self.deferred.items():
+            registry[name].load_state_dict(state)
+        self.deferred = {}
+
+
+def load_state(path: Path, registry: Registry) -> Restored:
+    """Load every part of `registry` from a checkpoint directory, by name, except the deferred ones.
+
+    Like Fabric's `load(path, state) -> leftovers`, with leftovers an error: a registered part the
+    checkpoint lacks, or a part in it that nothing registered, raises ResumeIncompatible naming it
+    (the optional scaler is exempt: a checkpoint without one leaves the fresh scaler as it is)."""
+    files = Manifest.from_json((path / MANIFEST).read_bytes()).files
+    missing, leftovers = reconcile(registry.files(), files)
+    if missing or leftovers:
+        what = [f"lacks {p}" for p in missing] + [f"holds {p}, which nothing here loads" for p in leftovers]
+        raise ResumeIncompatible(
+            f"checkpoint {path.name} {'; '.join(what)}: resume with the recipe's extra_state as it was"
+        )
+    deferred: dict[str, Any] = {}
+    for name in registry:
+        part = registry.part(name)
+        if part.file not in files:  # an optional part (reconcile let it through)
+            log.info("%s has no %s: %s starts fresh", path.name, part.file, name)
+            continue
+        state = read_part(path / part.file, part.spec.codec)
+        if part.spec.deferred:
+            deferred[name] = state
+        else:
+            part.obj.load_state_dict(state)
+    return Restored(deferred)
 
 
 def completed_step(storage: Storage) -> int | None:

@@ -3,6 +3,13 @@
 A recipe is `build(args: dict, ctx: RecipeContext) -> Parts`. It must build model, optimizer and
 scheduler in that order and draw all its data randomness from `ctx.seed` (see trainer/data.py):
 that is what makes resume bitwise exact.
+
+State a recipe keeps beyond the model, optimizer and scheduler (an EMA of the weights, a streaming
+dataset's cursor) goes in `Parts.extra_state`: name -> anything with `state_dict()` and
+`load_state_dict()`. Each is saved as `extra.<name>.pt` with every checkpoint, checked for NaN/Inf,
+and loaded back on resume; it must load with `torch.load(weights_only=True)` (tensors, numbers,
+strings, lists, tuples and dicts). The names are part of the job: resuming a checkpoint that lacks
+one, or holds one the recipe no longer returns, is refused with the name.
 """
 
 from __future__ import annotations
@@ -11,13 +18,14 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from trainer.errors import ConfigError
+from trainer.stateful import Stateful
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -32,7 +40,8 @@ class RecipeContext:
 
 @dataclass
 class Parts:
-    """What a recipe returns. `dataset` may define `set_epoch(epoch)` for epoch-dependent augmentation."""
+    """What a recipe returns. `dataset` may define `set_epoch(epoch)` for epoch-dependent augmentation;
+    `extra_state` holds the recipe's own checkpointed parts (see the module docstring)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -40,6 +49,7 @@ class Parts:
     dataset: Dataset[Any]
     loss_fn: LossFn
     grad_clip: float | None = 1.0
+    extra_state: dict[str, Stateful] = field(default_factory=dict)
 
 
 BUILTIN = {

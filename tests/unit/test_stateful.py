@@ -1,0 +1,116 @@
+"""The registry of checkpoint parts: the protocol, the file layout, and leftovers as errors (tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.ckpt_format import REQUIRED_FILES, rng_file
+from trainer.data import Position
+from trainer.errors import ConfigError
+from trainer.state import RngState
+from trainer.stateful import Registry, Stateful, reconcile, spec_of_file
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = int(sd["n"])
+
+
+def _parts() -> dict[str, Any]:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        "scaler": torch.amp.GradScaler("cpu"),
+        "rng": RngState(torch.device("cpu")),
+        "trainer": Position(),
+    }
+
+
+def test_every_standard_part_and_a_plain_object_satisfy_the_protocol() -> None:
+    for name, obj in [*_parts().items(), ("counter", Counter())]:
+        assert isinstance(obj, Stateful), name
+    assert not isinstance(object(), Stateful)
+
+
+def test_registry_keeps_capture_order_and_names_each_rank_file() -> None:
+    reg = Registry(3, _parts(), {"ema": Counter()})
+    assert list(reg) == ["model", "optimizer", "scheduler", "scaler", "rng", "trainer", "ema"]
+    assert reg.files()["rng"] == "rng.rank3.pt" == rng_file(3)
+    assert reg.files()["ema"] == "extra.ema.pt"
+    assert reg.capture()["ema"] == {"n": 0}
+
+
+@pytest.mark.parametrize(
+    ("name", "obj", "error"),
+    [
+        ("model", Counter(), "none of"),
+        ("has space", Counter(), "use letters, digits"),
+        ("x/y", Counter(), "use letters, digits"),
+        ("ema", object(), r"'ema' \(object\) is not Stateful: give it state_dict\(\)"),
+    ],
+)
+def test_bad_extra_state_is_a_config_error_naming_it(name: str, obj: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        Registry(0, _parts(), {name: obj})
+
+
+@pytest.mark.parametrize(
+    ("fname", "part"),
+    [
+        ("model.safetensors", "model"),
+        ("optimizer.pt", "optimizer"),
+        ("scaler.pt", "scaler"),
+        ("rng.rank0.pt", "rng"),
+        ("rng.rank12.pt", "rng"),
+        ("trainer.pt", "trainer"),
+        ("extra.ema.pt", "ema"),
+        ("extra..pt", None),
+        ("rng.rankX.pt", None),
+        ("notes.txt", None),
+    ],
+)
+def test_which_part_a_file_holds(fname: str, part: str | None) -> None:
+    spec = spec_of_file(fname)
+    assert (spec.name if spec else None) == part
+
+
+def test_required_files_are_the_v1_list() -> None:
+    assert REQUIRED_FILES == ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer.pt")
+
+
+V1 = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng.rank0.pt", "trainer.pt"]
+WANT = {"model": "model.safetensors", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt",
+        "rng": "rng.rank0.pt", "trainer": "trainer.pt"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("wanted", "present", "missing", "leftovers"),
+    [
+        (WANT, V1, [], []),
+        ({**WANT, "ema": "extra.ema.pt"}, V1, ["'ema' (extra.ema.pt)"], []),
+        (WANT, [*V1, "extra.ema.pt"], [], ["'ema' (extra.ema.pt)"]),
+        (WANT, [*V1, "stray.bin"], [], ["'stray.bin'"]),
+        (WANT, [f for f in V1 if f != "rng.rank0.pt"], ["'rng' (rng.rank0.pt)"], []),
+        # optional: the scaler may be absent (AMP switched on) or unused (AMP switched off)
+        ({**WANT, "scaler": "scaler.pt"}, V1, [], []),
+        (WANT, [*V1, "scaler.pt"], [], []),
+        # another rank's RNG belongs to that rank, not left over
+        (WANT, [*V1, "rng.rank1.pt"], [], []),
+    ],
+)
+def test_reconcile_names_missing_and_leftover_parts(
+    wanted: dict[str, str], present: list[str], missing: list[str], leftovers: list[str]
+) -> None:
+    assert reconcile(wanted, present) == (missing, leftovers)
