@@ -19,6 +19,7 @@ from tasks.policy import RetryPolicy
 from tasks.prefect_sink import PrefectSink
 from tasks.providers import ProviderConfig, build_provider
 from tasks.providers.local import LocalProviderConfig
+from tasks.recovery import recovered_run
 from tasks.settings import Settings
 from trainer.spec import JobSpec
 
@@ -38,6 +39,8 @@ def resilient_training(
     settings = Settings.from_env()
     run_id = str(flow_run.get_id() or "")
     workers = build_provider(provider, settings.job_dir(job.name) / "workers", run_id)
-    result = run_job(job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id)
+    recovers = recovered_run(flow_run.get_tags())  # started by recover-job: continue that job run
+    result = run_job(job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id,
+                     recovers=recovers)  # fmt: skip
     state = Completed if result.completed else Failed
     return state(message=result.message, data=result.summary.as_dict())

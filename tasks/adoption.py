@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -182,9 +183,31 @@ def lost_attempt(
     )
 
 
-def is_orphan(row: JobRunRow | None, storage_uri: str) -> bool:
-    """A job run is a candidate for adoption: still `running`, on the same storage."""
-    return row is not None and row.status is JobStatus.RUNNING and row.storage_uri == storage_uri
+def should_adopt(
+    row: JobRunRow | None,
+    storage_uri: str,
+    me: str,
+    recovers: str,
+    info: ControllerInfo | None,
+    flow_state: Callable[[], str | None],
+) -> bool:
+    """Whether the flow run `me` continues the job's latest job run `row`, rather than starting one.
+
+    Yes for the run it was started to recover (`recovers`: recover-job tags the new run with the crashed
+    one), `running` or already closed `crashed` by the flow's hook. Otherwise only a `running` one whose
+    controller is gone: on this host its process decides (`info`, when it names this job run); elsewhere
+    Prefect's word that its flow run is final (`flow_state`, asked only then)."""
+    if row is None or row.storage_uri != storage_uri or (row.flow_run_id or "") == me:
+        return False
+    if recovers and row.flow_run_id == recovers and row.status in (JobStatus.RUNNING, JobStatus.CRASHED):
+        return True
+    if row.status is not JobStatus.RUNNING:
+        return False
+    mine = info if info is not None and info.job_run_id == row.id else None
+    here = mine.process.alive_here() if mine is not None else None
+    if here is not None:
+        return not here
+    return controller_gone(None, flow_state())
 
 
 def _start_ticks(pid: int) -> int | None:

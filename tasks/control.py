@@ -105,16 +105,20 @@ def run_job(
     *,
     settings: Settings,
     flow_run_id: str = "",
+    recovers: str = "",
     sleep: Callable[[float], None] = time.sleep,
 ) -> JobResult:
-    """Train `job` on `provider`'s workers until it completes or the policy gives up."""
-    runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink)
+    """Train `job` on `provider`'s workers until it completes or the policy gives up. `recovers`: the
+    crashed flow run this one replaces (its job run is continued)."""
+    runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink, recovers)
     try:
         runlog.stop_leftover(provider)
         return _loop(job, provider, policy, sink, runlog, sleep)
     except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
         runlog.interrupted(e)
         raise
+    finally:
+        runlog.store.close()
 
 
 def _loop(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
 
@@ -133,7 +134,7 @@ def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
         if not busy.wait:
             yield busy.message
             return
-        _wait_for_slot(name, job, me)
+        _wait_for_slot(name, job, me, Settings.from_env().job_dir(job))
     with concurrency(
         name,
         lease_duration=LEASE_S,
@@ -167,18 +168,19 @@ def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
     return guarded
 
 
-def _wait_for_slot(name: str, job: str, me: str) -> None:
+def _wait_for_slot(name: str, job: str, me: str, job_dir: Path) -> None:
     """Poll until the slot is free, freeing one whose holder is gone without its lease."""
     alone_since: float | None = None
     while True:
         taken, limit = _occupancy(name)
-        holder = holder_of(_running_runs(), job, me) if taken >= limit else None
+        runs = _running_runs() if taken >= limit else []
+        holder = holder_of(runs, job, me) if taken >= limit else None
         action, alone_since = while_busy(
             taken < limit, holder is not None, limit == 0, alone_since, time.monotonic()
         )
         if action == "take":
             return
-        if holder is not None and _controller_dead_here(job, holder.id):
+        if holder is not None and _holder_dead_here(job_dir, runs, job, me, holder.id):
             get_run_logger().warning(
                 "job %s: the controller of flow run %s (%s) ran on this host and is gone; freeing %s now "
                 "instead of waiting for its lease to lapse", job, holder.name, holder.id, name,
@@ -201,11 +203,15 @@ def _free(name: str) -> None:
         client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
 
 
-def _controller_dead_here(job: str, flow_run_id: str) -> bool:
-    """Whether `flow_run_id` is the job's last controller on this host and its process is gone (SIGKILL,
-    OOM): its slot can never be renewed, so waiting out the lease only delays the recovery."""
-    info = adoption.read_controller(Settings.from_env().job_dir(job))
-    return info is not None and info.flow_run_id == flow_run_id and info.process.alive_here() is False
+def _holder_dead_here(job_dir: Path, runs: list[RunningRun], job: str, me: str, holder: str) -> bool:
+    """Whether the slot's holder is the job's last controller on this host and its process is gone
+    (SIGKILL, OOM): its slot can never be renewed, so waiting out the lease only delays the recovery.
+    Only when it is the one other running run of the job: a second one may have just taken the slot
+    and not yet written its controller file."""
+    if [r.id for r in runs if r.job == job and r.id != me] != [holder]:
+        return False
+    info = adoption.read_controller(job_dir)
+    return info is not None and info.flow_run_id == holder and info.process.alive_here() is False
 
 
 def _occupancy(name: str) -> tuple[int, int]:

@@ -136,4 +136,6 @@ def _error_key(a: AttemptRecord) -> tuple[str, int]:
 
 
 def _count(attempts: list[AttemptRecord], outcomes: tuple[Outcome, ...]) -> int:
-    return sum(1 for a in attempts if a.outcome in outcomes)
+    # An attempt lost with its controller is the controller's failure, not the job's: recover-job's own
+    # bound (restarts per job per hour) limits those, so they do not use up the error budget.
+    return sum(1 for a in attempts if a.outcome in outcomes and not a.extra.get("controller_died"))

@@ -29,6 +29,7 @@ from uuid import UUID
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.exceptions import ObjectNotFound
 
 from trainer.errors import SpotrunError
@@ -48,6 +49,12 @@ def job_tag(job: str) -> str:
 
 def recovers_tag(crashed_flow_run_id: UUID) -> str:
     return f"spotrun-recovers:{crashed_flow_run_id}"
+
+
+def recovered_run(tags: list[str]) -> str:
+    """The crashed flow run a run was started to replace, from its tags; "" for any other run."""
+    prefix = recovers_tag(UUID(int=0)).split(":", 1)[0] + ":"
+    return next((t.removeprefix(prefix) for t in tags if t.startswith(prefix)), "")
 
 
 def idempotency_key(crashed_flow_run_id: UUID) -> str:
@@ -127,8 +134,14 @@ def read_crashed_run(client: SyncPrefectClient, flow_run_id: UUID) -> CrashedRun
     return CrashedRun(flow_run_id, run.deployment_id, job, dict(run.parameters), cancelling)
 
 
-def _tagged(client: SyncPrefectClient, *tags: str) -> list[FlowRun]:
-    return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=list(tags))))
+def _tagged(client: SyncPrefectClient, *tags: str, limit: int = 200) -> list[FlowRun]:
+    """The newest `limit` runs carrying all `tags` (restarts are created to run at once, so the newest
+    expected start is the newest restart; the server caps a page at 200 anyway)."""
+    return client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=list(tags))),
+        sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+        limit=limit,
+    )
 
 
 def restart_of(client: SyncPrefectClient, crashed_flow_run_id: UUID) -> FlowRun | None:

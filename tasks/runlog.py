@@ -29,6 +29,7 @@ from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from trainer.catalog import read_latest
 from trainer.ckpt_format import checkpoint_uri
+from trainer.errors import StorageError
 from trainer.heartbeat import read_heartbeat
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
@@ -119,31 +120,34 @@ class JobRunLog:
         provider_name: str,
         flow_run_id: str,
         sink: ReportSink | None = None,
+        recovers: str = "",
     ) -> JobRunLog:
-        """Open the job run: a new one, or the job's running one whose controller died (adopted)."""
+        """Open the job run: a new one, or the job's latest one whose controller died (adopted).
+        `recovers`: the crashed flow run this run was started to replace (recover-job's tag), if any."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
         job_dir = settings.job_dir(job.name)
         try:
-            orphan = store.open_job_run(job.name)
+            latest = store.latest_job_run(job.name)
         except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
             (sink or _LogOnly()).log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
-            orphan = None
-        if (
-            orphan is not None
-            and adoption.is_orphan(orphan, job.storage)
-            and orphan.flow_run_id != flow_run_id
-        ):
-            info = adoption.read_controller(job_dir)
-            here = info.process.alive_here() if info is not None else None  # decides without Prefect
-            state = flow_run_state(orphan.flow_run_id or "") if here is None else None
-            if adoption.controller_gone(info, state):
-                log = cls(settings, job, store, orphan.id, flow_run_id, sink)
-                log._adopt(orphan)
-                return log._opened()
+            latest = None
+        info = adoption.read_controller(job_dir)
+
+        def state() -> str | None:  # asked only when this host cannot tell
+            return flow_run_state(latest.flow_run_id or "") if latest is not None else None
+
+        if adoption.should_adopt(latest, job.storage, flow_run_id, recovers, info, state):
+            assert latest is not None
+            log = cls(settings, job, store, latest.id, flow_run_id, sink)
+            log.provider_name = provider_name
+            log._adopt(latest)
+            return log._opened()
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
         )
-        return cls(settings, job, store, run_id, flow_run_id, sink)._opened()
+        log = cls(settings, job, store, run_id, flow_run_id, sink)
+        log.provider_name = provider_name
+        return log._opened()
 
     def _opened(self) -> JobRunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -152,38 +156,47 @@ class JobRunLog:
         return self
 
     def _adopt(self, orphan: JobRunRow) -> None:
-        """Continue a job run whose controller died: its attempts, and a `lost` row for the one in flight."""
+        """Continue a job run whose controller died: its attempts, budgets and numbering go on."""
         self.store.adopt_job_run(orphan.id, self.flow_run_id or None)
         self.adopted_from = orphan.flow_run_id or ""
         self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
-        self.leftover = adoption.read_worker(self.dir)
-        if self.leftover is not None and self.leftover.job_run_id != orphan.id:
-            self.leftover = None
-        storage = open_storage(self.job.storage, self.job.s3)
-        durable = read_latest(storage)
-        beat = read_heartbeat(storage, self.leftover.worker_id) if self.leftover is not None else None
-        last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
-        lost = adoption.lost_attempt(self.leftover, len(self.records) + 1, orphan.flow_run_id or "",
-                                     last_step, durable, time.time())  # fmt: skip
-        self.resume_step = durable
-        self.record(lost)
-        self.sink.log(
-            logging.WARNING,
-            f"adopted job run {orphan.id} of {self.job.name} from dead flow run {orphan.flow_run_id}: "
-            f"attempt {lost.attempt} recorded as lost (controller died)",
-        )
+        left = adoption.read_worker(self.dir)
+        self.leftover = left if left is not None and left.job_run_id == orphan.id else None
+        self.sink.log(logging.WARNING, f"adopting job run {orphan.id} of {self.job.name} from flow run "
+                                       f"{orphan.flow_run_id}, whose controller died")  # fmt: skip
 
     def stop_leftover(self, provider: Provider) -> None:
-        """Stop the worker a dead controller left (adoption), and let the next trainer take its lease."""
+        """After adoption: stop the worker the dead controller left (local: its pid file; EC2: its flow
+        run's instances, by tag, from any host), record that attempt as lost (controller died), and let
+        the next trainer take over its storage lease at once."""
         left, self.leftover = self.leftover, None
+        worker_id = left.worker_id if left is not None else None
         if isinstance(provider, AwsProvider) and self.adopted_from:  # by tag: the file may be elsewhere
             swept = provider.stop_leftovers(self.adopted_from)
-            self.released = swept[-1] if swept else self.released
-        if left is None:
-            return
-        if left.process is not None:  # a local trainer
+            worker_id = swept[-1] if swept else worker_id
+        if left is not None and left.process is not None:
             adoption.stop_local_worker(left.process)
-        self.released = left.worker_id
+        if worker_id is None:
+            return  # it died between attempts: nothing was in flight
+        self.released = worker_id
+        self.record(self._lost_attempt(left, worker_id))
+
+    def _lost_attempt(self, left: adoption.WorkerInfo | None, worker_id: str) -> AttemptRecord:
+        """The dead controller's attempt in flight, with the steps its trainer reached (its heartbeat)."""
+        try:
+            storage = open_storage(self.job.storage, self.job.s3)
+            durable = read_latest(storage)
+            beat = read_heartbeat(storage, worker_id)
+        except StorageError as e:  # the row matters more than its step counts
+            self.sink.log(logging.WARNING, f"cannot read the lost attempt's progress: {e}")
+            durable, beat = None, None
+        last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
+        if left is None:
+            left = adoption.WorkerInfo(self.job_run_id, self.adopted_from, worker_id, self.provider_name,
+                                       len(self.records) + 1, time.time(), None)  # fmt: skip
+        self.resume_step = durable
+        return adoption.lost_attempt(left, len(self.records) + 1, self.adopted_from, last_step, durable,
+                                     time.time())  # fmt: skip
 
     @property
     def in_flight(self) -> Worker | None:
@@ -265,13 +278,17 @@ class JobRunLog:
             logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
 
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
-        timeline = self._timeline()
+        self.store.finish_job_run(self.job_run_id, status, message)  # first: the reports below are views
+        try:
+            timeline = self._timeline()
+        except (OSError, StorageError) as e:  # a report that cannot be saved must not fail a finished job
+            self.sink.log(logging.WARNING, f"timeline not saved: {e}")
+            timeline = ""
         final = max((r.last_step for r in self.records), default=0)
         summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
                           wall_s, timeline, *total_cost(self.records))  # fmt: skip
         self.sink.summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
                                                                  wall_s, timeline))  # fmt: skip
-        self.store.finish_job_run(self.job_run_id, status, message)
         (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
         if not self.store.flush(timeout_s=10):
             self.sink.log(

@@ -18,9 +18,10 @@ A storage that fails transiently while the lease is taken is retried for one TTL
 Fencing: `FencedStorage` wraps the storage the trainer writes through. Every write first checks that
 the lease is still ours by the local clock (renewed within its TTL, no takeover seen); the commit
 points (a manifest, `latest`, COMPLETED.json) also re-read the lease object. A check that passes just
-before the holder stalls leaves a window of at most one renewal period: fencing by a token only the
-storage could enforce, which S3 has no way to do for ordinary puts. Clocks of the machines sharing a
-storage must agree to well within `ttl_s / 10`.
+before the holder stalls (or before a slow multipart put) lets that one write land after a takeover:
+fencing by a token only the storage could enforce, which S3 cannot do for ordinary puts. The stale
+writer stops at its next check. Clocks of the machines sharing a storage must agree to well within
+`ttl_s / 10`.
 """
 
 from __future__ import annotations
@@ -298,6 +299,9 @@ class Lease:
             now = self.clock()
             doc = replace(self.doc, renewed_at=now, expires_at=now, released=True)
             version = self.version
+            # fenced from here on: a write still in flight (an upload thread on an error path) must not
+            # land after the next holder may have taken over
+            self.lost = LeaseLost(f"the lease of {self.storage.uri} was released by this trainer")
         try:
             self.storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
         except Exception as e:  # boundary: exiting anyway; an unreleased lease just expires (ttl_s)

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
-from tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun
+from tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun, JobStatus
 
 Apply = Callable[[Session, dict[str, Any], bool], None]
 OPS: dict[str, Apply] = {}
@@ -123,7 +123,11 @@ def _adopt_job_run(s: Session, a: dict[str, Any], replay: bool) -> None:
     q = update(JobRun).where(JobRun.id == run_id)
     if replay:  # adopted already when it names this flow run: count each adoption once
         q = q.where(JobRun.flow_run_id.is_distinct_from(flow_run_id))
-    done = s.execute(q.values(flow_run_id=flow_run_id, controller_restarts=JobRun.controller_restarts + 1))
+    # running again: a run the crashed hook (or the give-up path) closed as crashed is continued too
+    values = dict(status=JobStatus.RUNNING.value, ended_at=None, message="")
+    done = s.execute(
+        q.values(flow_run_id=flow_run_id, controller_restarts=JobRun.controller_restarts + 1, **values)
+    )
     if done.rowcount == 0 and s.get(JobRun, run_id) is None:  # type: ignore[attr-defined]
         raise LookupError(f"no job run {run_id}")
 

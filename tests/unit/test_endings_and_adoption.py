@@ -96,22 +96,49 @@ def test_pid_reuse_is_not_the_same_process() -> None:
     assert ProcessRef(HERE, os.getpid(), (me.start_ticks or 0) + 1).alive_here() is False
 
 
-def _row(status: JobStatus, storage: str = "/s") -> JobRunRow:
-    return JobRunRow("jr", "job", "h", "fr", storage, "local", status, "", 0.0, None)
+def _row(status: JobStatus, storage: str = "/s", flow_run: str = "dead") -> JobRunRow:
+    return JobRunRow("jr", "job", "h", flow_run, storage, "local", status, "", 0.0, None)
+
+
+DEAD_HERE = ControllerInfo("jr", "dead", ProcessRef(HERE, 2**22 + 7, 1), 0.0)  # no such pid
+ALIVE_HERE = ControllerInfo("jr", "dead", ProcessRef.of(os.getpid()), 0.0)
+OTHER_RUN_DEAD = ControllerInfo("another-job-run", "x", ProcessRef(HERE, 2**22 + 7, 1), 0.0)
 
 
 @pytest.mark.parametrize(
-    ("row", "orphan"),
+    ("row", "recovers", "info", "state", "adopt"),
     [
-        (None, False),
-        (_row(JobStatus.RUNNING), True),
-        (_row(JobStatus.RUNNING, "/other"), False),  # same name, other storage: another job
-        (_row(JobStatus.COMPLETED), False),
-        (_row(JobStatus.CANCELLED), False),
+        (None, "", None, None, False),
+        (_row(JobStatus.RUNNING), "", DEAD_HERE, None, True),  # its controller's process is gone
+        (
+            _row(JobStatus.RUNNING),
+            "",
+            ALIVE_HERE,
+            "CRASHED",
+            False,
+        ),  # alive here: never, whatever Prefect says
+        (_row(JobStatus.RUNNING, "/other"), "", DEAD_HERE, None, False),  # same name, other storage
+        (_row(JobStatus.RUNNING), "", None, "CRASHED", True),  # another host: Prefect says it is over
+        (_row(JobStatus.RUNNING), "", None, "RUNNING", False),
+        (_row(JobStatus.RUNNING), "", None, None, False),  # no word from Prefect: not proof of death
+        (_row(JobStatus.RUNNING), "", OTHER_RUN_DEAD, "RUNNING", False),  # a stale file of another job run
+        (_row(JobStatus.CRASHED), "dead", None, None, True),  # recover-job's run, after the crashed hook
+        (
+            _row(JobStatus.CRASHED),
+            "",
+            DEAD_HERE,
+            None,
+            False,
+        ),  # a crashed run is continued only by its recovery
+        (_row(JobStatus.CRASHED), "someone-else", None, None, False),
+        (_row(JobStatus.COMPLETED), "dead", None, None, False),
+        (_row(JobStatus.RUNNING, flow_run="me"), "", DEAD_HERE, None, False),  # itself
     ],
 )
-def test_is_orphan(row: JobRunRow | None, orphan: bool) -> None:
-    assert adoption.is_orphan(row, "/s") is orphan
+def test_should_adopt(
+    row: JobRunRow | None, recovers: str, info: ControllerInfo | None, state: str | None, adopt: bool
+) -> None:
+    assert adoption.should_adopt(row, "/s", "me", recovers, info, lambda: state) is adopt
 
 
 def test_lost_attempt_counts_steps_past_the_durable_checkpoint() -> None:
@@ -169,3 +196,32 @@ def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     status = {r.id: (r.status, r.message) for r in store.job_runs("j")}
     store.close()
     assert status == {mine: (JobStatus.CRASHED, gave_up.message), other: (JobStatus.RUNNING, "")}
+
+
+@pytest.mark.parametrize(
+    ("tags", "crashed"),
+    [
+        (["spotrun-restart", "spotrun-job:j", "spotrun-recovers:1b4e28ba-2fa1-11d2-883f-0016d3cca427"],
+         "1b4e28ba-2fa1-11d2-883f-0016d3cca427"),
+        (["spotrun-heartbeat"], ""),
+        ([], ""),
+    ],
+)  # fmt: skip
+def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
+    from tasks.recovery import recovered_run
+
+    assert recovered_run(tags) == crashed
+
+
+def test_attempts_lost_with_their_controller_do_not_use_up_the_error_budget() -> None:
+    import random
+
+    from tasks.attempts import AttemptRecord
+    from tasks.policy import RetryPolicy, decide
+
+    def lost(n: int) -> AttemptRecord:
+        return adoption.lost_attempt(None, n, "dead", 10, 5, now=float(n))
+
+    crash = AttemptRecord(4, "w", "local", 0.0, 1.0, Outcome.CRASHED, "exited CRASHED: x", error="x")
+    decision = decide([lost(1), lost(2), lost(3), crash], RetryPolicy(max_errors=2), random.Random(0))
+    assert decision.action == "retry", decision  # 1 error of 2: the controller deaths are not counted
