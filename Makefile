@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint typecheck unit bench clean browser ui-screenshots
+.PHONY: demo test lint typecheck unit bench chaos clean browser ui-screenshots
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench: $(VENV)/.installed
 	$(PY) bench/checkpoint.py
 	$(PY) bench/recovery.py
 	$(PY) bench/notice.py
+
+# The fault campaign: 1,000 faults, ~20 min on 2 cores; last line JSON (docs/operations.md).
+chaos: $(VENV)/.installed
+	$(PY) bench/chaos.py --faults 1000 --seed 0
 
 clean:
 	rm -rf $(VENV) .spotrun .pytest_cache .mypy_cache .ruff_cache
