@@ -22,10 +22,10 @@ from tasks.outcome import classify
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_rehearsal import RehearsalProvider
 from tasks.providers.base import KillReason, Provider, WatchResult, Worker
-from tasks.providers.fake import Ending, FakeAttempt, FakeProvider
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests import aws_backdoor
 from tests.conftest import Ec2World
+from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
 from tests.integration.test_aws_provider import beat, make_provider
 from tests.trainer_runs import write_spec
 from trainer.records import Durable, Exit, Notice, Record, Started, Step, Stopping
