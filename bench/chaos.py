@@ -67,6 +67,7 @@ from tasks.providers.local import LocalProvider, LocalProviderConfig  # noqa: E4
 from tests.conftest import FAKE_AWS_ENV, UNSET_AWS_ENV  # noqa: E402
 from tests.servers import FaultProxy  # noqa: E402
 from trainer.ckpt_format import COMPLETED  # noqa: E402
+from trainer.records import Record, Started  # noqa: E402
 from trainer.spec import JobSpec, S3Options, parse_spec  # noqa: E402
 from trainer.storage.s3 import S3Storage, make_s3_client  # noqa: E402
 
@@ -244,13 +245,13 @@ class Campaign:
             results = self.attempt(job, spec_path, provider, attempt, fault, ep)
             self.tally.attempts += 1
             killed_at = self.judge(fault, results, expected, attempt, n)
-            exits = ",".join(str(r.status.get("exit", {}).get("name", f"sig{r.signal}")) for r in results)
+            exits = ",".join(r.exit.name or "?" if r.exit else f"sig{r.signal}" for r in results)
             say(f"  ep {n} attempt {attempt}: {fault:<18} resumed {expected} -> {exits} at step "
                 f"{results[0].last_step}, {sum(self.tally.faults.values()) - before} faults, "
                 f"{time.monotonic() - t0:.1f} s")  # fmt: skip
             for r in results:
-                if r.status.get("exit", {}).get("error"):
-                    say(f"    {r.status['exit']['name']}: {r.status['exit']['error'][:200]}")
+                if r.exit is not None and r.exit.error:
+                    say(f"    {r.exit.name}: {r.exit.error[:200]}")
             if (why := checks.latest_unreadable(storage, ep / "check-cache")) is not None:
                 self.tally.unreadable_latest += 1
                 self.tally.bad(f"episode {n} attempt {attempt} ({fault}): {why}")
@@ -305,8 +306,8 @@ class Campaign:
         return [r for r in results if r is not None]
 
     def _killer(self, w: Worker, sig: signal.Signals) -> Any:
-        def on_status(rec: dict[str, Any]) -> None:
-            if rec["kind"] == "started":
+        def on_status(rec: Record) -> None:
+            if isinstance(rec, Started):
                 delay = self.rng.uniform(0.0, 0.6)
                 threading.Timer(delay, _signal, (w.handle.proc.pid, sig)).start()
 
@@ -314,8 +315,8 @@ class Campaign:
 
     def _second(self, provider: LocalProvider, job: JobSpec, attempt: int, spec_path: Path,
                 workers: list[Worker], watch: Any, late: list[threading.Thread]) -> Any:  # fmt: skip
-        def on_status(rec: dict[str, Any]) -> None:
-            if rec["kind"] == "started" and len(workers) == 1:  # the first trains and holds the lease
+        def on_status(rec: Record) -> None:
+            if isinstance(rec, Started) and len(workers) == 1:  # the first trains and holds the lease
                 workers.append(provider.provision(job, attempt, spec_path, []))
                 late.append(threading.Thread(target=watch, args=(1, workers[1])))
                 late[0].start()
@@ -329,10 +330,10 @@ class Campaign:
         first = results[0]
         if took_effect(fault, results):
             self.tally.faults[fault] += 1
-        started = [r for r in results if "started" in r.status]
+        started = [r for r in results if r.started is not None]
         # of a duplicate that both trained, the later one began after the first let go: not comparable
         for r in started[:1]:
-            got = r.status["started"]["resumed_from"]
+            got = r.resumed_from
             if got != expected:
                 self.tally.bad_resumes += 1
                 self.tally.bad(f"episode {n} attempt {attempt} ({fault}): resumed from {got}, "
@@ -384,7 +385,7 @@ class Campaign:
 def took_effect(fault: str, results: list[WatchResult]) -> bool:
     """Whether the injected process fault happened (a trainer may finish before its n-th save)."""
     first = results[0]
-    code = first.status.get("exit", {}).get("name")
+    code = first.exit.name if first.exit is not None else None
     kind = fault.split("@")[0].split("-")[0]
     if kind == "sigkill":
         return first.signal == signal.SIGKILL
@@ -405,11 +406,10 @@ def _exists(storage: S3Storage, key: str) -> bool:
 
 
 def _record(attempt: int, r: WatchResult) -> AttemptRecord:
-    started = r.status.get("started", {})
     return AttemptRecord(
         attempt=attempt, worker_id="chaos", provider="local", started_at=r.started_at, ended_at=r.ended_at,
         outcome=Outcome.CRASHED, cause="chaos", exit_code=r.exit_code, signal=r.signal,
-        resumed_from=started.get("resumed_from"), last_step=r.last_step,
+        resumed_from=r.resumed_from, last_step=r.last_step,
         last_durable_step=r.last_durable_step,
     )  # fmt: skip
 

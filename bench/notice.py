@@ -102,7 +102,9 @@ def attempt(
         reclaim(proc)
         proc.wait(timeout=120)
         gone = time.perf_counter() - t0
-    records = [r for line in (work / "stdout").read_text().splitlines() if (r := parse_status_line(line))]
+    records = [
+        r.to_json() for line in (work / "stdout").read_text().splitlines() if (r := parse_status_line(line))
+    ]
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     return last, records, gone
 

@@ -72,6 +72,7 @@ from tasks.providers.local import (
     plan_preemption,
     simulator_rng,
 )
+from trainer.records import Record, Started, Step
 from trainer.spec import JobSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,11 +142,11 @@ class Attempt:
     watched: float | None = None  # watch() returned: the death is observed
     result: WatchResult | None = None
 
-    def on_status(self, rec: dict[str, Any], stop_at_first_step: bool) -> None:
-        if rec["kind"] == "started":
-            self.started = float(rec["t"])
-        elif rec["kind"] == "step" and self.first_step is None:
-            self.first_step = float(rec["t"])
+    def on_status(self, rec: Record, stop_at_first_step: bool) -> None:
+        if isinstance(rec, Started):
+            self.started = rec.t
+        elif isinstance(rec, Step) and self.first_step is None:
+            self.first_step = rec.t
             if stop_at_first_step:
                 raise _FirstStep
 
@@ -256,8 +257,8 @@ def stop_phases(r: WatchResult) -> dict[str, float]:
     if r.notice_at is None:
         return {}
     durable = [t for t, _ in r.durable_times if t >= r.notice_at]
-    points = [("stopping", r.status.get("stopping", {}).get("t")), ("checkpoint", max(durable, default=None)),
-              ("exit_line", r.status.get("exit", {}).get("t")), ("gone", r.ended_at)]  # fmt: skip
+    points = [("stopping", r.stopping.t if r.stopping else None), ("checkpoint", max(durable, default=None)),
+              ("exit_line", r.exit.t if r.exit else None), ("gone", r.ended_at)]  # fmt: skip
     out, prev = {}, r.notice_at
     for name, t in points:
         if t is not None:

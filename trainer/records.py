@@ -109,15 +109,6 @@ class RecordBase:
             out[f.name] = value
         return out
 
-    # Read-only dict access for callbacks written against the old dict records (rec["kind"],
-    # rec.get("step")); new code reads the attributes.
-    def get(self, key: str, default: Any = None) -> Any:
-        """The JSON field `key` (compatibility with dict records)."""
-        return self.to_json().get(key, default)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_json()[key]
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Started(RecordBase):

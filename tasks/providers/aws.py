@@ -148,10 +148,10 @@ class AwsProvider:
     ) -> WatchResult:
         """Poll the instance and the heartbeat until the worker is gone. There is no log stream from an
         instance: `on_log` is not called, and `log_tail` is the console output when no exit record came.
-        The attempt's cost lands in `result.status["cost"]` (a `Cost` as a dict)."""
+        The attempt's cost lands in `result.facts["cost"]` (a `Cost` as a dict)."""
         state: AwsWorkerState = worker.handle
         result = WorkerWatch(self.ec2, self.cfg, worker, on_status, self.exit_status).run()
-        result.status["cost"] = asdict(attempt_cost(state, result.ended_at))
+        result.facts["cost"] = asdict(attempt_cost(state, result.ended_at))
         reclaimed = result.notice_kind == SPOT_INTERRUPTION or (
             result.trainer_code == "PREEMPTED" and state.released_at is None
         )

@@ -13,13 +13,13 @@ not decide what happens next (tasks/policy.py). The caller owns cleanup:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from trainer.records import KINDS, Durable, Exit, Notice, Record, Started, Step, Stopping
+from trainer.records import Durable, Exit, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
@@ -132,12 +132,6 @@ class WatchResult:
         return sorted(found, key=lambda r: r.t)
 
     @property
-    def status(self) -> StatusView:
-        """The records and facts as dicts, by kind: the shape before records were typed. Read the
-        attributes (`exit`, `started`, ...) and `facts` instead; this stays for older callers."""
-        return StatusView(self)
-
-    @property
     def resumed_from(self) -> int | None:
         """The checkpoint step the trainer started from (None: scratch or never started)."""
         return self.started.resumed_from if self.started is not None else None
@@ -163,42 +157,11 @@ class WatchResult:
         return self.exit.error if self.exit is not None else ""
 
 
-class StatusView(MutableMapping[str, dict[str, Any]]):
-    """`WatchResult.status`: each record's JSON by kind, then the provider's facts. Records are
-    read-only here (`fold` them); other keys read and write `facts`."""
-
-    def __init__(self, result: WatchResult) -> None:
-        self._r = result
-
-    def __getitem__(self, key: str) -> dict[str, Any]:
-        if key in _SLOT:
-            rec: Record | None = getattr(self._r, _SLOT[key])
-            if rec is None:
-                raise KeyError(key)
-            return rec.to_json()
-        return self._r.facts[key]
-
-    def __setitem__(self, key: str, value: dict[str, Any]) -> None:
-        if key in KINDS:
-            raise TypeError(f"status[{key!r}] is a trainer record: fold() a typed record instead")
-        self._r.facts[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._r.facts[key]
-
-    def __iter__(self) -> Iterator[str]:
-        yield from (k for k, s in _SLOT.items() if getattr(self._r, s) is not None)
-        yield from self._r.facts
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 @runtime_checkable
 class Provider(Protocol):
     """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator),
-    tasks/providers/aws.py (EC2 spot), aws_rehearsal.py and fake.py (scripted, no processes); one
-    contract for all in tests/integration/test_provider_contract.py."""
+    tasks/providers/aws.py (EC2 spot), aws_rehearsal.py, and tests/fakes/provider.py (scripted, no
+    processes); one contract for all in tests/integration/test_provider_contract.py."""
 
     name: str
 

@@ -32,6 +32,7 @@ from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResu
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from trainer.heartbeat import heartbeat_key
+from trainer.records import Record
 from trainer.spec import JobSpec, load_spec
 from trainer.storage import LocalStorage, put_bytes
 
@@ -98,7 +99,7 @@ def rec(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def watch(provider: AwsProvider, worker: Worker) -> tuple[WatchResult, list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
+    seen: list[Record] = []
     try:
         return provider.watch(worker, seen.append, None), seen
     finally:
@@ -177,11 +178,11 @@ def test_spot_interruption_after_a_notice_is_preempted(
     assert result.kill_detail == "Server.SpotInstanceTermination"
     assert result.notice_at == stopping["t"] and not result.lost
     assert (result.last_step, result.last_durable_step, result.started_training_at) == (12, 10, started["t"])
-    assert [r["kind"] for r in seen] == ["started", "step", "durable", "stopping"]
-    assert result.status["ec2"]["reason_code"] == "Server.SpotInstanceTermination"
+    assert [r.kind for r in seen] == ["started", "step", "durable", "stopping"]
+    assert result.facts["ec2"]["reason_code"] == "Server.SpotInstanceTermination"
     outcome, cause = classify(result, completed=False)
     assert outcome is Outcome.PREEMPTED, cause
-    cost = result.status["cost"]
+    cost = result.facts["cost"]
     assert cost["market"] == "spot" and cost["price_per_h"] == pytest.approx(0.00001)
     assert cost["usd"] is not None and cost["on_demand_usd"] == pytest.approx(1.2 * cost["hours"])
     assert provider.history[-1].outcome is PlacementOutcome.PREEMPTED
@@ -242,8 +243,8 @@ def test_exit_record_ends_the_watch_as_completed(ec2_world: Ec2World, job: tuple
         50,
     )
     assert result.durable_times == [(records[2]["t"], 50)] and result.notice_kind is None
-    assert [r["kind"] for r in seen] == ["started", "step", "durable", "exit"]
-    assert result.status["ec2"]["state"] == "running"  # the trainer is done; release() ends the instance
+    assert [r.kind for r in seen] == ["started", "step", "durable", "exit"]
+    assert result.facts["ec2"]["state"] == "running"  # the trainer is done; release() ends the instance
     assert classify(result, completed=True)[0] is Outcome.COMPLETED
     assert instance(ec2_world, worker.id)["State"]["Name"] == "terminated"
     assert provider.history[-1].outcome is PlacementOutcome.ENDED

@@ -257,8 +257,8 @@ def test_started_record_carries_the_trainers_selection_and_rejections(
     stream = io.StringIO()
     spec = JobSpec.model_validate({**SPEC, "total_steps": 30})
     run_attempt(spec, storage, AttemptOptions(cache=tmp_path / "cache", reporter=StatusReporter(stream)))
-    records = [parse_status_line(line) for line in stream.getvalue().splitlines()]
-    started = next(r for r in records if r is not None and r["kind"] == "started")
+    records = [r.to_json() for line in stream.getvalue().splitlines() if (r := parse_status_line(line))]
+    started = next(r for r in records if r["kind"] == "started")
     assert started["resumed_from"] == 20
     assert started["checkpoint"] == f"{storage.uri.rstrip('/')}/{step_dir(20)}"
     assert started["rejected"] == [{"step": 30, "reason": "sha256 mismatch in model.safetensors"}]

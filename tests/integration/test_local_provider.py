@@ -28,6 +28,7 @@ from tests.trainer_runs import REPO, write_spec
 from trainer.ckpt_format import COMPLETED
 from trainer.exitcodes import ExitCode
 from trainer.lease import read_lease
+from trainer.records import Record, Step
 from trainer.spec import JobSpec, load_spec
 from trainer.storage import LocalStorage
 
@@ -46,11 +47,11 @@ def _provider(tmp_path: Path, *plan: PlannedPreemption, **cfg: Any) -> LocalProv
 
 def _watch(provider: LocalProvider, worker: Worker) -> tuple[WatchResult, list[dict[str, Any]], list[str]]:
     """Watch to the end, checking that callbacks run in this thread (where Prefect's run context is)."""
-    statuses: list[dict[str, Any]] = []
+    statuses: list[Record] = []
     logs: list[str] = []
     me = threading.get_ident()
 
-    def on_status(rec: dict[str, Any]) -> None:
+    def on_status(rec: Record) -> None:
         assert threading.get_ident() == me
         statuses.append(rec)
 
@@ -107,7 +108,7 @@ def test_run_without_preemption_completes(tmp_path: Path) -> None:
     outcome, cause = classify(result, (tmp_path / "store" / COMPLETED).is_file())
     assert (outcome, cause) == (Outcome.COMPLETED, "completed at step 30")
     assert result.exit_code == 0 and result.trainer_code == "COMPLETED" and result.last_durable_step == 30
-    kinds = [s["kind"] for s in statuses]
+    kinds = [s.kind for s in statuses]
     assert kinds[0] == "started" and kinds[-1] == "exit" and "durable" in kinds
     assert any("completed at step 30" in line for line in logs) and "completed at step 30" in result.log_tail
     assert result.notice_at is None and not result.lost and result.started_training_at is not None
@@ -130,7 +131,7 @@ def test_reclaim_with_notice_exits_preempted(tmp_path: Path) -> None:
     assert outcome is Outcome.PREEMPTED and cause.startswith("spot notice, exited PREEMPTED after"), cause
     assert result.exit_code == ExitCode.PREEMPTED and result.notice_kind == "sim-notice"
     assert result.killed_at is None  # it left within the window
-    assert result.status["stopping"]["reason"] == "SIGTERM"
+    assert result.stopping is not None and result.stopping.reason == "SIGTERM"
     assert result.last_durable_step == result.last_step > 0  # the emergency checkpoint
     assert result.notice_at is not None and result.started_training_at is not None
     assert result.notice_at - result.started_training_at >= 0.5
@@ -286,8 +287,8 @@ def test_an_interrupted_watch_stops_the_trainer_gracefully(
     provider = _provider(tmp_path, stop_grace_s=60)
     worker = provider.provision(job, 1, spec, [])
 
-    def on_status(rec: dict[str, Any]) -> None:
-        if rec["kind"] == "step" and rec["step"] >= 20:
+    def on_status(rec: Record) -> None:
+        if isinstance(rec, Step) and rec.step >= 20:
             raise interruption("stop")
 
     with pytest.raises(interruption):
@@ -297,7 +298,7 @@ def test_an_interrupted_watch_stops_the_trainer_gracefully(
     assert result is not None and result.ended_at > 0
     assert result.stopped_by == ("interrupt" if interruption is KeyboardInterrupt else "error")
     assert result.trainer_code == "PREEMPTED" and result.killed_at is None
-    assert result.status["stopping"]["reason"] == "SIGTERM"
+    assert result.stopping is not None and result.stopping.reason == "SIGTERM"
     assert result.last_durable_step == result.last_step >= 20  # the emergency checkpoint: 0 lost steps
     outcome, cause = classify(result, False)
     assert outcome is Outcome.CANCELLED and f"emergency checkpoint at step {result.last_step}" in cause
@@ -310,8 +311,8 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path
     provider = _provider(tmp_path, stop_grace_s=0.5)
     worker = provider.provision(job, 1, spec, ["--inject-fault", "hang@1"])
 
-    def on_status(rec: dict[str, Any]) -> None:
-        if rec["kind"] == "step":  # step 1's record comes just before the hang (a SIGTERM sent before
+    def on_status(rec: Record) -> None:
+        if isinstance(rec, Step):  # step 1's record comes just before the hang (a SIGTERM sent before
             raise KeyboardInterrupt  # the first step would stop it before it could hang)
 
     with pytest.raises(KeyboardInterrupt):

@@ -66,7 +66,7 @@ def train_until_notice(
             time.sleep(0.005)
         trigger()
         rc = proc.wait(timeout=60)
-    records = [r for line in out.read_text().splitlines() if (r := parse_status_line(line))]
+    records = [r.to_json() for line in out.read_text().splitlines() if (r := parse_status_line(line))]
     return Run(rc, records, err.read_text(), LocalStorage(work / "store"))
 
 
@@ -107,7 +107,7 @@ def test_aws_notice_checkpoints_the_stopping_step_and_heartbeats(imds: FakeIMDS,
     )
     assert run.last("notice")["action"] == "spot terminate"
     beat = read_heartbeat(run.storage, "w1")
-    assert beat is not None and beat["records"]["exit"] == exit_.to_json()
+    assert beat is not None and beat["records"]["exit"] == exit_
     assert (beat["last_step"], beat["durable_step"]) == (stopping["step"],) * 2
     assert {"started", "notice", "stopping", "durable"} <= set(beat["records"])
 

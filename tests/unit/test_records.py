@@ -114,9 +114,3 @@ def test_build_refuses_what_the_trainer_must_not_write() -> None:
         build("progress", 1.0, step=1)
     with pytest.raises(MalformedRecord, match="durable record without 'step'"):
         build("durable", 1.0)
-
-
-def test_dict_access_for_older_callbacks() -> None:
-    rec = Started(t=1.0, step=4, rejected=(Rejected(8, "torn"),))
-    assert (rec["kind"], rec.get("step"), rec.get("missing", 0)) == ("started", 4, 0)
-    assert rec.get("rejected") == [{"step": 8, "reason": "torn"}]
