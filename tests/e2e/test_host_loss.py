@@ -187,7 +187,7 @@ def test_host_loss_is_detected_and_the_job_resumes_by_itself(server: PrefectServ
             if s is not None:
                 s.stop()
     # resumed, not retrained: the adopted run started from the checkpoint the dead one made
-    after = (tmp_path / "home" / "worker.log").read_text().split("adopted job run", 1)
+    after = (tmp_path / "home" / "worker.log").read_text().split("adopting job run", 1)
     assert len(after) == 2 and "starting from scratch" not in after[1], after[-1][-3000:]
     history = HistoryStore.open(f"sqlite:///{tmp_path / 'home' / 'history.db'}")
     runs, rows = history.job_runs(spec.name), history.attempts(job=spec.name)
