@@ -2,7 +2,7 @@
 
 Pure functions over a provider's `WatchResult` and the completion marker. The marker outranks
 everything: a SIGTERM during interpreter teardown yields -15 after all work was done, and torchrun
-returns 1 on SIGTERM though its workers exited 0 (shared/notes/torch.md §5). After it, the order is:
+returns 1 on SIGTERM though its workers exited 0 (measured with torch 2.13). After it, the order is:
 lost (the provider gave up on a silent worker), the trainer's own non-retryable verdict, a reclaim the
 simulator (or a cloud) announced or performed, and last whatever the exit code or signal says.
 """

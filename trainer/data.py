@@ -1,6 +1,6 @@
 """Data order and position. Exact resume needs both to be pure functions of (seed, epoch, index).
 
-Measured (shared/notes/torch.md §1): shuffles from the global RNG, persistent workers, a generator
+Measured on CPU with torch 2.13: shuffles from the global RNG, persistent workers, a generator
 on the sampler but not on the loader, and worker-RNG augmentation each broke bitwise resume. The
 position is (epoch, batches done in the epoch); resume slices the permutation, loading nothing.
 """

@@ -1,7 +1,7 @@
 """Stand-ins for the clouds' metadata services on 127.0.0.1 (stdlib only): EC2 IMDSv2 with its token
 flow and spot/rebalance notices, GCP's `instance/preempted`, Azure's scheduled events.
 
-Adapted from the FakeIMDS verified in shared/notes/aws.md §4. Each answers 404/FALSE/no events until
+A stand-in checked against the documented metadata APIs. Each answers 404/FALSE/no events until
 the test triggers a notice.
 """
 
