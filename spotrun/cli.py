@@ -63,7 +63,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def _missing_sqlite(url: str) -> bool:
-    from tasks.history.store import normalize_url
+    from tasks.history.engine import normalize_url
 
     u = normalize_url(url)
     db = u.database
@@ -71,7 +71,7 @@ def _missing_sqlite(url: str) -> bool:
 
 
 def _safe_url(url: str) -> str:
-    from tasks.history.store import normalize_url
+    from tasks.history.engine import normalize_url
 
     return normalize_url(url).render_as_string(hide_password=True)
 

@@ -5,16 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from tasks.history.models import AlertStatus, JobStatus
-from tasks.history.store import (
-    AlertRow,
-    AttemptRow,
-    HistoryStore,
-    JobRunRow,
-    RejectionRow,
-    StoreUnavailable,
-    default_url,
-)
+from tasks.history.engine import default_url
+from tasks.history.models import AlertRow, AlertStatus, AttemptRow, JobRunRow, JobStatus, RejectionRow
+from tasks.history.store import HistoryStore, StoreUnavailable
 
 __all__ = [
     "AlertRow",

@@ -24,31 +24,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, select
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.history.engine import make_engine, normalize_url, one_line, unreachable
 from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
-from tasks.history.models import (
-    Alert,
-    AlertRow,
-    AlertStatus,
-    Attempt,
-    AttemptRow,
-    CheckpointRejection,
-    JobRun,
-    JobRunRow,
-    JobStatus,
-    RejectionRow,
-    alert_row,
-    attempt_row,
-    job_run_row,
-    rejection_row,
-)
+from tasks.history.models import AlertStatus, JobStatus
 from tasks.history.ops import Op, stamp
+from tasks.history.queries import HistoryReads
 
 log = logging.getLogger(__name__)
 
@@ -63,23 +48,7 @@ class StoreUnavailable(RuntimeError):
     """The history database cannot be reached for a read."""
 
 
-def default_url(home: Path) -> str:
-    """The embedded default: a SQLite file in the spotrun home."""
-    return f"sqlite:///{(home / 'history.db').absolute()}"
-
-
-def normalize_url(url: str) -> URL:
-    """Parse a database URL; plain PostgreSQL URLs (and asyncpg ones) get the sync psycopg driver."""
-    try:
-        u = make_url(url)
-    except sa_exc.ArgumentError as e:
-        raise ValueError(f"database URL {url!r} is not a URL: write sqlite:///PATH or postgresql://…") from e
-    if u.drivername in ("postgres", "postgresql", "postgresql+asyncpg"):
-        u = u.set(drivername="postgresql+psycopg")
-    return u
-
-
-class HistoryStore:
+class HistoryStore(HistoryReads):
     """Job runs, attempts, checkpoint rejections and alerts in SQL (SQLite or PostgreSQL)."""
 
     def __init__(self, engine: Engine, journal: Journal | None = None) -> None:
@@ -101,7 +70,7 @@ class HistoryStore:
         With `journal_dir` (Settings.journal_dir) writes that cannot reach the database wait in a
         file there, replayed by the next process that opens it; without, in memory only.
         """
-        engine = _make_engine(normalize_url(url), connect_timeout_s)
+        engine = make_engine(normalize_url(url), connect_timeout_s)
         rendered = engine.url.render_as_string(hide_password=True)
         journal = FileJournal(journal_path(journal_dir, rendered)) if journal_dir is not None else None
         store = cls(engine, journal)
@@ -236,83 +205,6 @@ class HistoryStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- reads ----------------------------------------------------------------------------------
-
-    def attempts(
-        self, job: str | None = None, job_run_id: str | None = None, limit: int = 200
-    ) -> list[AttemptRow]:
-        """The newest `limit` attempts (of a job, or of a job run), oldest first."""
-        q = select(Attempt)
-        if job is not None:
-            q = q.where(Attempt.job == job)
-        if job_run_id is not None:
-            q = q.where(Attempt.job_run_id == job_run_id)
-        q = q.order_by(Attempt.started_at.desc(), Attempt.attempt.desc(), Attempt.id.desc()).limit(limit)
-        return [attempt_row(a) for a in reversed(self._read(lambda s: list(s.scalars(q))))]
-
-    def job_runs(self, job: str | None = None, limit: int = 50) -> list[JobRunRow]:
-        """The newest `limit` job runs (of a job), oldest first."""
-        q = select(JobRun)
-        if job is not None:
-            q = q.where(JobRun.job == job)
-        q = q.order_by(JobRun.started_at.desc(), JobRun.id.desc()).limit(limit)
-        return [job_run_row(r) for r in reversed(self._read(lambda s: list(s.scalars(q))))]
-
-    def latest_job_run(self, job: str) -> JobRunRow | None:
-        """The job's most recently started job run, if any."""
-        runs = self.job_runs(job, limit=1)
-        return runs[-1] if runs else None
-
-    def open_job_run(self, job: str) -> JobRunRow | None:
-        """The job's newest job run when it is still running (its controller died); else None."""
-        latest = self.latest_job_run(job)
-        return latest if latest is not None and latest.status is JobStatus.RUNNING else None
-
-    def next_attempt(self, job_run_id: str) -> int:
-        """The number the job run's next attempt takes: one past the highest recorded (1 if none)."""
-        q = select(func.max(Attempt.attempt)).where(Attempt.job_run_id == job_run_id)
-        return int(self._read(lambda s: s.scalar(q)) or 0) + 1
-
-    def alerts(
-        self,
-        job: str | None = None,
-        kind: str | None = None,
-        since: datetime | None = None,
-        limit: int = 100,
-    ) -> list[AlertRow]:
-        """The newest `limit` alerts (of a job, of a kind, created at or after `since`), oldest first."""
-        q = select(Alert)
-        if job is not None:
-            q = q.where(Alert.job == job)
-        if kind is not None:
-            q = q.where(Alert.kind == str(kind))
-        if since is not None:
-            if since.tzinfo is None:
-                raise ValueError(f"since={since!r} is naive: pass an aware datetime, e.g. datetime.now(UTC)")
-            q = q.where(Alert.created_at >= since)
-        q = q.order_by(Alert.created_at.desc(), Alert.id.desc()).limit(limit)
-        return [alert_row(a) for a in reversed(self._read(lambda s: list(s.scalars(q))))]
-
-    def rejections(self, job_run_id: str) -> list[RejectionRow]:
-        """The checkpoints refused during a job run, in the order they were recorded."""
-        q = (
-            select(CheckpointRejection)
-            .where(CheckpointRejection.job_run_id == job_run_id)
-            .order_by(CheckpointRejection.attempt, CheckpointRejection.id)
-        )
-        return [rejection_row(r) for r in self._read(lambda s: list(s.scalars(q)))]
-
-    def restarts_within(self, job: str, since: datetime) -> list[AttemptRow]:
-        """Attempts of `job` that ended at or after `since` without completing, oldest first."""
-        if since.tzinfo is None:
-            raise ValueError(f"since={since!r} is naive: pass an aware datetime, e.g. datetime.now(UTC)")
-        q = (
-            select(Attempt)
-            .where(Attempt.job == job, Attempt.ended_at >= since, Attempt.outcome != Outcome.COMPLETED.value)
-            .order_by(Attempt.ended_at, Attempt.id)
-        )
-        return [attempt_row(a) for a in self._read(lambda s: list(s.scalars(q)))]
-
     # -- internals ------------------------------------------------------------------------------
 
     def _write(self, op: Op) -> None:
@@ -323,9 +215,9 @@ class HistoryStore:
                     self._apply(op, replay=False)
                     return
                 except Exception as e:  # only a connection failure is journaled; the caller's error raises
-                    if not _unreachable(e):
+                    if not unreachable(e):
                         raise
-                    self._reason = _one_line(e)
+                    self._reason = one_line(e)
             self._keep(op)
             self._report_down()
 
@@ -337,7 +229,7 @@ class HistoryStore:
             log.error(
                 "history journal %s cannot be written (%s): waiting records kept in memory only",
                 self._journal.where,
-                _one_line(e),
+                one_line(e),
             )
             self._journal = MemoryJournal()
             self._journal.append(op)
@@ -353,10 +245,10 @@ class HistoryStore:
             try:
                 self._apply(op, replay=True)
             except Exception as e:  # every failure is sorted here: stop (keep it) or drop it
-                if _unreachable(e):
-                    self._reason = _one_line(e)
+                if unreachable(e):
+                    self._reason = one_line(e)
                     return False
-                log.error("history: dropped waiting %s: %s", op.what, _one_line(e))
+                log.error("history: dropped waiting %s: %s", op.what, one_line(e))
                 return True
             written += 1
             return True
@@ -386,9 +278,9 @@ class HistoryStore:
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
             upgrade_to_head(self._engine)
         except Exception as e:  # connection-level failures buffer; anything else is a real error
-            if not _unreachable(e):
+            if not unreachable(e):
                 raise
-            self._reason = _one_line(e)
+            self._reason = one_line(e)
             return False
         self._ready = True
         return True
@@ -417,46 +309,13 @@ class HistoryStore:
                     with Session(self._engine, expire_on_commit=False) as s:
                         return query(s)
             except Exception as e:  # only a connection failure becomes StoreUnavailable
-                if not _unreachable(e):
+                if not unreachable(e):
                     raise
-                self._reason = _one_line(e)
+                self._reason = one_line(e)
             raise StoreUnavailable(
                 f"history database {self.url} is unreachable ({self._reason}): start it, or point"
                 " SPOTRUN_DATABASE_URL at one that answers"
             )
-
-
-def _make_engine(url: URL, connect_timeout_s: float) -> Engine:
-    if url.get_backend_name() == "postgresql":
-        return create_engine(
-            url, pool_pre_ping=True, connect_args={"connect_timeout": max(2, round(connect_timeout_s))}
-        )
-    if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
-    # The busy timeout: wait out another process's write (or migration) instead of failing.
-    engine = create_engine(url, pool_pre_ping=True, connect_args={"timeout": 30.0})
-
-    @event.listens_for(engine, "connect")
-    def _foreign_keys_on(dbapi_conn: Any, _record: Any) -> None:  # as PostgreSQL enforces them
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA foreign_keys = ON")
-        cur.close()
-
-    return engine
-
-
-def _unreachable(e: BaseException) -> bool:
-    """A connection-level failure: retrying later may succeed."""
-    if isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated:
-        return True
-    connection_level = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)
-    return isinstance(e, (*connection_level, sa_exc.TimeoutError, OSError))
-
-
-def _one_line(e: BaseException) -> str:
-    cause = getattr(e, "orig", None) or e  # the driver's message, without SQLAlchemy's SQL echo
-    first = (str(cause).strip().splitlines() or [""])[0]
-    return f"{type(cause).__name__}: {first}"[:300]
 
 
 def _bounded_tail(text: str, max_bytes: int = LOG_TAIL_MAX_BYTES) -> str:

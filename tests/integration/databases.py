@@ -19,7 +19,7 @@ from sqlalchemy import create_engine
 
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.history import HistoryStore
-from tasks.history.store import normalize_url
+from tasks.history.engine import normalize_url
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 T0 = 1_700_000_000.0  # epoch seconds; multiples of 1/4 s survive the datetime round trip exactly

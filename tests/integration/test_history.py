@@ -29,6 +29,7 @@ from tasks.history import (
     database_url,
     default_url,
 )
+from tasks.history.engine import normalize_url
 from tasks.history.migrations import (
     VERSION_TABLE,
     alembic_config,
@@ -37,7 +38,7 @@ from tasks.history.migrations import (
     upgrade_to_head,
 )
 from tasks.history.models import Base, JobRun
-from tasks.history.store import ALERT_MESSAGE_MAX_CHARS, LOG_TAIL_MAX_BYTES, normalize_url
+from tasks.history.store import ALERT_MESSAGE_MAX_CHARS, LOG_TAIL_MAX_BYTES
 from tests.integration.databases import (
     T0,
     Outage,

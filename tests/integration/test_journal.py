@@ -23,10 +23,10 @@ from sqlalchemy.orm import Session
 
 from tasks.attempts import Outcome
 from tasks.history import AlertStatus, HistoryStore, JobStatus
+from tasks.history.engine import normalize_url
 from tasks.history.journal import FileJournal, journal_path
 from tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun
 from tasks.history.ops import Op, stamp
-from tasks.history.store import normalize_url
 from tasks.settings import Settings
 from tests.integration.databases import T0, Outage, new_run, record
 
