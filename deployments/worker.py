@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from prefect import get_client
 
-from tasks.providers.local import die_with_parent, on_spawner_thread
+from tasks.providers.processes import die_with_parent, on_spawner_thread
 from trainer.errors import SpotrunError
 
 POOL = "spotrun-local"

@@ -57,7 +57,7 @@ class PrefectServer:
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start `prefect server start` (not waiting for it). Unless told otherwise it dies with this
         process (parent-death signal): a SIGKILLed demo or test leaves no server holding the database."""
-        from tasks.providers.local import die_with_parent, on_spawner_thread
+        from tasks.providers.processes import die_with_parent, on_spawner_thread
 
         self.home.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]

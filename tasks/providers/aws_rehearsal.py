@@ -16,7 +16,7 @@ from pathlib import Path
 from tasks.providers.aws import AwsProvider
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
-from tasks.providers.local import die_with_parent, on_spawner_thread
+from tasks.providers.processes import die_with_parent, on_spawner_thread
 from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)

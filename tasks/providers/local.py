@@ -13,27 +13,19 @@ PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
 import logging
 import os
 import queue
-import random
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Literal, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import IO, TYPE_CHECKING
 
 from tasks.providers.base import (
     KillReason,
@@ -45,6 +37,14 @@ from tasks.providers.base import (
     WatchResult,
     Worker,
 )
+from tasks.providers.local_config import (
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+    plan_preemption,
+    simulator_rng,
+)
+from tasks.providers.processes import die_with_parent, exited, kill_leftovers, on_spawner_thread, signal_group
 from trainer.records import Durable, Record, Started, Step
 from trainer.status import parse_status_line
 from trainer.storage.base import local_dir_name
@@ -52,112 +52,26 @@ from trainer.storage.base import local_dir_name
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
 
+__all__ = [  # the settings and the process helpers live beside this module; importable from here too
+    "LocalProvider",
+    "LocalProviderConfig",
+    "PlannedPreemption",
+    "SpotSimulatorConfig",
+    "die_with_parent",
+    "on_spawner_thread",
+    "plan_preemption",
+    "simulator_rng",
+    "stop_cause",
+    "worker_dir",
+]
+
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 TICK_S = 0.1  # how often the watcher checks the clock when no line arrives
 DRAIN_BATCH = 1000
 EOF_GRACE_S = 5.0  # after the trainer is gone, how long to wait for the last lines of its pipes
 TAIL_LINES, TAIL_BYTES, MAX_LINE = 60, 8192, 16384
 STEP_SAMPLES = 4096  # (t, step) samples kept for productive-time accounting (about an hour at 1/s)
-
-
-class PlannedPreemption(BaseModel):
-    """One simulated reclaim of a worker."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    after_s: float = Field(ge=0, description="seconds of training in the attempt before the reclaim")
-    notice: bool = Field(
-        default=True,
-        description="send a notice (SIGTERM) and wait the notice window before the hard kill; "
-        "false: a hard kill (SIGKILL) with no warning",
-    )
-
-
-class SpotSimulatorConfig(BaseModel):
-    """When simulated spot reclaims happen. Explicit `schedule` entries first (entry i for attempt
-    i+1), then random ones if `mean_interval_s` is set; with neither, workers are never reclaimed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    seed: int = Field(default=0, ge=0, description="seed of the random reclaims (same seed, same times)")
-    mean_interval_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="mean seconds of training between random reclaims (exponential inter-arrival, "
-        "drawn per attempt); empty: only the schedule",
-    )
-    schedule: list[PlannedPreemption] = Field(
-        default_factory=list,
-        description="explicit reclaims: the first applies to attempt 1, the second to attempt 2, ...",
-    )
-    no_notice_fraction: float = Field(
-        default=0.2, ge=0, le=1, description="share of random reclaims that come with no notice at all"
-    )
-
-
-class LocalProviderConfig(BaseModel):
-    """Run workers as local subprocesses, with a simulated spot market."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
-    python: str = Field(
-        default=sys.executable,
-        description="Python interpreter that runs `python -m trainer` (torch and this project installed)",
-    )
-    workdir: str | None = Field(
-        default=None,
-        description="directory for the workers' local checkpoint cache and metrics, one subdirectory "
-        "per job; empty: .spotrun/local under the current directory",
-    )
-    heartbeat_timeout_s: float = Field(
-        default=60,
-        gt=0,
-        description="once training has started, a worker that writes no line (status or log) for this "
-        "long is killed and counted as lost",
-    )
-    startup_timeout_s: float = Field(
-        default=600,
-        gt=0,
-        description="a worker that has not started training this long after launch (imports, checkpoint "
-        "download and restore) is killed and counted as lost",
-    )
-    notice_s: float = Field(
-        default=5,
-        ge=0,
-        description="seconds between a simulated notice (SIGTERM) and the hard kill (AWS gives 120)",
-    )
-    stop_grace_s: float = Field(
-        default=20,
-        ge=0,
-        description="when the flow run is cancelled or interrupted (Ctrl-C): seconds the trainer gets after "
-        "its SIGTERM to take an emergency checkpoint before SIGKILL; keep it under the 30 s a Prefect worker "
-        "waits before it kills the flow process",
-    )
-    keep_cache: bool = Field(
-        default=True,
-        description="reuse the local checkpoint cache across attempts; false rehearses a fresh machine "
-        "with an empty disk every attempt (each resume downloads from storage)",
-    )
-    simulator: SpotSimulatorConfig = Field(default_factory=SpotSimulatorConfig)
-
-
-def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:
-    """The reclaim planned for `attempt` (1-based), or None if this attempt runs undisturbed."""
-    if attempt <= len(cfg.schedule):
-        return cfg.schedule[attempt - 1]
-    if cfg.mean_interval_s is None:
-        return None
-    after_s = rng.expovariate(1 / cfg.mean_interval_s)
-    notice = rng.random() >= cfg.no_notice_fraction
-    return PlannedPreemption(after_s=after_s, notice=notice)
-
-
-def simulator_rng(seed: int, attempt: int) -> random.Random:
-    """The simulator's generator for one attempt: the same plan for an attempt whatever ran before it."""
-    return random.Random(f"spotrun-spot-simulator:{seed}:{attempt}")
 
 
 @dataclass
@@ -221,9 +135,9 @@ class LocalProvider:
         """SIGKILL whatever is left of the worker's session, reap it, close its pipes. Idempotent."""
         h: _Handle = worker.handle
         if h.proc.returncode is None:
-            if h.released_at is None and not _exited(h.proc):
+            if h.released_at is None and not exited(h.proc):
                 h.released_at = time.time()  # watch() reports it as killed by release
-            _kill_leftovers(h.proc)
+            kill_leftovers(h.proc)
             try:
                 h.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more to do here
@@ -264,7 +178,7 @@ class _Watch:
         proc = self.h.proc
         self.worker.result = self.result
         try:
-            while not _exited(proc):
+            while not exited(proc):
                 self._drain(TICK_S)
                 now = time.monotonic()
                 self._simulate(now)
@@ -279,24 +193,24 @@ class _Watch:
         its lines for up to `stop_grace_s`, then SIGKILL what is left; the result stays on the worker."""
         self.result.stopped_by = cause
         self.on_status = self.on_log = None  # the flow is being torn down: only fold records from here on
-        if not _exited(self.h.proc):
+        if not exited(self.h.proc):
             log.warning("%s: stopping the trainer (SIGTERM, %.0f s grace): %s", self.worker.id,
                         self.cfg.stop_grace_s, cause)  # fmt: skip
-            _signal_group(self.h.proc.pid, signal.SIGTERM)
+            signal_group(self.h.proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.cfg.stop_grace_s
             try:
-                while not _exited(self.h.proc) and time.monotonic() < deadline:
+                while not exited(self.h.proc) and time.monotonic() < deadline:
                     self._drain(TICK_S)
             except BaseException:  # a second Ctrl-C or SIGTERM: no more grace
                 log.warning("%s: second interrupt; killing the trainer now", self.worker.id)
-        if not _exited(self.h.proc):
+        if not exited(self.h.proc):
             self._kill(KillReason.STOP_GRACE)
         self._reap()
 
     def _reap(self) -> WatchResult:
         proc = self.h.proc
         self.result.ended_at = time.time()
-        _kill_leftovers(proc)  # before reaping: a zombie leader keeps its pid (and session id) from reuse
+        kill_leftovers(proc)  # before reaping: a zombie leader keeps its pid (and session id) from reuse
         rc = proc.wait()
         deadline = time.monotonic() + EOF_GRACE_S
         while self.open_streams and time.monotonic() < deadline:
@@ -357,7 +271,7 @@ class _Watch:
             r.notice_kind, r.notice_at = NoticeKind.SIM_NOTICE, time.time()
             self.hard_kill_at = now + self.cfg.notice_s
             log.info("spot simulator: notice (SIGTERM) to %s after %.2f s of training", self.worker.id, after)
-            _signal_group(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
         else:
             r.notice_kind = NoticeKind.SIM_NO_NOTICE
             log.info("spot simulator: %s reclaimed without notice after %.2f s", self.worker.id, after)
@@ -380,7 +294,7 @@ class _Watch:
         r = self.result
         if r.killed_at is None:
             r.killed_at, r.kill_reason = time.time(), reason
-        _kill_leftovers(self.h.proc)
+        kill_leftovers(self.h.proc)
 
     def _finish(self, rc: int) -> WatchResult:
         r = self.result
@@ -411,38 +325,6 @@ def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None
         events.put(_Event(stream, None, time.monotonic(), time.time()))
 
 
-def _exited(proc: subprocess.Popen[str]) -> bool:
-    """Whether the trainer has exited, without reaping it (WNOWAIT)."""
-    if proc.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped by a concurrent release()
-        return True
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, sig)
-
-
-def _kill_leftovers(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL every process in the trainer's session, unless the leader is reaped (its id may be reused)."""
-    if proc.returncode is not None:
-        return
-    sid = proc.pid
-    _signal_group(sid, signal.SIGKILL)
-    if not os.path.isdir("/proc"):
-        return
-    for entry in os.listdir("/proc"):  # data-loader workers are in their own process groups
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    os.kill(int(entry), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-
-
 def worker_dir(workdir: Path, job: JobSpec) -> Path:
     """Where a job's local workers keep their cache and metrics.jsonl under `workdir`."""
     return workdir.resolve() / local_dir_name(job.name, job.storage)
@@ -457,24 +339,8 @@ def _child_env(flow_run_id: str | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
 
 
-_T = TypeVar("_T")
-_spawner: ThreadPoolExecutor | None = None
-_spawner_lock = threading.Lock()
-
-
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return on_spawner_thread(lambda: _popen(cmd, env))
-
-
-def on_spawner_thread(start: Callable[[], _T]) -> _T:
-    """Run `start` (a Popen with die_with_parent()) on one thread that lives as long as the process:
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, so a short-lived task thread
-    must not be the one that starts a trainer."""
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotrun-spawner")
-    return _spawner.submit(start).result()
 
 
 def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -490,20 +356,3 @@ def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
         start_new_session=True,
         preexec_fn=die_with_parent(),
     )
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux). Everything is resolved here, in the parent,
-    so the child runs as little Python as possible between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent, sigkill = os.getpid(), int(signal.SIGKILL)
-
-    def set_pdeathsig() -> None:
-        if prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl: no signal would ever come
-            os._exit(1)
-
-    return set_pdeathsig

@@ -1,0 +1,107 @@
+"""The local provider's settings and the spot simulator's plan: when each attempt is reclaimed."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PlannedPreemption(BaseModel):
+    """One simulated reclaim of a worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after_s: float = Field(ge=0, description="seconds of training in the attempt before the reclaim")
+    notice: bool = Field(
+        default=True,
+        description="send a notice (SIGTERM) and wait the notice window before the hard kill; "
+        "false: a hard kill (SIGKILL) with no warning",
+    )
+
+
+class SpotSimulatorConfig(BaseModel):
+    """When simulated spot reclaims happen. Explicit `schedule` entries first (entry i for attempt
+    i+1), then random ones if `mean_interval_s` is set; with neither, workers are never reclaimed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(default=0, ge=0, description="seed of the random reclaims (same seed, same times)")
+    mean_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="mean seconds of training between random reclaims (exponential inter-arrival, "
+        "drawn per attempt); empty: only the schedule",
+    )
+    schedule: list[PlannedPreemption] = Field(
+        default_factory=list,
+        description="explicit reclaims: the first applies to attempt 1, the second to attempt 2, ...",
+    )
+    no_notice_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="share of random reclaims that come with no notice at all"
+    )
+
+
+class LocalProviderConfig(BaseModel):
+    """Run workers as local subprocesses, with a simulated spot market."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
+    python: str = Field(
+        default=sys.executable,
+        description="Python interpreter that runs `python -m trainer` (torch and this project installed)",
+    )
+    workdir: str | None = Field(
+        default=None,
+        description="directory for the workers' local checkpoint cache and metrics, one subdirectory "
+        "per job; empty: .spotrun/local under the current directory",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=60,
+        gt=0,
+        description="once training has started, a worker that writes no line (status or log) for this "
+        "long is killed and counted as lost",
+    )
+    startup_timeout_s: float = Field(
+        default=600,
+        gt=0,
+        description="a worker that has not started training this long after launch (imports, checkpoint "
+        "download and restore) is killed and counted as lost",
+    )
+    notice_s: float = Field(
+        default=5,
+        ge=0,
+        description="seconds between a simulated notice (SIGTERM) and the hard kill (AWS gives 120)",
+    )
+    stop_grace_s: float = Field(
+        default=20,
+        ge=0,
+        description="when the flow run is cancelled or interrupted (Ctrl-C): seconds the trainer gets after "
+        "its SIGTERM to take an emergency checkpoint before SIGKILL; keep it under the 30 s a Prefect worker "
+        "waits before it kills the flow process",
+    )
+    keep_cache: bool = Field(
+        default=True,
+        description="reuse the local checkpoint cache across attempts; false rehearses a fresh machine "
+        "with an empty disk every attempt (each resume downloads from storage)",
+    )
+    simulator: SpotSimulatorConfig = Field(default_factory=SpotSimulatorConfig)
+
+
+def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:
+    """The reclaim planned for `attempt` (1-based), or None if this attempt runs undisturbed."""
+    if attempt <= len(cfg.schedule):
+        return cfg.schedule[attempt - 1]
+    if cfg.mean_interval_s is None:
+        return None
+    after_s = rng.expovariate(1 / cfg.mean_interval_s)
+    notice = rng.random() >= cfg.no_notice_fraction
+    return PlannedPreemption(after_s=after_s, notice=notice)
+
+
+def simulator_rng(seed: int, attempt: int) -> random.Random:
+    """The simulator's generator for one attempt: the same plan for an attempt whatever ran before it."""
+    return random.Random(f"spotrun-spot-simulator:{seed}:{attempt}")
