@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from spotrun import run_cmd
 from spotrun.console import wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
+from spotrun.live import metrics_record
 from spotrun.server import PrefectServer, prefect_api
 from tasks.attempts import Outcome
 from tasks.history import default_url
@@ -94,7 +95,7 @@ def losses(metrics: Path) -> dict[int, str]:
     """Per-step losses as float.hex; a resumed attempt's value overwrites the dead attempt's."""
     out: dict[int, str] = {}
     for line in metrics.read_text().splitlines():
-        rec = run_cmd.metrics_record(line)
+        rec = metrics_record(line)
         if rec is not None:
             out[rec[0]] = rec[1]
     return out
