@@ -7,22 +7,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fakes.extra_recipe import Calls as Counter
 from trainer.ckpt_format import REQUIRED_FILES, rng_file
 from trainer.data import Position
 from trainer.errors import ConfigError
 from trainer.state import RngState
 from trainer.stateful import Registry, Stateful, reconcile, spec_of_file
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.n = int(sd["n"])
 
 
 def _parts() -> dict[str, Any]:
