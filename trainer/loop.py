@@ -177,7 +177,8 @@ class _Run:
         metrics = open(self.opts.metrics_path, "a") if self.opts.metrics_path else None  # noqa: SIM115
         try:
             self._loop(end, pending, metrics, _Meter(self.step))
-            if self.opts.stop.deadline is not None and not self.stop_reported:  # before a first step
+            # a stop that landed before the first step, or between two epochs, is reported here
+            if self.opts.stop.requested and not self.stop_reported:
                 self._stopping()
             # Final, max-steps and emergency checkpoints are synchronous: exit only once durable.
             if self.ckpt.durable_step != self.step and not self._skip_save:
