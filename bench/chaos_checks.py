@@ -51,15 +51,28 @@ def history_gaps(written: Iterable[int], present: Iterable[int]) -> int:
 def bad_adoptions(kills: Sequence[str], runs: Sequence[tuple[str, int]], lost: Sequence[str]) -> int:
     """How far the SQL history of a job whose controllers were SIGKILLed is from what the kills imply.
 
-    `kills`: for each controller killed once its job run existed, the worker it was watching ("" when
-    none); `runs`: (status, controller_restarts) of every job run of the job; `lost`: the worker of
-    each attempt recorded lost because its controller died, in attempt order. Expected: one job run,
-    completed, restarted once per kill, and one lost row per kill naming the worker that kill left."""
+    `kills`: for each controller killed once its job run existed, the worker its `worker.json` named
+    ("" when none); `runs`: (status, controller_restarts) of every job run of the job; `lost`: the
+    worker of each attempt recorded lost because its controller died, in attempt order. Expected: one
+    job run, completed, restarted once per kill, and one lost row per attempt that was in flight
+    (`expected_lost`)."""
     bad = abs(len(runs) - 1)
     if runs:
         status, restarts = runs[-1]
         bad += int(status != "completed") + abs(restarts - len(kills))
-    return bad + abs(len(lost) - len(kills)) + sum(k != w for k, w in zip(kills, lost, strict=False))
+    want = expected_lost(kills)
+    return bad + abs(len(lost) - len(want)) + sum(k != w for k, w in zip(want, lost, strict=False))
+
+
+def expected_lost(kills: Sequence[str]) -> list[str]:
+    """The lost rows the kills imply: one per kill that left a worker in flight. A kill between
+    attempts leaves none; a worker named again by the next kill is the same dead attempt (that
+    controller died before it had a worker of its own)."""
+    out: list[str] = []
+    for k in kills:
+        if k and (not out or out[-1] != k):
+            out.append(k)
+    return out
 
 
 def newest_verified(storage: Storage, cache: Path) -> int | None:

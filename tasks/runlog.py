@@ -179,7 +179,14 @@ class JobRunLog:
         if worker_id is None:
             return  # it died between attempts: nothing was in flight
         self.released = worker_id
-        self.record(self._lost_attempt(left, worker_id))
+        recorded = any(  # by a controller that adopted it and died too (a pid may be reused: the time)
+            r.extra.get("controller_died") and r.worker_id == worker_id
+            and (left is None or abs(r.started_at - left.started_at) < 1e-3)
+            for r in self.records
+        )  # fmt: skip
+        if not recorded:
+            self.record(self._lost_attempt(left, worker_id))
+        adoption.clear_worker(self.dir)  # recorded: a later adoption must not count it again
 
     def _lost_attempt(self, left: adoption.WorkerInfo | None, worker_id: str) -> AttemptRecord:
         """The dead controller's attempt in flight, with the steps its trainer reached (its heartbeat)."""

@@ -48,7 +48,9 @@ def test_history_gaps(written: list[int], present: list[int], gaps: int) -> None
     ("kills", "runs", "lost", "bad"),
     [
         ([], [("completed", 0)], [], 0),  # never killed, or killed before it held the job run
-        (["w1", ""], [("completed", 2)], ["w1", ""], 0),  # the 2nd kill came between attempts
+        (["w1", ""], [("completed", 2)], ["w1"], 0),  # the 2nd kill came between attempts: no row
+        (["w1", "w1"], [("completed", 2)], ["w1"], 0),  # the 2nd controller died before its own worker
+        (["w1", ""], [("completed", 2)], ["w1", ""], 1),  # a lost row for nothing in flight
         (["w1"], [("completed", 1), ("completed", 0)], ["w1"], 2),  # not adopted: a 2nd job run, no restart
         (["w1"], [("running", 1)], ["w1"], 1),  # never closed
         (["w1", "w2"], [("completed", 1)], ["w1", "w2"], 1),  # a restart not counted

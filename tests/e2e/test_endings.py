@@ -19,6 +19,7 @@ import yaml
 from prefect import get_client
 from prefect.states import Cancelling
 
+from tasks import adoption
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
 from tasks.providers.local import LocalProviderConfig
@@ -143,9 +144,10 @@ def test_flow_killed_while_the_database_is_down_then_adopted(
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # the job run and both preempted attempts are journaled
             lines = [ln for j in (home / "journal").glob("*.jsonl") for ln in j.read_text().splitlines()]
-            if sum('"record_attempt"' in ln for ln in lines) >= 2:
-                break
-            time.sleep(0.2)
+            worker = adoption.read_worker(home / "jobs" / "dbdown")
+            if sum('"record_attempt"' in ln for ln in lines) >= 2 and worker and worker.attempt == 3:
+                break  # two preempted attempts journaled, the third training: killed mid-attempt
+            time.sleep(0.1)
         else:
             raise AssertionError("the flow journaled no attempts")
         flow_proc.send_signal(signal.SIGKILL)
