@@ -98,6 +98,11 @@ def write_controller(job_dir: Path, job_run_id: str, flow_run_id: str) -> None:
     _write_json(job_dir / CONTROLLER_FILE, asdict(info))
 
 
+def clear_controller(job_dir: Path) -> None:
+    """This controller is done with the job run (it ended, recorded): nothing is left to adopt."""
+    (job_dir / CONTROLLER_FILE).unlink(missing_ok=True)
+
+
 def read_controller(job_dir: Path) -> ControllerInfo | None:
     d = _read_json(job_dir / CONTROLLER_FILE)
     if d is None:

@@ -75,17 +75,6 @@ class ReportSink(Protocol):
     def summary(self, job: str, markdown: str) -> None: ...
 
 
-class _LogOnly:
-    def log(self, level: int, msg: str) -> None:
-        logging.getLogger(__name__).log(level, msg)
-
-    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
-        pass
-
-    def summary(self, job: str, markdown: str) -> None:
-        pass
-
-
 class JobRunLog:
     def __init__(
         self,
@@ -93,11 +82,11 @@ class JobRunLog:
         job: JobSpec,
         store: HistoryStore,
         job_run_id: str,
-        flow_run_id: str = "",
-        sink: ReportSink | None = None,
+        flow_run_id: str,
+        sink: ReportSink,
     ) -> None:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
-        self.sink: ReportSink = sink if sink is not None else _LogOnly()
+        self.sink = sink
         self.flow_run_id = flow_run_id
         self.provider_name = "local"
         self.records: list[AttemptRecord] = []
@@ -119,7 +108,7 @@ class JobRunLog:
         job: JobSpec,
         provider_name: str,
         flow_run_id: str,
-        sink: ReportSink | None = None,
+        sink: ReportSink,
         recovers: str = "",
     ) -> JobRunLog:
         """Open the job run: a new one, or the job's latest one whose controller died (adopted).
@@ -129,7 +118,7 @@ class JobRunLog:
         try:
             latest = store.latest_job_run(job.name)
         except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
-            (sink or _LogOnly()).log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
+            sink.log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
             latest = None
         info = adoption.read_controller(job_dir)
 
@@ -237,7 +226,7 @@ class JobRunLog:
             logging.getLogger(__name__).warning(
                 "history database unavailable: %d record(s) kept in the journal", self.store.pending
             )
-        (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
+        adoption.clear_controller(self.dir)
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
@@ -296,7 +285,7 @@ class JobRunLog:
                           wall_s, timeline, *total_cost(self.records))  # fmt: skip
         self.sink.summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
                                                                  wall_s, timeline))  # fmt: skip
-        (self.dir / adoption.CONTROLLER_FILE).unlink(missing_ok=True)
+        adoption.clear_controller(self.dir)
         if not self.store.flush(timeout_s=10):
             self.sink.log(
                 logging.WARNING,
