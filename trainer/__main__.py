@@ -1,4 +1,7 @@
-"""`python -m trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py."""
+"""`python -m trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py.
+
+With a `distributed` spec the same command starts this machine's ranks under torchrun (trainer/launch.py)
+and each rank comes back here: `main` is then a rank, told apart by torchrun's environment."""
 
 from __future__ import annotations
 
@@ -23,9 +26,19 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
+from trainer.distributed import Ranks, rank_env
 from trainer.heartbeat import HeartbeatWriter
+from trainer.launch import (
+    LAUNCHER_ID,
+    RANK_EXITS,
+    RankExit,
+    die_with_agent,
+    launch,
+    under_torchrun,
+    write_rank_exit,
+)
 from trainer.lease import DEFAULT_TTL_S, Holder, held
-from trainer.loop import AttemptOptions, ResumeSource, run_attempt
+from trainer.loop import AttemptOptions, ResumeSource, _device, run_attempt
 from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
@@ -74,39 +87,56 @@ class Environ:
     """What this process takes from its environment, read once here and passed down."""
 
     home: Path
-    rank: int
-    world_size: int
     worker_id: str | None  # --worker-id, else SPOTRUN_WORKER_ID
     flow_run_id: str | None  # SPOTRUN_FLOW_RUN_ID: named in the storage lease
     metadata_endpoint: str | None  # SPOTRUN_IMDS_ENDPOINT: the notice watcher's base URL
+    ranks: dict[str, str] | None = None  # torchrun's RANK, WORLD_SIZE, ...: this process is a rank
+    rank_exits: str | None = None  # where a rank leaves its exit code for the launcher
+    launcher_id: str | None = None  # the worker's identity, which rank 0's lease names
 
     @classmethod
     def read(cls, args: argparse.Namespace) -> Environ:
         env = os.environ
+        rank = under_torchrun(env)
         return cls(
             home=Path(env.get("SPOTRUN_HOME", ".spotrun")),
-            rank=int(env.get("RANK", "0")),
-            world_size=int(env.get("WORLD_SIZE", "1")),
-            worker_id=args.worker_id or env.get("SPOTRUN_WORKER_ID") or None,
+            worker_id=None if rank else (args.worker_id or env.get("SPOTRUN_WORKER_ID") or None),
             flow_run_id=env.get("SPOTRUN_FLOW_RUN_ID") or None,
             metadata_endpoint=env.get("SPOTRUN_IMDS_ENDPOINT") or None,
+            ranks=rank_env() if rank else None,
+            rank_exits=env.get(RANK_EXITS) if rank else None,
+            launcher_id=env.get(LAUNCHER_ID) if rank else None,
         )
+
+    @property
+    def rank(self) -> int:
+        return int(self.ranks["RANK"]) if self.ranks else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    env = Environ.read(args)  # the process edge: nothing below reads os.environ
+    if env.ranks is not None:
+        die_with_agent()
+    who = f"rank {env.rank} " if env.ranks is not None else ""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s", stream=sys.stderr
+    )
     stop = StopRequest()
     install_signal_handlers(stop)
-    reporter = stdout_reporter()
+    # ranks: only rank 0 speaks (the launcher relays it), and the launcher writes the exit record
+    reporter = stdout_reporter() if env.rank == 0 else StatusReporter()
     error = ""
     with contextlib.ExitStack() as cleanup:  # the heartbeat outlives _run: it stores the exit record
         try:
-            code = _run(args, stop, reporter, cleanup)
+            code, error = _run(args, argv, env, stop, reporter, cleanup)
         except Exception as e:  # the process boundary: every error becomes an exit code and one status line
             code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
+        if env.rank_exits is not None:
+            last = RankExit(env.rank, code, error, reporter.last_step, reporter.last_durable)
+            write_rank_exit(env.rank_exits, last)
+            return int(code)
         reporter.emit(
             "exit",
             code=int(code),
@@ -146,9 +176,13 @@ def _classify(e: Exception) -> ExitCode:
 
 
 def _run(
-    args: argparse.Namespace, stop: StopRequest, reporter: StatusReporter, cleanup: contextlib.ExitStack
-) -> ExitCode:
-    env = Environ.read(args)  # the process edge: nothing below reads os.environ
+    args: argparse.Namespace,
+    argv: list[str],
+    env: Environ,
+    stop: StopRequest,
+    reporter: StatusReporter,
+    cleanup: contextlib.ExitStack,
+) -> tuple[ExitCode, str]:
     spec = load_spec(args.config)
     uri = args.storage or spec.storage
     if args.storage:  # validated like the job file's own field
@@ -156,14 +190,13 @@ def _run(
     opts = AttemptOptions(
         cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
         max_steps=args.max_steps,
-        metrics_path=Path(args.metrics) if args.metrics else None,
-        rank=env.rank,
-        world_size=env.world_size,
+        metrics_path=Path(args.metrics) if args.metrics and env.rank == 0 else None,
         stop=stop,
         resume_from=_resume_source(args.resume_from, spec),
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
         reporter=reporter,
     )
+    _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank
     storage = open_storage(uri, spec.s3)
     if env.worker_id is not None:
         heartbeat = HeartbeatWriter(storage, env.worker_id)
@@ -174,15 +207,29 @@ def _run(
     def on_notice(n: Notice) -> None:
         reporter.emit("notice", **n.record())
 
-    # after install_signal_handlers (main): a notice and a SIGTERM meet in the same StopRequest
-    watcher = make_watcher(spec.preemption, stop, on_notice, env.metadata_endpoint)
+    if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
+        launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls this worker
+        return launch(spec.distributed, argv, spec.threads, launcher_id, reporter, stop)
+    if env.ranks is not None:
+        assert spec.distributed is not None
+        opts.ranks = Ranks.start(spec.distributed, env.ranks, _device(spec).type)
+    # after install_signal_handlers (main): a notice and a SIGTERM meet in the same StopRequest; with
+    # ranks, one watcher per machine (its first rank) and the stop reaches the rest by agreement
+    local_rank = int(env.ranks.get("LOCAL_RANK", "0")) if env.ranks else 0
+    watcher = (
+        make_watcher(spec.preemption, stop, on_notice, env.metadata_endpoint) if local_rank == 0 else None
+    )
     if watcher is not None:
         watcher.start()
-    me = Holder.this_process(env.worker_id, env.flow_run_id)
+    me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
     try:
-        # before anything is published; released before the exit record, so the next attempt finds it free
-        with held(storage, me, args.lease_ttl, args.lease_takeover) as fenced:
-            result = run_attempt(spec, fenced, opts)
+        if env.rank == 0:
+            # before anything is published; released before the exit record, so the next attempt finds it free
+            with held(storage, me, args.lease_ttl, args.lease_takeover) as fenced:
+                result = run_attempt(spec, fenced, opts)
+        else:  # rank 0 holds the job's lease and alone publishes (manifest, `latest`, COMPLETED.json)
+            result = run_attempt(spec, storage, opts)
+        opts.ranks.close()
     finally:
         if watcher is not None:
             watcher.close()
@@ -190,7 +237,7 @@ def _run(
         "attempt finished: %s at step %d (resumed from %s, durable %s)",
         result.code.name, result.step, result.resumed_from, result.durable_step,
     )  # fmt: skip
-    return result.code
+    return result.code, ""
 
 
 def _resume_source(value: str | None, spec: JobSpec) -> ResumeSource | None:

@@ -112,6 +112,7 @@ class Selection:
     path: Path | None = None
     rejected: list[Rejection] = field(default_factory=list)
     uri: str | None = None  # the chosen checkpoint's directory URI
+    world_size: int | None = None  # ranks that wrote it (its manifest)
 
     def describe(self, uri: str) -> str:
         rej = "".join(f"; rejected step {r.step}: {r.reason()}" for r in self.rejected)

@@ -12,6 +12,15 @@
     <root>/latest              {"step": 1200, "dir": "step_000001200"}: moved after read-back verification
     <root>/COMPLETED.json      written when the job has finished
 
+Version 2 (a job with a `distributed` spec; trainer/sharded.py writes it):
+
+    <root>/step_000001200/
+        .metadata              DCP's index: every tensor of model and optimizer, global shapes
+        __<R>_0.distcp         rank R's shard of model and optimizer (torch.distributed.checkpoint)
+        scheduler.pt, scaler.pt, trainer.pt, extra.<name>.pt    as in version 1, from rank 0
+        rng.rank<R>.pt         every rank's RNG
+        manifest.json          written by rank 0 once every rank's files are durable
+
 A checkpoint exists only once its manifest exists: a directory without one is a partial write.
 Which parts there are, and which file and encoding each gets, is trainer/stateful.py's registry.
 """
@@ -30,16 +39,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from trainer.stateful import STANDARD, Codec, spec_of
+from trainer.stateful import STANDARD, Codec, spec_of, table
 from trainer.storage.local import fsync_dir
 
-FORMAT_VERSION = 1
-FORMAT_TAG = f"spotrun/{FORMAT_VERSION}"
+FORMAT_VERSION = 2  # the newest this code reads; it writes 1 for one process, 2 for ranks
+SHARDED_VERSION = 2
+FORMAT_TAG = "spotrun/1"  # in model.safetensors' metadata (format 1 only)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 COMPLETED = "COMPLETED.json"
 MODEL_FILE = spec_of("model").file
 REQUIRED_FILES = tuple(p.file for p in STANDARD if p.required)
+
+
+def required_files(version: int) -> tuple[str, ...]:
+    """Files every checkpoint of format `version` lists (each at most once)."""
+    return tuple(dict.fromkeys(p.file for p in table(version >= SHARDED_VERSION) if p.required))
+
+
 _DIR_RE = re.compile(r"^step_(\d{9,})$")
 
 
@@ -75,13 +92,18 @@ class Manifest:
     world_size: int
     files: dict[str, FileEntry]
     metrics: dict[str, float] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     created_at: float = field(default_factory=time.time)
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
+    strategy: str | None = None  # format 2: ddp | fsdp
+
+    @property
+    def sharded(self) -> bool:
+        return self.format_version >= SHARDED_VERSION
 
     def to_json(self) -> bytes:
         d = {
-            "format": FORMAT_TAG,
+            "format": f"spotrun/{self.format_version}",
             "format_version": self.format_version,
             "step": self.step,
             "spec_hash": self.spec_hash,
@@ -90,6 +112,7 @@ class Manifest:
             "created_at": self.created_at,
             "torch_version": self.torch_version,
             "metrics": self.metrics,
+            **({"strategy": self.strategy} if self.strategy else {}),
             "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
         }
         return json.dumps(d, indent=2).encode()
@@ -115,6 +138,7 @@ class Manifest:
                 format_version=version,
                 created_at=float(d.get("created_at", 0.0)),
                 torch_version=str(d.get("torch_version", "")),
+                strategy=d.get("strategy"),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from None

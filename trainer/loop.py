@@ -12,7 +12,8 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,6 +24,7 @@ from trainer import recipes
 from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import COMPLETED
 from trainer.data import ResumableLoader
+from trainer.distributed import Agreement, Ranks, wrap
 from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
@@ -41,8 +43,9 @@ from trainer.resume import (
     durable_here,
     load_state,
     mark_completed,
-    select,
+    select_together,
 )
+from trainer.sharded import ShardedCheckpointer, load_sharded
 from trainer.spec import JobSpec
 from trainer.state import RngState, state_nbytes
 from trainer.stateful import Registry, Stateful
@@ -60,8 +63,7 @@ class AttemptOptions:
     cache: Path  # local disk for checkpoint copies
     max_steps: int | None = None  # stop (with a checkpoint) after this many steps in this attempt
     metrics_path: Path | None = None  # per-step losses as JSON lines (float.hex, for exact comparisons)
-    rank: int = 0
-    world_size: int = 1
+    ranks: Ranks = field(default_factory=Ranks.solo)  # this process's place among the job's ranks
     stop: StopRequest = field(default_factory=StopRequest)
     resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
@@ -75,44 +77,68 @@ class AttemptResult:
     resumed_from: int | None
     durable_step: int | None
     message: str = ""
+    resharded_from: int | None = None  # the checkpoint's world size, when it differed from this run's
 
 
 def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
     """Train until done, preempted, or `max_steps`; raise on errors (the entry point maps them to codes)."""
-    if spec.world_size != opts.world_size:
-        raise ConfigError(
-            f"world_size: spec says {spec.world_size}, launched with {opts.world_size}; make them equal"
-        )
+    ranks = opts.ranks
     done = completed_step(storage)
     if done is not None and done >= spec.total_steps:
         log.info("job %s already completed at step %d (%s/%s)", spec.name, done, storage.uri, COMPLETED)
         return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
-    device = _device(spec)
-    _seed_everything(spec.seed)
+    device = ranks.device(_device(spec))
+    if spec.amp and ranks.strategy == "fsdp":
+        raise ConfigError(
+            "amp: true is not supported with distributed.strategy: fsdp yet; use ddp or amp: false"
+        )
+    _seed_everything(spec.seed)  # the same on every rank: FSDP2 shards each rank's copy of one init
     parts = recipes.build(
         spec.recipe, spec.args, RecipeContext(spec.seed, spec.total_steps, spec.batch_size, device)
     )
+    if ranks.distributed:
+        parts.model = wrap(parts.model, parts.optimizer, ranks)
+        if ranks.rank:  # dropout masks differ per rank; rank 0 keeps the single-process stream
+            _seed_everything(_rank_seed(spec.seed, ranks.rank))
     scaler = torch.amp.GradScaler(device.type) if spec.amp else None
     run = _Run(spec, parts, scaler, device, opts)
-    expect = Expectation.from_registry(run.state, spec.shape_hash())
-    selection = select(storage, opts.cache, expect, opts.resume_from)
-    log.info(selection.describe(storage.uri))
-    run.ckpt = Checkpointer(
-        storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
-        pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
-        on_durable=lambda step: opts.reporter.emit("durable", step=step),
+    expect = replace(
+        Expectation.from_registry(run.state, spec.shape_hash(ranks.world_size)),
+        shape_hash_at=spec.shape_hash, world_size=ranks.world_size,
+        allow_reshard=spec.distributed is not None and spec.distributed.allow_reshard,
     )  # fmt: skip
-    pending = run.restore(selection.path) if selection.path is not None else None
+    selection = select_together(storage, opts.cache, expect, opts.resume_from, ranks)
+    if ranks.is_zero:
+        log.info(selection.describe(storage.uri))
+    resharded_from = run.reshard(selection.world_size) if selection.world_size is not None else None
+    if spec.distributed is not None:
+        run.ckpt = ShardedCheckpointer(
+            storage, opts.cache, spec.checkpoint.keep, run.state, ranks, spec.checkpoint.async_upload,
+            pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
+            on_durable=lambda step: opts.reporter.emit("durable", step=step), strategy=ranks.strategy,
+        )  # fmt: skip
+    else:
+        run.ckpt = Checkpointer(
+            storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
+            pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
+            on_durable=lambda step: opts.reporter.emit("durable", step=step),
+        )  # fmt: skip
+    pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
     opts.reporter.emit(
         "started", resumed_from=selection.step, checkpoint=selection.uri,
         rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
+        resharded_from=resharded_from,
     )  # fmt: skip
     code = run.train(end, pending)
-    if code is ExitCode.COMPLETED:
+    if code is ExitCode.COMPLETED and ranks.is_zero:
         mark_completed(storage, spec, run.step)
-    return AttemptResult(code, run.step, selection.step, run.ckpt.durable_step)
+    return AttemptResult(code, run.step, selection.step, run.ckpt.durable_step, resharded_from=resharded_from)
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    return (seed * 1_000_003 + rank * 7_919) % 2**63
 
 
 class _Run:
@@ -127,23 +153,59 @@ class _Run:
         opts: AttemptOptions,
     ) -> None:
         self.spec, self.parts, self.scaler, self.device, self.opts = spec, parts, scaler, device, opts
-        self.ckpt: Checkpointer  # set once the resume point is chosen: it starts from that durable step
-        self.loader = ResumableLoader(
-            parts.dataset, spec.batch_size, spec.seed, spec.num_workers, opts.rank, opts.world_size
-        )
+        self.ranks = opts.ranks
+        # set once the resume point is chosen: it starts from that durable step
+        self.ckpt: Checkpointer | ShardedCheckpointer
+        self.batch_size = spec.batch_size  # per rank; changed only by a resharded resume
+        self.loader = self._make_loader()
         self.threads = spec.threads or torch.get_num_threads()
         self.step, self.best, self.last_loss = 0, math.inf, math.nan
         self.since_ckpt = time.monotonic()
         self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
         self.stop_reported = False
+        self.stop_agreed = False  # distributed: the ranks agreed to stop after this step
         held: dict[str, Stateful] = {"model": parts.model, "optimizer": parts.optimizer}
         held |= {"scheduler": parts.scheduler} | ({"scaler": scaler} if scaler is not None else {})
         held |= {"rng": RngState(device), "trainer": self}
-        self.state = Registry(opts.rank, held, parts.extra_state)
+        self.state = Registry(self.ranks.rank, held, parts.extra_state, sharded=spec.distributed is not None)
 
-    def restore(self, path: Path) -> Restored:
-        """Load every part but the RNG, which `_loop` applies once the epoch's iterator exists."""
-        return load_state(path, self.state)
+    def _make_loader(self) -> ResumableLoader:
+        spec, r = self.spec, self.ranks
+        return ResumableLoader(
+            self.parts.dataset, self.batch_size, spec.seed, spec.num_workers, r.rank, r.world_size
+        )
+
+    def reshard(self, saved_world: int) -> int | None:
+        """Resume a checkpoint of `saved_world` ranks on this many (validation allowed it): keep the
+        global batch, so the position (batches done in the epoch) still counts the same samples.
+        Returns `saved_world` when it differs, else None."""
+        world = self.ranks.world_size
+        if saved_world == world:
+            return None
+        global_batch = self.spec.batch_size * saved_world
+        if global_batch % world:
+            raise ConfigError(
+                f"cannot reshard {saved_world}->{world} ranks: the global batch {global_batch} "
+                f"({self.spec.batch_size} x {saved_world}) does not divide by {world}; use a world size that divides it"
+            )
+        self.batch_size = global_batch // world
+        self.loader = self._make_loader()
+        if self.ranks.is_zero:
+            log.warning(
+                "resharded %d->%d ranks (not bitwise): global batch %d kept, %d per rank; RNG re-derived per rank",
+                saved_world, world, global_batch, self.batch_size,
+            )  # fmt: skip
+        return saved_world
+
+    def restore(self, path: Path, resharded_from: int | None = None) -> Restored:
+        """Load every part but the RNG, which `_loop` applies once the epoch's iterator exists. A
+        resharded resume re-derives each rank's RNG from (seed, rank, step) instead."""
+        if self.state.sharded:
+            load_sharded(path, self.state, self.ranks)
+        restored = load_state(path, self.state, skip=("rng",) if resharded_from is not None else ())
+        if resharded_from is not None:
+            _seed_everything(_rank_seed(self.spec.seed + self.step, self.ranks.rank))
+        return restored
 
     def state_dict(self) -> dict[str, Any]:
         """The registry's `trainer` part (trainer.pt; docs/checkpoint-format.md)."""
@@ -157,8 +219,8 @@ class _Run:
             "shape_hash": spec.shape_hash(),
             "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
             "threads": self.threads,
-            "rank": self.opts.rank,
-            "world_size": self.opts.world_size,
+            "rank": self.ranks.rank,
+            "world_size": self.ranks.world_size,
             "device": self.device.type,
         }
 
@@ -178,9 +240,11 @@ class _Run:
         try:
             self._loop(end, pending, metrics, _Meter(self.step))
             # a stop that landed before the first step, or between two epochs, is reported here
-            if self.opts.stop.requested and not self.stop_reported:
+            if self._stop_seen and not self.stop_reported:
                 self._stopping()
-            # Final, max-steps and emergency checkpoints are synchronous: exit only once durable.
+            # Final, max-steps and emergency checkpoints are synchronous: exit only once durable. The
+            # one in flight lands first, so every rank sees the same durable step here.
+            self.ckpt.wait()
             if self.ckpt.durable_step != self.step and not self._skip_save:
                 blocked = self.checkpoint(wait=True)
                 log.info("checkpoint at step %d durable after %.2fs", self.step, blocked)
@@ -191,14 +255,17 @@ class _Run:
         return self._outcome()
 
     def _loop(self, end: int, pending: Restored | None, metrics: IO[str] | None, meter: _Meter) -> None:
-        stop, pos = self.opts.stop, self.loader.position
-        while self.step < end and not stop.requested:
+        pos = self.loader.position
+        while self.step < end and not self._stop_seen:
             it = self.loader.epoch_iter()
             if pending is not None:  # after iter(): creating the iterator may draw from the global RNG
                 pending.apply(self.state)
                 pending = None
             for batch in it:
-                loss = _step(self.parts, self.scaler, batch, self.device, self.spec.amp, self.step)
+                agreed = _step(
+                    self.parts, self.scaler, batch, self.device, self.spec.amp, self.step, self._agree
+                )
+                loss = agreed.loss
                 self.step, pos.batch = self.step + 1, pos.batch + 1
                 self.best, self.last_loss = min(self.best, loss), loss
                 if metrics:
@@ -207,27 +274,51 @@ class _Run:
                 logged = meter.tick(self.spec, self.step, loss, self.parts)
                 self.opts.reporter.step(self.step, loss, meter.rate, self.ckpt.durable_step, force=logged)
                 if self.opts.fault is not None:
-                    self.opts.fault.maybe_fire(self.step)
+                    self.opts.fault.maybe_fire(self.step, self.ranks.rank)
                 self.ckpt.check()  # a background failure stops training here, not later
-                if stop.requested:
+                if agreed.stop if self.ranks.distributed else self.opts.stop.requested:
+                    self.stop_agreed = True
                     self._stopping()
                     return
                 if self.step >= end:
                     return
-                if self._checkpoint_due():
+                if self._checkpoint_due(agreed.due):
                     self.checkpoint()
             pos.epoch, pos.batch = pos.epoch + 1, 0
+
+    def _agree(self, loss: float) -> Agreement:
+        """After the forward pass, before backward: what every rank decides together (one all-reduce)."""
+        pol = self.spec.checkpoint
+        by_time = pol.every_seconds is not None and time.monotonic() - self.since_ckpt >= pol.every_seconds
+        return self.ranks.agree(loss, self.opts.stop.requested, by_time)
+
+    @property
+    def _stop_seen(self) -> bool:
+        """One process: its own stop request. Ranks: only what they agreed on (one rank acting on its
+        own flag would leave the others waiting in the next collective)."""
+        return self.stop_agreed if self.ranks.distributed else self.opts.stop.requested
 
     def _stopping(self) -> None:
         """At the step boundary after a stop request: decide on the emergency checkpoint, report it."""
         stop, self.stop_reported = self.opts.stop, True
-        fields: dict[str, Any] = {"reason": stop.reason, "step": self.step}
+        reason = stop.reason or "a stop request of another rank"
+        fields: dict[str, Any] = {"reason": reason, "step": self.step}
         if stop.deadline is not None:
             self.plan = self._plan_emergency_save(stop.deadline)
+        if self.ranks.distributed:  # a save every rank can finish in time, or none (the slowest decides)
+            mine = self.plan.save if self.plan is not None else True
+            if not self.ranks.all_true(mine):
+                why = (
+                    self.plan.reason
+                    if self.plan is not None and not mine
+                    else "another rank cannot finish it in time"
+                )
+                self.plan = SavePlan(False, self.plan.estimate_s if self.plan else 0.0, why)
+        if self.plan is not None:
             fields |= {"save": self.plan.save, "save_reason": self.plan.reason, "deadline": stop.deadline}
             log.warning(
                 "stop on %s at step %d: %s emergency checkpoint (%s)",
-                stop.reason, self.step, "taking an" if self.plan.save else "skipping the", self.plan.reason,
+                reason, self.step, "taking an" if self.plan.save else "skipping the", self.plan.reason,
             )  # fmt: skip
         self.opts.reporter.emit("stopping", **fields)
 
@@ -236,8 +327,10 @@ class _Run:
             return SavePlan(True, 0.0, f"step {self.step} is already durable")
         measured = self.ckpt.bandwidth()
         write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
+        # this rank's share: its last checkpoint's files, else the state it would capture
+        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.capture())
         return plan_emergency_save(
-            state_nbytes(self.capture()), write_bps, upload_bps, time.time(), deadline,
+            nbytes, write_bps, upload_bps, time.time(), deadline,
             self.spec.preemption.save_margin_s, measured=measured is not None, in_flight=self.ckpt.in_flight,
         )  # fmt: skip
 
@@ -254,7 +347,7 @@ class _Run:
             return ExitCode.PREEMPTED
         if self.step >= self.spec.total_steps:
             return ExitCode.COMPLETED
-        if self.opts.stop.requested:
+        if self._stop_seen:
             log.warning("stopped on %s at step %d; checkpoint durable", self.opts.stop.reason, self.step)
             return ExitCode.PREEMPTED
         log.info(
@@ -262,11 +355,10 @@ class _Run:
         )
         return ExitCode.STOPPED
 
-    def _checkpoint_due(self) -> bool:
+    def _checkpoint_due(self, by_time: bool) -> bool:
+        """`by_time`: the clock said so at this step's agreement (any rank's clock, for ranks)."""
         pol = self.spec.checkpoint
-        by_steps = pol.every_steps is not None and self.step % pol.every_steps == 0
-        by_time = pol.every_seconds is not None and time.monotonic() - self.since_ckpt >= pol.every_seconds
-        return by_steps or by_time
+        return (pol.every_steps is not None and self.step % pol.every_steps == 0) or by_time
 
     def checkpoint(self, wait: bool = False) -> float:
         """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
@@ -284,21 +376,27 @@ class _Run:
             "step": self.step,
             "spec_hash": self.spec.spec_hash(),
             "shape_hash": self.spec.shape_hash(),
-            "world_size": self.opts.world_size,
+            "world_size": self.ranks.world_size,
             "metrics": metrics,
         }
 
 
 def _step(
-    parts: Parts, scaler: torch.amp.GradScaler | None, batch: Any, device: torch.device, amp: bool, step: int
-) -> float:
+    parts: Parts,
+    scaler: torch.amp.GradScaler | None,
+    batch: Any,
+    device: torch.device,
+    amp: bool,
+    step: int,
+    agree: Callable[[float], Agreement],
+) -> Agreement:
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=amp):
         loss = parts.loss_fn(parts.model, batch)
-    value = float(loss.detach())
-    if not math.isfinite(value):
+    agreed = agree(float(loss.detach()))  # before backward: a diverged rank stops all ranks here
+    if not math.isfinite(agreed.loss):
         raise TrainingDiverged(
-            f"loss is {value} at step {step + 1}; lower the learning rate or check the data"
+            f"loss is {agreed.loss} at step {step + 1}; lower the learning rate or check the data"
         )
     parts.optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
@@ -314,7 +412,7 @@ def _step(
     else:
         parts.optimizer.step()
     parts.scheduler.step()
-    return value
+    return agreed
 
 
 def _seed_everything(seed: int) -> None:

@@ -118,6 +118,8 @@ class Started(RecordBase):
     rejected: tuple[Rejected, ...] = _f(_rejected, ())  # newest first
     step: int = _f(_int)
     total_steps: int | None = _f(_optional(_int), None)
+    # the world size of a checkpoint resumed on another one ("resharded N->M", not bitwise)
+    resharded_from: int | None = _f(_optional(_int), None, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

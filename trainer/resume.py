@@ -15,9 +15,10 @@ from typing import Any
 
 from trainer.catalog import Catalog, Selection, read_marker_step
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
+from trainer.distributed import Ranks
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.spec import JobSpec
-from trainer.stateful import Registry, reconcile
+from trainer.stateful import Codec, Registry, reconcile
 from trainer.storage import Storage, put_bytes
 from trainer.validate import Expectation
 
@@ -45,16 +46,44 @@ def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource
     for r in selection.rejected:
         compat = [p for p in r.problems if p.kind == "compat"]
         if compat:
-            raise ResumeIncompatible(
-                f"checkpoint step {r.step} in {source.uri} {compat[0].detail}; "
-                "use a new storage URI for a changed model, or restore the original settings"
-            )
+            detail = compat[0].detail
+            fix = "" if "; " in detail else "; use a new storage URI for a changed model, or restore the original settings"
+            raise ResumeIncompatible(f"checkpoint step {r.step} in {source.uri} {detail}{fix}")
     if src is not None:
         _check_explicit_source(storage, source, src.step, selection)
     latest = Catalog(storage).latest()
     if latest is not None and latest != selection.step and src is None:
         log.info("'latest' marker says step %d; newest valid is %s", latest, selection.step)
     return selection
+
+
+def select_together(
+    storage: Storage, cache: Path, expect: Expectation, src: ResumeSource | None, ranks: Ranks
+) -> Selection:
+    """`select` on rank 0, its choice (or its refusal) broadcast: every rank resumes from exactly that
+    checkpoint. Each node's first rank fetches it into the node's cache (a no-op where rank 0 already
+    holds it); a rank that cannot fails the attempt on every rank with its line."""
+    outcome: Selection | BaseException | None = None
+    if ranks.is_zero:
+        try:
+            outcome = select(storage, cache, expect, src)
+            if outcome.path is not None:
+                outcome.world_size = Manifest.from_json((outcome.path / MANIFEST).read_bytes()).world_size
+        except Exception as e:  # the same refusal on every rank, so each exits with the same code
+            outcome = e
+    outcome = ranks.broadcast(outcome)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    assert outcome is not None
+    error = None
+    if outcome.step is not None and not ranks.is_zero and ranks.local_rank == 0:
+        source = src.storage if src is not None and src.storage is not None else storage
+        try:
+            outcome.path = Catalog(source, cache).fetch(outcome.step)
+        except Exception as e:
+            error = f"cannot fetch checkpoint step {outcome.step}: {type(e).__name__}: {e}"
+    ranks.fail_together(error)
+    return outcome
 
 
 def _check_explicit_source(storage: Storage, source: Storage, step: int, selection: Selection) -> None:
@@ -87,14 +116,18 @@ class Restored:
         self.deferred = {}
 
 
-def load_state(path: Path, registry: Registry) -> Restored:
+def load_state(path: Path, registry: Registry, skip: tuple[str, ...] = ()) -> Restored:
     """Load every part of `registry` from a checkpoint directory, by name, except the deferred ones.
 
     Like Fabric's `load(path, state) -> leftovers`, with leftovers an error: a registered part the
     checkpoint lacks, or a part in it that nothing registered, raises ResumeIncompatible naming it
-    (the optional scaler is exempt: a checkpoint without one leaves the fresh scaler as it is)."""
+    (the optional scaler is exempt: a checkpoint without one leaves the fresh scaler as it is).
+    Sharded (DCP) parts are loaded by `sharded.load_sharded` first; `skip` names parts left as they are
+    (a resharded resume's RNG: the checkpoint has no file for a rank it did not have)."""
     files = Manifest.from_json((path / MANIFEST).read_bytes()).files
-    missing, leftovers = reconcile(registry.files(), files)
+    wanted = {n: f for n, f in registry.files().items() if n not in skip}
+    missing, leftovers = reconcile(wanted, files, registry.sharded)
+    leftovers = [p for p in leftovers if not any(p.startswith(repr(n)) for n in skip)]
     if missing or leftovers:
         what = [f"lacks {p}" for p in missing] + [f"holds {p}, which nothing here loads" for p in leftovers]
         raise ResumeIncompatible(
@@ -103,6 +136,8 @@ def load_state(path: Path, registry: Registry) -> Restored:
     deferred: dict[str, Any] = {}
     for name in registry:
         part = registry.part(name)
+        if name in skip or part.spec.codec is Codec.DCP:
+            continue
         if part.file not in files:  # an optional part (reconcile let it through)
             log.info("%s has no %s: %s starts fresh", path.name, part.file, name)
             continue

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.errors import ConfigError
 
 # Fields that change the shape of the state or the meaning of the data position. A checkpoint
-# whose values for these differ cannot be resumed (ResumeIncompatible).
+# whose values for these differ cannot be resumed (ResumeIncompatible); a different world size alone
+# can, when `distributed.allow_reshard` says so (trainer/resharding.py).
 SHAPE_FIELDS = ("recipe", "args", "batch_size", "world_size")
 
 
@@ -107,6 +108,41 @@ class PreemptionOptions(BaseModel):
         return v.rstrip("/") if v else v
 
 
+class DistributedOptions(BaseModel):
+    """Ranks and how they share the model. One worker runs torchrun with `nproc_per_node` ranks; with
+    `nnodes` > 1 the provider starts that many workers and they meet at the first one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nproc_per_node: int | Literal["auto"] = Field(
+        default=1, description="ranks per machine; auto: one per visible GPU (1 on a CPU-only machine)"
+    )
+    nnodes: int = Field(default=1, ge=1, le=64, description="machines, each with nproc_per_node ranks")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        default="ddp", description="ddp: a full replica per rank; fsdp: parameters sharded (FSDP2)"
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        default="auto", description="auto: nccl on CUDA, gloo on CPU"
+    )
+    allow_reshard: bool = Field(
+        default=False,
+        description="resume a checkpoint written by another world size (same global batch; not bitwise)",
+    )
+    port: int = Field(default=29500, ge=1024, le=65535, description="rendezvous port on the first machine")
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("use a number of ranks >= 1, or auto")
+        return v
+
+    def world_size(self, gpus: int = 0) -> int:
+        """Ranks in all; `gpus`: GPUs visible on this machine (resolves `auto`)."""
+        per_node = self.nproc_per_node if isinstance(self.nproc_per_node, int) else max(gpus, 1)
+        return per_node * self.nnodes
+
+
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
@@ -126,7 +162,10 @@ class JobSpec(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = Field(default=False, description="mixed precision with a GradScaler (CUDA)")
-    world_size: int = Field(default=1, ge=1, description="ranks; part of the checkpoint format")
+    distributed: DistributedOptions | None = Field(
+        default=None,
+        description="torchrun ranks (DDP or FSDP2, sharded checkpoints); none: one process",
+    )
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     storage: str = Field(
         default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix"
@@ -151,16 +190,33 @@ class JobSpec(BaseModel):
 
         return check_uri(v)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_world_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "world_size" in data:
+            raise ValueError(
+                "world_size is derived now: remove it and set distributed.nproc_per_node "
+                "(and distributed.nnodes) instead"
+            )
+        return data
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all, from `distributed` (an `auto` count as 1 here: the trainer resolves it)."""
+        return self.distributed.world_size() if self.distributed is not None else 1
+
     def spec_hash(self) -> str:
         """SHA-256 over the whole spec (canonical JSON)."""
         return _hash(self.model_dump(mode="json"))
 
-    def shape_hash(self) -> str:
-        """SHA-256 over the shape-relevant fields only: equal hashes can resume each other's checkpoints."""
-        return _hash({k: getattr(self, k) for k in SHAPE_FIELDS})
+    def shape_hash(self, world_size: int | None = None) -> str:
+        """SHA-256 over the shape-relevant fields only: equal hashes can resume each other's checkpoints.
+        `world_size`: the ranks actually running (default: the spec's)."""
+        return _hash(self.shape_fields(world_size))
 
-    def shape_fields(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SHAPE_FIELDS}
+    def shape_fields(self, world_size: int | None = None) -> dict[str, Any]:
+        fields = {k: getattr(self, k) for k in SHAPE_FIELDS}
+        return fields | ({"world_size": world_size} if world_size is not None else {})
 
 
 def _hash(obj: Any) -> str:

@@ -54,6 +54,7 @@ class Stateful(Protocol):
 class Codec(Enum):
     SAFETENSORS = "safetensors"  # flat name -> tensor; the step in the header metadata
     TORCH = "torch"  # torch.save of {"step", "state"}, loadable with torch.load(weights_only=True)
+    DCP = "dcp"  # torch.distributed.checkpoint: `.metadata` + one `__<rank>_<n>.distcp` per rank
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class Expectation:
     param_shapes: list[tuple[int, ...]] | None = None
     shape_hash: str | None = None
     parts: dict[str, str] | None = None
+    # The shape hash the job would have at another world size (JobSpec.shape_hash): with it, a
+    # checkpoint of another world size is told apart from another job's, and refused by name unless
+    # `allow_reshard`.
+    shape_hash_at: Callable[[int], str] | None = None
+    world_size: int | None = None
+    allow_reshard: bool = False
 
     @classmethod
     def of_shape(cls, shape_hash: str) -> Expectation:
@@ -93,7 +100,13 @@ class Expectation:
     def from_registry(cls, registry: Registry, shape_hash: str | None) -> Expectation:
         model, optimizer = registry["model"], registry["optimizer"]
         assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-        return cls.from_parts(model, optimizer, shape_hash, registry.files())
+        return cls.from_parts(unwrap(model), optimizer, shape_hash, registry.files())
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The recipe's model inside a DDP wrapper (whose state_dict keys gain a `module.` prefix)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 Check = Callable[[Any, "Manifest", Expectation | None], list[Finding]]
@@ -139,15 +152,50 @@ def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None) -> list[Fi
     return out
 
 
+def check_dcp(md: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+    """A sharded checkpoint's `.metadata` (global shapes of every tensor, whatever the world size)
+    against the recipe's model; the shards themselves are checked by their hashes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = md.state_dict_metadata
+    model = {k[len("model.") :]: v for k, v in meta.items() if k.startswith("model.")}
+    out: list[Finding] = []
+    if not model or not any(k.startswith("optimizer.") for k in meta):
+        return [("structure", "DCP metadata lacks the model or the optimizer")]
+    want = expect.model if expect is not None else None
+    if want is not None and set(model) != set(want):
+        out.append(
+            ("structure", f"keys differ from the recipe's model: {sorted(set(model) ^ set(want))[:3]}")
+        )
+    for k in sorted(set(model) & set(want or {})):
+        v = model[k]
+        if isinstance(v, TensorStorageMetadata) and (tuple(v.size), v.properties.dtype) != want[k]:  # type: ignore[index]
+            out.append(("structure", f"{k}: {tuple(v.size)} {v.properties.dtype}, expected {want[k]}"))  # type: ignore[index]
+    return out
+
+
+def check_nothing(state: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+    return []
+
+
 def check_trainer(meta: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
     if not isinstance(meta, dict) or "spec" not in meta:
         return [("structure", "missing trainer metadata")]
     out: list[Finding] = []
     if meta.get("shape_hash") != m.shape_hash:
         out.append(("content", "shape hash differs from the manifest's"))
-    if expect is not None and expect.shape_hash is not None and m.shape_hash != expect.shape_hash:
-        theirs = json.dumps({k: meta["spec"].get(k) for k in ("recipe", "args", "batch_size", "world_size")})
-        out.append(("compat", f"made by a job with different shape settings {theirs}"))
+    if expect is not None and expect.shape_hash is not None:
+        want = expect.shape_hash_at(m.world_size) if expect.shape_hash_at else expect.shape_hash
+        if m.shape_hash != want:
+            theirs = json.dumps({k: meta["spec"].get(k) for k in ("recipe", "args", "batch_size")})
+            out.append(("compat", f"made by a job with different shape settings {theirs}"))
+        elif expect.world_size is not None and m.world_size != expect.world_size and not expect.allow_reshard:
+            out.append((
+                "compat",
+                f"was written by {m.world_size} rank(s) and this run has {expect.world_size}; set "
+                f"distributed.allow_reshard: true to resume it resharded (not bitwise), or run "
+                f"{m.world_size} rank(s)",
+            ))  # fmt: skip
     return out + check_finite(meta, m, expect)
 
 
@@ -156,7 +204,7 @@ class PartSpec:
     """One kind of part: where it lives, how it is encoded, and how it is checked."""
 
     name: str
-    file: str  # "{rank}" in it: one file per rank
+    file: str  # "{rank}" in it: one file per rank; else one file, written by rank 0
     codec: Codec = Codec.TORCH
     required: bool = False  # every checkpoint holds it: its absence is damage (integrity)
     optional: bool = False  # a checkpoint may lack it, or hold it unused (the scaler: AMP on or off)
@@ -171,8 +219,14 @@ class PartSpec:
     def file_for(self, rank: int) -> str:
         return self.file.format(rank=rank)
 
+    @property
+    def per_rank(self) -> bool:
+        return "{rank}" in self.file
+
     def matches(self, fname: str) -> bool:
-        """Is `fname` this part's file, of any rank?"""
+        """Is `fname` this part's file, of any rank (for a DCP part: its metadata or a shard)?"""
+        if self.codec is Codec.DCP and SHARD_FILE.match(fname):
+            return True
         return self._pattern.match(fname) is not None
 
 
@@ -185,7 +239,17 @@ STANDARD: tuple[PartSpec, ...] = (
     PartSpec("rng", "rng.rank{rank}.pt", deferred=True),
     PartSpec("trainer", "trainer.pt", required=True, check=check_trainer),
 )
+# Format 2, with a `distributed` spec: model and optimizer go through DCP, one shard per rank, in any
+# world size (resharded on load); the rest as in format 1, written by rank 0 (rng: by every rank).
+DCP_METADATA = ".metadata"
+SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+SHARDED: tuple[PartSpec, ...] = (
+    PartSpec("model", DCP_METADATA, Codec.DCP, required=True, check=check_dcp),
+    PartSpec("optimizer", DCP_METADATA, Codec.DCP, required=True, check=check_nothing),
+    *STANDARD[2:],
+)
 _BY_NAME = {p.name: p for p in STANDARD}
+_BY_NAME_SHARDED = {p.name: p for p in SHARDED}
 EXTRA_FILE = "extra.{name}.pt"
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 _EXTRA_FILE = re.compile(r"^extra\.([A-Za-z0-9_-]+)\.pt$")
@@ -196,28 +260,38 @@ def extra_spec(name: str) -> PartSpec:
     return PartSpec(name, EXTRA_FILE.format(name=name))
 
 
-def spec_of(name: str) -> PartSpec:
+def table(sharded: bool = False) -> tuple[PartSpec, ...]:
+    """The standard parts of format 2 (sharded) or 1."""
+    return SHARDED if sharded else STANDARD
+
+
+def spec_of(name: str, sharded: bool = False) -> PartSpec:
     """The spec of a part by name: a standard part, or else a recipe's extra part."""
-    return _BY_NAME.get(name) or extra_spec(name)
+    return (_BY_NAME_SHARDED if sharded else _BY_NAME).get(name) or extra_spec(name)
 
 
-def spec_of_file(fname: str) -> PartSpec | None:
-    """Which part a checkpoint file holds; None for a file no part writes."""
-    for p in STANDARD:
+def spec_of_file(fname: str, sharded: bool = False) -> PartSpec | None:
+    """Which part a checkpoint file holds; None for a file no part writes. A sharded checkpoint's
+    `.metadata` and shards answer `model` (DCP holds the optimizer in the same files)."""
+    for p in table(sharded):
         if p.matches(fname):
             return p
     m = _EXTRA_FILE.match(fname)
     return extra_spec(m.group(1)) if m else None
 
 
-def reconcile(wanted: Mapping[str, str], present: Iterable[str]) -> tuple[list[str], list[str]]:
+def reconcile(
+    wanted: Mapping[str, str], present: Iterable[str], sharded: bool = False
+) -> tuple[list[str], list[str]]:
     """(parts `wanted` (name -> file) whose file is not `present`, `present` files no wanted part
     reads), both as "'name' (file)". Optional parts and other ranks' files are neither."""
     have, reads = set(present), set(wanted.values())
-    missing = [f"{n!r} ({f})" for n, f in wanted.items() if f not in have and not spec_of(n).optional]
+    missing = [
+        f"{n!r} ({f})" for n, f in wanted.items() if f not in have and not spec_of(n, sharded).optional
+    ]
     leftovers = []
     for f in sorted(have - reads):
-        spec = spec_of_file(f)
+        spec = spec_of_file(f, sharded)
         if spec is None:
             leftovers.append(f"{f!r}")
         elif not spec.optional and spec.name not in wanted:  # in `wanted`: another rank's file
@@ -235,13 +309,20 @@ class Part:
 class Registry(Mapping[str, Stateful]):
     """This job's parts, name -> live object, in capture and load order."""
 
-    def __init__(self, rank: int, parts: Mapping[str, Stateful], extra: Mapping[str, Stateful]) -> None:
-        self.rank = rank
+    def __init__(
+        self,
+        rank: int,
+        parts: Mapping[str, Stateful],
+        extra: Mapping[str, Stateful],
+        sharded: bool = False,
+    ) -> None:
+        self.rank, self.sharded = rank, sharded
         self._parts: dict[str, Part] = {}
+        standard = _BY_NAME_SHARDED if sharded else _BY_NAME
         for name, obj in parts.items():
-            if name not in _BY_NAME:
+            if name not in standard:
                 raise ValueError(f"{name!r} is not a standard part; pass it in `extra`")
-            self._add(_BY_NAME[name], obj)
+            self._add(standard[name], obj)
         for name, obj in extra.items():
             if name in _BY_NAME or not _EXTRA_NAME.match(name):
                 raise ConfigError(
@@ -275,5 +356,6 @@ class Registry(Mapping[str, Stateful]):
         return {n: p.file for n, p in self._parts.items()}
 
     def capture(self) -> dict[str, Any]:
-        """Every part's state, by name: what `write_checkpoint_dir` takes."""
-        return {n: p.obj.state_dict() for n, p in self._parts.items()}
+        """Every part's state, by name: what `write_checkpoint_dir` takes. Sharded (DCP) parts are
+        not here: trainer/sharded.py captures them together, model and optimizer in one state dict."""
+        return {n: p.obj.state_dict() for n, p in self._parts.items() if p.spec.codec is not Codec.DCP}

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from trainer.records import Durable, Record, build, parse_record
+from trainer.records import Durable, Record, Step, build, parse_record
 
 PREFIX = "@spotrun "
 
@@ -57,6 +57,8 @@ class StatusReporter:
         """Write one record and hand it to the listeners."""
         if isinstance(rec, Durable):
             self.last_durable = rec.step
+        elif isinstance(rec, Step):  # relayed from a rank (trainer/launch.py), or our own
+            self.last_step = rec.step
         if self.stream is not None:
             line = PREFIX + json.dumps(rec.to_json(), separators=(",", ":"))
             with self._lock:

@@ -23,9 +23,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.ckpt_format import MANIFEST, REQUIRED_FILES, Manifest, load_part, sha256_file
+from trainer.ckpt_format import MANIFEST, Manifest, load_part, required_files, sha256_file
 from trainer.state import all_finite
-from trainer.stateful import Codec, Expectation, Finding, Kind, PartSpec, reconcile, spec_of_file
+from trainer.stateful import (
+    DCP_METADATA,
+    Codec,
+    Expectation,
+    Finding,
+    Kind,
+    PartSpec,
+    reconcile,
+    spec_of_file,
+)
 
 __all__ = ["Expectation", "Kind", "Problem", "all_finite", "check_integrity", "read_manifest", "validate_dir"]
 
@@ -64,7 +73,7 @@ def validate_dir(d: Path, expect: Expectation | None = None, integrity_only: boo
         hashes = {
             name: pool.submit(_check_file, d / name, e.size, e.sha256) for name, e in manifest.files.items()
         }
-        missing = [f for f in REQUIRED_FILES if f not in manifest.files]
+        missing = [f for f in required_files(manifest.format_version) if f not in manifest.files]
         problems += [Problem("integrity", f, "file not listed in manifest") for f in missing]
         loaded: list[Problem] = []
         if not missing and not integrity_only:
@@ -92,9 +101,13 @@ def _collect(futures: dict[str, Future[str | None]]) -> list[Problem]:
 
 def _check_contents(d: Path, m: Manifest, expect: Expectation | None) -> list[Problem]:
     problems = _check_registry(m, expect)
+    if problems and problems[0].detail.startswith("written by"):
+        return problems  # the other format: its parts would only repeat that
     for fname in sorted(m.files):
-        spec = spec_of_file(fname)
-        if spec is not None:  # a file no part writes: refused above when the job's registry is known
+        spec = spec_of_file(fname, m.sharded)
+        # a file no part writes: refused above when the job's registry is known; a DCP shard: its
+        # hash is the check (`.metadata`, checked once, says what the shards hold)
+        if spec is not None and fname == spec.file:
             problems += _check_part(d / fname, spec, m, expect)
     return problems
 
@@ -102,7 +115,12 @@ def _check_contents(d: Path, m: Manifest, expect: Expectation | None) -> list[Pr
 def _check_registry(m: Manifest, expect: Expectation | None) -> list[Problem]:
     if expect is None or expect.parts is None:
         return []
-    missing, leftovers = reconcile(expect.parts, m.files)
+    wants_sharded = expect.parts.get("model") == DCP_METADATA
+    if wants_sharded != m.sharded:
+        how = "a distributed job (format 2)" if m.sharded else "a single-process job (format 1)"
+        fix = "with its distributed spec" if m.sharded else "without a distributed spec"
+        return [Problem("compat", None, f"written by {how}; resume it {fix}, or use a new storage URI")]
+    missing, leftovers = reconcile(expect.parts, m.files, m.sharded)
     return [Problem("compat", None, f"has no part {p}, which this job registers") for p in missing] + [
         Problem("compat", None, f"holds part {p}, which this job does not register") for p in leftovers
     ]
@@ -111,6 +129,7 @@ def _check_registry(m: Manifest, expect: Expectation | None) -> list[Problem]:
 def _check_part(path: Path, spec: PartSpec, m: Manifest, expect: Expectation | None) -> list[Problem]:
     try:
         with _open_part(path, spec.codec) as (step, state):
+            step = m.step if spec.codec is Codec.DCP else step  # DCP files carry no step of ours
             found: list[Finding] = (
                 [] if step == m.step else [("content", f"step {step} != manifest step {m.step}")]
             )
@@ -127,6 +146,11 @@ def _open_part(path: Path, codec: Codec) -> Iterator[tuple[int | None, Any]]:
     if codec is Codec.TORCH:
         obj = load_part(path)
         yield int(obj["step"]), obj["state"]
+        return
+    if codec is Codec.DCP:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        yield None, FileSystemReader(str(path.parent)).read_metadata()
         return
     with safe_open(str(path), framework="pt") as f:
         step = (f.metadata() or {}).get("step")

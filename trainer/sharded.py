@@ -1,0 +1,277 @@
+"""Sharded checkpoints (format 2): DCP writes the shards, our commit protocol publishes them.
+
+Per checkpoint, on every rank:
+  1. stage   `dcp.async_save` copies this rank's shard of model + optimizer into host memory (pinned on
+             CUDA, the buffers reused) and returns: the only part that blocks the loop. The torch parts
+             (scheduler, trainer meta, this rank's RNG) are snapshotted beside it.
+  2. write   DCP writes `__<rank>_0.distcp` (rank 0 also `.metadata`) into the node's local step
+             directory, fsynced, in a thread; each rank then writes and hashes its own `.pt` files and
+             hashes its shard, uploads its files, and reports {file: size, sha256} (or its error).
+  3. commit  rank 0 gathers every rank's report over the checkpoint group; only when all are durable it
+             writes the manifest (every shard, `.metadata`, every `.pt`), uploads it last, reads every
+             file back against it, moves `latest`, and broadcasts the verdict: every rank knows the
+             same durable step, and a failure anywhere fails the checkpoint everywhere.
+
+DCP's collectives and ours run on the checkpoint group (gloo) from one thread per rank, one checkpoint
+in flight at a time, so they never interleave with training's collectives or with each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.catalog import apply_retention, prune_local, write_latest
+from trainer.checkpointer import SaveTimings, _lower_thread_priority, verify_remote
+from trainer.ckpt_format import (
+    MANIFEST,
+    SHARDED_VERSION,
+    FileEntry,
+    Manifest,
+    sha256_file,
+    step_dir,
+    write_part,
+)
+from trainer.distributed import Ranks
+from trainer.errors import CheckpointError, LeaseLost
+from trainer.stateful import DCP_METADATA, Registry, spec_of
+from trainer.state import Snapshotter
+from trainer.storage import Storage
+from trainer.storage.local import fsync_dir
+
+log = logging.getLogger(__name__)
+
+
+def dcp_state(registry: Registry) -> dict[str, Any]:
+    """Model and optimizer as DCP sees them: FQN-keyed, DTensor shards under FSDP2, no DDP prefix."""
+    msd, osd = get_state_dict(registry["model"], registry["optimizer"])  # type: ignore[arg-type]
+    return {"model": msd, "optimizer": osd}
+
+
+def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
+    """Load model and optimizer from a format-2 directory into this rank's shards. DCP reshards when
+    the checkpoint's world size differs (each rank reads the pieces it now owns from any shard)."""
+    state = dcp_state(registry)  # a fresh optimizer gets its state allocated (a zero-lr step) to load into
+    dcp.load(state, checkpoint_id=str(path), process_group=ranks.ckpt_group)
+    set_state_dict(
+        registry["model"], registry["optimizer"],  # type: ignore[arg-type]
+        model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    )  # fmt: skip
+
+
+class ShardedCheckpointer:
+    """The Checkpointer's interface (save, check, wait, bandwidth) for a job's ranks."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        cache: Path,
+        keep: int,
+        registry: Registry,
+        ranks: Ranks,
+        background: bool = True,
+        pin_memory: bool = False,
+        durable_step: int | None = None,
+        on_durable: Callable[[int], None] | None = None,
+        strategy: str | None = None,
+    ) -> None:
+        self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
+        self.registry, self.ranks, self.strategy = registry, ranks, strategy
+        torch.serialization.set_crc32_options(False)  # as Checkpointer: the manifest's SHA-256 checks
+        self.snapshotter = Snapshotter(pin_memory)
+        self.stager = _stager(pin_memory)
+        self.durable_step = durable_step
+        self.on_durable = on_durable
+        self.history: list[SaveTimings] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        # One temp directory name for all ranks of the attempt (ranks of a node share it).
+        self._tag = ranks.broadcast(f"{os.getpid()}")
+
+    def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
+        t0 = time.perf_counter()
+        self.wait()
+        step = int(manifest_base["step"])
+        tmp = self.cache / f".tmp-{step_dir(step)}-{self._tag}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        snap = self.snapshotter.snapshot(state)
+        shards = dcp_state(self.registry)
+        timings = SaveTimings(step)
+        if self.background and not wait:
+            future = dcp.async_save(
+                shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, async_stager=self.stager
+            )
+            timings.snapshot_s = time.perf_counter() - t0
+            self._thread = threading.Thread(
+                target=self._run, args=(future, tmp, snap, manifest_base, timings),
+                name="spotrun-ckpt", daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+        else:
+            dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+            timings.snapshot_s = time.perf_counter() - t0
+            self._run(None, tmp, snap, manifest_base, timings)
+            self.check()
+        return time.perf_counter() - t0
+
+    def check(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if isinstance(err, LeaseLost):
+            raise err
+        if err is not None:
+            raise CheckpointError(f"checkpoint failed: {type(err).__name__}: {err}") from err
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def bandwidth(self, recent: int = 3) -> tuple[float, float] | None:
+        timed = [t for t in self.history[-recent:] if t.nbytes > 0]
+        if not timed:
+            return None
+        write = min(t.nbytes / max(t.snapshot_s + t.write_s, 1e-3) for t in timed)
+        upload = min(t.nbytes / max(t.upload_s + t.verify_s, 1e-3) for t in timed)
+        return write, upload
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self.stager.close()
+
+    def _run(
+        self, future: Any, tmp: Path, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings
+    ) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            _lower_thread_priority()
+        try:
+            self._commit(future, tmp, snap, base, t)
+        except BaseException as e:  # the writer thread's boundary: handed to the loop via check()
+            with self._lock:
+                self._error = e
+
+    def _commit(
+        self, future: Any, tmp: Path, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings
+    ) -> None:
+        step, rank = t.step, self.ranks.rank
+        report: tuple[dict[str, FileEntry], str | None]
+        t0 = time.perf_counter()
+        try:
+            if future is not None:
+                future.result()
+            files = self._write_own(tmp, snap, step)
+            t1 = time.perf_counter()
+            for fname in sorted(files):
+                self.storage.put(f"{step_dir(step)}/{fname}", tmp / fname)
+            t.write_s, t.upload_s = t1 - t0, time.perf_counter() - t1
+            report = (files, None)
+        except Exception as e:  # reported to rank 0 (every rank must reach the gather), raised below
+            report = ({}, f"rank {rank}: {type(e).__name__}: {e}"[:400])
+        reports = self.ranks.gather(report)
+        verdict: tuple[int | None, str | None] = (None, None)
+        if reports is not None:  # rank 0
+            verdict = self._publish(tmp, base, reports, t)
+        durable, error = self.ranks.broadcast(verdict)
+        if rank != 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # another node's copy, or already renamed by rank 0
+        if error is not None:
+            raise CheckpointError(error)
+        assert durable is not None
+        t.nbytes = sum(e.size for e in report[0].values())
+        self.durable_step = durable
+        self.history.append(t)
+        if self.on_durable is not None:
+            self.on_durable(durable)
+        if rank == 0:
+            log.info(
+                "checkpoint step %d durable in %s (%d ranks; stage %.3fs, write %.2fs, upload %.2fs, verify %.2fs)",
+                durable, self.storage.uri, self.ranks.world_size, t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
+            )  # fmt: skip
+            apply_retention(self.storage, durable, self.keep)
+        if self.ranks.local_rank == 0:
+            prune_local(self.cache, {durable})
+
+    def _write_own(self, tmp: Path, snap: dict[str, Any], step: int) -> dict[str, FileEntry]:
+        """This rank's `.pt` files (rank 0: the shared parts too), and the hashes of its DCP files."""
+        rank, files = self.ranks.rank, {}
+        for name, state in snap.items():
+            spec = spec_of(name, sharded=True)
+            if state is None or (not spec.per_rank and rank != 0):
+                continue
+            fname = spec.file_for(rank)
+            files[fname] = write_part(tmp / fname, spec.codec, state, step)
+        own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA] if rank == 0 else [])
+        for p in own:  # DCP fsyncs what it writes (FileSystemWriter sync_files)
+            files[p.name] = FileEntry(p.stat().st_size, sha256_file(p))
+        return files
+
+    def _publish(
+        self,
+        tmp: Path,
+        base: dict[str, Any],
+        reports: list[tuple[dict[str, FileEntry], str | None]],
+        t: SaveTimings,
+    ) -> tuple[int | None, str | None]:
+        """Rank 0, once every rank reported: the manifest, read-back, `latest`. (step, None) or (None, why)."""
+        errors = [e for _, e in reports if e]
+        if errors:
+            return None, errors[0]
+        try:
+            files: dict[str, FileEntry] = {}
+            for f, _ in reports:
+                files |= f
+            manifest = Manifest(files=files, format_version=SHARDED_VERSION, strategy=self.strategy, **base)
+            name = step_dir(manifest.step)
+            body = manifest.to_json()
+            (tmp / MANIFEST).write_bytes(body)
+            t0 = time.perf_counter()
+            self.storage.put(f"{name}/{MANIFEST}", tmp / MANIFEST)
+            verify_remote(self.storage, manifest)
+            write_latest(self.storage, manifest.step)
+            t.verify_s = time.perf_counter() - t0
+            self._keep_local(tmp, manifest)
+            return manifest.step, None
+        except LeaseLost:
+            raise
+        except Exception as e:
+            return None, f"rank 0: {type(e).__name__}: {e}"[:400]
+
+    def _keep_local(self, tmp: Path, manifest: Manifest) -> None:
+        """The local copy becomes a committed checkpoint when it holds every file (one node); otherwise
+        it loses its manifest, and a resume on this node fetches the other nodes' shards first."""
+        final = self.cache / step_dir(manifest.step)
+        if not all((tmp / f).is_file() for f in manifest.files):
+            (tmp / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(self.cache)
+
+
+def _stager(pin_memory: bool) -> Any:
+    """DCP's stager, reused across checkpoints: pinned host buffers on CUDA (copies at full bandwidth)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = pin_memory and torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
