@@ -126,3 +126,32 @@ def assert_states_equal(a: Path, b: Path) -> None:
     for idx, st in oa["state"].items():
         for name, t in st.items():
             assert torch.equal(t, ob["state"][idx][name]), f"optimizer state {idx}/{name} differs"
+
+
+def sharded_state(ckpt_dir: Path, scratch: Path) -> dict[str, Any]:
+    """A format-2 checkpoint as one flat dict: DCP's model and optimizer gathered into one file
+    (no process group needed), plus the scheduler and the trainer's data position."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{ckpt_dir.parent.name}-{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir, out)
+    state = _flatten(torch.load(out, weights_only=False))
+    state["/scheduler"] = torch.load(ckpt_dir / "scheduler.pt", weights_only=True)["state"]
+    state["/position"] = torch.load(ckpt_dir / "trainer.pt", weights_only=True)["state"]["position"]
+    return state
+
+
+def _flatten(obj: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, sub in obj.items() for k, v in _flatten(sub, f"{path}/{key}").items()}
+    return {path: obj}
+
+
+def assert_sharded_equal(a: Path, b: Path, scratch: Path) -> None:
+    """Bitwise, for format 2: every parameter, every optimizer state tensor, scheduler, data position."""
+    sa, sb = sharded_state(a, scratch), sharded_state(b, scratch)
+    assert sa.keys() == sb.keys()
+    assert any(k.startswith("/model/") for k in sa) and any(k.startswith("/optimizer/state/") for k in sa)
+    for k, v in sa.items():
+        same = torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k]
+        assert same, f"{k} differs"

@@ -150,29 +150,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def _classify(e: Exception) -> ExitCode:
     """Log the error the way its kind deserves and pick the exit code."""
-    if isinstance(e, ConfigError | ResumeIncompatible):
-        log.error("%s", e)
-        return ExitCode.CONFIG_ERROR
-    if isinstance(e, TrainingDiverged):
-        log.error("%s", e)
-        return ExitCode.DIVERGED
-    if isinstance(e, LeaseHeld):
-        log.error("%s", e)
-        return ExitCode.LEASE_HELD
-    lost = e if isinstance(e, LeaseLost) else e.__cause__
-    if isinstance(lost, LeaseLost):
-        log.error("%s", lost)
-        # taken over: another writer is live; merely expired (storage unreachable): a retry re-acquires
-        return ExitCode.LEASE_LOST if lost.taken_by is not None else ExitCode.CRASHED
-    cause = e.__cause__ if isinstance(e, CheckpointError) else e
-    if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
-        log.error("%s", cause)
-        return ExitCode.CONFIG_ERROR
-    if isinstance(e, CheckpointError | StorageError):
+    code, shown = _exit_code(e)
+    if getattr(e, "echo", False):  # rank 0's refusal, raised on every rank: rank 0 has said it
+        log.info("stopping: rank 0 refused to start (%s)", type(e).__name__)
+    elif shown is not None:
+        log.error("%s", shown)
+    elif isinstance(e, CheckpointError | StorageError):
         log.exception("storage failure; the last durable checkpoint is intact")
     else:
         log.exception("training crashed")
-    return ExitCode.CRASHED
+    return code
+
+
+def _exit_code(e: Exception) -> tuple[ExitCode, BaseException | None]:
+    """The exit code for `e`, and the error to log as one line (None: log it with its traceback)."""
+    if isinstance(e, ConfigError | ResumeIncompatible):
+        return ExitCode.CONFIG_ERROR, e
+    if isinstance(e, TrainingDiverged):
+        return ExitCode.DIVERGED, e
+    if isinstance(e, LeaseHeld):
+        return ExitCode.LEASE_HELD, e
+    lost = e if isinstance(e, LeaseLost) else e.__cause__
+    if isinstance(lost, LeaseLost):
+        # taken over: another writer is live; merely expired (storage unreachable): a retry re-acquires
+        return (ExitCode.LEASE_LOST if lost.taken_by is not None else ExitCode.CRASHED), lost
+    cause = e.__cause__ if isinstance(e, CheckpointError) else e
+    if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
+        return ExitCode.CONFIG_ERROR, cause
+    return ExitCode.CRASHED, None
 
 
 def _run(

@@ -1,7 +1,8 @@
 """`python -m trainer` for a job with a `distributed` spec: this machine's ranks under torchrun.
 
 The process the provider started stays the worker's one voice: it runs `python -m
-torch.distributed.run ... -m trainer <the same arguments>`, relays rank 0's status records on its
+torch.distributed.run ... -m trainer <the same arguments>` (through trainer/agent.py, which only
+silences torchrun's closing traceback), relays rank 0's status records on its
 own stdout (and to the storage heartbeat), and ends with one `exit` record whose code combines
 every rank's. torchrun's own exit code says little: it returns 1 on SIGTERM though every worker
 exited cleanly (measured, torch 2.13), and 1 for any failed rank. So each rank writes its exit code
@@ -148,7 +149,7 @@ def launch(
     nproc = resolve_nproc(opts)
     world = nproc * opts.nnodes
     exits = Path(tempfile.mkdtemp(prefix="spotrun-ranks-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, nproc, os.environ)]
+    cmd = [sys.executable, "-m", "trainer.agent", *torchrun_args(opts, nproc, os.environ)]
     cmd += ["-m", "trainer", *argv]
     env = {k: v for k, v in os.environ.items() if k != "SPOTRUN_WORKER_ID"}  # the heartbeat is ours
     # torchrun pins OMP_NUM_THREADS=1 unless it is set; the thread count is part of exactness

@@ -238,7 +238,7 @@ class _Run:
         self.parts.model.train()
         metrics = open(self.opts.metrics_path, "a") if self.opts.metrics_path else None  # noqa: SIM115
         try:
-            self._loop(end, pending, metrics, _Meter(self.step))
+            self._loop(end, pending, metrics, _Meter(self.step, quiet=not self.ranks.is_zero))
             # a stop that landed before the first step, or between two epochs, is reported here
             if self._stop_seen and not self.stop_reported:
                 self._stopping()
@@ -432,8 +432,9 @@ def _device(spec: JobSpec) -> torch.device:
 class _Meter:
     """Steps per second over the last logging window; logs step, loss, lr and rate every log_every."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, quiet: bool = False) -> None:
         self.t, self.step, self.rate = time.perf_counter(), step, 0.0
+        self.quiet = quiet  # ranks but the first: one progress line per step for the job
 
     def tick(self, spec: JobSpec, step: int, loss: float, parts: Parts) -> bool:
         if step % spec.log_every and step != spec.total_steps:
@@ -441,6 +442,7 @@ class _Meter:
         now = time.perf_counter()
         self.rate = (step - self.step) / max(now - self.t, 1e-9)
         lr = parts.optimizer.param_groups[0]["lr"]
-        log.info("step %d/%d loss %.4f lr %.3g %.1f steps/s", step, spec.total_steps, loss, lr, self.rate)
+        if not self.quiet:
+            log.info("step %d/%d loss %.4f lr %.3g %.1f steps/s", step, spec.total_steps, loss, lr, self.rate)
         self.t, self.step = now, step
         return True

@@ -47,7 +47,11 @@ def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource
         compat = [p for p in r.problems if p.kind == "compat"]
         if compat:
             detail = compat[0].detail
-            fix = "" if "; " in detail else "; use a new storage URI for a changed model, or restore the original settings"
+            fix = (
+                ""
+                if "; " in detail
+                else "; use a new storage URI for a changed model, or restore the original settings"
+            )
             raise ResumeIncompatible(f"checkpoint step {r.step} in {source.uri} {detail}{fix}")
     if src is not None:
         _check_explicit_source(storage, source, src.step, selection)
@@ -73,6 +77,7 @@ def select_together(
             outcome = e
     outcome = ranks.broadcast(outcome)
     if isinstance(outcome, BaseException):
+        outcome.echo = not ranks.is_zero  # type: ignore[attr-defined]  # logged once, by rank 0
         raise outcome
     assert outcome is not None
     error = None

@@ -1,0 +1,113 @@
+"""The launcher's pure parts: one exit code from the ranks', torchrun's arguments, the spec's world size."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.errors import ConfigError
+from trainer.exitcodes import ExitCode
+from trainer.faults import Fault
+from trainer.launch import RankExit, combine, read_rank_exits, torchrun_args, write_rank_exit
+from trainer.spec import DistributedOptions, parse_spec
+
+C, P, S, K, CFG, LH = (
+    ExitCode.COMPLETED, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.CRASHED, ExitCode.CONFIG_ERROR,
+    ExitCode.LEASE_HELD,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("codes", "world", "want", "says"),
+    [
+        ({0: C, 1: C}, 2, C, ""),
+        ({0: P, 1: P}, 2, P, ""),  # a SIGTERM: torchrun exits 1, the ranks agree on PREEMPTED
+        ({0: S, 1: S, 2: S}, 3, S, ""),
+        ({0: K}, 2, K, "rank 1 died without an exit record"),  # rank 1 SIGKILLed
+        ({}, 2, K, "rank 0 died"),
+        ({0: K, 1: CFG}, 2, CFG, "rank 1"),  # rank 1 could not load; rank 0 only saw the socket close
+        ({0: LH}, 2, LH, "rank 0"),  # the lease is held: a verdict, though rank 1 never wrote one
+        ({0: P, 1: K}, 2, K, "rank 1"),
+        ({0: C, 1: P}, 2, K, "ranks disagree"),
+    ],
+)
+def test_combine(codes: dict[int, ExitCode], world: int, want: ExitCode, says: str) -> None:
+    code, error = combine(
+        {r: RankExit(r, c, f"err{r}" if c is not C else "") for r, c in codes.items()}, world
+    )
+    assert code is want and says in error
+
+
+def test_rank_exit_files_round_trip(tmp_path: object) -> None:
+    from pathlib import Path
+
+    d = Path(str(tmp_path))
+    write_rank_exit(str(d), RankExit(1, ExitCode.PREEMPTED, "", 40, 40))
+    (d / "rank0.json").write_text("{half")  # a rank killed while writing: counts as missing
+    assert read_rank_exits(d) == {1: RankExit(1, ExitCode.PREEMPTED, "", 40, 40)}
+
+
+def test_torchrun_args_one_node_is_standalone_several_meet_at_the_first() -> None:
+    one = torchrun_args(DistributedOptions(nproc_per_node=2), 2, {})
+    assert "--standalone" in one and "--nproc_per_node=2" in one and "--max_restarts=0" in one
+    two = DistributedOptions(nproc_per_node=4, nnodes=2, port=29600)
+    first = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "0", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
+    second = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "1", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
+    assert "--rdzv_endpoint=10.0.0.5:29600" in first and "--nnodes=2" in first
+    assert "--rdzv_conf=is_host=1" in first and "--rdzv_conf=is_host=0" in second
+
+
+BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
+
+
+@pytest.mark.parametrize(
+    ("dist", "world"),
+    [
+        (None, 1),
+        ({"nproc_per_node": 2}, 2),
+        ({"nproc_per_node": 4, "nnodes": 2}, 8),
+        ({"nproc_per_node": "auto"}, 1),
+    ],
+)
+def test_world_size_is_derived(dist: dict[str, object] | None, world: int) -> None:
+    spec = parse_spec({**BASE, **({"distributed": dist} if dist else {})})
+    assert spec.world_size == world
+    assert spec.shape_hash() == spec.shape_hash(world) != spec.shape_hash(world + 1)
+
+
+def test_world_size_typed_by_hand_is_refused_with_the_fix() -> None:
+    with pytest.raises(
+        ConfigError, match="world_size is derived now: remove it and set distributed.nproc_per_node"
+    ):
+        parse_spec({**BASE, "world_size": 2})
+    with pytest.raises(ConfigError, match="distributed.strategy"):
+        parse_spec({**BASE, "distributed": {"strategy": "zero3"}})
+
+
+def test_single_process_shape_hash_is_unchanged_by_the_distributed_field() -> None:
+    # checkpoints written before `distributed` existed (world_size: 1 in the hash) still resume
+    import hashlib
+    import json
+
+    spec = parse_spec(BASE)
+    old = {"recipe": "digits", "args": {}, "batch_size": 64, "world_size": 1}
+    assert (
+        spec.shape_hash()
+        == hashlib.sha256(json.dumps(old, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ("sigkill@30", Fault("sigkill", 30)),
+        ("sigkill@30:1", Fault("sigkill", 30, 1)),
+        ("sigterm@5:0", Fault("sigterm", 5, 0)),
+    ],
+)
+def test_fault_with_a_rank(text: str, fault: Fault) -> None:
+    assert Fault.parse(text) == fault
+
+
+def test_fault_with_a_bad_rank_is_refused() -> None:
+    with pytest.raises(ConfigError, match="KIND@STEP:RANK"):
+        Fault.parse("sigkill@30:x")
