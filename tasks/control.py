@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import check_integrity
+from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.runlog import JobRunLog, Summary
@@ -196,6 +197,8 @@ def watch(provider: Provider, worker: Worker, job: JobSpec, sink: Sink) -> Watch
             sink.log(logging.INFO, f"training from {rec.checkpoint or rec.resumed_from or 'scratch'}")
             for r in rec.rejected:
                 sink.log(logging.WARNING, f"trainer passed over checkpoint step {r.step}: {r.reason}")
+            if rec.resharded_from is not None:
+                sink.log(logging.WARNING, f"resumed {resharded(rec.resharded_from, job.world_size)}")
         elif isinstance(rec, Durable):
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):

@@ -51,6 +51,11 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
     return Outcome.CRASHED, _crash_cause(result)
 
 
+def resharded(saved: int, now: int) -> str:
+    """How a resume across world sizes is named in the flow's log and the attempts table."""
+    return f"resharded {saved}->{now} (not bitwise)"
+
+
 def _crash_cause(result: WatchResult) -> str:
     code, error = result.trainer_code, _first_line(result.trainer_error)
     if code == ExitCode.CRASHED.name:

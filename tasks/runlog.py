@@ -21,7 +21,7 @@ from tasks.checkpoints import ResumePoint
 from tasks.endings import ending_for, flow_run_state
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
-from tasks.outcome import classify, provision_failed_record, to_record
+from tasks.outcome import classify, provision_failed_record, resharded, to_record
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.providers.local import stop_cause
@@ -234,6 +234,8 @@ class JobRunLog:
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
         if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
             record.extra["cost"] = dict(result.facts["cost"])
+        if result.started is not None and result.started.resharded_from is not None:
+            record.extra["resharded"] = resharded(result.started.resharded_from, self.job.world_size)
         if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
             record.extra["rejected"] = [list(r) for r in result.rejected]
             self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.ckpt_format import parse_step_dir
+from trainer.distributed import Ranks, rank_env
 from trainer.errors import (
     CheckpointError,
     ConfigError,
@@ -26,7 +27,6 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
-from trainer.distributed import Ranks, rank_env
 from trainer.heartbeat import HeartbeatWriter
 from trainer.launch import (
     LAUNCHER_ID,

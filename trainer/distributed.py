@@ -31,8 +31,10 @@ from trainer.spec import DistributedOptions
 log = logging.getLogger(__name__)
 
 # A hung (alive but silent) peer is caught only by the process group's timeout (a dead one in ~15 ms:
-# the socket resets). Long enough for a slow checkpoint's collectives, short of torch's 30 min.
+# the socket resets): training's collectives wait at most this long. The checkpoint group waits
+# longer: rank 0 may spend minutes fetching and validating a large checkpoint while the rest wait.
 PG_TIMEOUT = datetime.timedelta(minutes=5)
+CKPT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Ranks:
         if device_type == "cuda":
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=PG_TIMEOUT)
-        ckpt = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+        ckpt = dist.new_group(backend="gloo", timeout=CKPT_TIMEOUT)
         return cls(rank, world, local, opts.strategy, ckpt)
 
     @property

@@ -33,7 +33,7 @@ class Fault:
         step, _, rank = at.partition(":")
         if kind not in KINDS or not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
             raise ConfigError(
-                f"--inject-fault {text!r}: use KIND@STEP or KIND@STEP:RANK with KIND one of {', '.join(KINDS)}"
+                f"--inject-fault {text!r}: use KIND@STEP or KIND@STEP:RANK, KIND one of {', '.join(KINDS)}"
             )
         return cls(kind, int(step), int(rank) if rank else None)
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from trainer.exitcodes import ExitCode
 from trainer.preemption import StopRequest
@@ -190,7 +191,7 @@ def launch(
     return code, error
 
 
-def _forward_signals(proc: subprocess.Popen[str], stop: StopRequest) -> dict[int, object]:
+def _forward_signals(proc: subprocess.Popen[str], stop: StopRequest) -> dict[int, Any]:
     """SIGTERM/SIGINT here -> the same signal to torchrun (its own process group), once each."""
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -198,7 +199,7 @@ def _forward_signals(proc: subprocess.Popen[str], stop: StopRequest) -> dict[int
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signum)
 
-    previous: dict[int, object] = {}
+    previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, forward)
     return previous

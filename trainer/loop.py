@@ -186,13 +186,15 @@ class _Run:
         if global_batch % world:
             raise ConfigError(
                 f"cannot reshard {saved_world}->{world} ranks: the global batch {global_batch} "
-                f"({self.spec.batch_size} x {saved_world}) does not divide by {world}; use a world size that divides it"
+                f"({self.spec.batch_size} x {saved_world}) does not divide by {world}; "
+                "use a world size that divides it"
             )
         self.batch_size = global_batch // world
         self.loader = self._make_loader()
         if self.ranks.is_zero:
             log.warning(
-                "resharded %d->%d ranks (not bitwise): global batch %d kept, %d per rank; RNG re-derived per rank",
+                "resharded %d->%d ranks (not bitwise): global batch %d kept, %d per rank; "
+                "RNG re-derived per rank",
                 saved_world, world, global_batch, self.batch_size,
             )  # fmt: skip
         return saved_world
@@ -298,10 +300,15 @@ class _Run:
         own flag would leave the others waiting in the next collective)."""
         return self.stop_agreed if self.ranks.distributed else self.opts.stop.requested
 
+    @property
+    def _stop_reason(self) -> str:
+        """This process's own reason; a rank that stopped on another's word says so."""
+        return self.opts.stop.reason or "a stop request of another rank"
+
     def _stopping(self) -> None:
         """At the step boundary after a stop request: decide on the emergency checkpoint, report it."""
         stop, self.stop_reported = self.opts.stop, True
-        reason = stop.reason or "a stop request of another rank"
+        reason = self._stop_reason
         fields: dict[str, Any] = {"reason": reason, "step": self.step}
         if stop.deadline is not None:
             self.plan = self._plan_emergency_save(stop.deadline)
@@ -342,13 +349,13 @@ class _Run:
         if self._skip_save:  # even at total_steps: completion needs the final checkpoint durable
             log.warning(
                 "stopped on %s at step %d without an emergency checkpoint; newest durable step: %s",
-                self.opts.stop.reason, self.step, self.ckpt.durable_step,
+                self._stop_reason, self.step, self.ckpt.durable_step,
             )  # fmt: skip
             return ExitCode.PREEMPTED
         if self.step >= self.spec.total_steps:
             return ExitCode.COMPLETED
         if self._stop_seen:
-            log.warning("stopped on %s at step %d; checkpoint durable", self.opts.stop.reason, self.step)
+            log.warning("stopped on %s at step %d; checkpoint durable", self._stop_reason, self.step)
             return ExitCode.PREEMPTED
         log.info(
             "stopped at --max-steps (step %d of %d); checkpoint durable", self.step, self.spec.total_steps

@@ -44,8 +44,8 @@ from trainer.ckpt_format import (
 )
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost
-from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.state import Snapshotter
+from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.storage import Storage
 from trainer.storage.local import fsync_dir
 
@@ -199,8 +199,9 @@ class ShardedCheckpointer:
             self.on_durable(durable)
         if rank == 0:
             log.info(
-                "checkpoint step %d durable in %s (%d ranks; stage %.3fs, write %.2fs, upload %.2fs, verify %.2fs)",
-                durable, self.storage.uri, self.ranks.world_size, t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
+                "checkpoint step %d durable in %s (%d ranks; stage %.3fs, write %.2fs, upload %.2fs, "
+                "verify %.2fs)", durable, self.storage.uri, self.ranks.world_size,
+                t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
             )  # fmt: skip
             apply_retention(self.storage, durable, self.keep)
         if self.ranks.local_rank == 0:
@@ -227,7 +228,8 @@ class ShardedCheckpointer:
         reports: list[tuple[dict[str, FileEntry], str | None]],
         t: SaveTimings,
     ) -> tuple[int | None, str | None]:
-        """Rank 0, once every rank reported: the manifest, read-back, `latest`. (step, None) or (None, why)."""
+        """Rank 0, once every rank reported: the manifest, read-back, `latest`.
+        Returns (step, None), or (None, why)."""
         errors = [e for _, e in reports if e]
         if errors:
             return None, errors[0]

@@ -76,10 +76,10 @@ def test_world_size_is_derived(dist: dict[str, object] | None, world: int) -> No
 
 def test_world_size_typed_by_hand_is_refused_with_the_fix() -> None:
     with pytest.raises(
-        ConfigError, match="world_size is derived now: remove it and set distributed.nproc_per_node"
+        ConfigError, match=r"world_size is derived now: remove it and set distributed\.nproc_per_node"
     ):
         parse_spec({**BASE, "world_size": 2})
-    with pytest.raises(ConfigError, match="distributed.strategy"):
+    with pytest.raises(ConfigError, match=r"distributed\.strategy"):
         parse_spec({**BASE, "distributed": {"strategy": "zero3"}})
 
 
