@@ -131,7 +131,10 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
         resharded_from=resharded_from,
     )  # fmt: skip
-    code = run.train(end, pending)
+    try:
+        code = run.train(end, pending)
+    finally:
+        run.ckpt.close()
     if code is ExitCode.COMPLETED and ranks.is_zero:
         mark_completed(storage, spec, run.step)
     return AttemptResult(code, run.step, selection.step, run.ckpt.durable_step, resharded_from=resharded_from)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.catalog import apply_retention, prune_local, write_latest
-from trainer.checkpointer import SaveTimings, _lower_thread_priority, verify_remote
+from trainer.checkpointer import BackgroundSaver, SaveTimings, verify_remote
 from trainer.ckpt_format import (
     MANIFEST,
     SHARDED_VERSION,
@@ -69,7 +68,7 @@ def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
     )  # fmt: skip
 
 
-class ShardedCheckpointer:
+class ShardedCheckpointer(BackgroundSaver):
     """The Checkpointer's interface (save, check, wait, bandwidth) for a job's ranks."""
 
     def __init__(
@@ -85,21 +84,17 @@ class ShardedCheckpointer:
         on_durable: Callable[[int], None] | None = None,
         strategy: str | None = None,
     ) -> None:
+        super().__init__(durable_step, on_durable)
         self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
         self.registry, self.ranks, self.strategy = registry, ranks, strategy
-        torch.serialization.set_crc32_options(False)  # as Checkpointer: the manifest's SHA-256 checks
         self.snapshotter = Snapshotter(pin_memory)
         self.stager = _stager(pin_memory)
-        self.durable_step = durable_step
-        self.on_durable = on_durable
-        self.history: list[SaveTimings] = []
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
         # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
 
     def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
+        """Stage this rank's shard and snapshot its other parts, then persist (in the background unless
+        `wait`). Every rank calls it at the same step. Returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
         self.wait()
         step = int(manifest_base["step"])
@@ -108,62 +103,20 @@ class ShardedCheckpointer:
         snap = self.snapshotter.snapshot(state)
         shards = dcp_state(self.registry)
         timings = SaveTimings(step)
-        if self.background and not wait:
+        background = self.background and not wait
+        future = None
+        if background:
             future = dcp.async_save(
                 shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, async_stager=self.stager
             )
-            timings.snapshot_s = time.perf_counter() - t0
-            self._thread = threading.Thread(
-                target=self._run, args=(future, tmp, snap, manifest_base, timings),
-                name="spotrun-ckpt", daemon=True,
-            )  # fmt: skip
-            self._thread.start()
         else:
             dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
-            timings.snapshot_s = time.perf_counter() - t0
-            self._run(None, tmp, snap, manifest_base, timings)
-            self.check()
+        timings.snapshot_s = time.perf_counter() - t0
+        self._persist_in(background, self._commit, future, tmp, snap, manifest_base, timings)
         return time.perf_counter() - t0
-
-    def check(self) -> None:
-        with self._lock:
-            err, self._error = self._error, None
-        if isinstance(err, LeaseLost):
-            raise err
-        if err is not None:
-            raise CheckpointError(f"checkpoint failed: {type(err).__name__}: {err}") from err
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.check()
-
-    def bandwidth(self, recent: int = 3) -> tuple[float, float] | None:
-        timed = [t for t in self.history[-recent:] if t.nbytes > 0]
-        if not timed:
-            return None
-        write = min(t.nbytes / max(t.snapshot_s + t.write_s, 1e-3) for t in timed)
-        upload = min(t.nbytes / max(t.upload_s + t.verify_s, 1e-3) for t in timed)
-        return write, upload
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
         self.stager.close()
-
-    def _run(
-        self, future: Any, tmp: Path, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings
-    ) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _lower_thread_priority()
-        try:
-            self._commit(future, tmp, snap, base, t)
-        except BaseException as e:  # the writer thread's boundary: handed to the loop via check()
-            with self._lock:
-                self._error = e
 
     def _commit(
         self, future: Any, tmp: Path, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings
