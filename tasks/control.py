@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -163,7 +163,7 @@ def _attempt(job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, at
     """One attempt, provisioned, watched and released; its record, classified."""
     t0 = time.time()
     try:
-        args = (provider, job, attempt, runlog.spec_path, runlog.released, sink)
+        args = (provider, job, attempt, runlog.spec_path, runlog.released, sink, runlog.trainer_args())
         worker = sink.step("provision", provision, *args)
     except ProvisionError as e:
         return runlog.provision_failed(attempt, e, t0)
@@ -177,11 +177,18 @@ def _attempt(job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, at
 
 
 def provision(
-    provider: Provider, job: JobSpec, attempt: int, spec_path: Path, released: str | None, sink: Sink
+    provider: Provider,
+    job: JobSpec,
+    attempt: int,
+    spec_path: Path,
+    released: str | None,
+    sink: Sink,
+    more: Sequence[str] = (),
 ) -> Worker:
     """Rent (or, locally, start) a worker running the trainer. `released`: the worker released last (or
-    left by a dead controller); the new trainer may take over its storage lease at once."""
-    extra = ["--lease-takeover", released] if released else []
+    left by a dead controller); the new trainer may take over its storage lease at once. `more`: other
+    trainer arguments (the reclaim rate an adaptive checkpoint interval plans for)."""
+    extra = (["--lease-takeover", released] if released else []) + list(more)
     worker = provider.provision(job, attempt, spec_path, extra)
     sink.log(logging.INFO, f"attempt {attempt}: worker {worker.id} ({provider.name}) provisioned")
     return worker

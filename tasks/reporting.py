@@ -106,6 +106,7 @@ def summary_markdown(
         "- lost steps per cause: " + (", ".join(f"{k} {v}" for k, v in sorted(lost.items())) or "none"),
         f"- timeline: [{timeline}]({timeline})",
         *cost_lines(records),
+        *interval_lines(records),
         "",
         "| attempt | outcome | cause | resumed from | lost steps |",
         "|---|---|---|---|---|",
@@ -114,6 +115,17 @@ def summary_markdown(
         frm = r.resumed_checkpoint or "scratch"
         lines.append(f"| {r.attempt} | {r.outcome.value} | {r.cause} | {frm} | {r.lost_steps} |")
     return "\n".join(lines)
+
+
+def checkpoint_interval(records: list[AttemptRecord]) -> dict[str, Any] | None:
+    """The interval `checkpoint.every: auto` settled on in the newest attempt that chose one."""
+    chosen = [r.extra["checkpoint_interval"] for r in records if "checkpoint_interval" in r.extra]
+    return dict(chosen[-1]) if chosen else None
+
+
+def interval_lines(records: list[AttemptRecord]) -> list[str]:
+    iv = checkpoint_interval(records)
+    return [f"- checkpoint interval (every: auto): {iv['reason']}"] if iv is not None else []
 
 
 def cost_lines(records: list[AttemptRecord]) -> list[str]:

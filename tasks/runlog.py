@@ -21,6 +21,7 @@ from tasks.checkpoints import ResumePoint
 from tasks.endings import ending_for, flow_run_state
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
+from tasks.mtbf import estimate_mtbf
 from tasks.outcome import classify, provision_failed_record, resharded, to_record
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
@@ -60,6 +61,7 @@ class Summary:
     timeline: str
     cost_usd: float | None = None  # summed over attempts, where the provider prices them
     on_demand_usd: float | None = None  # the same instance hours at the on-demand price
+    checkpoint_interval: dict[str, Any] | None = None  # `every: auto`: the last choice and why
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -228,6 +230,20 @@ class JobRunLog:
             )
         adoption.clear_controller(self.dir)
 
+    def trainer_args(self) -> list[str]:
+        """What the next trainer is told beyond the job file: with `checkpoint.every: auto`, how often
+        this job's workers are reclaimed (its history on this provider, pulled towards the prior)."""
+        if self.job.checkpoint.every != "auto":
+            return []
+        try:
+            rows = self.store.attempts(job=self.job.name)
+        except StoreUnavailable as e:  # a database that is down never stops training: the prior then
+            self.sink.log(logging.WARNING, f"no attempt history for the checkpoint interval: {e}")
+            rows = []
+        est = estimate_mtbf(rows, self.provider_name, self.job.checkpoint.mtbf_prior_s)
+        self.sink.log(logging.INFO, f"checkpoint interval planned for {est.describe()}")
+        return ["--mtbf-s", f"{est.mtbf_s:.0f}"]
+
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         done = completed_step(open_storage(self.job.storage, self.job.s3))
         outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
@@ -236,6 +252,11 @@ class JobRunLog:
             record.extra["cost"] = dict(result.facts["cost"])
         if result.started is not None and result.started.resharded_from is not None:
             record.extra["resharded"] = resharded(result.started.resharded_from, self.job.world_size)
+        if result.interval is not None:  # `every: auto`: the interval it settled on, and why
+            iv = result.interval
+            record.extra["checkpoint_interval"] = {
+                "seconds": iv.seconds, "cost_s": iv.cost_s, "mtbf_s": iv.mtbf_s, "reason": iv.reason,
+            }  # fmt: skip
         if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
             record.extra["rejected"] = [list(r) for r in result.rejected]
             self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)
@@ -284,7 +305,8 @@ class JobRunLog:
             timeline = ""
         final = max((r.last_step for r in self.records), default=0)
         summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
-                          wall_s, timeline, *total_cost(self.records))  # fmt: skip
+                          wall_s, timeline, *total_cost(self.records),
+                          report.checkpoint_interval(self.records))  # fmt: skip
         self.sink.summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
                                                                  wall_s, timeline))  # fmt: skip
         adoption.clear_controller(self.dir)

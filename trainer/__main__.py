@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>-<storage hash>)"
     )
     p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")
+    p.add_argument(
+        "--mtbf-s",
+        type=float,
+        help="with checkpoint.every: auto, the seconds between reclaims to plan for (the controller's "
+        "estimate from the job's history; default the spec's mtbf_prior_s)",
+    )
     p.add_argument("--inject-fault", metavar="KIND@STEP", help="sigkill|sigterm|crash|hang after step STEP")
     p.add_argument(
         "--worker-id",
@@ -199,6 +205,7 @@ def _run(
         stop=stop,
         resume_from=_resume_source(args.resume_from, spec),
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
+        mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
         reporter=reporter,
     )
     _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank

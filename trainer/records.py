@@ -8,6 +8,7 @@ trainer's clock):
   Durable   step                                                    a checkpoint verified in storage
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
   Stopping  reason, step [, save, save_reason, deadline]            a stop request reached the loop
+  Interval  seconds, cost_s, mtbf_s, measured, reason               `every: auto` chose an interval
   Exit      code, name, error, step, durable_step                   the attempt is over
 
 The JSON form is `{"kind", "t", *fields in declaration order}`: `to_json` writes it, `parse_record`
@@ -157,6 +158,16 @@ class Stopping(RecordBase):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Interval(RecordBase):
+    kind: ClassVar[str] = "interval"
+    seconds: float = _f(_float)  # checkpoint every this many seconds of training
+    cost_s: float = _f(_float)  # what one checkpoint takes from the loop
+    mtbf_s: float = _f(_float)  # seconds between reclaims it was chosen for
+    measured: bool = _f(_bool, False)  # cost measured (else the estimate before any checkpoint)
+    reason: str = _f(_str, "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Exit(RecordBase):
     kind: ClassVar[str] = "exit"
     code: int = _f(_int)
@@ -166,8 +177,10 @@ class Exit(RecordBase):
     durable_step: int | None = _f(_optional(_int), None)
 
 
-Record = Started | Step | Durable | Notice | Stopping | Exit
-KINDS: dict[str, type[Record]] = {c.kind: c for c in (Started, Step, Durable, Notice, Stopping, Exit)}
+Record = Started | Step | Durable | Notice | Stopping | Interval | Exit
+KINDS: dict[str, type[Record]] = {
+    c.kind: c for c in (Started, Step, Durable, Notice, Stopping, Interval, Exit)
+}
 
 
 def to_json(record: Record) -> dict[str, Any]:

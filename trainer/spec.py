@@ -26,9 +26,19 @@ class CheckpointPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    every: Literal["auto"] | None = Field(
+        default=None,
+        description="auto: every sqrt(2 x cost x MTBF) seconds (Young/Daly), from measured checkpoint costs "
+        "and the job's reclaim history; replaces every_steps and every_seconds",
+    )
     every_steps: int | None = Field(default=100, ge=1, description="checkpoint every N optimizer steps")
     every_seconds: float | None = Field(
         default=None, gt=0, description="checkpoint every T seconds of training"
+    )
+    mtbf_prior_s: float = Field(
+        default=7200.0,
+        gt=0,
+        description="with every: auto, seconds between reclaims assumed until the job has a history",
     )
     keep: int = Field(
         default=3, ge=2, description="verified checkpoints to keep (>= 2: the newest may be uploading)"
@@ -37,6 +47,13 @@ class CheckpointPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _some_trigger(self) -> CheckpointPolicy:
+        if self.every == "auto":
+            given = ("every_steps", "every_seconds")
+            fixed = [f for f in given if f in self.model_fields_set and getattr(self, f) is not None]
+            if fixed:
+                raise ValueError(f"every: auto chooses the interval itself; remove {' and '.join(fixed)}")
+            self.every_steps = self.every_seconds = None
+            return self
         if self.every_steps is None and self.every_seconds is None:
             raise ValueError("set every_steps and/or every_seconds, or training would never checkpoint")
         return self

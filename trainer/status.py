@@ -11,6 +11,7 @@ Each line is `@spotrun {json}`, flushed at once. Kinds:
   stopping  {reason, step}                                     a stop request (SIGTERM, notice) arrived
             + {save, save_reason, deadline}                    when it carried a deadline: emergency
                                                                checkpoint taken or skipped, and why
+  interval  {seconds, cost_s, mtbf_s, measured, reason}        `checkpoint.every: auto` chose an interval
   exit      {code, name, error, step, durable_step}            the attempt is over
 A supervisor treats the time since the last line as the heartbeat: a hung trainer stops writing.
 Each record is a typed dataclass (trainer/records.py) on both sides; the line is its JSON form.

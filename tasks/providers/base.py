@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from trainer.records import Durable, Exit, Notice, Record, Started, Step, Stopping
+from trainer.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
@@ -81,7 +81,7 @@ class Worker:
 
 # WatchResult attribute holding the last record of each kind.
 _SLOT = {"started": "started", "step": "progress", "durable": "durable", "notice": "notice",
-         "stopping": "stopping", "exit": "exit"}  # fmt: skip
+         "stopping": "stopping", "interval": "interval", "exit": "exit"}  # fmt: skip
 
 
 @dataclass
@@ -99,6 +99,7 @@ class WatchResult:
     durable: Durable | None = None
     notice: Notice | None = None
     stopping: Stopping | None = None
+    interval: Interval | None = None  # the checkpoint interval `every: auto` settled on last
     exit: Exit | None = None
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # the provider's own: "ec2", "cost", ...
     started_training_at: float | None = None  # the `started` record arrived

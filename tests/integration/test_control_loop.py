@@ -104,3 +104,27 @@ def test_a_new_controller_adopts_a_job_whose_controller_died(tmp_path: Path, no_
     assert [r.outcome.value for r in rows] == ["lost", "completed"]
     assert "controller died" in rows[0].cause and rows[0].worker_id == "local-999999"
     assert rows[1].attempt == 2
+
+
+def test_adaptive_interval_plans_for_the_jobs_own_reclaims(
+    tmp_path: Path, no_prefect: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`every: auto`: attempt 1 plans for the spec's prior; attempt 2 for the prior pulled by the reclaim
+    attempt 1 suffered; each attempt's record holds the interval its trainer chose, and why."""
+    caplog.set_level("INFO", logger="spotrun.control")
+    job = _job(tmp_path, checkpoint={"every": "auto", "mtbf_prior_s": 600, "keep": 2})
+    settings = _settings(tmp_path)
+    result = run_job(job, _provider(tmp_path, PlannedPreemption(after_s=0.2)), RetryPolicy(), PlainSink(),
+                     settings=settings, sleep=lambda s: None)  # fmt: skip
+    assert result.completed, result.message
+    store = HistoryStore.open(settings.database_url)
+    rows = store.attempts(job="plain")
+    store.close()
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"]
+    first, second = (r.extra["checkpoint_interval"] for r in rows)
+    assert first["mtbf_s"] == 600  # no history yet: the prior
+    assert second["mtbf_s"] == round((rows[0].wall_s + 600) / 2)  # one reclaim in wall_s, with the prior
+    assert "between reclaims" in second["reason"] and second["seconds"] >= 5
+    planned = [r.getMessage() for r in caplog.records if "checkpoint interval planned" in r.getMessage()]
+    assert "the spec's prior" in planned[0] and "1 reclaim(s)" in planned[1]
+    assert result.summary.checkpoint_interval == second  # the flow's summary says it too
