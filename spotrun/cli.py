@@ -26,6 +26,7 @@ from spotrun.console import (
     wide_console,
 )
 from spotrun.deploy_cmd import add_deploy, add_serve
+from spotrun.report_cmd import add_report
 from spotrun.run_cmd import add_run
 from trainer.errors import SpotrunError
 
@@ -91,6 +92,7 @@ COMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "checkpoints": add_checkpoints,
     "run": add_run,
     "history": _add_history,
+    "report": add_report,
     "deploy": add_deploy,
     "serve": add_serve,
 }

@@ -1,0 +1,163 @@
+"""`spotrun report JOB`: goodput of a job run from the SQL history alone (tasks/goodput.py computes it).
+
+Reads the job's newest job run (or `--run ID`, a prefix) and its attempts; prints a short table, or one
+JSON object with `--json`; `--plot PATH` writes step against wall time with the lost work shaded. An
+unknown job, or a job run that is not the job's, is one line on stderr naming the known ones, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from spotrun.console import EXIT_OK, Subparsers, error_exit, wide_console
+
+if TYPE_CHECKING:  # imported where used: the other commands need not load SQLAlchemy
+    from tasks.goodput import GoodputReport
+    from tasks.history import AttemptRow, HistoryStore, JobRunRow
+
+KNOWN_JOBS_SHOWN = 20  # names in the unknown-job line; more are counted
+RUNS_SCANNED = 10_000  # job runs read to list the known job names (newest first)
+
+
+class UnknownJob(ValueError):
+    """The job (or job run) is not in the history: the one line names what is."""
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from sqlalchemy import exc as sa_exc
+
+    from tasks.goodput import RunInfo, compute
+    from tasks.history import HistoryStore, StoreUnavailable
+    from tasks.settings import Settings
+
+    settings = Settings.from_env()
+    url = settings.database_url
+    try:
+        if _missing_sqlite(url):  # a read creates no database
+            raise UnknownJob(f"no job run of {args.job!r} in {_safe_url(url)}: it holds no history yet")
+        store = HistoryStore.open(url, journal_dir=settings.journal_dir)
+        try:
+            run = _job_run(store, args.job, args.run, _safe_url(url))
+            rows = store.attempts(job_run_id=run.id, limit=1_000_000)
+        finally:
+            store.close()
+    except (UnknownJob, StoreUnavailable, ValueError, sa_exc.ArgumentError) as e:
+        return error_exit(e)
+    # The spec is not in SQL (only its hash): GPUs per worker stays unknown (1, said in the notes).
+    info = RunInfo(run.job, run.id, run.status.value, run.ended_at)
+    report = compute(rows, info, now=time.time())
+    plot = _plot(rows, report, Path(args.plot)) if args.plot else None
+    if args.json:
+        print(json.dumps({**report.as_dict(), "plot": str(plot) if plot else None}, indent=2))
+    else:
+        _print(report, plot)
+    return EXIT_OK
+
+
+def _job_run(store: HistoryStore, job: str, run_id: str | None, where: str) -> JobRunRow:
+    runs = store.job_runs(job, limit=RUNS_SCANNED)
+    if not runs:
+        names = list(
+            dict.fromkeys(r.job for r in reversed(store.job_runs(limit=RUNS_SCANNED)))
+        )  # newest first
+        known = ", ".join(names[:KNOWN_JOBS_SHOWN]) or "none"
+        if len(names) > KNOWN_JOBS_SHOWN:
+            known += f" and {len(names) - KNOWN_JOBS_SHOWN} more"
+        raise UnknownJob(f"no job run of {job!r} in {where}; known jobs: {known}")
+    if run_id is None:
+        return runs[-1]
+    hits = [r for r in runs if r.id.startswith(run_id)]
+    if len(hits) != 1:
+        newest = ", ".join(r.id[:8] for r in reversed(runs[-5:]))
+        how = "matches no" if not hits else f"matches {len(hits)}"
+        raise UnknownJob(
+            f"--run {run_id!r} {how} job run of {job!r}; its newest: {newest} (give more of the id)"
+        )
+    return hits[0]
+
+
+def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
+    from tasks.goodput import progress
+    from tasks.timeline import AttemptTrace, plot_timeline
+
+    # The step kept is where the shaded lost work begins (the timeline shades above `durable_step`).
+    traces = [
+        AttemptTrace(p.attempt, p.outcome, p.started_at, p.ended_at, p.points, p.kept_step, p.start_step)
+        for p in progress(rows, report)
+    ]
+    title = f"{report.job} (job run {report.job_run_id[:8]}): step over wall time"
+    if report.goodput is not None:
+        title += f", goodput {report.goodput:.1%}"
+    return plot_timeline(traces, title, out)
+
+
+def _print(report: GoodputReport, plot: Path | None) -> None:
+    from tasks.goodput import summary_rows
+
+    console = wide_console()
+    title = f"{report.job}: job run {report.job_run_id[:8]} ({report.status})"
+    table = Table(title=escape(title), title_justify="left", show_header=False)
+    table.add_column("figure")
+    table.add_column("value", overflow="fold")
+    for name, value in summary_rows(report):
+        table.add_row(name, escape(value))
+    console.print(table)
+    if report.attempts:
+        console.print(_attempts_table(report))
+    for key, why in report.unavailable.items():
+        console.print(f"unavailable: {key}: {why}", markup=False)
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
+    if plot is not None:
+        console.print(f"plot: {plot}", markup=False)
+
+
+def _attempts_table(report: GoodputReport) -> Table:
+    table = Table(title="per attempt", title_justify="left")
+    names = ["attempt", "outcome", "steps", "kept", "lost", "s/step", "ETT s", "lost GPU-s", "recovery s"]
+    for name in names:
+        table.add_column(name, justify="left" if name in ("outcome", "steps") else "right")
+
+    def num(x: float | None, digits: int = 1) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    for f in report.attempts:
+        recovery = num(f.recovery_s) + ("*" if f.recovery_to == "attempt start" else "")
+        trained = f.outcome != "provision_failed"  # no worker: no steps to show
+        steps, kept = (f"{f.start_step}->{f.last_step}", str(f.kept_step)) if trained else ("-", "-")
+        table.add_row(
+            str(f.attempt), f.outcome, steps, kept, str(f.lost_steps),
+            num(f.s_per_step, 3), num(f.effective_s), num(f.lost_gpu_s), recovery,
+        )  # fmt: skip
+    return table
+
+
+def _missing_sqlite(url: str) -> bool:
+    from tasks.history.engine import normalize_url
+
+    u = normalize_url(url)
+    db = u.database
+    return u.get_backend_name() == "sqlite" and db not in (None, "", ":memory:") and not Path(db).exists()
+
+
+def _safe_url(url: str) -> str:
+    from tasks.history.engine import normalize_url
+
+    return normalize_url(url).render_as_string(hide_password=True)
+
+
+def add_report(sub: Subparsers) -> None:
+    help_ = "goodput of a job run from the SQL history: ETT, lost work per cause, recovery, cost"
+    p = sub.add_parser("report", help=help_, description=help_)
+    p.add_argument("job", metavar="JOB", help="the job's name (its newest job run, unless --run)")
+    p.add_argument("--run", metavar="ID", help="this job run of the job (an id or its first characters)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PATH", help="write step against wall time, losses shaded, as a PNG")
+    p.set_defaults(handler=cmd_report)
