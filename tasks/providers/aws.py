@@ -1,4 +1,5 @@
-"""The `aws` provider: each attempt runs on a fresh EC2 spot instance in one pinned region.
+"""The `aws` provider: each attempt runs on a fresh EC2 spot instance in one pinned region, or for a
+multi-node job (`distributed.nnodes` = K) on K instances launched and released together.
 
 provision ranks the (subnet, instance type) pools with the re-provision policy (aws_policy.py) and
 launches into the best one that has capacity, by RunInstances pool after pool or by one instant EC2
@@ -6,6 +7,15 @@ Fleet over all of them; the instance boots a user-data script that writes the jo
 trainer. watch polls EC2 and the trainer's heartbeat object (aws_watch.py). release terminates the
 instance. Every EC2 error is mapped in aws_errors.py. Instances carry `spotrun:*` tags, so that the
 sweeper (aws_sweeper.py) can terminate those whose flow run has died, and IAM can scope permissions.
+
+Several nodes: node 0 is launched as above; once it runs, its private IP (where torchrun meets) goes
+into the other nodes' user data and they are launched into node 0's pool, its subnet (one zone: no
+cross-zone traffic, and a placement group's zone) and its instance type (the same GPUs per node).
+Launching node 0 first costs one launch-to-running wait before the others start; their rendezvous
+waits for the slowest boot anyway. If the others find no capacity there, every node of the try is
+terminated and the whole gang tries the next pool. One Worker holds every instance: the end of any one
+ends the attempt (aws_watch.py), and release terminates them all. With `placement_group: true` each
+try gets a cluster placement group of its own, deleted once its instances are terminated.
 
 The EC2 client is given (`make_ec2_client` builds one); the provider never builds one itself.
 """
@@ -17,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +61,37 @@ log = logging.getLogger(__name__)
 
 Launcher = Callable[[str, str], None]  # (instance id, user-data script): a test plays the instance
 BOTO_ERRORS = (bce.ClientError, bce.BotoCoreError)
+# How long release() waits for an attempt's instances to be terminated so that their placement group
+# can be deleted (EC2 refuses while any is shutting down). A group still in use then is deleted at the
+# next provision; an empty group costs nothing but counts toward the region's quota of groups.
+GROUP_WAIT_S = 180.0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every launch try of one attempt shares."""
+
+    script: Callable[[launch.NodeRole | None], str]  # a node's user data (None: a single-node job)
+    nnodes: int
+    tags: dict[str, str]
+    launch_id: str
+    root: str | None
+    placement_groups: bool
+
+    def role(self, rank: int, master_addr: str | None) -> launch.NodeRole | None:
+        return launch.NodeRole(rank, self.nnodes, master_addr) if self.nnodes > 1 else None
+
+
+@dataclass
+class _Gang:
+    """The instances of one launch try, node 0 first, all running."""
+
+    ids: list[str]
+    scripts: list[str]
+    landed: Placement  # node 0's pool, as EC2 reports it: the others go there too
+    master_addr: str | None  # node 0's private IP
+    fleet: str | None = None
+    group: str | None = None  # the try's placement group
 
 
 def ec2_client(
@@ -97,6 +138,8 @@ class AwsProvider:
         self.history: list[PlacementEvent] = list(history or [])  # this provider's launches and ends
         self._azs: dict[str, str] | None = None
         self._root_device: str | None = None
+        self._groups: dict[str, list[str]] = {}  # placement group -> instances launched in it, to delete
+        self._released_peers: list[str] = []  # the other nodes of the worker released last
 
     @classmethod
     def from_config(
@@ -105,43 +148,62 @@ class AwsProvider:
         return cls(cfg, make_ec2_client(cfg, session), **kwargs)
 
     def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
-        """Launch an instance in the best pool with capacity and wait until it runs."""
-        script = self._user_data(job, attempt, spec_path, extra_args)
+        """Launch the attempt's instance (one per node) in the best pool with capacity and wait until
+        every one runs."""
+        text = self._job_text(job, spec_path)
+        nnodes = job.distributed.nnodes if job.distributed is not None else 1
+        # The controller names the worker it released (node 0) for the storage lease; torchrun may have
+        # put global rank 0, the lease holder, on another node (aws_watch.py), released as surely.
+        extra_args = [*extra_args, *(a for p in self._released_peers for a in ("--lease-takeover", p))]
+
+        def script(node: launch.NodeRole | None) -> str:
+            s = launch.build_user_data(
+                text, extra_args, python=self.cfg.python, workdir=self.cfg.workdir, job=job.name,
+                attempt=attempt, node=node,
+            )  # fmt: skip
+            if problem := launch.check_user_data(s):
+                raise ProvisionError(problem, retryable=False)
+            return s
+
+        script(launch.NodeRole(0, nnodes, None) if nnodes > 1 else None)  # refused before anything launches
         azs, root = self._lookups()
+        self._reap_groups(0.0)  # those earlier attempts left in use
         market = choose_market(self.cfg, self.history, time.time())
         pools = rank_placements(self.cfg, self.history, azs, market)
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
         tags = launch.launch_tags(self.cfg, job.name, attempt, launch_id, self.flow_run_id)
+        plan = _Plan(script, nnodes, tags, launch_id, root, self.cfg.placement_group and nnodes > 1)
         store = self.open_store(job)
         if self.cfg.allocation == "fleet":
-            iid, where, fleet = self._launch_fleet(pools, script, tags, launch_id, root, market)
+            gang = self._launch_fleet(pools, plan, market)
         else:
-            (iid, where), fleet = self._launch_first(pools, script, tags, launch_id, root), None
-        with _terminate_on_error(self.ec2, iid):  # until the caller holds the worker, it is ours to end
+            gang = self._launch_first(pools, plan)
+        with _terminate_on_error(self.ec2, gang.ids):  # until the caller holds the worker, it is ours to end
+            where = gang.landed
             od = self.cfg.on_demand_price_per_h.get(where.instance_type)
             price = spot_price(self.ec2, where.instance_type, where.az) if where.market == "spot" else od
-            state = AwsWorkerState(iid, where, launch_id, time.time(), price, od, store, fleet)
-            log.info("attempt %d: %s running (%s, launch %s)", attempt, iid, where.describe(), launch_id)
+            state = AwsWorkerState(
+                gang.ids[0], where, launch_id, time.time(), _times(price, nnodes), _times(od, nnodes), store,
+                gang.fleet, peers=gang.ids[1:], master_addr=gang.master_addr, placement_group=gang.group,
+            )  # fmt: skip
+            nodes = (
+                f"{nnodes} nodes {', '.join(gang.ids)} at {gang.master_addr}" if nnodes > 1 else gang.ids[0]
+            )
+            log.info("attempt %d: %s running (%s, launch %s)", attempt, nodes, where.describe(), launch_id)
             if self.launcher is not None:
-                self.launcher(iid, script)
-        return Worker(iid, self.name, attempt, state.launched_at, state)
+                for iid, s in zip(gang.ids, gang.scripts, strict=True):
+                    self.launcher(iid, s)
+        return Worker(gang.ids[0], self.name, attempt, state.launched_at, state)
 
-    def _user_data(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> str:
-        """The worker's boot script, checked; warnings for a job that would run poorly on EC2."""
+    def _job_text(self, job: JobSpec, spec_path: Path) -> str:
+        """The job file for the user data; warnings for a job that would run poorly on EC2."""
         if not spec_path.is_file():
             raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
-        cfg = self.cfg
-        text = spec_path.read_text()
-        script = launch.build_user_data(
-            text, extra_args, python=cfg.python, workdir=cfg.workdir, job=job.name, attempt=attempt
-        )
-        if problem := launch.check_user_data(script):
-            raise ProvisionError(problem, retryable=False)
         if job.preemption.notice != "aws":
             log.warning("job %s: set preemption.notice: aws to checkpoint on EC2's 2-minute notice", job.name)
-        if not job.storage.startswith("s3://") and cfg.endpoint_url is None:
+        if not job.storage.startswith("s3://") and self.cfg.endpoint_url is None:
             log.warning("job storage %s is not s3://: an EC2 worker cannot reach it", job.storage)
-        return script
+        return spec_path.read_text()
 
     def watch(
         self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None
@@ -160,17 +222,28 @@ class AwsProvider:
         return result
 
     def release(self, worker: Worker) -> None:
-        """Terminate the instance. Idempotent: an instance already gone is fine. A failure to terminate
-        raises (an instance left running costs money; the sweeper is the backstop)."""
+        """Terminate the instance (every node's). Idempotent: an instance already gone is fine. A failure
+        to terminate raises (an instance left running costs money; the sweeper is the backstop). With a
+        placement group, wait (up to GROUP_WAIT_S) for the instances to be gone and delete it."""
         state: AwsWorkerState = worker.handle
         if state.released_at is None:
             state.released_at = time.time()
+        self._terminate(state.instance_ids)
+        self._released_peers = list(state.peers)
+        if state.placement_group is not None and state.placement_group in self._groups:
+            self._reap_groups(GROUP_WAIT_S)
+
+    def _terminate(self, ids: list[str]) -> None:
+        """TerminateInstances; an unknown id fails the whole call, so then each is ended alone."""
         try:
-            self.ec2.terminate_instances(InstanceIds=[state.instance_id])
+            self.ec2.terminate_instances(InstanceIds=ids)
         except BOTO_ERRORS as e:
             if error_code(e) == "InvalidInstanceID.NotFound":
+                if len(ids) > 1:
+                    for iid in ids:
+                        self._terminate([iid])
                 return
-            raise RuntimeError(f"could not terminate {state.instance_id}: {e}; terminate it by hand") from e
+            raise RuntimeError(f"could not terminate {', '.join(ids)}: {e}; terminate it by hand") from e
 
     def stop_leftovers(self, flow_run_id: str) -> list[str]:
         """Terminate the instances a dead controller's flow run left (found by its tag, from any host);
@@ -214,73 +287,185 @@ class AwsProvider:
         subnet = pool.subnet if pool else None
         return LaunchContext(cfg.region, itype, image, subnet, cfg.instance_profile)
 
-    def _launch_first(
-        self,
-        pools: list[Placement],
-        script: str,
-        tags: dict[str, str],
-        launch_id: str,
-        root: str | None,
-    ) -> tuple[str, Placement]:
-        """RunInstances into each pool in rank order until one runs; capacity errors move on."""
+    def _launch_first(self, pools: list[Placement], plan: _Plan) -> _Gang:
+        """Each pool in rank order until every node runs in one; capacity errors move on."""
         for i, pool in enumerate(pools):
-            params = launch.run_instances_params(self.cfg, pool, script, tags, f"{launch_id}-{i}", root)
-            try:
-                iid = self.ec2.run_instances(**params)["Instances"][0]["InstanceId"]
-            except BOTO_ERRORS as e:
-                found = classify_error(e, self._ctx(pool))
-                self._note(pool, found.kind, found.code)
-                if found.kind is ErrorKind.CAPACITY:
-                    log.info("%s", found.message)
-                    continue
-                raise found.error() from e
-            landed = self._wait_running(iid, pool)
-            if landed is not None:
-                return iid, landed
+            group = self._new_group(plan, i)
+            token = f"{plan.launch_id}-{i}"
+            launched = self._run_one(pool, plan, 0, None, token, group)
+            if launched is None:
+                continue
+            iid, script = launched
+            ran = self._wait_running(iid, pool)
+            if ran is None:
+                continue
+            landed, inst = ran
+            first = _Gang([iid], [script], landed, inst.get("PrivateIpAddress"), group=group)
+            gang = self._with_peers(first, plan, token)
+            if gang is not None:
+                return gang
         raise self._no_capacity(pools)
 
-    def _launch_fleet(
+    def _run_one(
         self,
-        pools: list[Placement],
-        script: str,
-        tags: dict[str, str],
-        launch_id: str,
-        root: str | None,
-        market: Market,
-    ) -> tuple[str, Placement, str]:
-        """One instant fleet over every pool, from a per-attempt launch template deleted afterwards."""
+        pool: Placement,
+        plan: _Plan,
+        rank: int,
+        master_addr: str | None,
+        token: str,
+        group: str | None,
+    ) -> tuple[str, str] | None:
+        """RunInstances for one node in `pool`: (instance id, its user data), or None for lack of capacity
+        (noted in the history)."""
+        node = plan.role(rank, master_addr)
+        script = plan.script(node)
+        tags = launch.node_tags(plan.tags, node)
+        params = launch.run_instances_params(self.cfg, pool, script, tags, token, plan.root, group)
+        try:
+            iid = self.ec2.run_instances(**params)["Instances"][0]["InstanceId"]
+        except BOTO_ERRORS as e:
+            found = classify_error(e, self._ctx(pool))
+            self._note(pool, found.kind, found.code)
+            if found.kind is ErrorKind.CAPACITY:
+                log.info("%s", found.message)
+                return None
+            raise found.error() from e
+        if group is not None:
+            self._groups[group].append(iid)
+        return iid, script
+
+    def _with_peers(self, gang: _Gang, plan: _Plan, token: str) -> _Gang | None:
+        """Nodes 1.. in node 0's pool, told node 0's private IP; None (every node of the try terminated)
+        when they find no capacity there."""
+        if plan.nnodes == 1:
+            return gang
+        pool = gang.landed
+        with _terminate_on_error(self.ec2, gang.ids):
+            if not gang.master_addr:
+                raise ProvisionError(
+                    f"instance {gang.ids[0]} has no private IP address for the other nodes to reach; "
+                    "terminated it", retryable=True,
+                )  # fmt: skip
+            for rank in range(1, plan.nnodes):
+                launched = self._run_one(pool, plan, rank, gang.master_addr, f"{token}-n{rank}", gang.group)
+                if launched is None:
+                    break
+                gang.ids.append(launched[0])
+                gang.scripts.append(launched[1])
+            else:
+                if all(self._wait_running(iid, pool) is not None for iid in gang.ids[1:]):
+                    return gang
+        log.info(
+            "no room for %d nodes in %s: terminating %s", plan.nnodes, pool.describe(), ", ".join(gang.ids)
+        )
+        try:
+            self._terminate(gang.ids)
+        except RuntimeError as e:  # the sweeper catches the leftover; the next pool is tried
+            log.warning("%s", e)
+        return None
+
+    def _launch_fleet(self, pools: list[Placement], plan: _Plan, market: Market) -> _Gang:
+        """Node 0 by one instant fleet over every pool, from a per-attempt launch template deleted
+        afterwards; the other nodes by RunInstances into the pool the fleet chose."""
         ctx = self._ctx(None)
+        group = self._new_group(plan, 0)
+        script = plan.script(plan.role(0, None))
         try:
             base = self._template_base()
-            data = launch.template_data(self.cfg, script, tags, root, base)
+            tags0 = launch.node_tags(plan.tags, plan.role(0, None))
+            data = launch.template_data(self.cfg, script, tags0, plan.root, base, group)
             created = self.ec2.create_launch_template(
-                LaunchTemplateName=f"spotrun-{launch_id}",
+                LaunchTemplateName=f"spotrun-{plan.launch_id}",
                 LaunchTemplateData=data,  # type: ignore[arg-type]
-                TagSpecifications=launch.tag_specs(tags, "launch-template"),  # type: ignore[arg-type]
-                ClientToken=launch_id,
+                TagSpecifications=launch.tag_specs(plan.tags, "launch-template"),  # type: ignore[arg-type]
+                ClientToken=plan.launch_id,
             )
             template = created["LaunchTemplate"]["LaunchTemplateId"]
         except BOTO_ERRORS as e:
             raise classify_error(e, ctx).error() from e
         try:
             try:
-                out = self.ec2.create_fleet(**launch.fleet_params(self.cfg, template, pools, tags, market))
+                out = self.ec2.create_fleet(
+                    **launch.fleet_params(self.cfg, template, pools, plan.tags, market)
+                )
             except BOTO_ERRORS as e:
                 found = classify_error(e, ctx)
                 raise (self._no_capacity(pools) if found.kind is ErrorKind.CAPACITY else found.error()) from e
-            ids = [iid for group in out.get("Instances") or [] for iid in group.get("InstanceIds") or []]
+            ids = [iid for made in out.get("Instances") or [] for iid in made.get("InstanceIds") or []]
             if not ids:
                 raise self._fleet_refused(out.get("Errors") or [], pools)
+            if group is not None:
+                self._groups[group].append(ids[0])
             pool = pools[0] if len(pools) == 1 else Placement(None, None, "", market)
-            landed = self._wait_running(ids[0], pool)
-            if landed is None:
+            ran = self._wait_running(ids[0], pool)
+            if ran is None:
                 raise self._no_capacity(pools)
-            return ids[0], landed, str(out.get("FleetId") or "")
         finally:
             try:
                 self.ec2.delete_launch_template(LaunchTemplateId=template)
             except BOTO_ERRORS as e:  # a leftover template costs nothing; say so and go on
                 log.warning("could not delete launch template %s: %s", template, e)
+        landed, inst = ran
+        fleet = str(out.get("FleetId") or "")
+        first = _Gang([ids[0]], [script], landed, inst.get("PrivateIpAddress"), fleet, group)
+        gang = self._with_peers(first, plan, f"{plan.launch_id}-0")
+        if gang is None:
+            raise self._no_capacity([landed])
+        return gang
+
+    def _new_group(self, plan: _Plan, try_index: int) -> str | None:
+        """A cluster placement group for one launch try, when the plan asks for one."""
+        if not plan.placement_groups:
+            return None
+        name = launch.placement_group_name(plan.launch_id, try_index)
+        try:
+            self.ec2.create_placement_group(
+                GroupName=name,
+                Strategy="cluster",
+                TagSpecifications=launch.tag_specs(plan.tags, "placement-group"),  # type: ignore[arg-type]
+            )
+        except BOTO_ERRORS as e:
+            raise classify_error(e, self._ctx(None)).error() from e
+        self._groups[name] = []
+        return name
+
+    def _reap_groups(self, wait_s: float) -> None:
+        """Delete the placement groups whose instances are all terminated, waiting up to `wait_s` for
+        them; one still in use stays for the next call."""
+        deadline = time.monotonic() + wait_s
+        while self._groups:
+            for name, ids in list(self._groups.items()):
+                if self._all_terminated(ids):
+                    self._delete_group(name)
+            if not self._groups or time.monotonic() >= deadline:
+                break
+            time.sleep(min(self.cfg.poll_s, 5.0))
+        if self._groups and wait_s > 0:
+            log.warning(
+                "placement group(s) %s still in use; deleted at the next provision", ", ".join(self._groups)
+            )
+
+    def _all_terminated(self, ids: list[str]) -> bool:
+        if not ids:
+            return True
+        try:
+            out = self.ec2.describe_instances(InstanceIds=ids)
+        except BOTO_ERRORS as e:
+            if error_code(e) == "InvalidInstanceID.NotFound" and len(ids) == 1:
+                return True
+            return len(ids) > 1 and all(self._all_terminated([i]) for i in ids)
+        found = [i for r in out.get("Reservations", []) for i in r.get("Instances", [])]
+        return all(str(i.get("State", {}).get("Name")) == "terminated" for i in found)
+
+    def _delete_group(self, name: str) -> None:
+        try:
+            self.ec2.delete_placement_group(GroupName=name)
+        except BOTO_ERRORS as e:
+            if error_code(e) == "InvalidPlacementGroup.InUse":
+                return  # an instance is still shutting down: the next call tries again
+            if error_code(e) != "InvalidPlacementGroup.Unknown":
+                log.warning("could not delete placement group %s: %s; delete it by hand", name, e)
+        self._groups.pop(name, None)
 
     def _template_base(self) -> dict[str, Any] | None:
         """The configured launch template's data, which a fleet's per-attempt template starts from."""
@@ -307,18 +492,19 @@ class AwsProvider:
                 return found.error()
         return self._no_capacity(pools)
 
-    def _wait_running(self, iid: str, pool: Placement) -> Placement | None:
-        """Wait until the instance runs and return where it landed; None if EC2 ended it for lack of
-        capacity while pending (the next pool is tried). Terminates it on a timeout or an interruption."""
+    def _wait_running(self, iid: str, pool: Placement) -> tuple[Placement, dict[str, Any]] | None:
+        """Wait until the instance runs and return where it landed and the instance as EC2 lists it; None
+        if EC2 ended it for lack of capacity while pending (the next pool is tried). Terminates it on a
+        timeout or an interruption."""
         deadline = time.monotonic() + self.cfg.provision_timeout_s
-        with _terminate_on_error(self.ec2, iid):
+        with _terminate_on_error(self.ec2, [iid]):
             while True:
                 inst = self._look(iid, pool)
                 state = str(inst.get("State", {}).get("Name") or "pending")
                 if state == "running":
                     landed = _landed(inst, pool)
                     self.history.append(PlacementEvent(landed, PlacementOutcome.LAUNCHED, time.time()))
-                    return landed
+                    return landed, inst
                 if state in ("shutting-down", "terminated", "stopping", "stopped"):
                     reason = str(inst.get("StateReason", {}).get("Code") or state)
                     found = classify_code(reason, "", self._ctx(pool))
@@ -362,16 +548,23 @@ class AwsProvider:
 
 
 @contextmanager
-def _terminate_on_error(ec2: EC2Client, iid: str) -> Iterator[None]:
-    """Terminate a just-launched instance if anything (a timeout, a cancellation) escapes the block."""
+def _terminate_on_error(ec2: EC2Client, ids: list[str]) -> Iterator[None]:
+    """Terminate just-launched instances (those in `ids` when it happens: the list may grow in the
+    block) if anything (a timeout, a cancellation) escapes the block."""
     try:
         yield
     except BaseException as e:
         try:
-            ec2.terminate_instances(InstanceIds=[iid])
+            if ids:
+                ec2.terminate_instances(InstanceIds=list(ids))
         except BOTO_ERRORS as te:  # the original error propagates; the sweeper catches the leftover
-            log.warning("could not terminate %s after %s: %s", iid, type(e).__name__, te)
+            log.warning("could not terminate %s after %s: %s", ", ".join(ids), type(e).__name__, te)
         raise
+
+
+def _times(price: float | None, nodes: int) -> float | None:
+    """An instance's price per hour for the whole attempt."""
+    return None if price is None else price * nodes
 
 
 def _landed(inst: dict[str, Any], pool: Placement) -> Placement:

@@ -76,6 +76,12 @@ class AwsProviderConfig(BaseModel):
         description="run-instances: try (subnet, type) pairs in the order the re-provision policy "
         "ranks them; fleet: one instant EC2 Fleet, price-capacity-optimized over all pairs",
     )
+    placement_group: bool = Field(
+        default=False,
+        description="multi-node jobs: launch each attempt's instances into a cluster placement group of "
+        "their own (lowest latency between nodes, but scarcer capacity); created per attempt, deleted "
+        "once its instances are gone. Single-node jobs never use one",
+    )
     max_price: str | None = Field(
         default=None, description="highest spot price in USD per hour, e.g. '0.9'; empty: the on-demand price"
     )
@@ -184,4 +190,9 @@ class AwsProviderConfig(BaseModel):
             raise ValueError("set image_id or launch_template, not both (the template names its own AMI)")
         if self.kms_key_id and not self.encrypted:
             raise ValueError("kms_key_id needs encrypted: true")
+        if self.placement_group and self.rehearse_locally:
+            raise ValueError(
+                "placement_group: the rehearsal's test endpoint (moto 5) has no placement groups; "
+                "set placement_group: false to rehearse"
+            )
         return self

@@ -5,6 +5,14 @@ The instance id is not known before the launch, so the user data asks the instan
 (IMDSv2) for it at boot and uses it as the worker id; SPOTRUN_WORKER_ID, when already set (a test that
 plays the instance locally), wins. The launch id, known up front, is the idempotency token and the
 `spotrun:worker` tag: a launch whose response was lost can be found by it.
+
+A multi-node attempt (`distributed.nnodes` > 1) is one instance per node. Each node's user data exports
+SPOTRUN_NODE_RANK and SPOTRUN_MASTER_ADDR, node 0's private IP, where torchrun meets: node 0 asks the
+metadata service for its own (`local-ipv4`); the others are launched once node 0 runs and carry its
+address in their user data. As with the worker id, an address already set wins (a rehearsal plays every
+node on one host and sets 127.0.0.1). Each node keeps its files under `<workdir>/node<i>`: on EC2 every
+instance has its own disk, so this changes nothing there, while a rehearsal needs the nodes' job files
+and checkpoint caches apart.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import base64
 import shlex
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.providers.aws_config import AwsProviderConfig
@@ -20,30 +29,70 @@ from tasks.providers.aws_policy import Market, Placement
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
 TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (aws_watch.py)
-TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER = (
+TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER, TAG_NODE = (
     "spotrun:job",
     "spotrun:attempt",
     "spotrun:flow-run",
     "spotrun:worker",
+    "spotrun:node",
 )
 INSTANCE_RESOURCES = ("instance", "volume")
 
 
+@dataclass(frozen=True)
+class NodeRole:
+    """One machine of a multi-node attempt."""
+
+    rank: int  # SPOTRUN_NODE_RANK
+    nnodes: int
+    master_addr: str | None  # node 0's private IP; None on node 0 itself (it asks the metadata service)
+
+
+def _from_imds(var: str, path: str) -> str:
+    """Bash: set `var` from the instance metadata (IMDSv2: a session token first) unless already set."""
+    return f"""if [ -z "${{{var}:-}}" ]; then
+  token=$(curl -sf -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' {IMDS}/api/token)
+  {var}=$(curl -sf -H "X-aws-ec2-metadata-token: $token" {IMDS}/meta-data/{path})
+fi
+"""
+
+
+def _node_lines(node: NodeRole | None) -> str:
+    """Bash: this machine's node rank and node 0's address, for a multi-node attempt."""
+    if node is None:
+        return ""
+    if node.master_addr is None:
+        addr = _from_imds("SPOTRUN_MASTER_ADDR", "local-ipv4")
+    else:
+        addr = f"SPOTRUN_MASTER_ADDR=${{SPOTRUN_MASTER_ADDR:-{shlex.quote(node.master_addr)}}}\n"
+    return f"{addr}export SPOTRUN_NODE_RANK={node.rank} SPOTRUN_MASTER_ADDR\n"
+
+
+def node_workdir(workdir: str, node: NodeRole | None) -> str:
+    """Where a node keeps its job file and cache: `workdir`, or `workdir/node<i>` for a multi-node attempt."""
+    return workdir if node is None else f"{workdir.rstrip('/')}/node{node.rank}"
+
+
 def build_user_data(
-    spec_yaml: str, extra_args: list[str], *, python: str, workdir: str, job: str, attempt: int
+    spec_yaml: str,
+    extra_args: list[str],
+    *,
+    python: str,
+    workdir: str,
+    job: str,
+    attempt: int,
+    node: NodeRole | None = None,
 ) -> str:
-    """A bash script that writes the job file to `workdir` and execs the trainer with the worker id."""
+    """A bash script that writes the job file to `workdir` and execs the trainer with the worker id
+    (and, on a node of a multi-node attempt, its node rank and node 0's address)."""
     spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
+    which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
     return f"""#!/bin/bash
-# spotrun worker: job {job}, attempt {attempt}
+# spotrun worker: job {job}, attempt {attempt}{which}
 set -euo pipefail
-if [ -z "${{SPOTRUN_WORKER_ID:-}}" ]; then
-  token=$(curl -sf -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' {IMDS}/api/token)
-  SPOTRUN_WORKER_ID=$(curl -sf -H "X-aws-ec2-metadata-token: $token" {IMDS}/meta-data/instance-id)
-fi
-export SPOTRUN_WORKER_ID
-export SPOTRUN_HOME={shlex.quote(workdir)} PYTHONUNBUFFERED=1
+{_from_imds("SPOTRUN_WORKER_ID", "instance-id")}export SPOTRUN_WORKER_ID
+{_node_lines(node)}export SPOTRUN_HOME={shlex.quote(node_workdir(workdir, node))} PYTHONUNBUFFERED=1
 mkdir -p "$SPOTRUN_HOME"
 cd "$SPOTRUN_HOME"
 base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
@@ -72,6 +121,19 @@ def launch_tags(
     if flow_run_id:
         tags[TAG_FLOW_RUN] = flow_run_id
     return tags
+
+
+def node_tags(tags: dict[str, str], node: NodeRole | None) -> dict[str, str]:
+    """The launch's tags for one node's instance: its index in `spotrun:node` and in its Name."""
+    if node is None:
+        return tags
+    return {**tags, "Name": f"{tags['Name']}-n{node.rank}", TAG_NODE: str(node.rank)}
+
+
+def placement_group_name(launch_id: str, try_index: int) -> str:
+    """A cluster placement group per launch try: a try that fails leaves its instances shutting down in
+    the group's zone, and the next try may go to another zone."""
+    return f"spotrun-{launch_id}-{try_index}"
 
 
 def lease_value(lease_s: float, now: float | None = None) -> str:
@@ -130,6 +192,7 @@ def run_instances_params(
     tags: dict[str, str],
     launch_id: str,
     root_device: str | None,
+    placement_group: str | None = None,
 ) -> dict[str, Any]:
     """RunInstances for one instance in one pool (boto3 base64-encodes UserData itself)."""
     params: dict[str, Any] = {
@@ -146,6 +209,8 @@ def run_instances_params(
         params["LaunchTemplate"] = cfg.launch_template.spec()
     if placement.subnet is not None:
         params["SubnetId"] = placement.subnet
+    if placement_group is not None:
+        params["Placement"] = {"GroupName": placement_group}
     return params
 
 
@@ -155,6 +220,7 @@ def template_data(
     tags: dict[str, str],
     root_device: str | None,
     base: dict[str, Any] | None = None,
+    placement_group: str | None = None,
 ) -> dict[str, Any]:
     """LaunchTemplateData of the per-attempt template a fleet launches from: `base` (the configured
     template's data, if any) with this attempt's user data, tags and settings on top. A fleet's
@@ -163,6 +229,8 @@ def template_data(
     data.update(instance_settings(cfg, root_device))
     data["UserData"] = base64.b64encode(user_data.encode()).decode()
     data["TagSpecifications"] = tag_specs(tags, *INSTANCE_RESOURCES)
+    if placement_group is not None:
+        data["Placement"] = {"GroupName": placement_group}
     return data
 
 

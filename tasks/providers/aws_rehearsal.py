@@ -3,6 +3,11 @@ instances but runs nothing: each launched instance is played by a local process 
 instance's own user data, and dies when the instance is released. Everything else (placement,
 tags, spot interruptions set on the endpoint, heartbeats through the job's storage, the sweeper)
 is the real path. `AwsProviderConfig.rehearse_locally` turns it on; never against AWS itself.
+
+A multi-node attempt is several instances, so several local processes, one per node, each with its own
+worker id (its instance id: its own heartbeat) and its own directory (the user data's `workdir/node<i>`:
+its own job file and checkpoint cache). Every node runs on this host, where the instances' private IPs
+lead nowhere, so each process gets SPOTRUN_MASTER_ADDR=127.0.0.1, which the user data keeps.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from pathlib import Path
 
 from tasks.providers.aws import AwsProvider
 from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_watch import AwsWorkerState
 from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"  # node 0's address as the other nodes reach it: every node plays on this host
 
 
 class LocalInstances:
@@ -33,7 +41,7 @@ class LocalInstances:
         home = self.root / instance_id
         home.mkdir(parents=True, exist_ok=True)
         (home / "user-data.sh").write_text(script)
-        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id}
+        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id, "SPOTRUN_MASTER_ADDR": LOOPBACK}
 
         def start() -> subprocess.Popen[bytes]:
             with open(home / "console.log", "wb") as out:
@@ -82,7 +90,9 @@ class RehearsalProvider:
         return self.inner.watch(worker, on_status, on_log)
 
     def release(self, worker: Worker) -> None:
+        state: AwsWorkerState = worker.handle
         try:
             self.inner.release(worker)
         finally:
-            self.instances.stop(worker.id)
+            for iid in state.instance_ids:
+                self.instances.stop(iid)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,11 @@ from tests.conftest import Ec2World
 from tests.e2e.test_flow import _gone_within, attempts, job, reference_dir, run_flow
 from tests.fakes.imds import FakeIMDS
 from tests.trainer_runs import assert_states_equal
-from trainer.catalog import fetch
+from trainer.catalog import fetch, read_latest
+from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, step_dir
 from trainer.heartbeat import read_heartbeat
 from trainer.spec import JobSpec
-from trainer.storage import Storage, open_storage
+from trainer.storage import Storage, get_bytes, open_storage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -168,3 +170,68 @@ def test_sweeper_terminates_the_worker_of_a_killed_flow_process(
     later = time.time() + cfg.lease_s + 1  # once the lease is past, nobody renewed it
     assert sweep(ec2_world.ec2, flow_run_is_live, now=later) == [iid]
     assert [i["State"]["Name"] for i in instances(ec2_world, spec.name)] == ["terminated"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tag(inst: dict[str, Any], key: str) -> str:
+    return {t["Key"]: t["Value"] for t in inst.get("Tags", [])}.get(key, "")
+
+
+def by_node(found: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(found, key=lambda i: tag(i, "spotrun:node"))
+
+
+def reclaim_second_node(world: Ec2World, spec: JobSpec, store: Storage, errors: list[str]) -> None:
+    """Once the two nodes have rendezvoused and a checkpoint is durable, EC2 takes node 1 (no notice)."""
+    try:
+        listed = wait_for(
+            "two nodes", lambda: len(ids(world, spec.name)) == 2 and instances(world, spec.name)
+        )
+        node0, node1 = by_node(listed)
+        wait_for("a durable checkpoint", lambda: any(  # on the node that hosts global rank 0
+            (read_heartbeat(store, i["InstanceId"]) or {}).get("durable_step") for i in (node0, node1)
+        ))  # fmt: skip
+        spot_interrupt(node1["InstanceId"], world.region)
+    except Exception as e:  # reported by the test, not lost in a thread
+        errors.append(repr(e))
+
+
+def test_two_nodes_one_reclaimed_both_released_then_resumed_on_two_new_ones(
+    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    imds: FakeIMDS,
+) -> None:  # fmt: skip
+    ddp = {"nproc_per_node": 1, "nnodes": 2, "strategy": "ddp", "port": free_port()}
+    spec = ec2_job(tmp_path, s3_bucket, total_steps=160, batch_size=32, distributed=ddp,
+                   checkpoint={"every_steps": 10, "keep": 2})  # fmt: skip
+    store = open_storage(spec.storage, spec.s3)
+    errors: list[str] = []
+    reclaimer = threading.Thread(target=reclaim_second_node, args=(ec2_world, spec, store, errors))
+    reclaimer.start()
+    state = run_flow(spec, provider(ec2_world, tmp_path))  # type: ignore[arg-type]
+    reclaimer.join(timeout=30)
+    assert not errors, errors
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"], [r.cause for r in rows]
+    assert "node 1: Server.SpotInstanceTermination" in rows[0].cause, rows[0].cause
+    # the row's durable step is the last the watch saw; a later one may have landed before the kill
+    assert rows[0].last_durable_step and (rows[1].resumed_from or 0) >= rows[0].last_durable_step
+    first, second = (by_node(i for i in instances(ec2_world, spec.name) if tag(i, "spotrun:attempt") == a)
+                     for a in ("1", "2"))  # fmt: skip
+    assert [tag(i, "spotrun:node") for i in first + second] == ["0", "1", "0", "1"]
+    assert [r.worker_id for r in rows] == [
+        first[0]["InstanceId"],
+        second[0]["InstanceId"],
+    ]  # the worker: node 0
+    assert {p.name for p in (tmp_path / "instance").iterdir()} == {"node0", "node1"}  # a cache each
+    assert {i["State"]["Name"] for i in first + second} == {"terminated"}  # both released, twice
+    zones = [{i["Placement"]["AvailabilityZone"] for i in nodes} for nodes in (first, second)]
+    assert len(zones[0]) == len(zones[1]) == 1 and zones[0] != zones[1]  # the gang moved together
+    final = Manifest.from_json(get_bytes(store, f"{step_dir(spec.total_steps)}/{MANIFEST}"))
+    assert final.world_size == 2 and read_latest(store) == spec.total_steps
+    assert get_bytes(store, COMPLETED)

@@ -98,7 +98,7 @@ def rec(kind: str, **fields: Any) -> dict[str, Any]:
     return {"kind": kind, "t": time.time(), **fields}
 
 
-def watch(provider: AwsProvider, worker: Worker) -> tuple[WatchResult, list[dict[str, Any]]]:
+def watch(provider: AwsProvider, worker: Worker) -> tuple[WatchResult, list[Record]]:
     seen: list[Record] = []
     try:
         return provider.watch(worker, seen.append, None), seen
@@ -504,3 +504,110 @@ def test_an_adopting_controller_terminates_the_dead_runs_instances_by_tag(
     assert (states[dead], states[other]) == ("terminated", "running")
     assert sweep_flow_run(ec2, "run-dead") == []  # idempotent
     ec2.terminate_instances(InstanceIds=[other])
+
+
+# -- multi-node attempts -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> tuple[JobSpec, Path]:
+    path = tmp_path / "ddp.yaml"
+    path.write_text(
+        f"name: demo\nrecipe: digits\ntotal_steps: 50\nstorage: {tmp_path / 'store'}\n"
+        "distributed: {nproc_per_node: 1, nnodes: 2, strategy: ddp}\n"
+    )
+    return load_spec(path), path
+
+
+def user_data(world: Ec2World, iid: str) -> str:
+    raw = world.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+    return base64.b64decode(raw["UserData"]["Value"]).decode()
+
+
+def test_two_nodes_launch_in_one_pool_and_meet_at_the_first_ones_private_ip(
+    ec2_world: Ec2World, two_nodes: tuple[JobSpec, Path], released: list[tuple[AwsProvider, Worker]]
+) -> None:
+    played: list[str] = []
+    provider, _ = make_provider(ec2_world, launcher=lambda iid, script: played.append(iid))
+    worker = provider.provision(two_nodes[0], 1, two_nodes[1], ["--lease-takeover", "i-old"])
+    released.append((provider, worker))
+    state = worker.handle
+    assert worker.id == state.instance_id and len(state.instance_ids) == 2 and played == state.instance_ids
+    first, second = (instance(ec2_world, iid) for iid in state.instance_ids)
+    assert (first["SubnetId"], first["InstanceType"]) == (second["SubnetId"], second["InstanceType"])
+    assert state.master_addr == first["PrivateIpAddress"]
+    tags = [{t["Key"]: t["Value"] for t in i["Tags"]} for i in (first, second)]
+    assert [t["spotrun:node"] for t in tags] == ["0", "1"]
+    assert [t["Name"] for t in tags] == ["spotrun-demo-a1-n0", "spotrun-demo-a1-n1"]
+    assert {t["spotrun:worker"] for t in tags} == {state.launch_id}  # one launch: swept and scoped alike
+    node0, node1 = user_data(ec2_world, first["InstanceId"]), user_data(ec2_world, second["InstanceId"])
+    assert "meta-data/local-ipv4" in node0 and "export SPOTRUN_NODE_RANK=0 SPOTRUN_MASTER_ADDR" in node0
+    assert f"SPOTRUN_MASTER_ADDR=${{SPOTRUN_MASTER_ADDR:-{first['PrivateIpAddress']}}}" in node1
+    assert "export SPOTRUN_NODE_RANK=1 SPOTRUN_MASTER_ADDR" in node1
+    assert all("--lease-takeover i-old" in s and "/node" in s for s in (node0, node1))
+    assert state.on_demand_price_per_h == pytest.approx(2 * 1.2)  # the attempt's price: both instances
+    assert [e.outcome for e in provider.history] == [PlacementOutcome.LAUNCHED] * 2
+
+
+def test_a_reclaimed_second_node_ends_the_attempt_and_release_ends_both(
+    ec2_world: Ec2World, two_nodes: tuple[JobSpec, Path]
+) -> None:
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(two_nodes[0], 1, two_nodes[1], [])
+    node0, node1 = worker.handle.instance_ids
+    beat(two_nodes[0], worker, rec("started", step=0), rec("step", step=8), rec("durable", step=5))
+    aws_backdoor.spot_interrupt(node1, ec2_world.region)
+    result, _ = watch(provider, worker)
+    assert (result.notice_kind, result.kill_reason, result.kill_detail) == (
+        SPOT_INTERRUPTION,
+        KillReason.RECLAIMED,
+        "node 1: Server.SpotInstanceTermination",
+    )
+    assert (result.last_step, result.last_durable_step, result.exit) == (8, 5, None)
+    nodes = result.facts["ec2"]["nodes"]
+    assert [(n["instance_id"], n["state"]) for n in nodes] == [(node0, "running"), (node1, "terminated")]
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.PREEMPTED and "node 1: Server.SpotInstanceTermination" in cause, cause
+    assert provider.history[-1].outcome is PlacementOutcome.PREEMPTED  # the gang's pool is marked
+    assert {instance(ec2_world, i)["State"]["Name"] for i in (node0, node1)} == {"terminated"}
+    second = provider.provision(two_nodes[0], 2, two_nodes[1], [])
+    try:
+        assert second.handle.placement.az != worker.handle.placement.az  # the whole gang moves
+        assert len({instance(ec2_world, i)["SubnetId"] for i in second.handle.instance_ids}) == 1
+        # global rank 0, the storage lease's holder, may have been on node 1: released too
+        assert f"--lease-takeover {node1}" in user_data(ec2_world, second.id)
+    finally:
+        provider.release(second)
+
+
+def test_node_zero_exit_record_ends_a_two_node_attempt(
+    ec2_world: Ec2World, two_nodes: tuple[JobSpec, Path]
+) -> None:
+    """The other node's own exit record is kept beside the attempt; node 0's decides the outcome."""
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(two_nodes[0], 1, two_nodes[1], [])
+    done = rec("exit", code=0, name="COMPLETED", error="", step=50, durable_step=50)
+    beat(two_nodes[0], worker, rec("started", step=0), rec("durable", step=50), done)
+    peer = Worker(worker.handle.peers[0], "aws", 1, 0.0)
+    beat(two_nodes[0], peer, done)
+    result, _ = watch(provider, worker)
+    assert result.trainer_code == "COMPLETED" and result.kill_reason is None
+    assert [n["exit"] for n in result.facts["ec2"]["nodes"]] == ["COMPLETED", "COMPLETED"]
+    assert {instance(ec2_world, i)["State"]["Name"] for i in worker.handle.instance_ids} == {"terminated"}
+
+
+def test_the_node_that_hosts_global_rank_zero_speaks(
+    ec2_world: Ec2World, two_nodes: tuple[JobSpec, Path]
+) -> None:
+    """torchrun may put global rank 0 on node 1; node 0's launcher then writes only its own exit record."""
+    provider, _ = make_provider(ec2_world)
+    worker = provider.provision(two_nodes[0], 1, two_nodes[1], [])
+    peer = Worker(worker.handle.peers[0], "aws", 1, 0.0)
+    beat(two_nodes[0], worker)  # node 0's launcher: up, relaying nothing
+    records = [rec("started", step=0), rec("step", step=20), rec("durable", step=20)]
+    records.append(rec("exit", code=4, name="STOPPED", error="", step=20, durable_step=20))
+    beat(two_nodes[0], peer, *records)
+    result, seen = watch(provider, worker)
+    assert [r.kind for r in seen] == ["started", "step", "durable", "exit"]
+    assert (result.trainer_code, result.last_durable_step) == ("STOPPED", 20)
+    assert [n["speaks"] for n in result.facts["ec2"]["nodes"]] == [False, True]

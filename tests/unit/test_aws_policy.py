@@ -25,7 +25,7 @@ from tasks.providers.aws_policy import (
     rank_placements,
     spot_shortage_since,
 )
-from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance
+from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
 from tasks.providers.base import KillReason
 from trainer.storage import LocalStorage
 
@@ -259,6 +259,7 @@ def test_no_credentials_says_how_to_fix() -> None:
         ({"encrypted": False, "kms_key_id": "alias/x"}, "kms_key_id needs encrypted"),
         ({"allocation": "spread"}, "run-instances"),
         ({"instance_tyeps": ["g5.xlarge"]}, "Extra inputs"),
+        ({"placement_group": True, "rehearse_locally": True}, "set placement_group: false to rehearse"),
     ],
 )
 def test_config_rejects(over: dict[str, Any], says: str) -> None:
@@ -444,3 +445,107 @@ def test_spot_request_marked_for_interruption(code: str, marked: str | None) -> 
     from tasks.providers.aws_watch import spot_request_marked
 
     assert spot_request_marked({"Status": {"Code": code}}) == marked
+
+
+# -- multi-node attempts -------------------------------------------------------------------------------
+
+RUN = ("running", "")
+SPOT = ("terminated", "Server.SpotInstanceTermination")
+USER = ("shutting-down", "Client.UserInitiatedShutdown")
+GONE = ("terminated", "not-found")
+NODE1_RECLAIMED = (SPOT_INTERRUPTION, KillReason.RECLAIMED, "node 1: Server.SpotInstanceTermination")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "released", "expected"),
+    [
+        ([RUN], False, None),
+        ([RUN, RUN, RUN], False, None),
+        ([SPOT], False, (SPOT_INTERRUPTION, KillReason.RECLAIMED, "Server.SpotInstanceTermination")),
+        ([RUN, SPOT], False, NODE1_RECLAIMED),
+        # the watch ended on node 1's reclaim; release then terminated node 0: the reclaim explains it
+        ([USER, SPOT], True, NODE1_RECLAIMED),
+        ([RUN, SPOT, SPOT], False, NODE1_RECLAIMED),
+        ([USER, USER], True, (None, KillReason.RELEASE, "Client.UserInitiatedShutdown")),
+        # someone terminated node 2 by hand: gone, not a release, and it outranks node 0's release
+        ([USER, RUN, USER], False, (None, KillReason.INSTANCE_GONE, "Client.UserInitiatedShutdown")),
+        ([RUN, RUN, GONE], False, (None, KillReason.INSTANCE_GONE, "node 2: not-found")),
+        ([RUN, ("stopped", "Server.SpotInstanceShutdown")], False,
+         (SPOT_INTERRUPTION, KillReason.RECLAIMED, "node 1: Server.SpotInstanceShutdown")),
+    ],
+)  # fmt: skip
+def test_gang_end(nodes: list[tuple[str, str]], released: bool, expected: tuple[object, ...] | None) -> None:
+    assert gang_end(nodes, released) == expected
+
+
+@pytest.mark.parametrize(
+    ("node", "home", "says", "not_says"),
+    [
+        (None, "SPOTRUN_HOME=/opt/spotrun/ ", [], ["SPOTRUN_NODE_RANK", "SPOTRUN_MASTER_ADDR"]),
+        (launch.NodeRole(0, 2, None), "SPOTRUN_HOME=/opt/spotrun/node0 ",
+         ["meta-data/local-ipv4", "export SPOTRUN_NODE_RANK=0 SPOTRUN_MASTER_ADDR"], []),
+        (launch.NodeRole(3, 4, "10.0.1.7"), "SPOTRUN_HOME=/opt/spotrun/node3 ",
+         ["SPOTRUN_MASTER_ADDR=${SPOTRUN_MASTER_ADDR:-10.0.1.7}", "export SPOTRUN_NODE_RANK=3 "],
+         ["local-ipv4"]),
+    ],
+)  # fmt: skip
+def test_user_data_of_each_node(
+    node: launch.NodeRole | None, home: str, says: list[str], not_says: list[str]
+) -> None:
+    script = launch.build_user_data(
+        SPEC, ["--lease-takeover", "i-1"], python="python3", workdir="/opt/spotrun/", job="demo", attempt=2,
+        node=node,
+    )  # fmt: skip
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+    assert home in script and all(s in script for s in says) and not any(s in script for s in not_says)
+    assert (
+        'exec python3 -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" --lease-takeover i-1'
+        in script
+    )
+
+
+def test_node_address_already_set_wins(tmp_path: Any) -> None:
+    """Run the node lines of the user data: a rehearsal's 127.0.0.1 wins over the private IP."""
+    peer = launch.build_user_data(SPEC, [], python="true", workdir=str(tmp_path), job="d", attempt=1,
+                                  node=launch.NodeRole(1, 2, "10.0.1.7"))  # fmt: skip
+    show = peer.replace("exec true -m trainer", 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
+    env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1"}
+    out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
+    assert out.stdout == "1 10.0.1.7\n"
+    env["SPOTRUN_MASTER_ADDR"] = "127.0.0.1"
+    out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
+    assert out.stdout == "1 127.0.0.1\n" and (tmp_path / "node1" / "job.yaml").read_text() == SPEC
+
+
+def test_node_tags_and_placement_group_requests() -> None:
+    c = cfg(placement_group=True)
+    tags = launch.launch_tags(c, "demo", 2, "demo-a2-x", None)
+    assert launch.node_tags(tags, None) == tags
+    one = launch.node_tags(tags, launch.NodeRole(1, 2, "10.0.0.4"))
+    assert (one["Name"], one["spotrun:node"], one["spotrun:worker"]) == (
+        "spotrun-demo-a2-n1",
+        "1",
+        "demo-a2-x",
+    )
+    name = launch.placement_group_name("demo-a2-x", 1)
+    assert name == "spotrun-demo-a2-x-1"
+    p = launch.run_instances_params(c, Placement(B, AZS[B], "g6.xlarge"), "", one, "tok", None, name)
+    assert p["Placement"] == {"GroupName": name} and p["SubnetId"] == B
+    assert "Placement" not in launch.run_instances_params(
+        c, Placement(B, AZS[B], "g6.xlarge"), "", one, "t", None
+    )
+    data = launch.template_data(c, "#!/bin/bash\n", one, None, None, name)
+    assert data["Placement"] == {"GroupName": name}
+    assert cfg().placement_group is False  # off unless asked
+
+
+def test_multi_node_attempt_cost_counts_every_instance(tmp_path: Any) -> None:
+    """provision stores the attempt's price (per instance x nodes): the cost needs no node count."""
+    state = AwsWorkerState(
+        "i-1", Placement(A, AZS[A], "g5.xlarge"), "x", 0.0, 2 * 0.36, 2 * 1.2, LocalStorage(tmp_path),
+        peers=["i-2"],
+    )  # fmt: skip
+    assert state.instance_ids == ["i-1", "i-2"]
+    assert attempt_cost(state, 1800) == Cost(
+        usd=0.36, price_per_h=0.72, market="spot", on_demand_usd=1.2, hours=0.5
+    )
