@@ -28,7 +28,7 @@ from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
 from trainer.errors import CheckpointError, LeaseLost
 from trainer.state import Snapshotter
-from trainer.storage import Storage, sha256_of
+from trainer.storage import Storage, confirm_stored
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,10 @@ def upload(storage: Storage, local: Path, manifest: Manifest) -> None:
 
 
 def verify_remote(storage: Storage, manifest: Manifest) -> None:
-    """Read every uploaded file back and compare its SHA-256 with the manifest."""
+    """Confirm every uploaded file is what the manifest lists: its size and S3's own check on receipt,
+    or (elsewhere) its digest read back."""
     name = step_dir(manifest.step)
-    for fname, entry in sorted(manifest.files.items()):
-        sha, size = sha256_of(storage, f"{name}/{fname}")
-        if sha != entry.sha256 or size != entry.size:
-            raise CheckpointError(f"read-back of {storage.uri}/{name}/{fname} does not match its manifest")
+    for fname, e in sorted(manifest.files.items()):
+        wrong = confirm_stored(storage, f"{name}/{fname}", e.size, e.digest, e.algo)
+        if wrong is not None:
+            raise CheckpointError(f"{storage.uri}/{name}/{fname} does not match its manifest: {wrong}")

@@ -1,4 +1,6 @@
-"""The on-disk checkpoint format, version 1 (documented in docs/checkpoint-format.md).
+"""The on-disk checkpoint format, version 2 (documented in docs/checkpoint-format.md).
+
+Layout `single` (one process):
 
     <root>/step_000001200/
         model.safetensors      weights; metadata {"format": "spotrun/1", "step": "1200"}
@@ -8,26 +10,26 @@
         rng.rank<R>.pt         python / numpy / torch / CUDA RNG of rank R
         trainer.pt             step, data position, best metric, spec + hashes, versions, threads, world
         extra.<name>.pt        a recipe's extra_state part (an EMA, a stream cursor), one per name
-        manifest.json          written LAST: every file's size and sha256, the step, metrics, spec hash
-    <root>/latest              {"step": 1200, "dir": "step_000001200"}: moved after read-back verification
+        manifest.json          written LAST: every file's size and digest, the step, metrics, spec hash
+    <root>/latest              {"step": 1200, "dir": "step_000001200"}: moved once the copy is confirmed
     <root>/COMPLETED.json      written when the job has finished
 
-Version 2 (a job with a `distributed` spec; trainer/sharded.py writes it):
+Layout `sharded` (a job with a `distributed` spec; trainer/sharded.py writes it):
 
     <root>/step_000001200/
         .metadata              DCP's index: every tensor of model and optimizer, global shapes
         __<R>_0.distcp         rank R's shard of model and optimizer (torch.distributed.checkpoint)
-        scheduler.pt, scaler.pt, trainer.pt, extra.<name>.pt    as in version 1, from rank 0
+        scheduler.pt, scaler.pt, trainer.pt, extra.<name>.pt    as in `single`, from rank 0
         rng.rank<R>.pt         every rank's RNG
         manifest.json          written by rank 0 once every rank's files are durable
 
+Version 1 manifests (layout single, SHA-256 digests) are still read and verified.
 A checkpoint exists only once its manifest exists: a directory without one is a partial write.
 Which parts there are, and which file and encoding each gets, is trainer/stateful.py's registry.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,12 +41,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
+from trainer.digests import DIGEST, DIGESTS, digest_file, new_hasher
 from trainer.stateful import STANDARD, Codec, spec_of, table
 from trainer.storage.local import fsync_dir
 
-FORMAT_VERSION = 2  # the newest this code reads; it writes 1 for one process, 2 for ranks
-SHARDED_VERSION = 2
-FORMAT_TAG = "spotrun/1"  # in model.safetensors' metadata (format 1 only)
+# 2: a `layout` (single | sharded) and an xxh3-128 digest per file; 1: single only, SHA-256 (still read)
+FORMAT_VERSION = 2
+SINGLE, SHARDED = "single", "sharded"
+LAYOUTS = (SINGLE, SHARDED)
+FORMAT_TAG = "spotrun/1"  # in model.safetensors' metadata: the model file itself is the same in 1 and 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 COMPLETED = "COMPLETED.json"
@@ -52,9 +57,9 @@ MODEL_FILE = spec_of("model").file
 REQUIRED_FILES = tuple(p.file for p in STANDARD if p.required)
 
 
-def required_files(version: int) -> tuple[str, ...]:
-    """Files every checkpoint of format `version` lists (each at most once)."""
-    return tuple(dict.fromkeys(p.file for p in table(version >= SHARDED_VERSION) if p.required))
+def required_files(layout: str) -> tuple[str, ...]:
+    """Files every checkpoint of `layout` lists (each at most once)."""
+    return tuple(dict.fromkeys(p.file for p in table(layout == SHARDED) if p.required))
 
 
 _DIR_RE = re.compile(r"^step_(\d{9,})$")
@@ -78,10 +83,11 @@ def rng_file(rank: int) -> str:
     return spec_of("rng").file_for(rank)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FileEntry:
     size: int
-    sha256: str
+    digest: str  # hex
+    algo: str = DIGEST  # a key of DIGESTS; format 1 manifests are all sha256
 
 
 @dataclass
@@ -92,19 +98,23 @@ class Manifest:
     world_size: int
     files: dict[str, FileEntry]
     metrics: dict[str, float] = field(default_factory=dict)
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     created_at: float = field(default_factory=time.time)
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
-    strategy: str | None = None  # format 2: ddp | fsdp
+    layout: str = "single"  # single: one process (model.safetensors, ...); sharded: DCP, one shard per rank
+    strategy: str | None = None  # sharded: ddp | fsdp
+    signature: str | None = None  # HMAC-SHA256 of the rest, with SPOTRUN_MANIFEST_KEY (trainer/signing.py)
 
     @property
     def sharded(self) -> bool:
-        return self.format_version >= SHARDED_VERSION
+        return self.layout == SHARDED
 
-    def to_json(self) -> bytes:
-        d = {
+    def body(self) -> dict[str, Any]:
+        """Everything but the signature, as written."""
+        return {
             "format": f"spotrun/{self.format_version}",
             "format_version": self.format_version,
+            **({"layout": self.layout} if self.format_version >= 2 else {}),
             "step": self.step,
             "spec_hash": self.spec_hash,
             "shape_hash": self.shape_hash,
@@ -113,8 +123,11 @@ class Manifest:
             "torch_version": self.torch_version,
             "metrics": self.metrics,
             **({"strategy": self.strategy} if self.strategy else {}),
-            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+            "files": {k: {"size": v.size, v.algo: v.digest} for k, v in sorted(self.files.items())},
         }
+
+    def to_json(self) -> bytes:
+        d = self.body() | ({"signature": self.signature} if self.signature else {})
         return json.dumps(d, indent=2).encode()
 
     @classmethod
@@ -127,29 +140,36 @@ class Manifest:
                 raise ValueError(
                     f"format_version {version} is newer than this spotrun reads ({FORMAT_VERSION})"
                 )
-            files = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["files"].items()}
+            layout = str(d.get("layout", "single"))
+            if layout not in LAYOUTS:
+                raise ValueError(f"unknown layout {layout!r}")
             return cls(
                 step=int(d["step"]),
                 spec_hash=str(d["spec_hash"]),
                 shape_hash=str(d["shape_hash"]),
                 world_size=int(d["world_size"]),
-                files=files,
+                files={k: _entry(v) for k, v in d["files"].items()},
                 metrics={k: float(v) for k, v in d.get("metrics", {}).items()},
                 format_version=version,
                 created_at=float(d.get("created_at", 0.0)),
                 torch_version=str(d.get("torch_version", "")),
+                layout=layout,
                 strategy=d.get("strategy"),
+                signature=d.get("signature"),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from None
 
 
+def _entry(v: dict[str, Any]) -> FileEntry:
+    algos = [a for a in DIGESTS if a in v]
+    if len(algos) != 1:
+        raise KeyError(f"one digest of {sorted(DIGESTS)} per file, found {sorted(set(v) - {'size'})}")
+    return FileEntry(int(v["size"]), str(v[algos[0]]), algos[0])
+
+
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+    return digest_file(path, "sha256")
 
 
 def _fsync_file(path: Path) -> None:
@@ -165,7 +185,7 @@ class _HashingWriter:
 
     def __init__(self, path: Path) -> None:
         self._f = open(path, "wb")  # noqa: SIM115 (closed in close())
-        self._h = hashlib.sha256()
+        self._h = new_hasher()
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -180,7 +200,7 @@ class _HashingWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
-        return FileEntry(self.size, self._h.hexdigest())
+        return FileEntry(self.size, str(self._h.hexdigest()))
 
 
 def write_part(path: Path, codec: Codec, state: Any, step: int) -> FileEntry:

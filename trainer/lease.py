@@ -366,6 +366,9 @@ class FencedStorage:
         self.lease.check()
         return self.inner.cleanup_incomplete(older_than_s)
 
+    def checked_size(self, key: str) -> int | None:
+        return self.inner.checked_size(key)
+
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         return self.inner.read_versioned(key)
 

@@ -6,7 +6,7 @@ Per checkpoint, on every rank:
              (scheduler, trainer meta, this rank's RNG) are snapshotted beside it.
   2. write   DCP writes `__<rank>_0.distcp` (rank 0 also `.metadata`) into the node's local step
              directory, fsynced, in a thread; each rank then writes and hashes its own `.pt` files and
-             hashes its shard, uploads its files, and reports {file: size, sha256} (or its error).
+             hashes its shard, uploads its files, and reports {file: size, digest} (or its error).
   3. commit  rank 0 gathers every rank's report over the checkpoint group; only when all are durable it
              writes the manifest (every shard, `.metadata`, every `.pt`), uploads it last, reads every
              file back against it, moves `latest`, and broadcasts the verdict: every rank knows the
@@ -34,13 +34,13 @@ from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.checkpointer import BackgroundSaver, SaveTimings, verify_remote
 from trainer.ckpt_format import (
     MANIFEST,
-    SHARDED_VERSION,
+    SHARDED,
     FileEntry,
     Manifest,
-    sha256_file,
     step_dir,
     write_part,
 )
+from trainer.digests import digest_file
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost
 from trainer.state import Snapshotter
@@ -171,7 +171,7 @@ class ShardedCheckpointer(BackgroundSaver):
             files[fname] = write_part(tmp / fname, spec.codec, state, step)
         own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA] if rank == 0 else [])
         for p in own:  # DCP fsyncs what it writes (FileSystemWriter sync_files)
-            files[p.name] = FileEntry(p.stat().st_size, sha256_file(p))
+            files[p.name] = FileEntry(p.stat().st_size, digest_file(p))
         return files
 
     def _publish(
@@ -190,7 +190,7 @@ class ShardedCheckpointer(BackgroundSaver):
             files: dict[str, FileEntry] = {}
             for f, _ in reports:
                 files |= f
-            manifest = Manifest(files=files, format_version=SHARDED_VERSION, strategy=self.strategy, **base)
+            manifest = Manifest(files=files, layout=SHARDED, strategy=self.strategy, **base)
             name = step_dir(manifest.step)
             body = manifest.to_json()
             (tmp / MANIFEST).write_bytes(body)

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.ckpt_format import MANIFEST, Manifest, load_part, required_files, sha256_file
+from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, required_files
+from trainer.digests import digest_file
 from trainer.state import all_finite
 from trainer.stateful import (
     DCP_METADATA,
@@ -70,10 +71,8 @@ def validate_dir(d: Path, expect: Expectation | None = None, integrity_only: boo
     if manifest is None:
         return problems
     with ThreadPoolExecutor(max_workers=2) as pool:
-        hashes = {
-            name: pool.submit(_check_file, d / name, e.size, e.sha256) for name, e in manifest.files.items()
-        }
-        missing = [f for f in required_files(manifest.format_version) if f not in manifest.files]
+        hashes = {name: pool.submit(_check_file, d / name, e) for name, e in manifest.files.items()}
+        missing = [f for f in required_files(manifest.layout) if f not in manifest.files]
         problems += [Problem("integrity", f, "file not listed in manifest") for f in missing]
         loaded: list[Problem] = []
         if not missing and not integrity_only:
@@ -83,15 +82,15 @@ def validate_dir(d: Path, expect: Expectation | None = None, integrity_only: boo
     return problems if problems else loaded
 
 
-def _check_file(p: Path, size: int, sha: str) -> str | None:
+def _check_file(p: Path, e: FileEntry) -> str | None:
     try:
         actual = p.stat().st_size
     except FileNotFoundError:
         return "file missing"
-    if actual != size:
-        return f"size {actual} != manifest {size} (truncated or overwritten)"
-    if sha256_file(p) != sha:
-        return "sha256 mismatch"
+    if actual != e.size:
+        return f"size {actual} != manifest {e.size} (truncated or overwritten)"
+    if digest_file(p, e.algo) != e.digest:
+        return f"{e.algo} mismatch"
     return None
 
 

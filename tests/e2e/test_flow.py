@@ -118,7 +118,7 @@ def test_newest_checkpoint_corrupted_between_attempts(
     store.close()
     # the trainer of attempt 2 reports what it passed over: the step the flow quarantined, and why
     assert len(rejected) == 1 and rejected[0].attempt == 2
-    assert rejected[0].reasons == "quarantined: sha256 mismatch in model.safetensors"
+    assert rejected[0].reasons == "quarantined: xxh3_128 mismatch in model.safetensors"
     assert rows[1].extra["rejected"] == [[rejected[0].step, rejected[0].reasons]]
     assert rows[1].resumed_from is not None and rows[1].resumed_from < rejected[0].step
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))

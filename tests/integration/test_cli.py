@@ -136,11 +136,11 @@ def test_list_builds_no_recipe_and_verify_structure_does(
 def test_corrupt_newest_fails_verify_naming_file(capsys: pytest.CaptureFixture[str], store: Path) -> None:
     flip_middle_byte(store / step_dir(30) / "model.safetensors")
     code, out, _ = run(capsys, "checkpoints", "verify", str(store))
-    assert (code, out) == (1, "step 30: integrity: sha256 mismatch in model.safetensors\n")
+    assert (code, out) == (1, "step 30: integrity: xxh3_128 mismatch in model.safetensors\n")
     rows = listed(capsys, str(store))
     assert [(r["step"], r["valid"]) for r in rows] == [(30, False), (28, True)]
     assert rows[0]["problems"] == [
-        {"kind": "integrity", "file": "model.safetensors", "detail": "sha256 mismatch"}
+        {"kind": "integrity", "file": "model.safetensors", "detail": "xxh3_128 mismatch"}
     ]
 
 

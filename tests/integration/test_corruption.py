@@ -15,6 +15,7 @@ from safetensors.torch import load, save
 from trainer import recipes
 from trainer.catalog import Catalog, list_checkpoints, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, sha256_file, step_dir
+from trainer.digests import digest_file
 from trainer.errors import ResumeIncompatible
 from trainer.loop import AttemptOptions, run_attempt
 from trainer.spec import JobSpec, S3Options
@@ -123,7 +124,7 @@ CASES: dict[str, tuple[Callable[..., None], int | None, str]] = {
         20, "size 999 != manifest",
     ),
     "flipped byte in tensor data": (
-        lambda s, t: _flip_middle_byte(s, f"{S30}/optimizer.pt"), 20, "sha256 mismatch in optimizer.pt",
+        lambda s, t: _flip_middle_byte(s, f"{S30}/optimizer.pt"), 20, "xxh3_128 mismatch in optimizer.pt",
     ),
     "missing file": (lambda s, t: s.delete([f"{S30}/scheduler.pt"]), 20, "file missing in scheduler.pt"),
     "missing manifest": (lambda s, t: s.delete([f"{S30}/{MANIFEST}"]), 20, "missing manifest"),
@@ -138,7 +139,7 @@ CASES: dict[str, tuple[Callable[..., None], int | None, str]] = {
     "malformed latest marker": (lambda s, t: put_bytes(s, "latest", b"\x00garbage"), 30, ""),
     "every checkpoint corrupt": (
         lambda s, t: [_flip_middle_byte(s, f"{step_dir(n)}/model.safetensors") for n in (10, 20, 30)],
-        None, "sha256 mismatch in model.safetensors",
+        None, "xxh3_128 mismatch in model.safetensors",
     ),
 }  # fmt: skip
 
@@ -221,7 +222,10 @@ def test_manifest_lists_every_file_with_size_and_hash(pristine: dict[str, bytes]
     assert set(m.files) == {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer.pt", "rng.rank0.pt"}
     for name, entry in m.files.items():
         (tmp_path / name).write_bytes(pristine[f"{S30}/{name}"])
-        assert (entry.size, entry.sha256) == (len(pristine[f"{S30}/{name}"]), sha256_file(tmp_path / name))
+        assert (entry.size, entry.digest) == (
+            len(pristine[f"{S30}/{name}"]),
+            digest_file(tmp_path / name, entry.algo),
+        )
     # every non-weight part loads with weights_only=True
     for name in m.files:
         if name.endswith(".pt"):
@@ -233,11 +237,11 @@ def test_quarantined_checkpoint_is_rejected_with_its_reasons_even_with_an_intact
 ) -> None:
     cache = tmp_path / "cache"
     assert Catalog(storage, cache).select(expect).step == 30  # the trainer's local copy of step 30
-    Catalog(storage).quarantine(30, "sha256 mismatch in model.safetensors")
+    Catalog(storage).quarantine(30, "xxh3_128 mismatch in model.safetensors")
     sel = Catalog(storage, cache).select(expect)
     assert sel.step == 20 and sel.uri == f"{storage.uri.rstrip('/')}/{step_dir(20)}"
     assert [(r.step, r.reason()) for r in sel.rejected] == [
-        (30, "quarantined: sha256 mismatch in model.safetensors")
+        (30, "quarantined: xxh3_128 mismatch in model.safetensors")
     ]
 
 
@@ -261,4 +265,4 @@ def test_started_record_carries_the_trainers_selection_and_rejections(
     started = next(r for r in records if r["kind"] == "started")
     assert started["resumed_from"] == 20
     assert started["checkpoint"] == f"{storage.uri.rstrip('/')}/{step_dir(20)}"
-    assert started["rejected"] == [{"step": 30, "reason": "sha256 mismatch in model.safetensors"}]
+    assert started["rejected"] == [{"step": 30, "reason": "xxh3_128 mismatch in model.safetensors"}]

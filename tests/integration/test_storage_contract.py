@@ -422,3 +422,24 @@ def test_open_storage_maps_s3_uri(s3_bucket: tuple[str, str]) -> None:
     assert storage.uri == f"s3://{bucket}/{PREFIX}"
     put_bytes(storage, "via-uri", b"1")
     assert get_bytes(storage, "via-uri") == b"1"
+
+
+def test_confirm_stored_checks_what_was_written(backend: Backend, tmp_path: Path) -> None:
+    """After a put, `confirm_stored` accepts the object by its size and the backend's check on receipt
+    (S3: a checksum S3 verified; a HEAD, no download) or its digest read back (local); a wrong size or
+    digest is named; a missing object is FileNotFoundError."""
+    from trainer.digests import digest_file
+    from trainer.storage import confirm_stored
+
+    for key, size in (("ckpt/small.bin", 1000), ("ckpt/big.bin", 12 * MB + 123)):  # single put, multipart
+        src = write_random(tmp_path / key.replace("/", "-"), size)
+        backend.storage.put(key, src)
+        digest = digest_file(src)
+        assert confirm_stored(backend.storage, key, size, digest) is None
+        assert confirm_stored(backend.storage, key, size + 1, digest) == f"stored size {size} != {size + 1}"
+    local = isinstance(backend.storage, LocalStorage)
+    assert backend.storage.checked_size("ckpt/small.bin") == (None if local else 1000)
+    if local:  # nothing vouches for a local copy: its digest is compared
+        assert confirm_stored(backend.storage, "ckpt/small.bin", 1000, "0" * 32) == "stored xxh3_128 differs"
+    with pytest.raises(FileNotFoundError):
+        backend.storage.checked_size("ckpt/nope.bin")

@@ -18,7 +18,7 @@ def _write(store: LocalStorage, step: int, state: str) -> None:
     or `quarantined` (a flow moved its manifest into REJECTED.json)."""
     name = step_dir(step)
     files = {f: f"{f} of step {step}".encode() for f in REQUIRED_FILES}
-    entries = {f: FileEntry(len(b), hashlib.sha256(b).hexdigest()) for f, b in files.items()}
+    entries = {f: FileEntry(len(b), hashlib.sha256(b).hexdigest(), "sha256") for f, b in files.items()}
     if state == "damaged":
         files["model.safetensors"] = files["model.safetensors"][::-1]
     for f, b in files.items():

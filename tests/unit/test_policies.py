@@ -85,7 +85,7 @@ def test_manifest_round_trip_and_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="malformed manifest"):
         Manifest.from_json(b'{"step": 1}')
     with pytest.raises(ValueError, match="newer than this spotrun reads"):
-        Manifest.from_json(m.to_json().replace(b'"format_version": 1', b'"format_version": 99'))
+        Manifest.from_json(m.to_json().replace(b'"format_version": 2', b'"format_version": 99'))
 
 
 @pytest.mark.parametrize(
@@ -102,3 +102,29 @@ def test_fault_parse() -> None:
     for bad in ("sigkill", "boom@3", "crash@0", "crash@x"):
         with pytest.raises(ConfigError, match="KIND@STEP"):
             Fault.parse(bad)
+
+
+def test_format_1_manifests_still_read_and_verify(tmp_path: Path) -> None:
+    """A manifest written before format 2: no layout, SHA-256 per file. It parses as layout single,
+    and validation checks its files with SHA-256 (a flipped byte is still caught)."""
+    import hashlib
+    import json
+
+    from trainer.validate import check_integrity
+
+    d = tmp_path / "step_000000005"
+    d.mkdir()
+    files = {"model.safetensors": b"m" * 10, "optimizer.pt": b"o", "scheduler.pt": b"s", "trainer.pt": b"t"}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    listed = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}
+    v1 = {
+        "format": "spotrun/1", "format_version": 1, "step": 5, "spec_hash": "a", "shape_hash": "b",
+        "world_size": 1, "files": listed,
+    }  # fmt: skip
+    (d / "manifest.json").write_text(json.dumps(v1))
+    m = Manifest.from_json((d / "manifest.json").read_bytes())
+    assert m.format_version == 1 and m.layout == "single" and m.files["trainer.pt"].algo == "sha256"
+    assert check_integrity(d) == []
+    (d / "model.safetensors").write_bytes(b"m" * 9 + b"M")
+    assert [str(p) for p in check_integrity(d)] == ["sha256 mismatch in model.safetensors"]

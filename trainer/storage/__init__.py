@@ -6,7 +6,15 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 from trainer.spec import S3Options
-from trainer.storage.base import ObjectInfo, Storage, get_bytes, put_bytes, sha256_of
+from trainer.storage.base import (
+    ObjectInfo,
+    Storage,
+    confirm_stored,
+    digest_of,
+    get_bytes,
+    put_bytes,
+    sha256_of,
+)
 from trainer.storage.local import LocalStorage
 
 __all__ = [
@@ -14,6 +22,8 @@ __all__ = [
     "ObjectInfo",
     "Storage",
     "check_uri",
+    "confirm_stored",
+    "digest_of",
     "get_bytes",
     "open_storage",
     "put_bytes",

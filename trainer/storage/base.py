@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from trainer.digests import DIGEST, digest_chunks
+
 CHUNK = 1 << 20
 
 
@@ -69,6 +71,12 @@ class Storage(Protocol):
         PreconditionFailed, with nothing written, when the condition does not hold."""
         ...
 
+    def checked_size(self, key: str) -> int | None:
+        """The stored object's size, if the backend verified its bytes on receipt against a checksum
+        the client computed from the source file (S3 with flexible checksums); None when it cannot
+        say, and the caller reads the object back to confirm it. FileNotFoundError if absent."""
+        ...
+
 
 def normalize_uri(uri: str) -> str:
     """One spelling per storage location: `s3://bucket/prefix` without a trailing '/', or an absolute
@@ -98,11 +106,23 @@ def get_bytes(storage: Storage, key: str) -> bytes:
     return b"".join(storage.read(key))
 
 
+def digest_of(storage: Storage, key: str, algo: str = DIGEST) -> tuple[str, int]:
+    """Read an object back and return (hex digest, size)."""
+    return digest_chunks(storage.read(key), algo)
+
+
 def sha256_of(storage: Storage, key: str) -> tuple[str, int]:
-    """Read an object back and return (sha256 hex, size)."""
-    h = hashlib.sha256()
-    n = 0
-    for chunk in storage.read(key):
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n
+    return digest_of(storage, key, "sha256")
+
+
+def confirm_stored(storage: Storage, key: str, size: int, digest: str, algo: str = DIGEST) -> str | None:
+    """None when `key` holds the bytes we wrote (size, and the digest or the backend's own check on
+    receipt), else what is wrong. S3 verified every byte against the client's checksum as it arrived:
+    a HEAD (size and checksum present) replaces downloading the object again; elsewhere it is read."""
+    checked = storage.checked_size(key)
+    if checked is not None:
+        return None if checked == size else f"stored size {checked} != {size}"
+    got, n = digest_of(storage, key, algo)
+    if n != size:
+        return f"stored size {n} != {size}"
+    return None if got == digest else f"stored {algo} differs"

@@ -287,6 +287,22 @@ class S3Storage:
             where = f"s3://{self.bucket}/{e.get('Key', '')}"
             raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
 
+    def checked_size(self, key: str) -> int | None:
+        """botocore (>= 1.36) sends a CRC32 of each upload's bytes, computed as it reads the file, and S3
+        rejects an upload whose bytes do not match; a HEAD with ChecksumMode shows the object kept one.
+        So the size and a checksum are enough: no need to download every byte to compare them again.
+        An object without a checksum (an older client wrote it): None, read it back."""
+        full = self._key(key)
+
+        def head() -> Any:
+            with s3_errors(self.bucket, full):
+                return self.client.head_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
+
+        resp = self._retry(head)
+        if not any(k.startswith("Checksum") and k != "ChecksumType" and resp[k] for k in resp):
+            return None
+        return int(resp["ContentLength"])
+
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         full = self._key(key)
 
