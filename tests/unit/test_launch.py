@@ -17,7 +17,7 @@ C, P, S, K, CFG, LH = (
 
 
 @pytest.mark.parametrize(
-    ("codes", "world", "want", "says"),
+    ("codes", "world", "want", "says"),  # world: this machine's ranks are 0..world-1
     [
         ({0: C, 1: C}, 2, C, ""),
         ({0: P, 1: P}, 2, P, ""),  # a SIGTERM: torchrun exits 1, the ranks agree on PREEMPTED
@@ -31,10 +31,16 @@ C, P, S, K, CFG, LH = (
     ],
 )
 def test_combine(codes: dict[int, ExitCode], world: int, want: ExitCode, says: str) -> None:
-    code, error = combine(
-        {r: RankExit(r, c, f"err{r}" if c is not C else "") for r, c in codes.items()}, world
-    )
+    exits = {r: RankExit(r, c, f"err{r}" if c is not C else "") for r, c in codes.items()}
+    code, error = combine(exits, range(world))
     assert code is want and says in error
+
+
+def test_combine_on_the_second_machine_expects_only_its_own_ranks() -> None:
+    # node 1 of 2, 2 ranks each: global ranks 2 and 3 are this machine's; 0 and 1 live elsewhere
+    exits = {2: RankExit(2, S), 3: RankExit(3, S)}
+    assert combine(exits, [2, 3]) == (S, "")
+    assert combine({2: RankExit(2, S)}, [2, 3])[0] is K
 
 
 def test_rank_exit_files_round_trip(tmp_path: object) -> None:
@@ -52,8 +58,9 @@ def test_torchrun_args_one_node_is_standalone_several_meet_at_the_first() -> Non
     two = DistributedOptions(nproc_per_node=4, nnodes=2, port=29600)
     first = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "0", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
     second = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "1", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
-    assert "--rdzv_endpoint=10.0.0.5:29600" in first and "--nnodes=2" in first
-    assert "--rdzv_conf=is_host=1" in first and "--rdzv_conf=is_host=0" in second
+    assert "--rdzv_backend=static" in first and "--nnodes=2" in first
+    assert "--master_addr=10.0.0.5" in first and "--master_port=29600" in first
+    assert "--node_rank=0" in first and "--node_rank=1" in second
 
 
 BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
