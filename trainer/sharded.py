@@ -1,4 +1,4 @@
-"""Sharded checkpoints (format 2): DCP writes the shards, our commit protocol publishes them.
+"""Sharded checkpoints (the sharded layout): DCP writes the shards, our commit protocol publishes them.
 
 Per checkpoint, on every rank:
   1. stage   `dcp.async_save` copies this rank's shard of model + optimizer into host memory (pinned on
@@ -58,7 +58,7 @@ def dcp_state(registry: Registry) -> dict[str, Any]:
 
 
 def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
-    """Load model and optimizer from a format-2 directory into this rank's shards. DCP reshards when
+    """Load model and optimizer from a sharded checkpoint directory into this rank's shards. DCP reshards when
     the checkpoint's world size differs (each rank reads the pieces it now owns from any shard)."""
     state = dcp_state(registry)  # a fresh optimizer gets its state allocated (a zero-lr step) to load into
     dcp.load(state, checkpoint_id=str(path), process_group=ranks.ckpt_group)

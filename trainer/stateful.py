@@ -239,8 +239,8 @@ STANDARD: tuple[PartSpec, ...] = (
     PartSpec("rng", "rng.rank{rank}.pt", deferred=True),
     PartSpec("trainer", "trainer.pt", required=True, check=check_trainer),
 )
-# Format 2, with a `distributed` spec: model and optimizer go through DCP, one shard per rank, in any
-# world size (resharded on load); the rest as in format 1, written by rank 0 (rng: by every rank).
+# The sharded layout, with a `distributed` spec: model and optimizer go through DCP, one shard per rank, in any
+# world size (resharded on load); the rest as in the single layout, written by rank 0 (rng: by every rank).
 DCP_METADATA = ".metadata"
 SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 SHARDED: tuple[PartSpec, ...] = (
@@ -261,7 +261,7 @@ def extra_spec(name: str) -> PartSpec:
 
 
 def table(sharded: bool = False) -> tuple[PartSpec, ...]:
-    """The standard parts of format 2 (sharded) or 1."""
+    """The standard parts of the sharded or the single layout."""
     return SHARDED if sharded else STANDARD
 
 

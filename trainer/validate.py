@@ -1,6 +1,6 @@
 """Checkpoint validation: returns the problems found, never raises for a bad checkpoint.
 
-Three layers, cheapest first where it matters: integrity (sizes and SHA-256 against the manifest:
+Three layers, cheapest first where it matters: integrity (sizes and digests against the manifest:
 torch.load and safetensors load flipped tensor bits silently, measured 148/148), structure (safe
 load; each part's own check from the registry in trainer/stateful.py: model keys, shapes and dtypes,
 optimizer state shapes), content (NaN/Inf, the same step in every part). Hashing runs in threads
@@ -61,7 +61,7 @@ def read_manifest(d: Path) -> tuple[Manifest | None, list[Problem]]:
 
 
 def check_integrity(d: Path) -> list[Problem]:
-    """The manifest, and every file's presence, size and SHA-256 against it; loads nothing."""
+    """The manifest, and every file's presence, size and digest against it; loads nothing."""
     return validate_dir(d, None, integrity_only=True)
 
 
@@ -116,7 +116,7 @@ def _check_registry(m: Manifest, expect: Expectation | None) -> list[Problem]:
         return []
     wants_sharded = expect.parts.get("model") == DCP_METADATA
     if wants_sharded != m.sharded:
-        how = "a distributed job (format 2)" if m.sharded else "a single-process job (format 1)"
+        how = "a distributed job (sharded layout)" if m.sharded else "a single-process job (single layout)"
         fix = "with its distributed spec" if m.sharded else "without a distributed spec"
         return [Problem("compat", None, f"written by {how}; resume it {fix}, or use a new storage URI")]
     missing, leftovers = reconcile(expect.parts, m.files, m.sharded)
