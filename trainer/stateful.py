@@ -239,8 +239,9 @@ STANDARD: tuple[PartSpec, ...] = (
     PartSpec("rng", "rng.rank{rank}.pt", deferred=True),
     PartSpec("trainer", "trainer.pt", required=True, check=check_trainer),
 )
-# The sharded layout, with a `distributed` spec: model and optimizer go through DCP, one shard per rank, in any
-# world size (resharded on load); the rest as in the single layout, written by rank 0 (rng: by every rank).
+# The sharded layout, with a `distributed` spec: model and optimizer go through DCP, one shard per
+# rank, in any world size (resharded on load); the rest as in the single layout, written by rank 0
+# (rng: by every rank).
 DCP_METADATA = ".metadata"
 SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 SHARDED: tuple[PartSpec, ...] = (
