@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.fakes import extra_recipe
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, sha256_file, step_dir
+from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, step_dir
+from trainer.digests import digest_file
 from trainer.errors import ResumeIncompatible
 from trainer.exitcodes import ExitCode
 from trainer.loop import AttemptOptions, run_attempt
@@ -81,7 +82,7 @@ def test_a_nan_in_extra_state_is_found_in_its_file(runs: Path, tmp_path: Path) -
     torch.save(obj, bad / "extra.ema.pt")
     m = Manifest.from_json((bad / MANIFEST).read_bytes())  # rehashed: integrity passes, content must not
     m.files["extra.ema.pt"] = FileEntry(
-        (bad / "extra.ema.pt").stat().st_size, sha256_file(bad / "extra.ema.pt")
+        (bad / "extra.ema.pt").stat().st_size, digest_file(bad / "extra.ema.pt")
     )
     (bad / MANIFEST).write_bytes(m.to_json())
     problems = validate_dir(bad)  # no recipe: the part is known by its file name
