@@ -11,10 +11,17 @@ For each state size (charlm model + AdamW state; ~100 MB and ~1 GB, or ~10/50 MB
       files, page cache warm for both. Goal <= 1.5x.
 Then once:
   (d) transfer: S3Storage.put/get vs one boto3 put_object/get_object of the same bytes. Goal >= 1.
+  (e) fsdp: 2 gloo ranks under torchrun (bench/checkpoint_fsdp.py), charlm sharded with FSDP2, ~100 MB
+      of state (~20 MB with --quick). ShardedCheckpointer.save(wait=False) to a LocalStorage dir vs
+      the common way: the full state dict gathered to rank 0 (cpu_offload) and torch.save + fsync
+      there, the other rank at a barrier. Stall (the slowest rank's) ratio baseline/spotrun, goal
+      >= 50; time-to-durable ratio spotrun/baseline, goal <= 0.7. Medians of interleaved runs.
 
 Prints human-readable lines; the last line is one JSON object holding the worst case of each ratio.
 The full results also go to bench/out/checkpoint.json. Run from the repo root:
-    .venv/bin/python bench/checkpoint.py [--quick] [--threads N]
+    .venv/bin/python bench/checkpoint.py [--quick] [--threads N] [--only single|fsdp]
+Exit codes: 0 measured (a missed goal is a verdict in the output, not an error); 1 the FSDP ranks
+failed (their last lines are printed); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import pstats
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +61,7 @@ from trainer.storage.s3 import S3Storage, make_s3_client
 from trainer.validate import Expectation, validate_dir
 
 MB = 1024 * 1024
+ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "spotrun-bench"
 CHECKPOINT_EVERY_S = 60.0
 OUT = Path(__file__).resolve().parent / "out" / "checkpoint.json"
@@ -73,6 +83,12 @@ QUICK = [
     Size("10MB", {"d_model": 128, "n_layers": 4, "seq_len": 64, "dropout": 0.0}, 4, 3),
     Size("50MB", {"d_model": 256, "n_layers": 5, "seq_len": 64, "dropout": 0.0}, 4, 3),
 ]
+
+# (e): charlm args for the FSDP case (~109 MB and ~23 MB of model + AdamW state), measured repetitions
+FSDP_FULL = {"d_model": 384, "n_layers": 5, "reps": 5}
+FSDP_QUICK = {"d_model": 192, "n_layers": 4, "reps": 3}
+FSDP_RANKS = 2
+FSDP_TIMEOUT_S = 900
 
 
 def say(msg: str) -> None:
@@ -363,6 +379,75 @@ def plain_get(client: Any, key: str, dst: Path) -> None:
         os.fsync(f.fileno())
 
 
+# ---------------------------------------------------------------- (e) fsdp
+
+
+def measure_fsdp(quick: bool, work: Path) -> dict[str, Any]:
+    """Run bench/checkpoint_fsdp.py on 2 ranks under torchrun and read what its rank 0 wrote.
+    One intra-op thread a rank (what torchrun would set): 2 ranks on a 2-core machine."""
+    size = FSDP_QUICK if quick else FSDP_FULL
+    out, log_path = work / "fsdp.json", work / "fsdp.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(FSDP_RANKS),
+        str(ROOT / "bench" / "checkpoint_fsdp.py"), "--out", str(out), "--dir", str(work / "fsdp"),
+        "--d-model", str(size["d_model"]), "--n-layers", str(size["n_layers"]), "--reps", str(size["reps"]),
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as log_file:
+        try:
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=FSDP_TIMEOUT_S
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    if rc != 0 or not out.is_file():
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        why = f"timed out after {FSDP_TIMEOUT_S}s" if rc is None else f"exit code {rc}"
+        say("\n".join(tail))
+        raise SystemExit(f"(e) the FSDP ranks failed ({why}); their last lines are above")
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    rmtree(work / "fsdp")
+    return result
+
+
+def report_fsdp(e: dict[str, Any]) -> None:
+    med, best, prof = e["median"], e["best"], e["profile"]
+    stall, durable = e["stall_ratio"], e["durable_ratio"]
+    say(
+        f"(e) FSDP2, {e['world_size']} gloo ranks, charlm {e['args']}: state {e['state_bytes'] / 1e6:.0f} MB "
+        f"(estimate {e['estimate_bytes'] / 1e6:.0f} MB), checkpoint {e['checkpoint_bytes'] / 1e6:.0f} MB, "
+        f"gathered file {e['baseline_file_bytes'] / 1e6:.0f} MB; median of {e['reps']} interleaved runs, "
+        f"slowest rank each, in {e['wall_s']:.0f}s"
+    )
+    say(
+        f"(e) stall: spotrun {med['stall'] * 1e3:.0f} ms (fastest {best['stall'] * 1e3:.0f}) vs rank-0 "
+        f"gathered torch.save {med['base_total']:.2f}s (fastest {best['base_total']:.2f}) -> {stall:.1f}x "
+        f"{verdict(stall >= 50)} (>= 50)"
+    )
+    say(
+        f"(e) time-to-durable: spotrun {med['durable']:.2f}s (fastest {best['durable']:.2f}) vs "
+        f"{med['base_total']:.2f}s -> {durable:.2f}x {verdict(durable <= 0.7)} (<= 0.7)"
+    )
+    say(
+        f"(e)     spotrun phases: stage {med['stage'] * 1e3:.0f} ms, DCP write + .pt files + hashing "
+        f"{med['write_hash']:.2f}s, copy into the storage dir {med['upload']:.2f}s, manifest + read-back + "
+        f"latest {med['commit']:.2f}s; durable verdict on every rank at {med['verdict']:.2f}s, the rest of "
+        f"the wait is retention and local pruning"
+    )
+    say(f"(e)     the same save with wait=True (all at normal priority): {med['sync_durable']:.2f}s")
+    say(
+        f"(e)     baseline phases: gather to rank 0 {med['base_gather']:.2f}s, torch.save + fsync "
+        f"{med['base_save']:.2f}s"
+    )
+    say(
+        f"(e)     each alone, slowest rank: get_state_dict {prof['get_state_dict'] * 1e3:.0f} ms, dcp.save "
+        f"{prof['dcp_save']:.2f}s, hash the {prof['shard_mb']:.0f} MB shard {prof['hash_shard']:.3f}s, "
+        f"copy it durably {prof['copy_durable_shard']:.2f}s, read it back {prof['read_back_shard']:.3f}s"
+    )
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -507,15 +592,28 @@ def verdict(ok: bool) -> str:
     return "OK" if ok else "MISSED"
 
 
-def summarize(sizes: dict[str, Any], transfer: dict[str, Any]) -> dict[str, float]:
-    """Worst case of each ratio over the sizes."""
-    return {
-        "stall_ratio": round(min(s["stall"]["stall_ratio"] for s in sizes.values()), 1),
-        "overhead_pct": round(max(s["overhead"]["overhead_pct"] for s in sizes.values()), 2),
-        "validate_ratio": round(max(s["validate"]["validate_ratio"] for s in sizes.values()), 2),
-        "upload_ratio": round(transfer["upload_ratio"], 2),
-        "download_ratio": round(transfer["download_ratio"], 2),
-    }
+def summarize(
+    sizes: dict[str, Any], transfer: dict[str, Any] | None, fsdp: dict[str, Any] | None
+) -> dict[str, float]:
+    """Worst case of each ratio over the sizes; the cases not run (`--only`) are left out."""
+    out: dict[str, float] = {}
+    if sizes:
+        out |= {
+            "stall_ratio": round(min(s["stall"]["stall_ratio"] for s in sizes.values()), 1),
+            "overhead_pct": round(max(s["overhead"]["overhead_pct"] for s in sizes.values()), 2),
+            "validate_ratio": round(max(s["validate"]["validate_ratio"] for s in sizes.values()), 2),
+        }
+    if transfer is not None:
+        out |= {
+            "upload_ratio": round(transfer["upload_ratio"], 2),
+            "download_ratio": round(transfer["download_ratio"], 2),
+        }
+    if fsdp is not None:
+        out |= {
+            "fsdp_stall_ratio": round(fsdp["stall_ratio"], 1),
+            "fsdp_durable_ratio": round(fsdp["durable_ratio"], 2),
+        }
+    return out
 
 
 def machine_load() -> str:
@@ -533,6 +631,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="~10 MB and ~50 MB states: a smoke run")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
+    ap.add_argument(
+        "--only", choices=("single", "fsdp"), help="single: cases (a)-(d) only; fsdp: case (e) only"
+    )
     cli = ap.parse_args()
     quick = cli.quick
     if cli.threads:
@@ -543,26 +644,38 @@ def main() -> None:
         f"checkpoint benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, {machine_load()}"
     )
-    with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="spotrun-bench-") as tmp:
-        s3 = S3.connect(endpoint)
-        sizes = {}
-        for size in QUICK if quick else FULL:
-            sizes[size.label] = bench_size(size, s3, Path(tmp), budget_s=15 if quick else 60)
-            gc.collect()
-        mb = 10 if quick else 100
-        say(
-            f"(d) {mb} MB objects: moto holds request bodies in RAM and reads a whole object per GET, "
-            "so 1 GB transfers measure moto more than the client"
-        )
-        transfer = measure_transfer(s3, "transfer", Path(tmp), mb)
-        report_transfer(transfer)
-    summary = summarize(sizes, transfer)
+    sizes: dict[str, Any] = {}
+    transfer, fsdp = None, None
+    if cli.only != "fsdp":
+        with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="spotrun-bench-") as tmp:
+            s3 = S3.connect(endpoint)
+            for size in QUICK if quick else FULL:
+                sizes[size.label] = bench_size(size, s3, Path(tmp), budget_s=15 if quick else 60)
+                gc.collect()
+            mb = 10 if quick else 100
+            say(
+                f"(d) {mb} MB objects: moto holds request bodies in RAM and reads a whole object per GET, "
+                "so 1 GB transfers measure moto more than the client"
+            )
+            transfer = measure_transfer(s3, "transfer", Path(tmp), mb)
+            report_transfer(transfer)
+    if cli.only != "single":
+        with tempfile.TemporaryDirectory(prefix="spotrun-bench-fsdp-") as tmp:
+            fsdp = measure_fsdp(quick, Path(tmp))
+        report_fsdp(fsdp)
+    summary = summarize(sizes, transfer, fsdp)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    detail = {"summary": summary, "sizes": sizes, "transfer": transfer, "wall_s": wall, "peak_rss_mb": peak}
+    detail = {
+        "summary": summary, "sizes": sizes, "transfer": transfer, "fsdp": fsdp, "wall_s": wall,
+        "peak_rss_mb": peak,
+    }  # fmt: skip
     OUT.write_text(json.dumps(detail, indent=2))
-    say(f"wall {wall:.0f}s, peak RSS {peak:.0f} MB (this process, moto included); {machine_load()}")
+    say(
+        f"wall {wall:.0f}s, peak RSS {peak:.0f} MB (this process, moto included; the FSDP ranks apart); "
+        f"{machine_load()}"
+    )
     say(f"details in {OUT}")
     print(json.dumps(summary), flush=True)
 
