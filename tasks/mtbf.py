@@ -34,9 +34,17 @@ class Estimate:
 
 
 def estimate_mtbf(
-    attempts: Iterable[AttemptRecord], provider: str, prior_s: float, prior_weight: float = PRIOR_WEIGHT
+    attempts: Iterable[AttemptRecord],
+    provider: str,
+    prior_s: float,
+    prior_weight: float = PRIOR_WEIGHT,
+    reclaimed_after_s: float | None = None,
 ) -> Estimate:
+    """`reclaimed_after_s`: an attempt not in the history yet is being reclaimed now, after this many
+    seconds (the estimate for a replacement started at the notice counts it)."""
     exposure, reclaims = 0.0, 0
+    if reclaimed_after_s is not None:
+        exposure, reclaims = max(reclaimed_after_s, 0.0), 1
     for a in attempts:
         if a.provider != provider:
             continue

@@ -230,9 +230,11 @@ class JobRunLog:
             )
         adoption.clear_controller(self.dir)
 
-    def trainer_args(self) -> list[str]:
+    def trainer_args(self, reclaimed_after_s: float | None = None) -> list[str]:
         """What the next trainer is told beyond the job file: with `checkpoint.every: auto`, how often
-        this job's workers are reclaimed (its history on this provider, pulled towards the prior)."""
+        this job's workers are reclaimed (its history on this provider, pulled towards the prior).
+        `reclaimed_after_s`: the attempt in flight is being reclaimed (a replacement started at its
+        notice), after this long: it counts too."""
         if self.job.checkpoint.every != "auto":
             return []
         try:
@@ -240,7 +242,8 @@ class JobRunLog:
         except StoreUnavailable as e:  # a database that is down never stops training: the prior then
             self.sink.log(logging.WARNING, f"no attempt history for the checkpoint interval: {e}")
             rows = []
-        est = estimate_mtbf(rows, self.provider_name, self.job.checkpoint.mtbf_prior_s)
+        prior = self.job.checkpoint.mtbf_prior_s
+        est = estimate_mtbf(rows, self.provider_name, prior, reclaimed_after_s=reclaimed_after_s)
         self.sink.log(logging.INFO, f"checkpoint interval planned for {est.describe()}")
         return ["--mtbf-s", f"{est.mtbf_s:.0f}"]
 
