@@ -27,11 +27,15 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import check_integrity
 from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
+from tasks.prewarm import Prewarm
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.runlog import JobRunLog, Summary
 from tasks.settings import Settings
-from trainer.records import Durable, Record, Started, Step, Stopping
+from trainer.errors import StorageError
+from trainer.lease import write_handoff
+from trainer.records import Durable, Notice, Record, Started, Step, Stopping
 from trainer.spec import JobSpec
+from trainer.storage import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -132,48 +136,92 @@ def _loop(
 ) -> JobResult:
     rng = random.Random(job.seed)
     started = time.time()
-    while True:
-        attempt = len(runlog.records) + 1
-        sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
-        record = _attempt(job, provider, sink, runlog, attempt)
-        if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
-            runlog.resumed(sink.step("check-checkpoints", check_integrity, job, runlog.cache, sink))
-        runlog.record(record)
-        decision = decide(runlog.records, policy, rng)
-        sink.log(
-            logging.INFO,
-            f"attempt {attempt}: {record.outcome} ({record.cause}) -> {decision.action} {decision.reason}",
-        )
-        if decision.action == "done":
-            restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
-            payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id}
-            sink.event(report.JOB_COMPLETED, job.name, payload, restarted)
-            return _finish(runlog, "completed", "", started)
-        sink.event(report.attempt_event(record), job.name, _event_payload(record, runlog))
-        if decision.action == "give_up":
-            sink.event(report.JOB_GAVE_UP, job.name, {
-                "attempts": attempt, "reason": decision.reason, "checkpoint": runlog.resume_uri or "",
-                "flow_run_id": runlog.flow_run_id})  # fmt: skip
-            return _finish(runlog, "failed", decision.reason, started)
-        sink.event(report.JOB_RESTARTED, job.name, {**_event_payload(record, runlog), "restarts": attempt})
-        sleep(decision.delay_s)
+    ahead: Prewarm | None = None  # the next attempt's worker, started at this attempt's notice
+    try:
+        while True:
+            attempt = len(runlog.records) + 1
+            sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
+            record, ahead = _attempt(job, provider, sink, runlog, attempt, ahead)
+            if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
+                runlog.resumed(sink.step("check-checkpoints", check_integrity, job, runlog.cache, sink))
+            runlog.record(record)
+            decision = decide(runlog.records, policy, rng)
+            sink.log(
+                logging.INFO,
+                f"attempt {attempt}: {record.outcome} ({record.cause}) "
+                f"-> {decision.action} {decision.reason}",
+            )
+            if decision.action == "done":
+                restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
+                payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id}
+                sink.event(report.JOB_COMPLETED, job.name, payload, restarted)
+                return _finish(runlog, "completed", "", started)
+            sink.event(report.attempt_event(record), job.name, _event_payload(record, runlog))
+            if decision.action == "give_up":
+                sink.event(report.JOB_GAVE_UP, job.name, {
+                    "attempts": attempt, "reason": decision.reason, "checkpoint": runlog.resume_uri or "",
+                    "flow_run_id": runlog.flow_run_id})  # fmt: skip
+                return _finish(runlog, "failed", decision.reason, started)
+            sink.event(
+                report.JOB_RESTARTED, job.name, {**_event_payload(record, runlog), "restarts": attempt}
+            )
+            if ahead is None:  # a prewarmed trainer is already waiting on the lease: no backoff for it
+                sleep(decision.delay_s)
+    finally:
+        if ahead is not None:  # completed, gave up, cancelled or failed here: nobody will use it
+            ahead.discard(provider)
 
 
-def _attempt(job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, attempt: int) -> AttemptRecord:
-    """One attempt, provisioned, watched and released; its record, classified."""
+def _attempt(
+    job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, attempt: int, ready: Prewarm | None
+) -> tuple[AttemptRecord, Prewarm | None]:
+    """One attempt, on the worker prewarmed for it or a fresh one, watched and released; its record,
+    classified, and the next attempt's worker if this one's notice started it."""
     t0 = time.time()
-    try:
-        args = (provider, job, attempt, runlog.spec_path, runlog.released, sink, runlog.trainer_args())
-        worker = sink.step("provision", provision, *args)
-    except ProvisionError as e:
-        return runlog.provision_failed(attempt, e, t0)
+    worker = ready.take() if ready is not None else None
+    if worker is not None:
+        lead = t0 - (ready.started_at or t0) if ready is not None else 0.0
+        sink.log(
+            logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago, at the notice"
+        )
+    else:
+        try:
+            args = (provider, job, attempt, runlog.spec_path, runlog.released, sink, runlog.trainer_args())
+            worker = sink.step("provision", provision, *args)
+        except ProvisionError as e:
+            return runlog.provision_failed(attempt, e, t0), None
     runlog.in_flight = worker
+    ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
+
+    def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
+        assert ahead is not None and worker is not None
+        ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
+
     try:
-        result = sink.step("train", watch, provider, worker, job, sink)
+        result = sink.step("train", watch, provider, worker, job, sink, at_notice if ahead else None)
+    except BaseException:
+        if ahead is not None:
+            ahead.discard(provider)
+        raise
     finally:
         provider.release(worker)  # plain call: also while the run is being cancelled
         runlog.released = worker.id  # gone: the next trainer may take over its storage lease
-    return runlog.classify(worker, result)
+        if ahead is not None and ahead.started:
+            _hand_off(job, worker.id, sink)
+    return runlog.classify(worker, result), (ahead if ahead is not None and ahead.started else None)
+
+
+def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:
+    """The next attempt's worker, to be started (in a thread) when this one reports it is stopping."""
+    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra))
+
+
+def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:
+    """Tell a prewarmed trainer waiting on the lease that its holder is gone (trainer/lease.py)."""
+    try:
+        write_handoff(open_storage(job.storage, job.s3), worker_id)
+    except (OSError, StorageError) as e:  # it still gets the lease when the old one's expires
+        sink.log(logging.WARNING, f"lease handoff for {worker_id} not written: {e}")
 
 
 def provision(
@@ -194,8 +242,15 @@ def provision(
     return worker
 
 
-def watch(provider: Provider, worker: Worker, job: JobSpec, sink: Sink) -> WatchResult:
-    """Stream the worker's log and progress to the sink until the worker is gone."""
+def watch(
+    provider: Provider,
+    worker: Worker,
+    job: JobSpec,
+    sink: Sink,
+    on_stopping: Callable[[], None] | None = None,
+) -> WatchResult:
+    """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
+    when the trainer reports a stop request or a cloud notice (the worker is going away)."""
     last_update = 0.0
 
     def on_status(rec: Record) -> None:
@@ -210,6 +265,10 @@ def watch(provider: Provider, worker: Worker, job: JobSpec, sink: Sink) -> Watch
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):
             sink.log(logging.WARNING, f"worker stopping on {rec.reason} at step {rec.step}")
+            if on_stopping is not None:
+                on_stopping()
+        elif isinstance(rec, Notice) and rec.stop and on_stopping is not None:
+            on_stopping()
         elif isinstance(rec, Step) and time.monotonic() - last_update > PROGRESS_EVERY_S:
             last_update = time.monotonic()
             sink.progress(job.name, rec.step, job.total_steps)

@@ -34,6 +34,7 @@ class FaultProxy:
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.injected = 0
         self.requests = 0
+        self.put_delay_s = 0.0  # every PUT waits this long before it is forwarded: a slow upload
         self._pending: list[Fault] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -81,6 +82,8 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _proxy(self) -> None:
             body = self._read_body()
+            if self.command == "PUT" and proxy.put_delay_s:
+                time.sleep(proxy.put_delay_s)
             fault = proxy._take()
             if fault == "503":
                 self._send_slow_down()

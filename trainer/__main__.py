@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -61,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>-<storage hash>)"
     )
     p.add_argument("--metrics", help="append per-step losses as JSON lines to this file")
+    p.add_argument(
+        "--prewarm-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="started early (at a spot notice): build the recipe, then wait up to this long for the "
+        "storage lease that the worker being replaced gives back once its checkpoint is durable",
+    )
     p.add_argument(
         "--mtbf-s",
         type=float,
@@ -236,9 +245,14 @@ def _run(
     me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
     try:
         if env.rank == 0:
-            # before anything is published; released before the exit record, so the next attempt finds it free
-            with held(storage, me, args.lease_ttl, args.lease_takeover) as fenced:
-                result = run_attempt(spec, fenced, opts)
+            # after the recipe is built, before anything is published; released before the exit record,
+            # so the next attempt finds it free
+            with contextlib.ExitStack() as lease_scope:
+                lease = functools.partial(
+                    held, storage, me, args.lease_ttl, args.lease_takeover, max(args.prewarm_wait, 0.0)
+                )
+                opts.claim = lambda: lease_scope.enter_context(lease())
+                result = run_attempt(spec, storage, opts)
         else:  # rank 0 holds the job's lease and alone publishes (manifest, `latest`, COMPLETED.json)
             result = run_attempt(spec, storage, opts)
         opts.ranks.close()

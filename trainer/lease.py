@@ -41,11 +41,17 @@ from pathlib import Path
 
 from trainer.ckpt_format import COMPLETED, LATEST, MANIFEST
 from trainer.errors import ConfigError, LeaseHeld, LeaseLost, PreconditionFailed, TransientStorageError
-from trainer.storage import ObjectInfo, Storage
+from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 
 LEASE_KEY = "_lease.json"
+# Written by the controller once it has released a worker: {"released": [worker ids, newest last]}.
+# A prewarmed trainer (started at a notice, while the old one still saves) takes over at once from a
+# holder named here, as `--lease-takeover` would have let it had the release come before its start.
+HANDOFF_KEY = "_handoff.json"
+HANDOFF_KEEP = 16
+PREWARM_POLL_S = 0.25
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 3.0
 ACQUIRE_TRIES = 5  # each lost race re-reads; the winner of a race is live, so the next read refuses
@@ -379,11 +385,63 @@ class FencedStorage:
 
 @contextlib.contextmanager
 def held(
-    storage: Storage, me: Holder, ttl_s: float = DEFAULT_TTL_S, released: Collection[str] = ()
+    storage: Storage,
+    me: Holder,
+    ttl_s: float = DEFAULT_TTL_S,
+    released: Collection[str] = (),
+    wait_s: float = 0.0,
 ) -> Iterator[FencedStorage]:
-    """Acquire, renew while the block runs, release after it: the block writes through the result."""
-    lease = Lease.acquire(storage, me, ttl_s, released).start()
+    """Acquire (waiting up to `wait_s` for the holder to let go), renew while the block runs, release
+    after it: the block writes through the result."""
+    lease = (wait_for_lease(storage, me, ttl_s, released, wait_s) if wait_s > 0 else
+             Lease.acquire(storage, me, ttl_s, released)).start()  # fmt: skip
     try:
         yield FencedStorage(storage, lease)
     finally:
         lease.release()
+
+
+def read_handoff(storage: Storage) -> list[str]:
+    """The workers the controller says it has released (newest last); [] if none or unreadable."""
+    try:
+        body = json.loads(get_bytes(storage, HANDOFF_KEY))
+        return [str(w) for w in body.get("released", [])]
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError, AttributeError):
+        log.warning("ignoring a malformed %s/%s", storage.uri, HANDOFF_KEY)
+        return []
+
+
+def write_handoff(storage: Storage, worker_id: str) -> None:
+    """The controller's word that `worker_id` is gone: a waiting trainer may take its lease now."""
+    earlier = [w for w in read_handoff(storage) if w != worker_id][-(HANDOFF_KEEP - 1) :]
+    ids = [*earlier, worker_id]
+    put_bytes(storage, HANDOFF_KEY, json.dumps({"released": ids, "at": time.time()}).encode())
+
+
+def wait_for_lease(
+    storage: Storage,
+    me: Holder,
+    ttl_s: float,
+    released: Collection[str],
+    wait_s: float,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Lease:
+    """A prewarmed trainer's acquire: the recipe is built and the data loaded; the worker it replaces
+    still writes its emergency checkpoint. Poll until the lease is free (its holder released it at exit,
+    after that checkpoint became durable; it expired; or the controller's handoff names the holder as
+    released), for up to `wait_s`; then LeaseHeld. Whatever is taken, the checkpoint chosen next is
+    one the old holder had made durable: it publishes nothing after giving the lease back."""
+    deadline, logged = clock() + wait_s, False
+    while True:
+        try:
+            return Lease.acquire(storage, me, ttl_s, [*released, *read_handoff(storage)], clock)
+        except LeaseHeld as e:
+            if clock() >= deadline:
+                raise
+            if not logged:
+                log.info("prewarmed: waiting up to %.0f s for the storage lease (%s)", wait_s, e)
+                logged = True
+            sleep(PREWARM_POLL_S)

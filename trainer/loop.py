@@ -29,6 +29,7 @@ from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.interval import Choice, IntervalTuner
+from trainer.metrics_log import MetricsLog
 from trainer.preemption import (
     DEFAULT_UPLOAD_BPS,
     DEFAULT_WRITE_BPS,
@@ -69,6 +70,9 @@ class AttemptOptions:
     resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
     mtbf_s: float | None = None  # `every: auto`: seconds between reclaims (the controller's estimate)
+    # Take the job's storage for writing (its lease), once the recipe is built: a prewarmed trainer
+    # does the slow part (imports, recipe, data) while the worker it replaces still saves.
+    claim: Callable[[], Storage] | None = None
     reporter: StatusReporter = field(default_factory=StatusReporter)  # no stream: silent
 
 
@@ -102,8 +106,16 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         parts.model = wrap(parts.model, parts.optimizer, ranks)
         if ranks.rank:  # dropout masks differ per rank; rank 0 keeps the single-process stream
             _seed_everything(_rank_seed(spec.seed, ranks.rank))
+    if opts.claim is not None:
+        storage = opts.claim()  # resume and publish only through the storage this trainer holds
     scaler = torch.amp.GradScaler(device.type) if spec.amp else None
     run = _Run(spec, parts, scaler, device, opts)
+    run.steps_log = MetricsLog(storage if ranks.is_zero else None)  # to storage once a checkpoint covers them
+
+    def durable(step: int) -> None:  # the writer thread, after `latest` moved (or the loop, for a sync save)
+        run.steps_log.publish(step)
+        opts.reporter.emit("durable", step=step)
+
     expect = replace(
         Expectation.from_registry(run.state, spec.shape_hash(ranks.world_size)),
         shape_hash_at=spec.shape_hash, world_size=ranks.world_size,
@@ -117,13 +129,13 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         run.ckpt = ShardedCheckpointer(
             storage, opts.cache, spec.checkpoint.keep, run.state, ranks, spec.checkpoint.async_upload,
             pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
-            on_durable=lambda step: opts.reporter.emit("durable", step=step), strategy=ranks.strategy,
+            on_durable=durable, strategy=ranks.strategy,
         )  # fmt: skip
     else:
         run.ckpt = Checkpointer(
             storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
             pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
-            on_durable=lambda step: opts.reporter.emit("durable", step=step),
+            on_durable=durable,
         )  # fmt: skip
     pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
@@ -177,6 +189,7 @@ class _Run:
         self.stop_reported = False
         self.stop_agreed = False  # distributed: the ranks agreed to stop after this step
         self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
+        self.steps_log = MetricsLog(None)  # run_attempt gives rank 0 one that writes
         held: dict[str, Stateful] = {"model": parts.model, "optimizer": parts.optimizer}
         held |= {"scheduler": parts.scheduler} | ({"scaler": scaler} if scaler is not None else {})
         held |= {"rng": RngState(device), "trainer": self}
@@ -281,6 +294,7 @@ class _Run:
                 pending.apply(self.state)
                 pending = None
             for batch in it:
+                lr = self.parts.optimizer.param_groups[0]["lr"]  # this step's; the scheduler moves it after
                 t0 = time.perf_counter()
                 agreed = _step(
                     self.parts, self.scaler, batch, self.device, self.spec.amp, self.step, self._agree
@@ -289,6 +303,7 @@ class _Run:
                 loss = agreed.loss
                 self.step, pos.batch = self.step + 1, pos.batch + 1
                 self.best, self.last_loss = min(self.best, loss), loss
+                self.steps_log.record(self.step, loss, lr, self.parts.optimizer.param_groups[0]["lr"])
                 if metrics:
                     metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                     metrics.flush()

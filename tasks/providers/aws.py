@@ -50,6 +50,7 @@ from tasks.providers.aws_policy import (
 from tasks.providers.aws_sweeper import sweep_flow_run
 from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
+from trainer.records import Notice, Record
 from trainer.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ class AwsProvider:
         history: list[PlacementEvent] | None = None,
         open_store: Callable[[JobSpec], Storage] = default_store,
     ) -> None:
+        self.prewarm = cfg.prewarm
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store
         self.history: list[PlacementEvent] = list(history or [])  # this provider's launches and ends
@@ -212,13 +214,26 @@ class AwsProvider:
         instance: `on_log` is not called, and `log_tail` is the console output when no exit record came.
         The attempt's cost lands in `result.facts["cost"]` (a `Cost` as a dict)."""
         state: AwsWorkerState = worker.handle
-        result = WorkerWatch(self.ec2, self.cfg, worker, on_status, self.exit_status).run()
+        noticed = False
+
+        def status(rec: Record) -> None:
+            # A spot notice marks the pool at once, before the controller hears of it: the replacement
+            # it provisions at the notice (tasks/prewarm.py) must land elsewhere, as a retry would.
+            nonlocal noticed
+            if isinstance(rec, Notice) and rec.stop and not noticed:
+                noticed = True
+                self.history.append(PlacementEvent(state.placement, PlacementOutcome.PREEMPTED, time.time()))
+            if on_status is not None:
+                on_status(rec)
+
+        result = WorkerWatch(self.ec2, self.cfg, worker, status, self.exit_status).run()
         result.facts["cost"] = asdict(attempt_cost(state, result.ended_at))
         reclaimed = result.notice_kind == SPOT_INTERRUPTION or (
             result.trainer_code == "PREEMPTED" and state.released_at is None
         )
-        outcome = PlacementOutcome.PREEMPTED if reclaimed else PlacementOutcome.ENDED
-        self.history.append(PlacementEvent(state.placement, outcome, result.ended_at))
+        if not (noticed and reclaimed):
+            outcome = PlacementOutcome.PREEMPTED if reclaimed else PlacementOutcome.ENDED
+            self.history.append(PlacementEvent(state.placement, outcome, result.ended_at))
         return result
 
     def release(self, worker: Worker) -> None:

@@ -119,6 +119,11 @@ class AwsProviderConfig(BaseModel):
     endpoint_url: str | None = Field(
         default=None, description="an EC2-compatible endpoint (tests: a moto server); empty: AWS"
     )
+    prewarm: bool = Field(
+        default=True,
+        description="at a spot notice, start the next attempt's worker at once: it builds the recipe "
+        "while the old one saves, and resumes as soon as that checkpoint is durable",
+    )
     rehearse_locally: bool = Field(
         default=False,
         description="rehearsal against a test endpoint (moto): run each instance's user data as a local "

@@ -75,6 +75,7 @@ class RehearsalProvider:
     name = "aws"
 
     def __init__(self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None) -> None:
+        self.prewarm = cfg.prewarm
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
             cfg, flow_run_id=flow_run_id, launcher=self.instances.launch,

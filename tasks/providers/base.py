@@ -165,6 +165,7 @@ class Provider(Protocol):
     processes); one contract for all in tests/integration/test_provider_contract.py."""
 
     name: str
+    prewarm: bool  # start the next attempt's worker at a notice (tasks/prewarm.py)
 
     def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
         """Start the trainer for `attempt` (1-based) on a fresh worker; raise ProvisionError if none."""

@@ -65,6 +65,11 @@ class LocalProviderConfig(BaseModel):
         description="once training has started, a worker that writes no line (status or log) for this "
         "long is killed and counted as lost",
     )
+    prewarm: bool = Field(
+        default=True,
+        description="at a spot notice, start the next attempt's worker at once: it builds the recipe "
+        "while the old one saves, and resumes as soon as that checkpoint is durable",
+    )
     startup_timeout_s: float = Field(
         default=600,
         gt=0,

@@ -95,6 +95,7 @@ class FakeProvider:
         write_marker: bool = True,
     ) -> None:
         self.name, self.script = name, list(script)
+        self.prewarm = False  # scripted attempts: nothing to start ahead
         self.checkpoint_every, self.step_s, self.heartbeat_timeout_s = (
             checkpoint_every,
             step_s,

@@ -4,6 +4,7 @@ and a trainer whose lease is stolen stops publishing."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.servers import FaultProxy
 from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
 from trainer.catalog import list_checkpoints, read_latest
 from trainer.ckpt_format import step_dir
@@ -123,3 +125,53 @@ def test_s3_live_holder_elsewhere_is_refused(tmp_path: Path, s3_bucket: tuple[st
 def _mk(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
+    tmp_path: Path, s3_bucket: tuple[str, str], fault_proxy: FaultProxy
+) -> None:
+    """The replacement started at the notice builds its recipe, then waits on the lease; the old trainer's
+    emergency checkpoint uploads slowly (every PUT delayed 1 s); the replacement resumes from exactly that
+    checkpoint, and only after it was durable."""
+    _, bucket = s3_bucket
+    spec = write_spec(tmp_path / "job.yaml", total_steps=100_000, s3={"endpoint_url": fault_proxy.endpoint})
+    uri = f"s3://{bucket}/prewarm"
+    store = open_storage(uri, S3Options(endpoint_url=fault_proxy.endpoint))
+    old = start(spec, uri, tmp_path / "old")
+    new: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for_latest(store, old, 7)
+        new = start_with_stdout(spec, uri, tmp_path / "new", "--prewarm-wait", "120", "--max-steps", "5")
+        deadline = time.monotonic() + WAIT_S
+        while "prewarmed: waiting" not in (tmp_path / "new" / "stderr").read_text():
+            assert new.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "new" / "stderr"
+            ).read_text()
+            time.sleep(0.05)
+        fault_proxy.put_delay_s = 1.0
+        old.send_signal(signal.SIGTERM)  # the notice: finish the step, save, upload slowly, exit
+        assert old.wait(timeout=WAIT_S) == ExitCode.PREEMPTED
+        durable_at = time.time()
+        fault_proxy.put_delay_s = 0.0
+        out, _ = new.communicate(timeout=WAIT_S)
+    finally:
+        for p in (old, new):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    old_err = (tmp_path / "old" / "stderr").read_text()
+    stopped = int(old_err.split("stopped on SIGTERM at step ")[1].split(";")[0])
+    started = [json.loads(line[len("@spotrun ") :]) for line in out.decode().splitlines()
+               if line.startswith('@spotrun {"kind":"started"')]  # fmt: skip
+    assert new.returncode == ExitCode.STOPPED, (tmp_path / "new" / "stderr").read_text()[-3000:]
+    assert started[0]["resumed_from"] == stopped  # the emergency checkpoint, not an older one
+    assert started[0]["t"] >= durable_at - 1.0  # it waited for it (the old one exited once durable)
+
+
+def start_with_stdout(config: Path, storage: str, work: Path, *extra: str) -> subprocess.Popen[bytes]:
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache"), *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(work / "stderr", "wb") as err:
+        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=err)
