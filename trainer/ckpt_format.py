@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from trainer.digests import DIGEST, DIGESTS, digest_file, new_hasher
+from trainer.signing import check, manifest_key, signature
 from trainer.stateful import STANDARD, Codec, spec_of, table
 from trainer.storage.local import fsync_dir
 
@@ -129,6 +130,16 @@ class Manifest:
     def to_json(self) -> bytes:
         d = self.body() | ({"signature": self.signature} if self.signature else {})
         return json.dumps(d, indent=2).encode()
+
+    def signed(self) -> Manifest:
+        """This manifest with its HMAC, when SPOTRUN_MANIFEST_KEY is set (trainer/signing.py)."""
+        key = manifest_key()
+        if key is not None:
+            self.signature = signature(self.body(), key)
+        return self
+
+    def signature_problem(self) -> str | None:
+        return check(self.body(), self.signature, manifest_key())
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -245,7 +256,7 @@ def write_checkpoint_dir(
             spec = spec_of(name)
             fname = spec.file_for(rank)
             files[fname] = write_part(tmp / fname, spec.codec, state, step)
-    manifest = Manifest(files=files, **manifest_base)
+    manifest = Manifest(files=files, **manifest_base).signed()
     (tmp / MANIFEST).write_bytes(manifest.to_json())
     _fsync_file(tmp / MANIFEST)
     fsync_dir(tmp)

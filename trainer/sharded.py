@@ -190,7 +190,7 @@ class ShardedCheckpointer(BackgroundSaver):
             files: dict[str, FileEntry] = {}
             for f, _ in reports:
                 files |= f
-            manifest = Manifest(files=files, layout=SHARDED, strategy=self.strategy, **base)
+            manifest = Manifest(files=files, layout=SHARDED, strategy=self.strategy, **base).signed()
             name = step_dir(manifest.step)
             body = manifest.to_json()
             (tmp / MANIFEST).write_bytes(body)

@@ -53,11 +53,13 @@ class Problem:
 
 def read_manifest(d: Path) -> tuple[Manifest | None, list[Problem]]:
     try:
-        return Manifest.from_json((d / MANIFEST).read_bytes()), []
+        manifest = Manifest.from_json((d / MANIFEST).read_bytes())
     except FileNotFoundError:
         return None, [Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")]
     except ValueError as e:
         return None, [Problem("integrity", MANIFEST, str(e))]
+    wrong = manifest.signature_problem()
+    return (None, [Problem("integrity", MANIFEST, wrong)]) if wrong else (manifest, [])
 
 
 def check_integrity(d: Path) -> list[Problem]:
