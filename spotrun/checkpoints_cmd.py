@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Table
@@ -26,12 +26,12 @@ from spotrun.console import (
     size_text,
     wide_console,
 )
-from trainer.catalog import Catalog
-from trainer.ckpt_format import load_part, step_dir
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, S3Options, load_spec, parse_spec
-from trainer.storage import open_storage
-from trainer.validate import Expectation, Problem, read_manifest
+
+if TYPE_CHECKING:  # the rest imports torch (~2 s): only the handlers that read checkpoints pay for it
+    from trainer.catalog import Catalog
+    from trainer.spec import JobSpec
+    from trainer.validate import Expectation, Problem
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class Expectations:
         self._by_shape: dict[str, Expectation | None] = {}
 
     def for_dir(self, d: Path) -> Expectation | None:
+        from trainer.validate import Expectation
+
         if not self.structure:
             return Expectation.of_shape(self.spec.shape_hash()) if self.spec is not None else None
         spec = self.spec if self.spec is not None else _embedded_spec(d)
@@ -98,6 +100,7 @@ def recipe_expectation(spec: JobSpec) -> Expectation:
     import torch
 
     from trainer import recipes  # models, datasets: only `verify --structure` pays for them
+    from trainer.validate import Expectation
 
     ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
     parts = recipes.build(spec.recipe, spec.args, ctx)
@@ -106,6 +109,9 @@ def recipe_expectation(spec: JobSpec) -> Expectation:
 
 def _embedded_spec(d: Path) -> JobSpec | None:
     """The job spec stored in a checkpoint's trainer.pt, or None when it cannot be read."""
+    from trainer.ckpt_format import load_part
+    from trainer.spec import parse_spec
+
     try:
         meta = load_part(d / "trainer.pt")["state"]
         return parse_spec(meta["spec"], source=f"{d.name}/trainer.pt")
@@ -121,6 +127,9 @@ def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> list[Prob
 
 def list_rows(catalog: Catalog, expect: Expectations) -> list[Row]:
     """Every step directory under the storage root, newest first, each validated when committed."""
+    from trainer.ckpt_format import step_dir
+    from trainer.validate import read_manifest
+
     latest = catalog.latest()
     rows = []
     for step, entry in sorted(catalog.list().items(), reverse=True):
@@ -170,6 +179,10 @@ def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Catalog, Expectations]]:
+    from trainer.catalog import Catalog
+    from trainer.spec import S3Options, load_spec
+    from trainer.storage import open_storage
+
     spec = load_spec(args.spec) if args.spec else None
     uri = args.uri or (spec.storage if spec is not None else None)
     if uri is None:
