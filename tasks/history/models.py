@@ -97,6 +97,8 @@ class JobRun(Base):
     ended_at: Mapped[datetime | None]
     # How many times a new flow run adopted this job run after its controller died.
     controller_restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # The MLflow run of this job run (tasks/tracking/), once its controller created or re-attached it.
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class Attempt(Base):
@@ -194,6 +196,7 @@ class JobRunRow:
     started_at: float  # epoch seconds, as in AttemptRecord
     ended_at: float | None
     controller_restarts: int = 0
+    mlflow_run_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,7 @@ def job_run_row(r: JobRun) -> JobRunRow:
         started_at=r.started_at.timestamp(),
         ended_at=r.ended_at.timestamp() if r.ended_at is not None else None,
         controller_restarts=r.controller_restarts,
+        mlflow_run_id=r.mlflow_run_id,
     )
 
 

@@ -24,15 +24,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.history.engine import make_engine, normalize_url, one_line, unreachable
 from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
-from tasks.history.models import AlertStatus, JobStatus
-from tasks.history.ops import Op, stamp
+from tasks.history.models import AlertStatus, JobRun, JobStatus
+from tasks.history.ops import OPS, Op, stamp
 from tasks.history.queries import HistoryReads
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,11 @@ class HistoryStore(HistoryReads):
         """Relink a running job run whose controller died to `flow_run_id`, counting the restart."""
         args = dict(job_run_id=job_run_id, flow_run_id=flow_run_id)
         self._write(Op("adopt_job_run", args, f"adoption of job run {job_run_id} by flow run {flow_run_id}"))
+
+    def set_mlflow_run(self, job_run_id: str, mlflow_run_id: str) -> None:
+        """Name the MLflow run the job run's metrics go to (the same id again changes nothing)."""
+        args = dict(job_run_id=job_run_id, mlflow_run_id=mlflow_run_id)
+        self._write(Op("set_mlflow_run", args, f"MLflow run {mlflow_run_id} of job run {job_run_id}"))
 
     def record_alert(
         self,
@@ -316,6 +321,19 @@ class HistoryStore(HistoryReads):
                 f"history database {self.url} is unreachable ({self._reason}): start it, or point"
                 " SPOTRUN_DATABASE_URL at one that answers"
             )
+
+
+def _set_mlflow_run(s: Session, a: dict[str, Any], replay: bool) -> None:
+    """An absolute value: a replay sets the same id again. A job run not there (yet) is an error."""
+    done = s.execute(
+        update(JobRun).where(JobRun.id == a["job_run_id"]).values(mlflow_run_id=a["mlflow_run_id"])
+    )
+    if done.rowcount == 0:  # type: ignore[attr-defined]
+        raise LookupError(f"no job run {a['job_run_id']}")
+
+
+# Registered here rather than in ops.py beside the others: the one write of the tracking work (0004).
+OPS["set_mlflow_run"] = _set_mlflow_run
 
 
 def _bounded_tail(text: str, max_bytes: int = LOG_TAIL_MAX_BYTES) -> str:
