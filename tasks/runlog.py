@@ -7,8 +7,9 @@ The flow stays a short script by delegating all of this here; nothing in it deci
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.providers.local import stop_cause
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
+from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
 from trainer.catalog import read_latest
 from trainer.ckpt_format import checkpoint_uri
 from trainer.errors import StorageError
@@ -35,6 +37,10 @@ from trainer.heartbeat import read_heartbeat
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
+
+RESUME_CHECKED = "spotrun.attempt.resume-checked"
+VERDICT_LABEL = "spotrun.resume.verdict"  # on the event's resource: `mismatch` is what an alert matches
+INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
 
 
 def total_cost(records: list[AttemptRecord]) -> tuple[float | None, float | None]:
@@ -62,15 +68,39 @@ class Summary:
     cost_usd: float | None = None  # summed over attempts, where the provider prices them
     on_demand_usd: float | None = None  # the same instance hours at the on-demand price
     checkpoint_interval: dict[str, Any] | None = None  # `every: auto`: the last choice and why
+    resume_checks: list[dict[str, Any]] = field(default_factory=list)  # one per resumed attempt checked
+    resume_fidelity: str | None = None  # the worst verdict: exact, close or mismatch (None: none checked)
+    mlflow: dict[str, Any] | None = None  # the MLflow run (tasks.tracking.TrackingInfo); None: tracking off
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def tracking_markdown(s: Summary) -> str:
+    """The summary artifact's lines on resume fidelity and the MLflow run (empty when there is neither)."""
+    lines = []
+    if s.resume_checks:
+        lines.append(f"**Resume fidelity**: {s.resume_fidelity}")
+        lines += [
+            f"- attempt {c['attempt']} ({c['method']}): {c['verdict']}, {c['detail']}"
+            for c in s.resume_checks
+        ]
+    m = s.mlflow
+    if m is not None and m.get("run_id"):
+        model = f", model `{m['model']}`" if m.get("model") else ""
+        where = f"in `{m['experiment']}` at {m['tracking_uri']}"
+        lines.append(f"**MLflow**: run [{m['run_id']}]({m['url']}) {where}{model}")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 class ReportSink(Protocol):
     """What the run log reports through (tasks/control.py's Sink is one)."""
 
     def log(self, level: int, msg: str) -> None: ...
+
+    def event(
+        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
+    ) -> None: ...
 
     def attempts(self, job: str, records: list[AttemptRecord]) -> None: ...
 
@@ -102,6 +132,9 @@ class JobRunLog:
         self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
         self.released: str | None = None  # the last worker released: its lease may be taken at once
         self.adopted_from = ""  # the dead controller's flow run, when this run adopted its job run
+        self.tracker: Tracker | None = None  # the MLflow run's feeder (tracking.mlflow)
+        self.mlflow_run_id: str | None = None  # the adopted job run's MLflow run, from SQL
+        self.checker: ResumeChecker | None = None  # made at the first attempt's end (it opens storage)
 
     @classmethod
     def start(
@@ -144,12 +177,28 @@ class JobRunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spec_path.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
         adoption.write_controller(self.dir, self.job_run_id, self.flow_run_id)
+        if self.job.tracking.mlflow:
+            self.tracker = Tracker(
+                self.job, Where.of(self.job, self.settings.home, dict(os.environ)), self.job_run_id,
+                self.flow_run_id, self.provider_name, self.mlflow_run_id, self._mlflow_attached,
+            ).start()  # fmt: skip
+            for r in self.records:  # an adopted run's attempts: the tags say which were already sent
+                check = r.extra.get("resume_check")
+                self.tracker.attempt(r, ResumeCheck(**check) if check else None)
         return self
+
+    def _mlflow_attached(self, run_id: str) -> None:
+        """The tracker's thread made or re-attached the MLflow run: SQL names it (a view: never fatal)."""
+        try:
+            self.store.set_mlflow_run(self.job_run_id, run_id)
+        except Exception as e:  # a view of the run: never fatal
+            logging.getLogger(__name__).warning("MLflow run id not recorded in SQL: %s", e)
 
     def _adopt(self, orphan: JobRunRow) -> None:
         """Continue a job run whose controller died: its attempts, budgets and numbering go on."""
         self.store.adopt_job_run(orphan.id, self.flow_run_id or None)
         self.adopted_from = orphan.flow_run_id or ""
+        self.mlflow_run_id = orphan.mlflow_run_id
         self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
         left = adoption.read_worker(self.dir)
         self.leftover = left if left is not None and left.job_run_id == orphan.id else None
@@ -224,6 +273,8 @@ class JobRunLog:
             except Exception as e:  # teardown: the job run status below matters more
                 logging.getLogger(__name__).warning("could not record the interrupted attempt: %s", e)
         self.store.finish_job_run(self.job_run_id, end.status, end.message)
+        if self.tracker is not None:  # briefly: the emergency checkpoint's metrics, the run's status
+            self.tracker.finish(str(end.status), timeout_s=INTERRUPTED_TRACKING_S)
         if not self.store.flush(timeout_s=5):
             logging.getLogger(__name__).warning(
                 "history database unavailable: %d record(s) kept in the journal", self.store.pending
@@ -260,6 +311,9 @@ class JobRunLog:
             record.extra["checkpoint_interval"] = {
                 "seconds": iv.seconds, "cost_s": iv.cost_s, "mtbf_s": iv.mtbf_s, "reason": iv.reason,
             }  # fmt: skip
+        check = self._resume_check(worker, result, record.attempt)
+        if check is not None:  # in the row: the verdict on this resume (docs/tracking.md)
+            record.extra["resume_check"] = check.as_dict()
         if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
             record.extra["rejected"] = [list(r) for r in result.rejected]
             self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)
@@ -272,6 +326,20 @@ class JobRunLog:
                          steps, result.last_durable_step, result.resumed_from)
         )  # fmt: skip
         return record
+
+    def _resume_check(self, worker: Worker, result: WatchResult, attempt: int) -> ResumeCheck | None:
+        """Compare what this attempt and the one it took over from computed (tasks/tracking/fidelity.py)."""
+        previous = next(
+            (r for r in reversed(self.records) if r.outcome is not Outcome.PROVISION_FAILED), None
+        )
+        try:
+            if self.checker is None:
+                storage = open_storage(self.job.storage, self.job.s3)
+                self.checker = ResumeChecker(storage, self.job.tracking.resume_rtol)
+            return self.checker.check(worker, result, previous, attempt)
+        except Exception as e:  # a check that cannot be made must not lose the attempt's row
+            self.sink.log(logging.WARNING, f"resume check of attempt {attempt} not made: {e}")
+            return None
 
     def provision_failed(self, attempt: int, error: ProvisionError, started_at: float) -> AttemptRecord:
         return provision_failed_record(attempt, self.provider_name, error, started_at, time.time())
@@ -294,24 +362,45 @@ class JobRunLog:
         self.store.record_attempt(self.job_run_id, record)
         if self._in_flight is not None and self._in_flight.attempt == record.attempt:
             self.in_flight = None
+        check = ResumeCheck(**record.extra["resume_check"]) if "resume_check" in record.extra else None
+        if check is not None:
+            self._resume_checked(check)
+        if self.tracker is not None:
+            self.tracker.attempt(record, check)
         try:
             self.sink.attempts(self.job.name, self.records)
         except Exception as e:  # an artifact is a view; the row above is the record
             logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
 
+    def _resume_checked(self, check: ResumeCheck) -> None:
+        """The verdict as a log line and an event; a mismatch's event carries the label automations match."""
+        level = logging.WARNING if check.verdict == "mismatch" else logging.INFO
+        self.sink.log(level, f"resume check, {check.line()}")
+        payload = {**check.as_dict(), "checkpoint": self._uri(check.resumed_from) or "",
+                   "flow_run_id": self.flow_run_id, "first_diff": check.first_diff or 0}  # fmt: skip
+        self.sink.event(RESUME_CHECKED, self.job.name, payload, {VERDICT_LABEL: check.verdict})
+
+    @property
+    def resume_checks(self) -> list[dict[str, Any]]:
+        return [r.extra["resume_check"] for r in self.records if "resume_check" in r.extra]
+
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
         self.store.finish_job_run(self.job_run_id, status, message)  # first: the reports below are views
+        tracking = self.tracker.finish(status) if self.tracker is not None else None
         try:
             timeline = self._timeline()
         except (OSError, StorageError) as e:  # a report that cannot be saved must not fail a finished job
             self.sink.log(logging.WARNING, f"timeline not saved: {e}")
             timeline = ""
         final = max((r.last_step for r in self.records), default=0)
+        checks = self.resume_checks
         summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
                           wall_s, timeline, *total_cost(self.records),
-                          report.checkpoint_interval(self.records))  # fmt: skip
-        self.sink.summary(self.job.name, report.summary_markdown(self.job.name, status, self.records,
-                                                                 wall_s, timeline))  # fmt: skip
+                          report.checkpoint_interval(self.records), resume_checks=checks,
+                          resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
+                          mlflow=tracking.as_dict() if tracking is not None else None)  # fmt: skip
+        markdown = report.summary_markdown(self.job.name, status, self.records, wall_s, timeline)
+        self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
         adoption.clear_controller(self.dir)
         if not self.store.flush(timeout_s=10):
             self.sink.log(

@@ -160,6 +160,51 @@ class DistributedOptions(BaseModel):
         return per_node * self.nnodes
 
 
+class TrackingOptions(BaseModel):
+    """Experiment tracking in MLflow and the resume-fidelity check. The controller talks to MLflow; the
+    trainer never imports it (3-4 s), it only writes each step's metrics to storage once a checkpoint
+    covers them (docs/tracking.md)."""
+
+    # `register` is the name people write; as a field name it would shadow BaseModel.register (ABC's)
+    model_config = ConfigDict(
+        extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    mlflow: bool = Field(
+        default=True,
+        description="one MLflow run per job run: the spec as params, per-step loss/lr/steps_per_s once "
+        "durable, preemptions, the resume checks and the final model",
+    )
+    uri: str | None = Field(
+        default=None,
+        description="tracking URI (http(s)://server, databricks, sqlite:///file.db); default "
+        "$MLFLOW_TRACKING_URI, else the embedded sqlite:///$SPOTRUN_HOME/mlflow.db",
+    )
+    experiment: str | None = Field(default=None, description="MLflow experiment; default the job's name")
+    register_model: bool = Field(
+        default=True,
+        alias="register",
+        description="register the final weights and the spec as a new version of the model named after "
+        "the job",
+    )
+    resume_rtol: float = Field(
+        default=1e-3,
+        ge=0,
+        le=1,
+        description="relative tolerance of a `close` resume check (steps computed twice differ by at "
+        "most this much); beyond it: `mismatch`",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_form(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v and not v.startswith("databricks"):
+            raise ValueError(
+                f"{v!r} is not a tracking URI: use http(s)://host:port, sqlite:///path or databricks"
+            )
+        return v
+
+
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
@@ -192,6 +237,9 @@ class JobSpec(BaseModel):
         default_factory=PreemptionOptions, description="cloud interruption notices"
     )
     log_every: int = Field(default=10, ge=1)
+    tracking: TrackingOptions = Field(
+        default_factory=TrackingOptions, description="MLflow tracking and the resume-fidelity check"
+    )
 
     @field_validator("recipe")
     @classmethod

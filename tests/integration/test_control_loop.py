@@ -63,7 +63,7 @@ def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> N
     names = [name for name, _ in sink.events]
     assert names == [
         "spotrun.attempt.started", "spotrun.attempt.preempted", "spotrun.job.restarted",
-        "spotrun.attempt.started", "spotrun.job.completed",
+        "spotrun.attempt.started", "spotrun.attempt.resume-checked", "spotrun.job.completed",
     ]  # fmt: skip
     store = HistoryStore.open(settings.database_url)
     runs, rows = store.job_runs("plain"), store.attempts(job="plain")

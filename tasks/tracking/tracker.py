@@ -1,0 +1,331 @@
+"""The controller's side of experiment tracking: a thread that feeds one MLflow run per job run.
+
+Nothing here is on the restart path. The thread imports MLflow (2-4 s) and opens the store while the
+first trainer starts; the control loop only hands it attempt records and resume checks (a list append)
+and waits for it at the end. Every POLL_S it sends what the trainers published to the job's storage
+(`metrics/`, trainer/metrics_log.py): steps covered by a durable checkpoint, each once (mlflow_run.py).
+
+The run's id is created once and kept with the job: `tracking.json` in the job's storage (so whichever
+controller, on whichever host, continues the job re-attaches) and `job_runs.mlflow_run_id` in SQL.
+
+A tracking server that cannot be reached never stops training: one warning line per outage, the
+metrics wait in storage (where the trainers wrote them anyway), and the thread retries every RETRY_S;
+"back" is an INFO line with what was sent. At the end the run log waits for the last metrics, the model
+and the run's status, up to FINISH_TIMEOUT_S (or OUTAGE_WAIT_S once the server is down); what is left
+then is sent by the next run of the job, which re-attaches the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.tracking.fidelity import ResumeCheck, worst_verdict
+from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
+from tasks.tracking.steps import read_steps
+from trainer.ckpt_format import MODEL_FILE, checkpoint_uri, step_dir
+from trainer.errors import StorageError
+from trainer.resume import completed_step
+from trainer.spec import JobSpec
+from trainer.storage import Storage, get_bytes, open_storage, put_bytes
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0  # metrics reach MLflow this long after their checkpoint is durable, at most
+RETRY_S = 5.0
+FINISH_TIMEOUT_S = 600.0  # a large model's upload to a remote server
+OUTAGE_WAIT_S = 10.0
+TRACKING_FILE = "tracking.json"
+STATUS = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED", "crashed": "FAILED"}
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a job's runs are tracked: resolved from the spec, the environment and SPOTRUN_HOME."""
+
+    tracking_uri: str
+    experiment: str
+    artifact_root: str | None  # for the embedded store: $SPOTRUN_HOME/mlflow-artifacts
+    embedded: Path | None  # the embedded store's file
+
+    @classmethod
+    def of(cls, job: JobSpec, home: Path, environ: dict[str, str]) -> Where:
+        uri = job.tracking.uri or environ.get("MLFLOW_TRACKING_URI", "").strip()
+        experiment = job.tracking.experiment or job.name
+        if uri:
+            return cls(uri, experiment, None, None)
+        db = home / "mlflow.db"
+        return cls(f"sqlite:///{db}", experiment, (home / "mlflow-artifacts").as_uri(), db)
+
+
+@dataclass
+class TrackingInfo:
+    """What the flow's summary and `spotrun run` say about the MLflow run."""
+
+    tracking_uri: str
+    experiment: str
+    experiment_id: str | None = None
+    run_id: str | None = None
+    url: str | None = None
+    model: str | None = None  # "name/version" registered at completion
+    sent_through: int = 0  # the last step whose metrics MLflow has
+    pending: bool = False  # something is still to be sent (the server did not answer in time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class _Final:
+    status: str  # a job-run status: completed, failed, cancelled, crashed
+
+
+class Tracker:
+    """One job run's MLflow run, fed by a background thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        job: JobSpec,
+        where: Where,
+        job_run_id: str,
+        flow_run_id: str,
+        provider: str,
+        known_run_id: str | None = None,
+        on_attached: Callable[[str], None] | None = None,
+    ) -> None:
+        self.job, self.where, self.job_run_id = job, where, job_run_id
+        self.flow_run_id, self.provider, self.known_run_id = flow_run_id, provider, known_run_id
+        self.on_attached = on_attached
+        self.info = TrackingInfo(where.tracking_uri, where.experiment)
+        self.run: MlflowRun | None = None
+        self._pending: list[tuple[AttemptRecord | None, ResumeCheck | None]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self._final: _Final | None = None
+        self._stop = False
+        self._down_since: float | None = None
+        self._down_reason = ""
+        self._sent = 0  # steps sent since the outage began (for the line that says it is back)
+        self._thread = threading.Thread(target=self._main, name="spotrun-tracking", daemon=True)
+
+    def start(self) -> Tracker:
+        self._thread.start()
+        return self
+
+    # -- the control loop's calls (never block) ---------------------------------------------------
+
+    def attempt(self, record: AttemptRecord, check: ResumeCheck | None = None) -> None:
+        """An attempt was recorded: its count and capacity as tags; a preemption event; its resume check."""
+        with self._lock:
+            self._pending.append((record, check))
+        self._wake.set()
+
+    def finish(self, status: str, timeout_s: float = FINISH_TIMEOUT_S) -> TrackingInfo:
+        """Send the rest, register the model (completed), end the run; wait for it (bounded), then stop."""
+        self._final = _Final(status)
+        self._wake.set()
+        t0 = time.monotonic()
+        while not self._done.wait(0.2):
+            now = time.monotonic()
+            down = self._down_since
+            if now - t0 > timeout_s or (down is not None and now - max(t0, down) > OUTAGE_WAIT_S):
+                self.info.pending = True
+                log.warning(
+                    "MLflow at %s %s: metrics after step %d wait in %s/metrics/ and are sent when this job "
+                    "runs again", self.where.tracking_uri,
+                    f"unreachable ({self._down_reason})" if down is not None else "too slow",
+                    self.info.sent_through, self.job.storage,
+                )  # fmt: skip
+                break
+        self._stop = True
+        self._wake.set()
+        return self.info
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        storage: Storage | None = None
+        while not self._stop:
+            try:
+                storage = storage or open_storage(self.job.storage, self.job.s3)
+                if self._sync(storage):
+                    self._done.set()
+                    return
+                self._up()
+            except Exception as e:  # the tracking server, storage or a bug: never the training's problem
+                self._down(e)
+            self._wake.wait(RETRY_S if self._down_since is not None else POLL_S)
+            self._wake.clear()
+
+    def _sync(self, storage: Storage) -> bool:
+        """One round: attach, send new steps and events; at the end, the model and the status. True when
+        the run is finished."""
+        final = self._final  # read once: the last round sends everything published before it
+        run = self.run or self._attach(storage)
+        sent = run.log_steps(read_steps(storage, run.through).values())
+        self.info.sent_through = run.through
+        self._sent += sent
+        while self._pending:  # in order; only this thread takes from the front
+            record, check = self._pending[0]
+            self._send(run, record, check)
+            with self._lock:
+                self._pending.pop(0)
+        if final is None:
+            return False
+        if final.status == "completed" and self.job.tracking.register_model and self.info.model is None:
+            self.info.model = self._register(run, storage)
+        run.end(STATUS.get(final.status, "FAILED"))
+        return True
+
+    def _attach(self, storage: Storage) -> MlflowRun:
+        if self.where.embedded is not None:
+            embedded_store(self.where.embedded)
+        known = [k for k in (_stored_run(storage, self.where.tracking_uri), self.known_run_id) if k]
+        job = self.job
+        tags = {
+            "mlflow.runName": f"{job.name}-{self.job_run_id[:8]}",
+            "spotrun.job": job.name,
+            "spotrun.job_run_id": self.job_run_id,
+            "spotrun.flow_run_id": self.flow_run_id,
+            "spotrun.provider": self.provider,
+            "spotrun.storage": job.storage,
+            "spotrun.spec_hash": job.spec_hash(),
+        }
+        run, created = MlflowRun.attach(
+            self.where.tracking_uri, self.where.experiment, self.where.artifact_root, known, tags, job
+        )
+        if not created:  # a new job run or controller continues it: who is feeding it now
+            run.set_tags({k: v for k, v in tags.items() if k != "mlflow.runName"})
+        ref = run.ref
+        body = {"tracking_uri": ref.tracking_uri, "experiment_id": ref.experiment_id, "run_id": ref.run_id}
+        put_bytes(storage, TRACKING_FILE, json.dumps(body).encode())
+        self.run = run
+        self.info.experiment_id, self.info.run_id, self.info.url = ref.experiment_id, ref.run_id, ref.url()
+        self.info.sent_through = run.through
+        log.info("MLflow run %s (%s): %s", ref.run_id, "created" if created else "re-attached", ref.url())
+        if self.on_attached is not None:
+            self.on_attached(ref.run_id)
+        return run
+
+    def _send(self, run: MlflowRun, record: AttemptRecord | None, check: ResumeCheck | None) -> None:
+        key = f"{self.job_run_id[:8]}.{record.attempt}" if record is not None else ""
+        if record is not None:
+            run.set_tags(
+                {
+                    "spotrun.attempts": str(record.attempt),
+                    "spotrun.capacity": _capacity(record, self.provider),
+                }
+            )
+            if record.outcome is Outcome.PREEMPTED:
+                text = f"attempt {record.attempt} at step {record.last_step}: {record.cause}"
+                text += f"; lost {record.lost_steps} step(s)"
+                run.log_preemption(key, record.last_step, text[:500])
+        if check is not None:
+            run.set_tags({RESUME_TAG + key: f"{check.verdict}: {check.detail}"[:500]})
+            verdicts = [v.split(":", 1)[0] for k, v in run.tags.items() if k.startswith(RESUME_TAG)]
+            worst = worst_verdict(verdicts)
+            if worst is not None:
+                run.set_tags({FIDELITY: worst})
+
+    def _register(self, run: MlflowRun, storage: Storage) -> str | None:
+        step = completed_step(storage)
+        if step is None:
+            log.warning("no COMPLETED.json in %s: no model registered", self.job.storage)
+            return None
+        tags = {
+            "spotrun.flow_run_id": self.flow_run_id,
+            "spotrun.job_run_id": self.job_run_id,
+            "spotrun.checkpoint": checkpoint_uri(self.job.storage, step),
+            "spotrun.step": str(step),
+        }
+        with _final_weights(storage, step) as weights:
+            if weights is None:
+                log.warning("checkpoint step %d has no %s: no model registered", step, MODEL_FILE)
+                return None
+            return run.register(self.job.name, weights, self.job, tags)
+
+    def _down(self, e: Exception) -> None:
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        if self._down_since is None:
+            self._down_since, self._down_reason = time.monotonic(), reason
+            log.warning(
+                "MLflow at %s unavailable (%s): training continues; metrics wait in %s/metrics/ and are sent "
+                "when it answers", self.where.tracking_uri, reason, self.job.storage,
+            )  # fmt: skip
+        else:
+            log.debug("MLflow still unavailable: %s", reason)
+
+    def _up(self) -> None:
+        if self._down_since is not None:
+            log.info("MLflow at %s is back: %d waiting step(s) sent", self.where.tracking_uri, self._sent)
+        self._down_since, self._sent = None, 0
+
+
+def _stored_run(storage: Storage, tracking_uri: str) -> str | None:
+    """The MLflow run this storage's training goes to on this tracking server, if one was made."""
+    try:
+        body = json.loads(get_bytes(storage, TRACKING_FILE))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        log.warning("ignoring a malformed %s in %s", TRACKING_FILE, storage.uri)
+        return None
+    if isinstance(body, dict) and body.get("tracking_uri") == tracking_uri and body.get("run_id"):
+        return str(body["run_id"])
+    return None
+
+
+def _capacity(record: AttemptRecord, provider: str) -> str:
+    market = (record.extra.get("cost") or {}).get("market")
+    if market:
+        return str(market)
+    return "spot (simulated)" if provider == "local" else "unknown"
+
+
+@contextmanager
+def _final_weights(storage: Storage, step: int) -> Iterator[Path | None]:
+    """The final checkpoint's weights as one local safetensors file (downloaded; a sharded checkpoint's
+    DCP shards merged into one), removed on exit; None when the checkpoint has no model."""
+    name = step_dir(step)
+    with tempfile.TemporaryDirectory(prefix="spotrun-weights-") as d:
+        out = Path(d)
+        files = sorted({o.key.rsplit("/", 1)[-1] for o in storage.list(name + "/")})
+        weights: Path | None = None
+        try:
+            if MODEL_FILE in files:
+                storage.get(f"{name}/{MODEL_FILE}", out / MODEL_FILE)
+                weights = out / MODEL_FILE
+            elif ".metadata" in files:
+                weights = _gather_dcp(storage, name, files, out)
+        except (OSError, StorageError) as e:
+            log.warning("final weights of step %d not read: %s", step, e)
+        yield weights
+
+
+def _gather_dcp(storage: Storage, name: str, files: list[str], out: Path) -> Path:
+    """A sharded checkpoint's model as one safetensors file: its DCP folder fetched and merged
+    (torch's dcp_to_torch_save; no process group needed)."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    local = out / name
+    local.mkdir()
+    for f in files:
+        if f == ".metadata" or f.endswith(".distcp"):
+            storage.get(f"{name}/{f}", local / f)
+    dcp_to_torch_save(str(local), str(out / "full.pt"))
+    state = torch.load(out / "full.pt", weights_only=True)
+    model = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    save_file(model, str(out / MODEL_FILE))
+    return out / MODEL_FILE

@@ -1,0 +1,201 @@
+"""Experiment tracking's pure parts: resume-fidelity verdicts (tables), the trainer's metrics buffer, reading
+the published steps back, retention leaving them alone, and where a job's runs are tracked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.tracking.fidelity import Value, continuity_verdict, replay_verdict, replayed, worst_verdict
+from tasks.tracking.mlflow_run import RunRef, flatten
+from tasks.tracking.steps import read_steps
+from tasks.tracking.tracker import Where
+from trainer.catalog import apply_retention
+from trainer.ckpt_format import MANIFEST, step_dir
+from trainer.metrics_log import MetricsLog, metrics_key, parse_metrics_key
+from trainer.spec import JobSpec
+from trainer.storage import LocalStorage, put_bytes
+
+L = {1: Value(2.5, 1e-3), 2: Value(2.25, 1e-3), 3: Value(2.0, 9e-4)}
+
+
+@pytest.mark.parametrize(
+    ("lost", "resumed", "verdict", "first_diff"),
+    [
+        (L, L, "exact", None),
+        (L, {**L, 2: Value(2.25 * (1 + 1e-6), 1e-3)}, "close", 2),  # within 1e-3
+        (L, {**L, 3: Value(2.0, 9e-4 * (1 + 1e-5))}, "close", 3),  # the rate counts too
+        (L, {**L, 2: Value(2.3, 1e-3), 3: Value(2.1, 9e-4)}, "mismatch", 2),
+        ({2: Value(2.25)}, L, "exact", None),  # one sampled step (EC2: the last status record)
+        ({7: Value(1.0)}, L, None, None),  # nothing in common: no verdict
+    ],
+)
+def test_replay_verdict(
+    lost: dict[int, Value], resumed: dict[int, Value], verdict: str | None, first_diff: int | None
+) -> None:
+    v = replay_verdict(lost, resumed, rtol=1e-3)
+    assert (v.verdict, v.first_diff) == (verdict, first_diff) if v is not None else verdict is None
+
+
+FLAT = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("expected_lr", "first", "recent", "verdict"),
+    [
+        (1e-3, Value(1.0, 1e-3), FLAT, "exact"),  # the rate bit for bit, the loss in the trend
+        (1e-3, Value(1.0, 1e-3 * (1 + 1e-6)), FLAT, "close"),
+        (1e-3, Value(1.0, 5e-4), FLAT, "mismatch"),  # the schedule restarted
+        (1e-3, Value(2.3, 1e-3), FLAT, "mismatch"),  # the weights were not restored
+        (None, Value(1.0), FLAT, "close"),  # no rate to compare: a trend proves no bits
+        (1e-3, Value(9.0, 1e-3), FLAT[:3], "exact"),  # too few losses for a trend: the rate alone
+        (None, Value(1.0), FLAT[:3], None),
+        (1e-3, None, FLAT, None),  # the resumed attempt's first step is not known
+    ],
+)
+def test_continuity_verdict(
+    expected_lr: float | None, first: Value | None, recent: list[float], verdict: str | None
+) -> None:
+    v = continuity_verdict(11, expected_lr, first, recent, rtol=1e-3)
+    assert (v.verdict if v is not None else None) == verdict
+
+
+def test_worst_verdict() -> None:
+    assert worst_verdict(["exact", "close", "exact"]) == "close"
+    assert worst_verdict(["close", "mismatch"]) == "mismatch"
+    assert worst_verdict([]) is None
+
+
+def _lines(*steps: int) -> list[tuple[int, float]]:
+    return [(s, float(s)) for s in steps]
+
+
+@pytest.mark.parametrize(
+    ("lines", "resumed_from", "lost", "mine"),
+    [
+        # attempt 1 ran to 15 with step 10 durable, was killed; attempt 2 resumed from 10 and ran to 17
+        (_lines(*range(1, 16), *range(11, 18)), 10, range(11, 16), range(11, 18)),
+        # with a notice the resumed attempt continues the line before it: nothing computed twice
+        (_lines(*range(1, 11), *range(11, 18)), 10, (), ()),
+        # an earlier replay in the file (resumed from 5) is not this one's
+        (_lines(*range(1, 9), *range(6, 14), *range(11, 16)), 10, range(11, 14), range(11, 16)),
+        # resumed from scratch after a reclaim before the first checkpoint
+        (_lines(1, 2, 3, 1, 2), 0, range(1, 4), range(1, 3)),
+        ([], 10, (), ()),
+    ],
+)
+def test_replayed_steps_from_the_metrics_file(
+    lines: list[tuple[int, float]], resumed_from: int, lost: range, mine: range
+) -> None:
+    a, b = replayed(lines, resumed_from)
+    assert (sorted(a), sorted(b)) == (list(lost), list(mine))
+
+
+def test_metrics_log_publishes_each_step_once_when_durable(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    log = MetricsLog(storage)
+    for step in range(1, 8):
+        log.record(step, 1.0 / step, 1e-3 * step, 1e-3 * (step + 1))
+    log.publish(5)  # the checkpoint at 5 is durable; 6 and 7 are not yet
+    log.publish(5)  # nothing left up to 5: no second object
+    assert [o.key for o in storage.list("metrics/")] == [metrics_key(5)]
+    got = read_steps(storage)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert got[3].loss == 1.0 / 3 and got[3].lr == 3e-3  # bitwise, through float.hex
+    assert got[5].lr_next == 6e-3 and got[4].lr_next is None  # the durable step's next rate only
+    assert got[1].steps_per_s is None and got[2].steps_per_s is not None
+    log.publish(7)
+    assert sorted(read_steps(storage)) == list(range(1, 8))
+    assert sorted(read_steps(storage, after=5)) == [6, 7]
+
+
+class Flaky(LocalStorage):
+    fail = True
+
+    def put(self, key: str, src: Path) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        super().put(key, src)
+
+
+def test_a_failed_write_keeps_the_steps_for_the_next_checkpoint(tmp_path: Path) -> None:
+    storage = Flaky(tmp_path)
+    log = MetricsLog(storage)
+    for step in range(1, 5):
+        log.record(step, 1.0, 1e-3, 1e-3)
+    log.publish(2)  # fails: nothing written, nothing dropped, the checkpoint is not failed
+    storage.fail = False
+    log.publish(4)
+    assert [o.key for o in storage.list("metrics/")] == [metrics_key(4)]
+    assert sorted(read_steps(storage)) == [1, 2, 3, 4]
+
+
+def test_ranks_other_than_the_first_write_nothing(tmp_path: Path) -> None:
+    log = MetricsLog(None)
+    log.record(1, 1.0, 1e-3, 1e-3)
+    log.publish(1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_step_in_two_objects_counts_once_from_the_first(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+
+    def obj(durable: int, steps: range, loss: float) -> None:
+        lines = [json.dumps({"step": s, "t": 1.0, "loss": loss.hex(), "lr": (1e-3).hex()}) for s in steps]
+        put_bytes(storage, metrics_key(durable), ("\n".join(lines) + "\n").encode())
+
+    obj(20, range(11, 21), 1.0)
+    obj(15, range(11, 16), 2.0)  # a recomputation after a quarantine, older key: read first
+    got = read_steps(storage)
+    assert sorted(got) == list(range(11, 21)) and got[12].loss == 2.0 and got[18].loss == 1.0
+    assert sorted(read_steps(storage, after=12, through=14)) == [13, 14]
+    assert parse_metrics_key("metrics/step_000000020.jsonl") == 20 and parse_metrics_key("latest") is None
+
+
+def test_retention_never_touches_the_metrics(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    for step in (10, 20, 30, 40):
+        put_bytes(storage, f"{step_dir(step)}/model.safetensors", b"w")
+        put_bytes(storage, f"{step_dir(step)}/{MANIFEST}", b"{}")
+        put_bytes(storage, metrics_key(step), b"{}\n")
+    put_bytes(storage, "tracking.json", b"{}")
+    assert apply_retention(storage, verified=40, keep=2, orphan_age_s=0) == [10, 20]
+    assert [o.key for o in storage.list("metrics/")] == [metrics_key(s) for s in (10, 20, 30, 40)]
+    assert (tmp_path / "tracking.json").is_file()
+
+
+def _job(**tracking: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "j", "recipe": "digits", "total_steps": 5, "tracking": tracking})
+
+
+def test_where_a_job_is_tracked(tmp_path: Path) -> None:
+    embedded = Where.of(_job(), tmp_path, {})
+    assert embedded.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}" and embedded.experiment == "j"
+    assert embedded.artifact_root == (tmp_path / "mlflow-artifacts").as_uri()
+    env = {"MLFLOW_TRACKING_URI": "http://mlflow.team:5000"}
+    assert Where.of(_job(), tmp_path, env).tracking_uri == "http://mlflow.team:5000"
+    spec = _job(uri="https://mlflow.example", experiment="team-x")
+    assert (Where.of(spec, tmp_path, env).tracking_uri, Where.of(spec, tmp_path, env).experiment) == (
+        "https://mlflow.example",
+        "team-x",
+    )
+    assert Where.of(spec, tmp_path, env).embedded is None
+
+
+def test_tracking_options_in_the_spec() -> None:
+    assert _job().tracking.mlflow and _job().tracking.register_model
+    off = _job(mlflow=False, register=False)
+    assert not off.tracking.mlflow and not off.tracking.register_model
+    assert off.model_dump(mode="json")["tracking"]["register"] is False  # the name people write
+    with pytest.raises(ValueError, match="not a tracking URI"):
+        _job(uri="mlflow.team")
+
+
+def test_params_and_urls() -> None:
+    params = flatten({"args": {"hidden": 32, "dims": [1, 2]}, "name": "j", "amp": False, "x": None})
+    assert params == {"args.hidden": "32", "args.dims": "[1, 2]", "name": "j", "amp": "false", "x": "null"}
+    ref = RunRef("sqlite:////h/mlflow.db", "1", "abc")
+    assert ref.url() == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert RunRef("http://m:5000/", "2", "r").url() == "http://m:5000/#/experiments/2/runs/r"
