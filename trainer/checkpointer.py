@@ -99,20 +99,23 @@ class BackgroundSaver:
     def close(self) -> None:
         """Release what the saver holds beyond the attempt (buffers of a stager)."""
 
-    def _persist_in(self, background: bool, persist: Callable[..., None], *args: Any) -> None:
-        """Run `persist(*args)` in the writer thread, or here (then raise its failure at once)."""
+    def _persist_in(
+        self, background: bool, persist: Callable[..., None], *args: Any, nice: bool = True
+    ) -> None:
+        """Run `persist(*args)` in the writer thread (at a lower priority unless not `nice`: then
+        `persist` lowers it itself when it may), or here (then raise its failure at once)."""
         if background:
             self._thread = threading.Thread(
-                target=self._guarded, args=(persist, *args), name="spotrun-ckpt", daemon=True
+                target=self._guarded, args=(persist, nice, *args), name="spotrun-ckpt", daemon=True
             )
             self._thread.start()
         else:
-            self._guarded(persist, *args)
+            self._guarded(persist, False, *args)
             self.check()
 
-    def _guarded(self, persist: Callable[..., None], *args: Any) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _lower_thread_priority()
+    def _guarded(self, persist: Callable[..., None], nice: bool, *args: Any) -> None:
+        if nice and threading.current_thread() is not threading.main_thread():
+            lower_thread_priority()
         try:
             persist(*args)
         except BaseException as e:  # boundary of the writer thread: handed to the loop via check()
@@ -168,7 +171,7 @@ class Checkpointer(BackgroundSaver):
         prune_local(self.cache, {manifest.step})
 
 
-def _lower_thread_priority() -> None:
+def lower_thread_priority() -> None:
     # On Linux a thread is a task with its own nice value. Serialization, hashing and copying
     # compete with the training step for the same cores; at nice 10 the writer mostly fills the
     # gaps the step leaves, and the loop keeps its speed (background work is not on the critical

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.catalog import apply_retention, prune_local, write_latest
-from trainer.checkpointer import BackgroundSaver, SaveTimings, verify_remote
+from trainer.checkpointer import BackgroundSaver, SaveTimings, lower_thread_priority, verify_remote
 from trainer.ckpt_format import (
     MANIFEST,
     SHARDED,
@@ -68,6 +69,44 @@ def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
     )  # fmt: skip
 
 
+class ShardStager:
+    """This rank's shards copied into host buffers that are reused, checkpoint after checkpoint.
+
+    DCP's own stager deep-copies every tensor of the state dict, one Python call chain per tensor:
+    45-60 ms of a 62 ms stall for a 110 MB charlm state on 2 CPU ranks (~200 sharded tensors, profiled),
+    while copying the same bytes into reused buffers takes 5-10 ms. Here each tensor's buffer, and the
+    DTensor that wraps it for DCP, are made once; a save copies into them. Non-tensor values (the
+    optimizer's learning rate) are taken fresh from each state dict. Used on CPU; on CUDA DCP's stager
+    copies into pinned memory, the path PyTorch tests (our own staging there is not measured yet)."""
+
+    def __init__(self) -> None:
+        self._staged: dict[str, Any] = {}  # path -> staged tensor (a DTensor over a reused buffer)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state: Any, path: str = "") -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(state, dict):
+            return {k: self.stage(v, f"{path}/{k}") for k, v in state.items()}
+        if isinstance(state, list):
+            return [self.stage(v, f"{path}/{i}") for i, v in enumerate(state)]
+        if not isinstance(state, torch.Tensor):
+            return state
+        local = state.to_local() if isinstance(state, DTensor) else state
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = torch.empty_like(local, device="cpu")
+            self._buffers[path] = buf
+            self._staged[path] = buf
+            if isinstance(state, DTensor):
+                self._staged[path] = DTensor.from_local(
+                    buf, state.device_mesh, state.placements, run_check=False, shape=state.shape,
+                    stride=state.stride(),
+                )  # fmt: skip
+        buf.copy_(local.detach())
+        return self._staged[path]
+
+
 class ShardedCheckpointer(BackgroundSaver):
     """The Checkpointer's interface (save, check, wait, bandwidth) for a job's ranks."""
 
@@ -89,6 +128,8 @@ class ShardedCheckpointer(BackgroundSaver):
         self.registry, self.ranks, self.strategy = registry, ranks, strategy
         self.snapshotter = Snapshotter(pin_memory)
         self.stager = _stager(pin_memory)
+        self.own_staging = not (pin_memory and torch.cuda.is_available())
+        self.shard_stager = ShardStager()
         # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
 
@@ -104,22 +145,32 @@ class ShardedCheckpointer(BackgroundSaver):
         shards = dcp_state(self.registry)
         timings = SaveTimings(step)
         background = self.background and not wait
-        future = None
-        if background:
+        future, staged = None, None
+        if background and self.own_staging:  # staged here; written by dcp.save in the writer thread
+            staged = self.shard_stager.stage(shards)
+        elif background:
             future = dcp.async_save(
                 shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, async_stager=self.stager
             )
         else:
             dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
         timings.snapshot_s = time.perf_counter() - t0
-        self._persist_in(background, self._commit, future, tmp, snap, manifest_base, timings)
+        self._persist_in(
+            background, self._commit, future, staged, tmp, snap, manifest_base, timings, nice=False
+        )
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.stager.close()
 
     def _commit(
-        self, future: Any, tmp: Path, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings
+        self,
+        future: Any,
+        staged: dict[str, Any] | None,
+        tmp: Path,
+        snap: dict[str, Any],
+        base: dict[str, Any],
+        t: SaveTimings,
     ) -> None:
         step, rank = t.step, self.ranks.rank
         report: tuple[dict[str, FileEntry], str | None]
@@ -127,6 +178,13 @@ class ShardedCheckpointer(BackgroundSaver):
         try:
             if future is not None:
                 future.result()
+            elif staged is not None:  # our own staging: DCP writes the staged copy from this thread
+                # at normal priority: its planning collectives hold every rank up (the whole save at nice 10
+                # took 0.73-1.0 s against 0.42-0.49 s at normal priority, measured); hashing and uploads
+                # below may yield to training
+                dcp.save(staged, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+            if threading.current_thread() is not threading.main_thread():
+                lower_thread_priority()
             files = self._write_own(tmp, snap, step)
             t1 = time.perf_counter()
             for fname in sorted(files):
