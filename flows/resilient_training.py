@@ -3,12 +3,17 @@
 The loop (tasks/control.py `run_job`) provisions, trains, releases, checks, records and decides; this
 flow gives it a Prefect sink (task runs, events, artifacts, the run's log), one slot per job (a second
 run of the same job waits or is refused), and hooks that close the job run's SQL row if the flow is
-cancelled or crashes before the loop could.
+cancelled or crashes before the loop could. When the job is tracked in MLflow, the flow run links to
+its MLflow run (an artifact).
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from prefect import flow
+from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
@@ -20,6 +25,7 @@ from tasks.prefect_sink import PrefectSink
 from tasks.providers import ProviderConfig, build_provider
 from tasks.providers.local import LocalProviderConfig
 from tasks.recovery import recovered_run
+from tasks.reporting import artifact_key
 from tasks.settings import Settings
 from trainer.spec import JobSpec
 
@@ -42,5 +48,23 @@ def resilient_training(
     recovers = recovered_run(flow_run.get_tags())  # started by recover-job: continue that job run
     result = run_job(job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id,
                      recovers=recovers)  # fmt: skip
+    _link_mlflow(job, result.summary.mlflow)
     state = Completed if result.completed else Failed
     return state(message=result.message, data=result.summary.as_dict())
+
+
+def _link_mlflow(job: JobSpec, mlflow: dict[str, Any] | None) -> None:
+    """The MLflow run as a link artifact on the flow run (a view: never fails the run)."""
+    if not mlflow or not mlflow.get("url"):
+        return
+    local = not str(mlflow["tracking_uri"]).startswith("http")
+    note = f" (serve it first: mlflow ui --backend-store-uri {mlflow['tracking_uri']})" if local else ""
+    try:
+        create_link_artifact(
+            mlflow["url"],
+            link_text=f"MLflow run {mlflow['run_id']}",
+            key=artifact_key(job.name, "mlflow"),
+            description=f"metrics, preemptions and model of {job.name} in MLflow{note}",
+        )
+    except Exception as e:  # an artifact is a view; the run's state is the record
+        logging.getLogger(__name__).warning("MLflow link artifact not created: %s", e)

@@ -2,12 +2,15 @@
 while a simulated spot market takes its workers away three times, then show that it ends bit for bit
 where an uninterrupted run ends. The three restarts raise one restart-storm alert through the real
 path (deployments applied, automations, a worker running the alert flow): printed here, and sent to
-Slack when SPOTRUN_SLACK_WEBHOOK_URL (or SPOTRUN_SLACK_TOKEN + SPOTRUN_SLACK_CHANNEL) is set.
+Slack when SPOTRUN_SLACK_WEBHOOK_URL (or SPOTRUN_SLACK_TOKEN + SPOTRUN_SLACK_CHANNEL) is set. The job
+is tracked in MLflow (the embedded store): one run whose per-step losses equal the uninterrupted run's,
+with the three preemptions and the registered model; the demo says how to browse it with `mlflow ui`.
 
 Embedded defaults only (PREFECT_API_URL and SPOTRUN_DATABASE_URL are ignored). Under $SPOTRUN_HOME
 (default ./.spotrun/):
   demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), history.db
-             (the SQLite restart history), jobs/digits/ (workers, metrics, timeline) and reference/ (an
+             (the SQLite restart history), mlflow.db and mlflow-artifacts/ (the MLflow run and model),
+             jobs/digits/ (workers, metrics, timeline) and reference/ (an
              uninterrupted `python -m trainer` run of the same job, made in the background) and
              worker.log (the Prefect worker that runs the alert flow)
   prefect/   the Prefect server the demo starts and stops (SQLite). Kept between demos: the UI lists
@@ -198,10 +201,44 @@ def _run_and_check(
             Path(job.storage), ref / "checkpoints", (result.metrics, ref / "metrics.jsonl"),
             job.total_steps, settings.home / "compare",
         )  # fmt: skip
+    if not failures:
+        failures = show_mlflow(result, settings.home / "reference" / "metrics.jsonl", job.total_steps)
     _verdict(job, result, failures)
     _server_note(api.server, keep_server, home / "prefect")
     console.print(f"history: SPOTRUN_DATABASE_URL={settings.database_url} spotrun history", markup=False)
     return not failures
+
+
+def show_mlflow(result: run_cmd.RunResult, reference: Path, total: int) -> list[str]:
+    """The job's MLflow run, read back: one run, one loss per step equal to the uninterrupted run's bit
+    for bit, a preemption event per reclaim, the registered model; and how to browse it. Failures."""
+    m = result.summary.get("mlflow") or {}
+    if not m.get("run_id"):
+        return [f"no MLflow run was made (MLflow at {m.get('tracking_uri', '?')} did not answer)"]
+    from tasks.tracking.mlflow_run import import_mlflow
+
+    client = import_mlflow().MlflowClient(m["tracking_uri"])
+    runs = client.search_runs([m["experiment_id"]])
+    history = {h.step: h.value.hex() for h in client.get_metric_history(m["run_id"], "loss")}
+    preempted = sorted(p.step for p in client.get_metric_history(m["run_id"], "spotrun/preemptions"))
+    fidelity = client.get_run(m["run_id"]).data.tags.get("spotrun.resume_fidelity", "not checked")
+    console.print(
+        f"MLflow: {len(runs)} run in experiment {m['experiment']}: {len(history)} loss values (one per "
+        f"step), preemptions at steps {preempted}, resume fidelity {fidelity}, model {m.get('model')}",
+        markup=False,
+    )
+    console.print(f"browse it: mlflow ui --backend-store-uri {m['tracking_uri']}", markup=False)
+    console.print(f"then open: {m['url']}", markup=False)
+    failures = [f"{len(runs)} MLflow runs for one job run"] if len(runs) != 1 else []
+    ref = losses(reference)
+    if sorted(history) != list(range(1, total + 1)):
+        failures.append(f"MLflow has {len(history)} loss values for {total} steps")
+    elif history != ref:
+        first = min(s for s in ref if history.get(s) != ref[s])
+        failures.append(f"MLflow's loss differs from the uninterrupted run's at step {first}")
+    if len(preempted) != len(SCHEDULE):
+        failures.append(f"MLflow has {len(preempted)} preemption events for {len(SCHEDULE)} reclaims")
+    return failures
 
 
 def _plan_failures(result: run_cmd.RunResult) -> list[str]:
@@ -224,8 +261,8 @@ def _verdict(job: JobSpec, result: run_cmd.RunResult, failures: list[str]) -> No
     silent = sum(1 for p in SCHEDULE if not p.notice)
     console.print(
         f"[bold green]PASS[/]: after {preempted} preemptions ({silent} without notice), "
-        f"parameters, optimizer state and all {job.total_steps} per-step losses equal the uninterrupted "
-        "run's bit for bit"
+        f"parameters, optimizer state and all {job.total_steps} per-step losses (in the flow's metrics and "
+        "in the one MLflow run) equal the uninterrupted run's bit for bit"
     )
 
 

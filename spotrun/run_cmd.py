@@ -253,8 +253,32 @@ def print_result(out: Console, r: RunResult, flow_run_url: str) -> None:
             f"timeline: {s['timeline']}",
             markup=False,
         )
+        for line in tracking_lines(s):
+            out.print(line, markup=False)
     if r.flow_run_id:
         out.print(f"flow run: {flow_run_url}", markup=False)
+
+
+def tracking_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's resume checks and MLflow run, as `spotrun run` and the demo print them."""
+    lines = []
+    checks = summary.get("resume_checks") or []
+    if checks:
+        each = "; ".join(f"attempt {c['attempt']} {c['verdict']} ({c['method']})" for c in checks)
+        lines.append(f"resume fidelity: {summary.get('resume_fidelity')}: {each}")
+    m = summary.get("mlflow")
+    if m and m.get("run_id"):
+        model = f", model {m['model']}" if m.get("model") else ""
+        lines.append(f"MLflow run {m['run_id']} in experiment {m['experiment']}{model}: {m['url']}")
+        if not str(m["tracking_uri"]).startswith("http"):
+            lines.append(f"  to browse it: mlflow ui --backend-store-uri {m['tracking_uri']}")
+        if m.get("pending"):
+            lines.append(
+                f"  MLflow has the metrics through step {m['sent_through']}; the rest wait in storage"
+            )
+    elif m:
+        lines.append(f"MLflow at {m['tracking_uri']} did not answer; the metrics wait in the job's storage")
+    return lines
 
 
 def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:

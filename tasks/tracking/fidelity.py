@@ -12,7 +12,9 @@ attempt's first step is checked against what the lost one left: its learning rat
 scheduler had set for that step (`lr_next` in the metrics object), bitwise; its loss against the lost
 attempt's recent trend (within TREND_SIGMAS standard deviations of the last TREND_WINDOW losses, plus
 TREND_SLACK of their mean). `exact` there means the rate matched bit for bit and the loss lies in the
-trend; `close`: the rate within the tolerance; `mismatch`: either is off.
+trend; `close`: the rate within the tolerance; `mismatch`: either is off. A trend can only refute: with
+no rate to compare (the attempt ended before its first durable checkpoint), a loss in the trend gives
+no verdict, one off it `mismatch`.
 
 Where the values come from: the local provider's trainers append every step's loss to one metrics file
 per job (`--metrics`), so a lost attempt's steps are all there. Other providers (EC2) keep no file the
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,18 +157,10 @@ def continuity_verdict(
         sd = math.sqrt(sum((x - mean) ** 2 for x in recent) / len(recent))
         band = TREND_SIGMAS * sd + TREND_SLACK * abs(mean)
         off = abs(first.loss - mean)
-        if off <= band:
-            # in the trend proves no bits: with no rate to compare, the best a notice can give is close
-            parts.append(
-                Verdict(
-                    EXACT if parts else CLOSE,
-                    1,
-                    None,
-                    0.0,
-                    f"loss {first.loss:.4g} in the trend ({mean:.4g} ± {band:.2g})",
-                )
-            )
-        else:
+        if off <= band and parts:  # the trend can only refute: alone it proves no bits, so no verdict
+            trend = f"loss {first.loss:.4g} in the trend ({mean:.4g} ± {band:.2g})"
+            parts[0] = replace(parts[0], detail=f"{parts[0].detail}; {trend}")
+        elif off > band:
             parts.append(
                 Verdict(
                     MISMATCH,
@@ -274,8 +268,9 @@ class ResumeChecker:
         prev_last = max([previous.last_step, *lost])
         if prev_last > start:
             return self._replay(attempt, start, lost, mine, sample)
-        if start > 0:
-            return self._continuity(attempt, start, mine)
+        if start > 0:  # the file continues the line before: this attempt's first step is its last S+1
+            first = [loss for step, loss in lines if step == start + 1][-1:]
+            return self._continuity(attempt, start, {start + 1: first[0]} if first else {})
         return None
 
     def _replay(

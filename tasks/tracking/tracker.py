@@ -116,6 +116,7 @@ class Tracker:
         self._down_since: float | None = None
         self._down_reason = ""
         self._sent = 0  # steps sent since the outage began (for the line that says it is back)
+        self._gaps: set[tuple[int, int]] = set()  # reported already
         self._thread = threading.Thread(target=self._main, name="spotrun-tracking", daemon=True)
 
     def start(self) -> Tracker:
@@ -172,7 +173,13 @@ class Tracker:
         the run is finished."""
         final = self._final  # read once: the last round sends everything published before it
         run = self.run or self._attach(storage)
-        sent = run.log_steps(read_steps(storage, run.through).values())
+        steps = read_steps(storage, run.through)
+        before = run.through
+        for s in sorted(steps):  # objects are written in step order: a hole before a later step stays
+            if s > before + 1:
+                self._gap(before + 1, s - 1)
+            before = s
+        sent = run.log_steps(steps.values())
         self.info.sent_through = run.through
         self._sent += sent
         while self._pending:  # in order; only this thread takes from the front
@@ -253,6 +260,15 @@ class Tracker:
                 log.warning("checkpoint step %d has no %s: no model registered", step, MODEL_FILE)
                 return None
             return run.register(self.job.name, weights, self.job, tags)
+
+    def _gap(self, first: int, last: int) -> None:
+        """Steps no metrics object holds, though later ones exist: their checkpoint became durable and
+        the trainer died before writing them (the moment between `latest` moving and the write), or the
+        storage was trained on before tracking. They stay missing in MLflow; say so once."""
+        if (first, last) not in self._gaps:
+            self._gaps.add((first, last))
+            log.warning("no per-step metrics for steps %d-%d in %s/metrics/: MLflow's history skips them",
+                        first, last, self.job.storage)  # fmt: skip
 
     def _down(self, e: Exception) -> None:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]

@@ -4,17 +4,31 @@ the published steps back, retention leaving them alone, and where a job's runs a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tasks.tracking.fidelity import Value, continuity_verdict, replay_verdict, replayed, worst_verdict
+from tasks.attempts import AttemptRecord, Outcome
+from tasks.providers.base import WatchResult, Worker
+from tasks.tracking.fidelity import (
+    ResumeChecker,
+    Value,
+    continuity_verdict,
+    replay_verdict,
+    replayed,
+    worst_verdict,
+)
 from tasks.tracking.mlflow_run import RunRef, flatten
 from tasks.tracking.steps import read_steps
 from tasks.tracking.tracker import Where
+from tests.trainer_runs import REPO
 from trainer.catalog import apply_retention
 from trainer.ckpt_format import MANIFEST, step_dir
 from trainer.metrics_log import MetricsLog, metrics_key, parse_metrics_key
+from trainer.records import build
 from trainer.spec import JobSpec
 from trainer.storage import LocalStorage, put_bytes
 
@@ -49,7 +63,8 @@ FLAT = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
         (1e-3, Value(1.0, 1e-3 * (1 + 1e-6)), FLAT, "close"),
         (1e-3, Value(1.0, 5e-4), FLAT, "mismatch"),  # the schedule restarted
         (1e-3, Value(2.3, 1e-3), FLAT, "mismatch"),  # the weights were not restored
-        (None, Value(1.0), FLAT, "close"),  # no rate to compare: a trend proves no bits
+        (None, Value(1.0), FLAT, None),  # no rate to compare: a trend can only refute, it proves no bits
+        (None, Value(2.3), FLAT, "mismatch"),
         (1e-3, Value(9.0, 1e-3), FLAT[:3], "exact"),  # too few losses for a trend: the rate alone
         (None, Value(1.0), FLAT[:3], None),
         (1e-3, None, FLAT, None),  # the resumed attempt's first step is not known
@@ -199,3 +214,64 @@ def test_params_and_urls() -> None:
     ref = RunRef("sqlite:////h/mlflow.db", "1", "abc")
     assert ref.url() == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     assert RunRef("http://m:5000/", "2", "r").url() == "http://m:5000/#/experiments/2/runs/r"
+
+
+def _attempt(n: int, last_step: int, outcome: Outcome = Outcome.PREEMPTED) -> AttemptRecord:
+    return AttemptRecord(n, f"w{n}", "p", 0.0, 1.0, outcome, "", last_step=last_step)
+
+
+def _watched(resumed_from: int | None, progress: tuple[int, float] | None = None) -> WatchResult:
+    r = WatchResult(started_at=0.0)
+    r.fold(build("started", 1.0, resumed_from=resumed_from, step=resumed_from or 0))
+    if progress is not None:
+        r.fold(build("step", 2.0, step=progress[0], loss=progress[1]))
+    return r
+
+
+def _worker(metrics: Path | None) -> Worker:
+    args = ["python", "-m", "trainer"] + (["--metrics", str(metrics)] if metrics else [])
+    return Worker("w", "p", 1, 0.0, handle=SimpleNamespace(proc=SimpleNamespace(args=args)))
+
+
+def _file(path: Path, *steps: tuple[int, float]) -> Path:
+    path.write_text("".join(json.dumps({"step": s, "loss": v.hex()}) + "\n" for s, v in steps))
+    return path
+
+
+def test_resume_checks_from_the_metrics_file_or_the_last_status_record(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "store")
+    log = MetricsLog(storage)
+    for s in range(1, 21):
+        log.record(s, 2.0 - s / 20, 1e-3, 1e-3)
+    log.publish(20)  # attempt 1's durable steps, 1-20, with the rate scheduled for 21
+    checker = ResumeChecker(storage, rtol=1e-3)
+    assert checker.check(_worker(None), _watched(None), None, 1) is None  # the first attempt
+
+    # a notice at 20; attempt 2 died (no notice) at 23 before its first durable checkpoint: only the
+    # file has its first step, and no rate is known for it. In the trend: no verdict; far off: mismatch
+    metrics = _file(tmp_path / "m.jsonl", *[(s, 2.0 - s / 20) for s in range(1, 21)], (21, 9.0), (22, 9.0))
+    check = ResumeChecker(storage, rtol=1e-3).check(_worker(metrics), _watched(20), _attempt(1, 20), 2)
+    assert check is not None and (check.method, check.verdict) == ("continuity", "mismatch")
+    _file(metrics, *[(s, 2.0 - s / 20) for s in range(1, 24)])
+    assert checker.check(_worker(metrics), _watched(20), _attempt(1, 20), 2) is None
+
+    # attempt 3 resumed from 20 again and recomputed 21-23 differently: a mismatch, first at 21
+    _file(metrics, *[(s, 2.0 - s / 20) for s in range(1, 24)], *[(s, 5.0) for s in range(21, 26)])
+    check = checker.check(_worker(metrics), _watched(20), _attempt(2, 23), 3)
+    assert check is not None and (check.method, check.verdict, check.first_diff) == ("replay", "mismatch", 21)
+
+    # no file (EC2): the lost attempt's last status record against the resumed attempt's durable step
+    checker = ResumeChecker(storage, rtol=1e-3)
+    checker.check(_worker(None), _watched(None, progress=(18, 2.0 - 18 / 20)), None, 1)
+    check = checker.check(_worker(None), _watched(15), _attempt(1, 18), 2)
+    assert check is not None and (check.method, check.verdict, check.steps) == ("replay", "exact", 1)
+
+
+def test_the_trainer_never_imports_mlflow() -> None:
+    """`import mlflow` takes 2-4 s: never on a restart's path. Only the controller sends to MLflow."""
+    code = (
+        "import sys, trainer.__main__, trainer.loop, trainer.agent, trainer.launch, trainer.metrics_log\n"
+        "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tasks'))[:3] or 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert (done.returncode, done.stderr) == (0, "")
