@@ -6,12 +6,17 @@ on 2 cores) goes through the real flow (flows.resilient_training, a local Prefec
 provider's `python -m trainer` workers; replacements prewarmed at the notice, the default), all in
 this process:
   A   uninterrupted: no reclaims;
-  B   interrupted: the spot simulator's seeded exponential reclaims, a mean of MEAN_S seconds of
+  (an untimed warm-up run first: a process's first flow run pays one-time costs)
+  B   interrupted: the spot simulator's seeded exponential reclaims, a mean of DEFAULT.mean_s seconds of
       training between them (10x the checkpoint interval, checkpoint.every_seconds), a third of them
       without notice (SIGKILL), the others with a notice (SIGTERM, then SIGKILL 5 s later);
   A'  uninterrupted again (default mode only): the machine is shared, so the baseline is the mean of
       the runs before and after B.
-goodput = uninterrupted wall / interrupted wall, each from the call of the flow to its return.
+goodput = uninterrupted wall / interrupted wall, each from the call of the flow to its return, with
+the uninterrupted runs' training priced at B's pace per ordinary step (the same job's pace moved from
+3.9 to 5.7 ms/step between two runs on the shared cores); goodput_as_measured is the plain ratio.
+Where the extra wall time of B went: the reclaims' costs (they add up to the gaps in B's timeline),
+start-up, finish, and the pace.
 
 Also measured, from the same runs (bench/recovery_run.py says where each clock reading comes from:
 SQL history, the trainers' own per-step times in storage, the provider's simulator log):
