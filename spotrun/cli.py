@@ -12,7 +12,6 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
 
@@ -23,6 +22,8 @@ from spotrun.console import (
     Subparsers,
     attempts_table,
     error_exit,
+    missing_sqlite,
+    safe_url,
     wide_console,
 )
 from spotrun.deploy_cmd import add_deploy, add_serve
@@ -45,7 +46,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     url = settings.database_url
     try:
         # A read creates no database; opening one replays the writes its journal holds.
-        store = None if _missing_sqlite(url) else HistoryStore.open(url, journal_dir=settings.journal_dir)
+        store = None if missing_sqlite(url) else HistoryStore.open(url, journal_dir=settings.journal_dir)
         rows = store.attempts(job=args.job, limit=args.limit) if store is not None else []
     except (StoreUnavailable, ValueError, sa_exc.ArgumentError) as e:
         return error_exit(e)
@@ -55,26 +56,12 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in rows], indent=2, default=str))
     elif not rows:
         wide_console().print(
-            f"no attempts{f' of {args.job}' if args.job else ''} in {_safe_url(url)}", markup=False
+            f"no attempts{f' of {args.job}' if args.job else ''} in {safe_url(url)}", markup=False
         )
     else:
         title = f"attempts{f' of {args.job}' if args.job else ''} (newest {len(rows)}, oldest first)"
         wide_console().print(attempts_table(rows, title, with_run=True))
     return EXIT_OK
-
-
-def _missing_sqlite(url: str) -> bool:
-    from tasks.history.engine import normalize_url
-
-    u = normalize_url(url)
-    db = u.database
-    return u.get_backend_name() == "sqlite" and db not in (None, "", ":memory:") and not Path(db).exists()
-
-
-def _safe_url(url: str) -> str:
-    from tasks.history.engine import normalize_url
-
-    return normalize_url(url).render_as_string(hide_password=True)
 
 
 def _add_history(sub: Subparsers) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -73,3 +74,19 @@ def error_exit(e: BaseException) -> int:
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def missing_sqlite(url: str) -> bool:
+    """A sqlite URL whose file does not exist: a read must not create the database."""
+    from tasks.history.engine import normalize_url
+
+    u = normalize_url(url)
+    db = u.database
+    return u.get_backend_name() == "sqlite" and db not in (None, "", ":memory:") and not Path(db).exists()
+
+
+def safe_url(url: str) -> str:
+    """The database URL as it may be printed (password hidden)."""
+    from tasks.history.engine import normalize_url
+
+    return normalize_url(url).render_as_string(hide_password=True)

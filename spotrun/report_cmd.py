@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from spotrun.console import EXIT_OK, Subparsers, error_exit, wide_console
+from spotrun.console import EXIT_OK, Subparsers, error_exit, missing_sqlite, safe_url, wide_console
 
 if TYPE_CHECKING:  # imported where used: the other commands need not load SQLAlchemy
     from tasks.goodput import GoodputReport
@@ -40,11 +40,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     url = settings.database_url
     try:
-        if _missing_sqlite(url):  # a read creates no database
-            raise UnknownJob(f"no job run of {args.job!r} in {_safe_url(url)}: it holds no history yet")
+        if missing_sqlite(url):  # a read creates no database
+            raise UnknownJob(f"no job run of {args.job!r} in {safe_url(url)}: it holds no history yet")
         store = HistoryStore.open(url, journal_dir=settings.journal_dir)
         try:
-            run = _job_run(store, args.job, args.run, _safe_url(url))
+            run = _job_run(store, args.job, args.run, safe_url(url))
             rows = store.attempts(job_run_id=run.id, limit=1_000_000)
         finally:
             store.close()
@@ -137,20 +137,6 @@ def _attempts_table(report: GoodputReport) -> Table:
             num(f.s_per_step, 3), num(f.effective_s), num(f.lost_gpu_s), recovery,
         )  # fmt: skip
     return table
-
-
-def _missing_sqlite(url: str) -> bool:
-    from tasks.history.engine import normalize_url
-
-    u = normalize_url(url)
-    db = u.database
-    return u.get_backend_name() == "sqlite" and db not in (None, "", ":memory:") and not Path(db).exists()
-
-
-def _safe_url(url: str) -> str:
-    from tasks.history.engine import normalize_url
-
-    return normalize_url(url).render_as_string(hide_password=True)
 
 
 def add_report(sub: Subparsers) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,13 +47,15 @@ from trainer.resume import (
     mark_completed,
     select_together,
 )
-from trainer.sharded import ShardedCheckpointer, load_sharded
 from trainer.spec import JobSpec
 from trainer.state import RngState, state_nbytes
 from trainer.stateful import Registry, Stateful
 from trainer.status import StatusReporter
 from trainer.storage import Storage
 from trainer.validate import Expectation
+
+if TYPE_CHECKING:
+    from trainer import sharded
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,8 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         log.info(selection.describe(storage.uri))
     resharded_from = run.reshard(selection.world_size) if selection.world_size is not None else None
     if spec.distributed is not None:
+        from trainer.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
+
         run.ckpt = ShardedCheckpointer(
             storage, opts.cache, spec.checkpoint.keep, run.state, ranks, spec.checkpoint.async_upload,
             pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
@@ -179,7 +183,7 @@ class _Run:
         self.spec, self.parts, self.scaler, self.device, self.opts = spec, parts, scaler, device, opts
         self.ranks = opts.ranks
         # set once the resume point is chosen: it starts from that durable step
-        self.ckpt: Checkpointer | ShardedCheckpointer
+        self.ckpt: Checkpointer | sharded.ShardedCheckpointer
         self.batch_size = spec.batch_size  # per rank; changed only by a resharded resume
         self.loader = self._make_loader()
         self.threads = spec.threads or torch.get_num_threads()
@@ -229,6 +233,8 @@ class _Run:
         """Load every part but the RNG, which `_loop` applies once the epoch's iterator exists. A
         resharded resume re-derives each rank's RNG from (seed, rank, step) instead."""
         if self.state.sharded:
+            from trainer.sharded import load_sharded
+
             load_sharded(path, self.state, self.ranks)
         restored = load_state(path, self.state, skip=("rng",) if resharded_from is not None else ())
         if resharded_from is not None:
