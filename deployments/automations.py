@@ -1,13 +1,15 @@
 """The alert automations, as code: built from `AlertRules`, applied to a Prefect server by name.
 
 Each automation runs the `restart-alert` deployment with parameters rendered from the event that fired
-it (the server renders the Jinja strings). Restart storms are counted per job (`for_each` on the job's
+it (the server renders the Jinja strings; a string that is one `{{ expression }}` keeps its value's
+type). Restart storms are counted per job (`for_each` on the job's
 resource id): a reactive trigger fires once when a job reaches the threshold and then not again for the
 rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -19,7 +21,15 @@ from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
+from tasks.alerts.message import ResumeFacts
+from tasks.reporting import (
+    JOB_COMPLETED,
+    JOB_GAVE_UP,
+    JOB_RESTARTED,
+    RESTARTED_LABEL,
+    RESUME_CHECKED,
+    VERDICT_LABEL,
+)
 
 NAME_PREFIX = "spotrun"
 STORM = f"{NAME_PREFIX}: restart storm"
@@ -27,6 +37,7 @@ GAVE_UP = f"{NAME_PREFIX}: job gave up"
 RECOVERED = f"{NAME_PREFIX}: job recovered"
 ZOMBIE = f"{NAME_PREFIX}: zombie training run"
 CRASHED = f"{NAME_PREFIX}: restart crashed training"
+MISMATCH = f"{NAME_PREFIX}: resume mismatch"
 ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
 TRAINING_FLOW = "resilient-training"
 HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
@@ -65,7 +76,7 @@ class RecoveryRules(BaseModel):
     )
 
 
-def _alert_parameters(kind: str, rules: AlertRules, **templated: str) -> dict[str, Any]:
+def _alert_parameters(kind: str, rules: AlertRules, **templated: Any) -> dict[str, Any]:
     return {
         "kind": kind,
         "job": "{{ event.payload.job }}",
@@ -79,6 +90,13 @@ def _alert_parameters(kind: str, rules: AlertRules, **templated: str) -> dict[st
         "retry_delay_s": rules.retry_delay_s,
         **templated,
     }
+
+
+def _resume_check() -> dict[str, str]:
+    """The flow's `resume` parameter: each ResumeFacts field from the event's payload (the flow refuses
+    other keys); '' or 0 where an older event lacks one."""
+    empty = {f.name: "''" if f.default == "" else "0" for f in dataclasses.fields(ResumeFacts)}
+    return {name: f"{{{{ event.payload.{name} | default({e}) }}}}" for name, e in empty.items()}
 
 
 def _automation(
@@ -134,6 +152,16 @@ def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[Auto
                 _alert_parameters("recovered", rules),
             )
         )
+    mismatch: dict[str, str | list[str]] = {**ANY_JOB, VERDICT_LABEL: "mismatch"}
+    out.append(
+        _automation(
+            MISMATCH,
+            "a resumed attempt did not continue the lost one's training (resume check: mismatch)",
+            _first(RESUME_CHECKED, mismatch),
+            alert_deployment_id,
+            _alert_parameters("resume-mismatch", rules, resume=_resume_check()),
+        )
+    )
     return out
 
 

@@ -1,5 +1,6 @@
 """The restart alert: run by the spotrun automations (deployments/automations.py) when a job keeps
-restarting, gives up, or recovers after an alert. Reads the restart history from SQL, tells Slack
+restarting, gives up, recovers after an alert, or resumes with different results (a resume check's
+`mismatch`). Reads the restart history from SQL, tells Slack
 (or, with no Slack configured, the run log and a Markdown artifact) and records every try in SQL.
 
 A Slack outage never touches training: this is its own flow run, started by the server; a delivery
@@ -11,7 +12,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.alerting import publish_alert, send_alert, slack_target
-from tasks.alerts.message import AlertKind
+from tasks.alerts.message import AlertKind, ResumeFacts
 from tasks.alerts.service import AlertRequest
 from tasks.settings import Settings
 
@@ -36,7 +37,9 @@ def restart_alert(
     reason: str = "",
     retries: int = 3,
     retry_delay_s: float = 30,
+    resume: ResumeFacts | None = None,
 ) -> dict[str, str]:
+    """`resume`: for a resume-mismatch alert, the check (the event's payload; other keys are ignored)."""
     request = AlertRequest(
         kind=kind,
         job=job,
@@ -46,6 +49,7 @@ def restart_alert(
         flow_run_url=flow_run_url(training_flow_run_id),
         reason=reason,
         trigger=trigger,
+        resume=resume,
     )
     sender = send_alert.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
     result = sender(Settings.from_env(), request, slack_target())

@@ -26,6 +26,8 @@ ATTEMPT_FAILED = "spotrun.attempt.failed"
 JOB_RESTARTED = "spotrun.job.restarted"
 JOB_COMPLETED = "spotrun.job.completed"
 JOB_GAVE_UP = "spotrun.job.gave-up"
+RESUME_CHECKED = "spotrun.attempt.resume-checked"
+VERDICT_LABEL = "spotrun.resume.verdict"  # on the event's resource: `mismatch` is what an alert matches
 
 
 # A resource label on JOB_COMPLETED: "true" when the job restarted on the way, so the recovery

@@ -27,6 +27,7 @@ from tasks.outcome import classify, provision_failed_record, resharded, to_recor
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.providers.local import stop_cause
+from tasks.reporting import RESUME_CHECKED, VERDICT_LABEL
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
@@ -38,8 +39,6 @@ from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
 
-RESUME_CHECKED = "spotrun.attempt.resume-checked"
-VERDICT_LABEL = "spotrun.resume.verdict"  # on the event's resource: `mismatch` is what an alert matches
 INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
 
 

@@ -1,4 +1,5 @@
-"""Restart-storm, give-up and recovery alerts: what they say, whether to send, and Slack delivery.
+"""Restart-storm, give-up, recovery and resume-mismatch alerts: what they say, whether to send, and Slack
+delivery.
 
 No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing here imports.
 """
@@ -6,7 +7,14 @@ No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing he
 from __future__ import annotations
 
 from tasks.alerts.decide import Action, Decision, decide
-from tasks.alerts.message import AlertContext, AlertKind, SlackMessage, build_message, to_markdown
+from tasks.alerts.message import (
+    AlertContext,
+    AlertKind,
+    ResumeFacts,
+    SlackMessage,
+    build_message,
+    to_markdown,
+)
 from tasks.alerts.service import AlertRequest, AlertResult, raise_alert
 from tasks.alerts.slack import Delivery, SlackConfigError, SlackTarget, deliver, target_from_env
 from tasks.history import AlertStatus
@@ -20,6 +28,7 @@ __all__ = [
     "AlertStatus",
     "Decision",
     "Delivery",
+    "ResumeFacts",
     "SlackConfigError",
     "SlackMessage",
     "SlackTarget",

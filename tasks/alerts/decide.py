@@ -14,6 +14,8 @@ Dedup keys (stable: they are stored, and people search for them):
 - ``gave-up:{job}:{job_run_id}``: once per job run (``{opened}`` when the job run is not known).
 - ``recovered:{job}:{job_run_id}``: once per job run, and only when a restart-storm or gave-up alert
   reached people since that job run started: a job that restarted quietly recovers quietly.
+- ``resume-mismatch:{job}:{job_run_id}:{attempt}``: once per resumed attempt whose check said
+  `mismatch` (a recovery note does not follow it: the job did not fail, its results are in doubt).
 """
 
 from __future__ import annotations
@@ -50,18 +52,24 @@ def decide(
     window_s: float,
     now: float,
     run_started_at: float | None = None,
+    attempt: int | None = None,
 ) -> Decision:
-    """Send or suppress an alert of `kind` about `job`, given the alerts already recorded for it."""
+    """Send or suppress an alert of `kind` about `job`, given the alerts already recorded for it
+    (`attempt`: the resumed attempt a RESUME_MISMATCH is about)."""
     mine = [a for a in previous if a.job == job]
     if kind is AlertKind.RESTART_STORM:
         return _storm(job, mine, window_s, now)
     run = job_run_id or _stamp(now)
     key = f"{kind}:{job}:{run}"
+    if kind is AlertKind.RESUME_MISMATCH:
+        key += f":{attempt or 0}"
     done = [a for a in mine if a.dedup_key == key and a.status in ANNOUNCED]
     if done:
         return Decision(Action.SUPPRESS, key, f"already announced at {utc(done[-1].created_at)}")
     if kind is AlertKind.GAVE_UP:
         return Decision(Action.SEND, key, "first give-up alert for this job run")
+    if kind is AlertKind.RESUME_MISMATCH:
+        return Decision(Action.SEND, key, f"first mismatch alert for attempt {attempt or '?'}")
     since = run_started_at if run_started_at is not None else now - window_s
     earlier = [
         a

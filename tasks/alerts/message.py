@@ -20,6 +20,22 @@ class AlertKind(StrEnum):
     RESTART_STORM = "restart-storm"  # restarts in the window reached the threshold
     GAVE_UP = "gave-up"  # the job run stopped retrying
     RECOVERED = "recovered"  # the job completed after an alert about it
+    RESUME_MISMATCH = "resume-mismatch"  # a resumed attempt did not continue the lost one's training
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeFacts:
+    """A `mismatch` resume check, as the `spotrun.attempt.resume-checked` event carries it."""
+
+    attempt: int  # the attempt that resumed
+    method: str = ""  # replay: steps computed twice; continuity: the first step after a notice
+    resumed_from: int = 0  # the checkpoint's step
+    steps: int = 0  # steps compared
+    span: str = ""  # which: "steps 51-60"
+    first_diff: int | None = None
+    diff: str = ""  # the first differing step and its values before and after
+    max_rel: float = 0.0
+    detail: str = ""  # the check's own one line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +53,7 @@ class AlertContext:
     now: float  # epoch seconds
     run_attempts: int | None = None  # attempts of the job's latest job run (None: not known)
     note: str = ""  # a caveat shown with the message, e.g. "restart history unavailable"
+    resume: ResumeFacts | None = None  # RESUME_MISMATCH: what the check compared and found
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,7 @@ _EMOJI = {
     AlertKind.RESTART_STORM: ":rotating_light:",
     AlertKind.GAVE_UP: ":x:",
     AlertKind.RECOVERED: ":white_check_mark:",
+    AlertKind.RESUME_MISMATCH: ":warning:",
 }
 _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
@@ -75,7 +93,7 @@ def build_message(ctx: AlertContext) -> SlackMessage:
             "fields": [_mrkdwn(f"*{k}*\n{v}", FIELD_MAX_CHARS) for k, v in _slack_facts(ctx)],
         },
     ]
-    if ctx.restarts:
+    if ctx.restarts and ctx.kind is not AlertKind.RESUME_MISMATCH:
         blocks.append(_section(_slack_restarts(ctx)))
     log = _log_excerpt(ctx)
     if log:
@@ -98,7 +116,7 @@ def to_markdown(ctx: AlertContext) -> str:
         lines.append(f"- **Flow run:** {ctx.flow_run_url}")
     if ctx.note:
         lines += ["", f"_{_md_cell(ctx.note)}_"]
-    if ctx.restarts:
+    if ctx.restarts and ctx.kind is not AlertKind.RESUME_MISMATCH:
         lines += ["", f"#### Restarts in the last {human_duration(ctx.window_s)}", ""]
         lines += ["| # | ended (UTC) | outcome | cause | lost steps |", "|---|---|---|---|---|"]
         shown, hidden = _newest(ctx.restarts)
@@ -125,6 +143,9 @@ def title(ctx: AlertContext) -> str:
     if ctx.kind is AlertKind.RECOVERED:
         n = ctx.run_attempts - 1 if ctx.run_attempts else len(ctx.restarts)
         return f"spotrun: {job} recovered: completed after {_times(n, 'restart')}"
+    if ctx.kind is AlertKind.RESUME_MISMATCH:
+        attempt = f" attempt {ctx.resume.attempt}" if ctx.resume is not None else ""
+        return f"spotrun: {job}{attempt} resumed with different results (resume check: mismatch)"
     count = _times(len(ctx.restarts), "time") if ctx.restarts else f"at least {ctx.threshold} times"
     return f"spotrun: {job} restarted {count} in {human_duration(ctx.window_s)}"
 
@@ -132,6 +153,10 @@ def title(ctx: AlertContext) -> str:
 def fallback_text(ctx: AlertContext) -> str:
     """Title, give-up reason and last failure on one line (not yet escaped)."""
     text = title(ctx)
+    if ctx.kind is AlertKind.RESUME_MISMATCH:
+        r = ctx.resume
+        what = (r.diff or r.detail) if r is not None else ""
+        return f"{text}: {_clip(_one_line(what), CAUSE_MAX_CHARS * 2)}" if what else text
     if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
         text += f": {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}"
     if ctx.restarts:
@@ -163,6 +188,8 @@ def slack_escape(text: str) -> str:
 
 def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
     """(label, value) pairs, unescaped: the message's fields."""
+    if ctx.kind is AlertKind.RESUME_MISMATCH:
+        return _resume_facts(ctx)
     facts = [("Job", ctx.job)]
     window = human_duration(ctx.window_s)
     facts.append(("Restarts in window", f"{len(ctx.restarts)} in {window} (threshold {ctx.threshold})"))
@@ -175,6 +202,24 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
     facts.append(("Resumed from", _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else "not known"))
     facts.append(("Lost steps in window", str(sum(r.lost_steps for r in ctx.restarts))))
     return facts
+
+
+def _resume_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    """A mismatch: which attempt, from which checkpoint, which steps were compared, what differs."""
+    r = ctx.resume or ResumeFacts(attempt=0)
+    checkpoint = _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else f"step {r.resumed_from}"
+    how = "computed twice" if r.method == "replay" else "the first step after the resume"
+    compared = f"{r.span or _times(r.steps, 'step')} ({how})" if r.method else (r.span or "not known")
+    first = r.diff or (f"step {r.first_diff}" if r.first_diff else "not known")
+    return [
+        ("Job", ctx.job),
+        ("Attempt", str(r.attempt) if r.attempt else "not known"),
+        ("Resumed from", checkpoint),
+        ("Steps compared", compared),
+        ("First difference", _clip(_one_line(first), CAUSE_MAX_CHARS * 2)),
+        ("Largest relative difference", f"{r.max_rel:.3g}"),
+        ("Check", _clip(_one_line(r.detail), CAUSE_MAX_CHARS * 2) or "mismatch"),
+    ]
 
 
 def _slack_facts(ctx: AlertContext) -> list[tuple[str, str]]:
@@ -210,7 +255,7 @@ def _log_excerpt(ctx: AlertContext) -> tuple[int, str] | None:
 
     Not for a recovery: the job is fine now, and the failure's log was in the alert it recovers from.
     """
-    if not ctx.restarts or ctx.kind is AlertKind.RECOVERED:
+    if not ctx.restarts or ctx.kind in (AlertKind.RECOVERED, AlertKind.RESUME_MISMATCH):
         return None
     last = ctx.restarts[-1]
     text = last.log_tail.strip() or last.error.strip()

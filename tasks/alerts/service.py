@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from tasks.alerts.decide import Action, decide
-from tasks.alerts.message import AlertContext, AlertKind, SlackMessage, build_message, to_markdown
+from tasks.alerts.message import (
+    AlertContext,
+    AlertKind,
+    ResumeFacts,
+    SlackMessage,
+    build_message,
+    to_markdown,
+)
 from tasks.alerts.slack import Delivery, SlackTarget, deliver
 from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore, JobRunRow, StoreUnavailable
 from trainer.errors import ConfigError
@@ -37,11 +44,14 @@ class AlertRequest:
     flow_run_url: str | None = None  # the training flow run in the Prefect UI
     reason: str = ""  # why it gave up
     trigger: str = ""  # what asked, e.g. the Prefect event id
+    resume: ResumeFacts | None = None  # RESUME_MISMATCH: the check (from the event)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", AlertKind(self.kind))
         if not self.job:
             raise ConfigError("an alert needs a job name")
+        if self.kind is AlertKind.RESUME_MISMATCH and self.resume is None:
+            raise ConfigError("a resume-mismatch alert needs the resume check it is about")
         if self.window_s <= 0 or self.threshold < 1:
             raise ConfigError(
                 f"window_s={self.window_s} and threshold={self.threshold}: the window must be positive and"
@@ -95,6 +105,7 @@ def raise_alert(
         window_s=request.window_s,
         now=now,
         run_started_at=started,
+        attempt=request.resume.attempt if request.resume is not None else None,
     )
     ctx = AlertContext(
         kind=request.kind,
@@ -108,6 +119,7 @@ def raise_alert(
         now=now,
         run_attempts=seen.run_attempts,
         note="restart history unavailable: counts may be incomplete" if seen.unavailable else "",
+        resume=request.resume,
     )
     message = build_message(ctx)
     reason = decision.reason + (f"; sent without the history: {seen.unavailable}" if seen.unavailable else "")

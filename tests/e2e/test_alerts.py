@@ -138,7 +138,7 @@ def test_deploy_twice_changes_nothing(stack: Stack) -> None:
     assert {a.change for a in again.automations} == {"unchanged"}
     assert [a.id for a in again.automations] == [a.id for a in stack.report.automations]
     with get_client(sync_client=True) as client:
-        assert len(spotrun_automations(client)) == 5  # storm, gave up, recovered, zombie, crashed
+        assert len(spotrun_automations(client)) == 6  # storm, gave up, recovered, mismatch, zombie, crashed
         names = _deployment_names(client)
         nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
     assert names == set(stack.report.deployments) and len(names) == 5  # + recover-job
@@ -210,6 +210,34 @@ def test_gave_up_alerts_at_once_with_the_reason(stack: Stack) -> None:
     assert [(r.parameters["kind"], r.state_name) for r in runs] == [("gave-up", "Completed")]
     (message,) = messages_about(stack, name)
     assert "gave up" in message["text"] and "injected failure at step 30" in json.dumps(message)
+
+
+def test_a_resume_mismatch_alerts_once_naming_the_attempt_and_the_difference(stack: Stack) -> None:
+    """The event as the run log emits it (tests/integration/test_tracking.py makes a real one); an
+    `exact` verdict about another job alerts nobody."""
+    name, fine = f"mismatch-{uuid.uuid4().hex[:6]}", f"exact-{uuid.uuid4().hex[:6]}"
+    check = {"attempt": 2, "method": "replay", "resumed_from": 50, "steps": 10, "span": "steps 51-60",
+             "first_diff": 53, "diff": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+             "max_rel": 0.0083, "detail": "10 step(s) computed twice (steps 51-60): step 53 differs",
+             "checkpoint": "/tmp/store/step-0000000050", "flow_run_id": str(uuid.uuid4())}  # fmt: skip
+    for job_name, verdict in ((fine, "exact"), (name, "mismatch")):
+        labels = {report.VERDICT_LABEL: verdict}
+        report.emit_labeled(report.RESUME_CHECKED, job_name, labels, {**check, "verdict": verdict})
+    flush_to_api()
+    assert [(r.parameters["kind"], r.state_name) for r in alert_runs(name)] == [
+        ("resume-mismatch", "Completed")
+    ]
+    (message,) = messages_about(stack, name)
+    body = json.dumps(message)
+    assert "attempt 2 resumed with different results" in message["text"]
+    for expected in ("steps 51-60", "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+                     "/tmp/store/step-0000000050", "/runs/flow-run/"):  # fmt: skip
+        assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
+    assert messages_about(stack, fine) == [] and alert_runs(fine, timeout_s=0) == []
+    with stack.store() as store:
+        sent = store.alerts(job=name)
+    assert [(r.kind, r.status) for r in sent] == [("resume-mismatch", AlertStatus.SENT)]
+    assert sent[0].dedup_key.startswith(f"resume-mismatch:{name}:") and sent[0].dedup_key.endswith(":2")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from tasks.alerts import (
     Action,
     AlertContext,
     AlertKind,
+    ResumeFacts,
     SlackConfigError,
     SlackTarget,
     build_message,
@@ -31,6 +32,7 @@ NOW = T0 + 10_000
 RUN_START = NOW - 5000
 HOUR = 3600.0
 STORM, GAVE_UP, RECOVERED = AlertKind.RESTART_STORM, AlertKind.GAVE_UP, AlertKind.RECOVERED
+MISMATCH = AlertKind.RESUME_MISMATCH
 SENT, FAILED, LOGGED, SUPPRESSED = (
     AlertStatus.SENT,
     AlertStatus.FAILED,
@@ -118,6 +120,39 @@ def test_decide(
     d = decide(kind, "digits", run, previous, window_s=HOUR, now=NOW, run_started_at=RUN_START)
     assert (d.action, d.key) == (action, key)
     assert why in d.reason
+
+
+MISMATCH_2 = "resume-mismatch:digits:run-1:2"
+MISMATCHES: list[tuple[str, str | None, int, list[AlertRow], Action, str, str]] = [
+    # (case, job_run_id, attempt, previous alerts, action, key, the reason contains)
+    ("first mismatch", "run-1", 2, [], SEND, MISMATCH_2, "attempt 2"),
+    ("sent already", "run-1", 2, [alert(MISMATCH, MISMATCH_2, SENT, 30)], SUPPRESS, MISMATCH_2, "already"),
+    ("logged already", "run-1", 2, [alert(MISMATCH, MISMATCH_2, LOGGED, 30)], SUPPRESS, MISMATCH_2,
+     "already"),
+    ("failed: retried", "run-1", 2, [alert(MISMATCH, MISMATCH_2, FAILED, 30)], SEND, MISMATCH_2, "first"),
+    ("another attempt", "run-1", 3, [alert(MISMATCH, MISMATCH_2, SENT, 30)], SEND,
+     "resume-mismatch:digits:run-1:3", "attempt 3"),
+    ("a storm is no mismatch", "run-1", 2, [alert(STORM, OLD, SENT, 60)], SEND, MISMATCH_2, "first"),
+    ("run unknown", None, 2, [], SEND, "resume-mismatch:digits:20231115T010000Z:2", "first"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("run", "attempt", "previous", "action", "key", "why"),
+    [pytest.param(*case[1:], id=case[0]) for case in MISMATCHES],
+)
+def test_decide_resume_mismatch(
+    run: str | None, attempt: int, previous: list[AlertRow], action: Action, key: str, why: str
+) -> None:
+    d = decide(MISMATCH, "digits", run, previous, window_s=HOUR, now=NOW, attempt=attempt)
+    assert (d.action, d.key) == (action, key)
+    assert why in d.reason
+
+
+def test_a_mismatch_does_not_make_a_recovery_note() -> None:
+    mismatch = [alert(MISMATCH, MISMATCH_2, SENT, 60)]
+    d = decide(RECOVERED, "digits", "run-1", mismatch, window_s=HOUR, now=NOW, run_started_at=RUN_START)
+    assert d.action is Action.SUPPRESS
 
 
 def test_recovered_without_a_known_job_run_looks_back_one_window() -> None:
@@ -271,6 +306,9 @@ def test_every_text_stays_within_slacks_limits() -> None:
         assert len(msg.blocks[0]["text"]["text"]) <= 150
         assert len(msg.text) < 3000
         log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
+        if kind is MISMATCH:  # about the resumed attempt's numbers: no restarts, no log
+            assert not log_section and "earlier not shown" not in str(msg.blocks)
+            continue
         if kind is not RECOVERED:  # a recovery shows no log
             assert log_section and log_section[0].endswith("THE END\n```")
             assert log_section[0].count("```") == 2  # the log's own fences cannot close the block
@@ -317,6 +355,78 @@ def test_markdown_has_the_same_content() -> None:
         "````text\na ``` fence\nKilled\n````",
     ):
         assert part in md
+
+
+CHECK = ResumeFacts(
+    attempt=2,
+    method="replay",
+    resumed_from=50,
+    steps=10,
+    span="steps 51-60",
+    first_diff=53,
+    diff="step 53: loss 0.6931 before the reclaim, 0.6874 after",
+    max_rel=0.0083,
+    detail="10 step(s) computed twice (steps 51-60): step 53 differs, largest relative difference 0.0083",
+)
+
+
+def mismatch(**kw: Any) -> AlertContext:
+    base: dict[str, Any] = dict(kind=MISMATCH, resume=CHECK, checkpoint="/store/digits/step-0000000050")
+    return storm(**(base | kw))
+
+
+MISMATCH_FIELDS: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+    # (case, context changes, fields expected)
+    ("replay", {}, {"*Job*": "digits", "*Attempt*": "2", "*Resumed from*": "/store/digits/step-0000000050",
+                    "*Steps compared*": "steps 51-60 (computed twice)",
+                    "*First difference*": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+                    "*Largest relative difference*": "0.0083"}),
+    ("continuity", {"resume": ResumeFacts(attempt=3, method="continuity", resumed_from=40, steps=1,
+                                          span="step 41", first_diff=41,
+                                          diff="step 41: learning rate at step 41 0.0005, scheduled 0.001")},
+     {"*Attempt*": "3", "*Steps compared*": "step 41 (the first step after the resume)",
+      "*First difference*": "step 41: learning rate at step 41 0.0005, scheduled 0.001"}),
+    ("checkpoint not in the event", {"checkpoint": None}, {"*Resumed from*": "step 50"}),
+    ("a check recorded before span and diff",
+     {"resume": ResumeFacts(attempt=2, method="replay", resumed_from=50, steps=4, first_diff=52)},
+     {"*Steps compared*": "4 steps (computed twice)", "*First difference*": "step 52"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "expected"), [pytest.param(*c[1:], id=c[0]) for c in MISMATCH_FIELDS])
+def test_mismatch_message_names_the_attempt_the_steps_and_the_difference(
+    changes: dict[str, Any], expected: dict[str, str]
+) -> None:
+    msg = build_message(mismatch(**changes))
+    f = fields(msg.blocks)
+    assert expected.items() <= f.items(), f
+    attempt = expected.get("*Attempt*", "2")
+    assert msg.blocks[0]["text"]["text"] == (
+        f":warning: spotrun: digits attempt {attempt} resumed with different results (resume check: mismatch)"
+    )
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]  # no restarts, no log
+
+
+def test_mismatch_fallback_and_markdown() -> None:
+    ctx = mismatch()
+    assert build_message(ctx).text == (
+        "spotrun: digits attempt 2 resumed with different results (resume check: mismatch): "
+        "step 53: loss 0.6931 before the reclaim, 0.6874 after"
+    )
+    md = to_markdown(ctx)
+    for part in ("- **Steps compared:** steps 51-60 (computed twice)", "- **Attempt:** 2",
+                 "- **Check:** 10 step(s) computed twice (steps 51-60): step 53 differs"):  # fmt: skip
+        assert part in md
+    assert "Restarts in the last" not in md
+
+
+def test_replay_verdict_names_the_span_and_the_first_differing_values() -> None:
+    from tasks.tracking.fidelity import Value, replay_verdict
+
+    lost = {51: Value(0.5), 52: Value(0.25), 53: Value(0.125)}
+    v = replay_verdict(lost, {**lost, 52: Value(0.3), 53: Value(0.2)}, rtol=1e-3)
+    assert v is not None and (v.verdict, v.span) == ("mismatch", "steps 51-53")
+    assert v.diff == "step 52: loss 0.25 before the reclaim, 0.3 after"
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ and `spotrun deploy`'s inputs are checked before anything reaches a server."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from deployments.automations import (
     GAVE_UP,
     HEARTBEAT_S,
     HEARTBEAT_TAG,
+    MISMATCH,
     RECOVERED,
     STORM,
     TRAINING_FLOW,
@@ -29,6 +31,7 @@ from deployments.automations import (
 )
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
+from tasks.alerts.message import ResumeFacts
 from tasks.policy import RetryPolicy
 from tasks.recovery import (
     RecoveryError,
@@ -36,7 +39,14 @@ from tasks.recovery import (
     decide_controller_restart,
     parse_flow_run_id,
 )
-from tasks.reporting import JOB_COMPLETED, JOB_GAVE_UP, JOB_RESTARTED, RESTARTED_LABEL
+from tasks.reporting import (
+    JOB_COMPLETED,
+    JOB_GAVE_UP,
+    JOB_RESTARTED,
+    RESTARTED_LABEL,
+    RESUME_CHECKED,
+    VERDICT_LABEL,
+)
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec
 
@@ -113,7 +123,21 @@ def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
 
 
 def test_recovery_note_can_be_switched_off() -> None:
-    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP}
+    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH}
+
+
+def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
+    auto = _by_name(AlertRules())[MISMATCH]
+    t = auto.trigger
+    assert (t.expect, t.threshold, t.for_each) == ({RESUME_CHECKED}, 1, {"prefect.resource.id"})
+    assert t.match.root == {"prefect.resource.id": "spotrun.job.*", VERDICT_LABEL: "mismatch"}
+    params = auto.actions[0].parameters
+    assert params["kind"] == "resume-mismatch"
+    resume = params["resume"]  # each field of the flow's `resume` parameter, nothing else (it refuses extras)
+    assert set(resume) == {f.name for f in dataclasses.fields(ResumeFacts)}
+    assert resume["attempt"] == "{{ event.payload.attempt | default(0) }}"
+    assert resume["diff"] == "{{ event.payload.diff | default('') }}"
+    assert params["job"] == "{{ event.payload.job }}"
 
 
 def _recovery(rules: RecoveryRules) -> dict[str, Any]:
