@@ -58,6 +58,8 @@ class Verdict:
     first_diff: int | None  # the first step not bitwise equal
     max_rel: float  # the largest relative difference seen
     detail: str  # one line for people
+    span: str = ""  # the steps compared: "steps 51-60", "step 11"
+    diff: str = ""  # the first step not bitwise equal and its values before and after the resume
 
     def worse(self, other: Verdict) -> Verdict:
         return self if VERDICTS.index(self.verdict) >= VERDICTS.index(other.verdict) else other
@@ -75,6 +77,8 @@ class ResumeCheck:
     first_diff: int | None
     max_rel: float
     detail: str
+    span: str = ""  # see Verdict (rows written before it was added have "")
+    diff: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +111,11 @@ def replay_verdict(lost: Mapping[int, Value], resumed: Mapping[int, Value], rtol
     span = f"step {common[0]}" if len(common) == 1 else f"steps {common[0]}-{common[-1]}"
     n = f"{len(common)} step(s) computed twice ({span})"
     if first_diff is None:
-        return Verdict(EXACT, len(common), None, 0.0, f"{n}: bitwise equal")
+        return Verdict(EXACT, len(common), None, 0.0, f"{n}: bitwise equal", span)
+    a, b = lost[first_diff], resumed[first_diff]
+    diff = f"step {first_diff}: loss {a.loss!r} before the reclaim, {b.loss!r} after"
+    if a.lr is not None and b.lr is not None and a.lr != b.lr:
+        diff += f"; lr {a.lr!r} before, {b.lr!r} after"
     if worst <= rtol:
         return Verdict(
             CLOSE,
@@ -115,6 +123,8 @@ def replay_verdict(lost: Mapping[int, Value], resumed: Mapping[int, Value], rtol
             first_diff,
             worst,
             f"{n}: within {rtol:g} (largest relative difference {worst:.2g}, first at step {first_diff})",
+            span,
+            diff,
         )
     return Verdict(
         MISMATCH,
@@ -122,6 +132,8 @@ def replay_verdict(lost: Mapping[int, Value], resumed: Mapping[int, Value], rtol
         first_diff,
         worst,
         f"{n}: step {first_diff} differs, largest relative difference {worst:.2g} > {rtol:g}",
+        span,
+        diff,
     )
 
 
@@ -175,8 +187,10 @@ def continuity_verdict(
     worst = parts[0]
     for p in parts[1:]:
         worst = worst.worse(p)
+    detail = "; ".join(p.detail for p in parts)
+    diff = f"step {step}: {detail}" if worst.verdict != EXACT else ""
     return Verdict(
-        worst.verdict, 1, worst.first_diff, max(p.max_rel for p in parts), "; ".join(p.detail for p in parts)
+        worst.verdict, 1, worst.first_diff, max(p.max_rel for p in parts), detail, f"step {step}", diff
     )
 
 
@@ -312,4 +326,6 @@ def _sample(result: WatchResult) -> tuple[int, float] | None:
 def _check(attempt: int, method: str, start: int, v: Verdict | None) -> ResumeCheck | None:
     if v is None:
         return None
-    return ResumeCheck(attempt, method, start, v.verdict, v.steps, v.first_diff, v.max_rel, v.detail)
+    return ResumeCheck(
+        attempt, method, start, v.verdict, v.steps, v.first_diff, v.max_rel, v.detail, v.span, v.diff
+    )
