@@ -65,11 +65,20 @@ class S3Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     endpoint_url: str | None = Field(default=None, description="any S3-compatible endpoint; None means AWS")
-    region: str | None = Field(default=None, description="e.g. ca-central-1")
+    region: str | None = Field(
+        default=None,
+        description="the bucket's AWS region (for example ca-central-1); empty: the environment's",
+    )
     sse: Literal["AES256", "aws:kms"] | None = Field(default=None, description="server-side encryption")
-    kms_key_id: str | None = None
-    multipart_chunk_mb: int = Field(default=64, ge=5, le=5120)
-    max_concurrency: int = Field(default=8, ge=1, le=64)
+    kms_key_id: str | None = Field(
+        default=None, description="KMS key for sse: aws:kms; empty: the bucket's AWS-managed key"
+    )
+    multipart_chunk_mb: int = Field(
+        default=64, ge=5, le=5120, description="part size of multipart uploads, in MiB"
+    )
+    max_concurrency: int = Field(
+        default=8, ge=1, le=64, description="parts uploaded or downloaded at once per file"
+    )
 
     @model_validator(mode="after")
     def _kms_needs_sse(self) -> S3Options:
@@ -216,27 +225,41 @@ class JobSpec(BaseModel):
     recipe: str = Field(description="built-in recipe (digits, charlm) or package.module:function")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the recipe")
     total_steps: int = Field(ge=1, description="optimizer steps to train")
-    batch_size: int = Field(default=64, ge=1)
-    seed: int = Field(default=0, ge=0)
+    batch_size: int = Field(
+        default=64,
+        ge=1,
+        description="samples per optimizer step, per rank (the last partial batch is dropped)",
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        description="seeds weight init, data order and the recipe's randomness: same seed, same run",
+    )
     num_workers: int = Field(default=0, ge=0, le=64, description="data-loader worker processes")
     threads: int | None = Field(
         default=None, ge=1, description="torch intra-op threads; None: the checkpoint's count on resume"
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="where to train; auto: CUDA when the worker has a GPU, else the CPU"
+    )
     amp: bool = Field(default=False, description="mixed precision with a GradScaler (CUDA)")
     distributed: DistributedOptions | None = Field(
         default=None,
         description="torchrun ranks (DDP or FSDP2, sharded checkpoints); none: one process",
     )
-    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    checkpoint: CheckpointPolicy = Field(
+        default_factory=CheckpointPolicy, description="when to checkpoint and how many to keep"
+    )
     storage: str = Field(
         default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix"
     )
-    s3: S3Options = Field(default_factory=S3Options)
+    s3: S3Options = Field(default_factory=S3Options, description="options for s3:// storage")
     preemption: PreemptionOptions = Field(
         default_factory=PreemptionOptions, description="cloud interruption notices"
     )
-    log_every: int = Field(default=10, ge=1)
+    log_every: int = Field(
+        default=10, ge=1, description="log step, loss, learning rate and steps/s every this many steps"
+    )
     tracking: TrackingOptions = Field(
         default_factory=TrackingOptions, description="MLflow tracking and the resume-fidelity check"
     )
