@@ -3,10 +3,14 @@
 For each state size (charlm model + AdamW state; ~100 MB and ~1 GB, or ~10/50 MB with --quick):
   (a) stall: Checkpointer.save(wait=False) to S3 (moto on 127.0.0.1) vs torch.save + fsync +
       boto3 upload_file to the same endpoint, timed from state capture to return. Goal ratio >= 50.
+      Then a notice: an emergency save (wait=True, nothing in flight) timed to durable in S3,
+      `durable_after_notice_s` (of the largest state), next to the plain torch.save + upload_file.
   (b) overhead: the loop time one async checkpoint costs (LocalStorage standing in for a network
       volume): its stall, plus how much longer the steps beside the background save took than the
       run's other steps, plus any wait at the end. Amortized over one checkpoint per 60 s of
       training. Goal <= 2 %. Whole runs with vs without a checkpoint are printed as a cross-check.
+      Measured for the writer process (`overhead_pct`, what states of 64 MB and more get) and for
+      the writer thread (`thread_overhead_pct`, the baseline: what every state got before).
   (c) validation: validate_dir on a written checkpoint vs a plain safetensors/torch.load of the same
       files, page cache warm for both. Goal <= 1.5x.
 Then once:
@@ -181,12 +185,19 @@ def measure_stall(t: Trainee, s3: S3, prefix: str, work: Path, reps: int) -> dic
         stalls.append(t.save(ckpt))
         ckpt.wait()
     bg = ckpt.history[-1]
+    # A notice at a step boundary, nothing in flight: the emergency save blocks until durable
+    # (snapshot, write, upload, confirm, `latest`), as trainer/loop.py runs it.
+    t.train_step()
+    notice_s = t.save(ckpt, wait=True)
+    writer = "process" if ckpt.uses_process else "thread"
+    ckpt.close()
     sync = sync_save_upload(t, s3.plain, work / "sync.pt", f"{prefix}/sync.pt")
     async_s = statistics.median(stalls)
     return {
         "async_stall_s": async_s, "async_stalls_s": stalls, "snapshot_s": bg.snapshot_s,
         "background_s": {"write": bg.write_s, "upload": bg.upload_s, "verify": bg.verify_s},
-        "sync_stall_s": sync, "stall_ratio": sync / async_s,
+        "sync_stall_s": sync, "stall_ratio": sync / async_s, "writer": writer,
+        "durable_after_notice_s": notice_s, "notice_ratio": notice_s / sync,
     }  # fmt: skip
 
 
@@ -247,11 +258,21 @@ def run_steps(
     return run
 
 
-def measure_overhead(t: Trainee, work: Path, budget_s: float) -> dict[str, Any]:
-    remote = LocalStorage(work / "remote-b")
-    ckpt = Checkpointer(remote, work / "cache-b", keep=2)
+def measure_overhead(t: Trainee, work: Path, budget_s: float, writer: str) -> dict[str, Any]:
+    remote = LocalStorage(work / f"remote-b-{writer}")
+    ckpt = Checkpointer(remote, work / f"cache-b-{writer}", keep=2, writer=writer)
+    try:
+        return _measure_overhead(t, ckpt, remote, budget_s)
+    finally:
+        ckpt.close()
+
+
+def _measure_overhead(
+    t: Trainee, ckpt: Checkpointer, remote: LocalStorage, budget_s: float
+) -> dict[str, Any]:
     t.train_step()
-    t.save(ckpt, wait=True)  # allocates the buffers
+    t.save(ckpt)  # starts the writer (a process imports torch) and allocates the buffers
+    ckpt.wait()
     t.save(ckpt, wait=True)  # a synchronous save alone, for comparison
     sync = ckpt.history[-1]
     step_s = statistics.median(run_steps(t, 3).steps_s)
@@ -497,11 +518,21 @@ def bench_size(size: Size, s3: S3, work: Path, budget_s: float) -> dict[str, Any
         f"[{size.label}] charlm {size.args} batch {size.batch_size}: state {actual / 1e6:.0f} MB "
         f"(estimate {est / 1e6:.0f} MB), built in {time.perf_counter() - t0:.1f}s"
     )
-    b = measure_overhead(t, work, budget_s)
-    report_overhead(size.label, b)
+    # the thread writer first, as the baseline: what the same save costs the loop from a thread
+    bt = measure_overhead(t, work, budget_s, "thread")
+    report_overhead(f"{size.label} thread", bt)
+    rmtree(Path(bt.pop("remote_dir")), work / "cache-b-thread")
+    b = measure_overhead(t, work, budget_s, "process")
+    b["thread"] = bt
+    b["process_vs_thread"] = b["extra_s"] / bt["extra_s"] if bt["extra_s"] > 0 else None
+    report_overhead(f"{size.label} process", b)
+    say(
+        f"[{size.label}]     writer process vs thread: the loop pays {b['extra_s']:.2f}s vs "
+        f"{bt['extra_s']:.2f}s per checkpoint"
+    )
     c = measure_validate(t, Path(b.pop("remote_dir")))
     report_validate(size.label, c)
-    rmtree(work / "remote-b", work / "cache-b")
+    rmtree(work / "remote-b-process", work / "cache-b-process")
     a = measure_stall(t, s3, f"ckpt-{size.label}", work, size.stall_reps)
     report_stall(size.label, a)
     rmtree(work / "cache-a")
@@ -531,8 +562,12 @@ def report_stall(label: str, a: dict[str, Any]) -> None:
         f"torch.save+fsync+upload_file {a['sync_stall_s']:.2f}s -> {ratio:.0f}x {verdict(ratio >= 50)} (>=50)"
     )
     say(
-        f"[{label}]     async background to S3: write {bg['write']:.2f}s, upload {bg['upload']:.2f}s, "
-        f"verify {bg['verify']:.2f}s"
+        f"[{label}]     async background to S3 ({a['writer']}): write {bg['write']:.2f}s, "
+        f"upload {bg['upload']:.2f}s, verify {bg['verify']:.2f}s"
+    )
+    say(
+        f"[{label}]     notice -> durable in S3 (emergency save, nothing in flight): "
+        f"{a['durable_after_notice_s']:.2f}s ({a['notice_ratio']:.2f}x the plain torch.save+upload_file)"
     )
 
 
@@ -602,7 +637,12 @@ def summarize(
             "stall_ratio": round(min(s["stall"]["stall_ratio"] for s in sizes.values()), 1),
             "overhead_pct": round(max(s["overhead"]["overhead_pct"] for s in sizes.values()), 2),
             "validate_ratio": round(max(s["validate"]["validate_ratio"] for s in sizes.values()), 2),
+            "thread_overhead_pct": round(
+                max(s["overhead"]["thread"]["overhead_pct"] for s in sizes.values()), 2
+            ),
         }
+        largest = max(sizes.values(), key=lambda s: s["state_bytes"])["stall"]
+        out["durable_after_notice_s"] = round(largest["durable_after_notice_s"], 2)
     if transfer is not None:
         out |= {
             "upload_ratio": round(transfer["upload_ratio"], 2),

@@ -1,9 +1,11 @@
 """Asynchronous checkpointing: the loop blocks only for the snapshot into host memory.
 
-Pipeline per checkpoint (background thread): write the step directory locally (fsynced, manifest
-last, one rename) -> upload every file, manifest last -> read the remote copy back and compare every
-SHA-256 with the manifest -> move `latest` -> retention. A failure anywhere is kept and raised in the
-loop at its next `check()`, so training never runs on believing a checkpoint exists that does not.
+Pipeline per checkpoint, off the loop: write the step directory locally (fsynced and hashed in one
+pass, manifest last, one rename) -> upload every file, manifest last -> confirm each stored object
+against the manifest (S3's checksum on receipt, or the digest read back) -> move `latest` ->
+retention. It runs in a writer process fed through shared memory (trainer/writer_proc.py) for states
+of PROCESS_MIN_BYTES and more, else in a background thread. A failure anywhere is kept and raised in
+the loop at its next `check()`, so training never runs on believing a checkpoint exists that does not.
 
 Fencing: the storage given to a trainer is a `lease.FencedStorage`, which refuses every write once the
 lease is lost (and re-reads the lease before a manifest, `latest` or COMPLETED.json); the LeaseLost
@@ -27,12 +29,19 @@ import torch
 from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
 from trainer.errors import CheckpointError, LeaseLost
-from trainer.state import Snapshotter
+from trainer.shm import SharedSnapshotter
+from trainer.state import Snapshotter, state_nbytes
 from trainer.storage import Storage, confirm_stored
+from trainer.writer_proc import WriterProcess, opener_of
 
 log = logging.getLogger(__name__)
 
 WRITER_NICE = 10
+AUTO, PROCESS, THREAD = "auto", "process", "thread"
+WRITERS = (AUTO, PROCESS, THREAD)
+# Below this the writer stays a thread: a small state's write takes milliseconds, while a second
+# process costs ~1.5 s of CPU to import torch (on 2 cores, beside the trainer's own start-up).
+PROCESS_MIN_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -124,6 +133,10 @@ class BackgroundSaver:
 
 
 class Checkpointer(BackgroundSaver):
+    """The single-process checkpointer. Where the state is large enough to matter (PROCESS_MIN_BYTES)
+    and the storage can be opened again elsewhere, the pipeline runs in a writer process fed through
+    shared memory (trainer/writer_proc.py); otherwise in the background thread. `writer` forces one."""
+
     def __init__(
         self,
         storage: Storage,
@@ -133,20 +146,73 @@ class Checkpointer(BackgroundSaver):
         pin_memory: bool = False,
         durable_step: int | None = None,
         on_durable: Callable[[int], None] | None = None,
+        writer: str = AUTO,
     ) -> None:
         super().__init__(durable_step, on_durable)
+        if writer not in WRITERS:
+            raise ValueError(f"writer {writer!r}: use one of {', '.join(WRITERS)}")
         self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
+        self.writer = writer
         self.snapshotter = Snapshotter(pin_memory)
+        self.pin_memory = pin_memory
+        self._shared: SharedSnapshotter | None = None
+        self._proc: WriterProcess | None = None
+
+    @property
+    def uses_process(self) -> bool:
+        return self._proc is not None
 
     def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
         """Snapshot `state` and persist it (in the background unless `wait`). Returns the seconds blocked."""
         t0 = time.perf_counter()
         # One in flight at a time: the buffers are reused, and publication order must follow step order.
         self.wait()
-        snap = self.snapshotter.snapshot(state)
-        timings = SaveTimings(int(manifest_base["step"]), snapshot_s=self.snapshotter.last_seconds)
-        self._persist_in(self.background and not wait, self._persist, snap, manifest_base, timings)
+        step = int(manifest_base["step"])
+        if self._process_for(state, wait):
+            assert self._shared is not None
+            snap = self._shared.snapshot(state)
+            timings = SaveTimings(step, snapshot_s=self._shared.last_seconds)
+            persist: Callable[..., None] = self._persist_remote
+        else:
+            snap = self.snapshotter.snapshot(state)
+            timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
+            persist = self._persist
+        self._persist_in(self.background and not wait, persist, snap, manifest_base, timings)
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+
+    def _process_for(self, state: dict[str, Any], wait: bool) -> bool:
+        """Whether this save goes to the writer process (starting it on the first that should)."""
+        if self._proc is not None:
+            return True  # decided once; a dead writer fails this save too (CheckpointError)
+        wanted = self.writer == PROCESS or (
+            self.writer == AUTO and self.background and state_nbytes(state) >= PROCESS_MIN_BYTES
+        )
+        # an emergency save does not wait for a writer to import torch: the thread is ready now
+        reopen = opener_of(self.storage) if wanted and not wait else None
+        if reopen is None:
+            return False
+        self._proc = WriterProcess(reopen[0], reopen[1], self.cache, self.keep)
+        self._shared = SharedSnapshotter(self.pin_memory)
+        log.info(
+            "checkpoint writer process %d started (state %.0f MB)",
+            self._proc.proc.pid,
+            state_nbytes(state) / 2**20,
+        )
+        return True
+
+    def _persist_remote(self, snap: Any, base: dict[str, Any], t: SaveTimings) -> None:
+        assert self._proc is not None and self._shared is not None and self._shared.arena is not None
+        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base)
+        t.write_s, t.upload_s, t.verify_s, t.nbytes = done.write_s, done.upload_s, done.verify_s, done.nbytes
+        self._record(done.step, t, where="writer process")
 
     def _persist(self, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings) -> None:
         t0 = time.perf_counter()
@@ -159,16 +225,19 @@ class Checkpointer(BackgroundSaver):
         t3 = time.perf_counter()
         t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
         t.nbytes = sum(f.size for f in manifest.files.values())
-        self.durable_step = manifest.step
-        self.history.append(t)
-        if self.on_durable is not None:
-            self.on_durable(manifest.step)
-        log.info(
-            "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs)",
-            manifest.step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
-        )  # fmt: skip
+        self._record(manifest.step, t, where="thread")
         apply_retention(self.storage, manifest.step, self.keep)
         prune_local(self.cache, {manifest.step})
+
+    def _record(self, step: int, t: SaveTimings, where: str) -> None:
+        self.durable_step = step
+        self.history.append(t)
+        if self.on_durable is not None:
+            self.on_durable(step)
+        log.info(
+            "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs; %s)",
+            step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s, where,
+        )  # fmt: skip
 
 
 def lower_thread_priority() -> None:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from trainer.ckpt_format import COMPLETED, LATEST, MANIFEST
 from trainer.errors import ConfigError, LeaseHeld, LeaseLost, PreconditionFailed, TransientStorageError
@@ -345,10 +346,36 @@ class Lease:
                 return
 
 
+class LeaseView:
+    """A lease held by another process of this trainer (the checkpoint writer's view of its parent's
+    lease, trainer/writer_proc.py): it cannot see the parent's renewals, so every `check` reads the
+    lease object. Ours while the token is ours, not released, and not within the margin of expiry
+    by our clock: the same tests a takeover decides by (`decide_takeover`)."""
+
+    def __init__(self, storage: Storage, token: int, clock: Callable[[], float] = time.time) -> None:
+        self.storage, self.token, self.clock = storage, token, clock
+
+    def check(self, remote: bool = False) -> None:
+        current, _ = read_lease(self.storage)
+        if current is None or current.released or current.token != self.token:
+            who = "removed or released" if current is None or current.released else "taken over"
+            raise LeaseLost(
+                f"the lease of {self.storage.uri} was {who} (token {self.token} was ours); "
+                "the checkpoint writer stopped without publishing more",
+                taken_by=None if current is None or current.released else current.holder.worker_id,
+            )
+        if self.clock() >= current.expires_at - current.ttl_s / 10:
+            raise LeaseLost(f"the lease of {self.storage.uri} ran out without a renewal")
+
+
+class LeaseCheck(Protocol):
+    def check(self, remote: bool = False) -> None: ...
+
+
 class FencedStorage:
     """The storage a lease holder writes through: every write checks the lease first (see module doc)."""
 
-    def __init__(self, inner: Storage, lease: Lease) -> None:
+    def __init__(self, inner: Storage, lease: LeaseCheck) -> None:
         self.inner, self.lease, self.uri = inner, lease, inner.uri
 
     def put(self, key: str, src: Path) -> None:

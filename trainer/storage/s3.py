@@ -172,6 +172,7 @@ class S3Storage:
     ) -> None:
         self.client = client
         self.bucket = bucket
+        self.opts = opts  # what another process opens this storage again with (trainer/writer_proc.py)
         self.root = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.uri = f"s3://{bucket}/{self.root}".rstrip("/")
         self.attempts = attempts

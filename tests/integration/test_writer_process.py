@@ -1,0 +1,193 @@
+"""The checkpoint writer process (trainer/writer_proc.py, trainer/shm.py): a real child process, real
+shared memory, real storage and lease; what it writes equals what the thread writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.checkpointer import Checkpointer
+from trainer.ckpt_format import MANIFEST, Manifest, read_part, step_dir
+from trainer.errors import CheckpointError, LeaseLost
+from trainer.lease import LEASE_KEY, FencedStorage, Holder, Lease, LeaseDoc
+from trainer.spec import S3Options
+from trainer.state import capture_rng
+from trainer.stateful import spec_of
+from trainer.storage import LocalStorage, get_bytes, open_storage, put_bytes
+from trainer.validate import validate_dir
+
+
+def make_state(step: int, width: int = 64) -> dict[str, Any]:
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    meta = {"step": step, "position": {"epoch": 0, "batch": step}, "rank": 0, "world_size": 1}
+    return {
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        "scaler": None, "rng": capture_rng(torch.device("cpu")), "trainer": meta,
+    }  # fmt: skip
+
+
+def base(step: int) -> dict[str, Any]:
+    return {"step": step, "spec_hash": "s" * 8, "shape_hash": "h" * 8, "world_size": 1}
+
+
+def loaded(storage: LocalStorage, step: int) -> dict[str, Any]:
+    d = storage.root / step_dir(step)
+    m = Manifest.from_json((d / MANIFEST).read_bytes())
+    return {f: read_part(d / f, spec_of(f.split(".")[0]).codec) for f in sorted(m.files)}
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.fixture
+def writer(tmp_path: Path) -> Any:
+    made: list[Checkpointer] = []
+
+    def make(storage: Any, **kw: Any) -> Checkpointer:
+        ckpt = Checkpointer(
+            storage, tmp_path / f"cache{len(made)}", keep=2, writer=kw.pop("writer", "process"), **kw
+        )
+        made.append(ckpt)
+        return ckpt
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_the_process_writes_what_the_thread_writes(tmp_path: Path, writer: Any) -> None:
+    by_process, by_thread = LocalStorage(tmp_path / "p"), LocalStorage(tmp_path / "t")
+    proc, thread = writer(by_process), writer(by_thread, writer="thread")
+    for step in (10, 20):
+        state = make_state(step)
+        proc.save(state, base(step))
+        thread.save(state, base(step))
+        proc.wait()
+        thread.wait()
+    assert proc.uses_process and not thread.uses_process
+    assert (proc.durable_step, thread.durable_step) == (20, 20)
+    assert get_bytes(by_process, "latest") == get_bytes(by_thread, "latest")
+    assert validate_dir(by_process.root / step_dir(20), integrity_only=True) == []
+    assert_same(loaded(by_process, 20), loaded(by_thread, 20))
+    assert [t.nbytes for t in proc.history] == [t.nbytes for t in thread.history]
+
+
+def test_a_new_layout_gets_a_new_arena(tmp_path: Path, writer: Any) -> None:
+    storage = LocalStorage(tmp_path / "s")
+    ckpt = writer(storage)
+    ckpt.save(make_state(1, width=16), base(1))
+    ckpt.wait()
+    first = ckpt._shared.generation
+    state = make_state(2, width=48)  # a state that grew: every buffer changes size
+    ckpt.save(state, base(2))
+    ckpt.wait()
+    assert ckpt._shared.generation == first + 1
+    assert_same(loaded(storage, 2)["model.safetensors"], {k: v for k, v in state["model"].items()})
+
+
+def test_an_emergency_save_does_not_wait_for_a_writer_to_start(tmp_path: Path, writer: Any) -> None:
+    ckpt = writer(LocalStorage(tmp_path / "s"))
+    ckpt.save(make_state(5), base(5), wait=True)
+    assert ckpt.durable_step == 5 and not ckpt.uses_process
+
+
+def test_small_states_stay_in_the_thread_by_default(tmp_path: Path, writer: Any) -> None:
+    ckpt = writer(LocalStorage(tmp_path / "s"), writer="auto")
+    ckpt.save(make_state(3), base(3))
+    ckpt.wait()
+    assert ckpt.durable_step == 3 and not ckpt.uses_process
+
+
+def test_a_dead_writer_fails_the_checkpoint_in_the_loop(tmp_path: Path, writer: Any) -> None:
+    ckpt = writer(LocalStorage(tmp_path / "s"))
+    ckpt.save(make_state(1), base(1))
+    ckpt.wait()
+    os.kill(ckpt._proc.proc.pid, signal.SIGKILL)
+    ckpt._proc.proc.wait()
+    ckpt.save(make_state(2), base(2))
+    with pytest.raises(CheckpointError, match=r"writer process died .*SIGKILL"):
+        ckpt.wait()
+    assert ckpt.durable_step == 1
+
+
+def test_the_writer_outlives_the_signal_that_asks_for_an_emergency_save(tmp_path: Path, writer: Any) -> None:
+    ckpt = writer(LocalStorage(tmp_path / "s"))
+    ckpt.save(make_state(1), base(1))
+    ckpt.wait()
+    os.kill(ckpt._proc.proc.pid, signal.SIGTERM)  # a worker-wide SIGTERM reaches it too
+    os.kill(ckpt._proc.proc.pid, signal.SIGINT)
+    ckpt.save(make_state(2), base(2), wait=True)
+    assert ckpt.durable_step == 2 and ckpt._proc.alive
+
+
+def test_close_stops_the_writer(tmp_path: Path, writer: Any) -> None:
+    ckpt = writer(LocalStorage(tmp_path / "s"))
+    ckpt.save(make_state(1), base(1))
+    proc = ckpt._proc.proc
+    ckpt.close()
+    assert proc.poll() is not None
+
+
+def test_writes_stop_once_the_lease_is_taken_over(tmp_path: Path, writer: Any) -> None:
+    inner = LocalStorage(tmp_path / "s")
+    lease = Lease.acquire(inner, Holder.this_process("w-1", None))
+    ckpt = writer(FencedStorage(inner, lease))
+    ckpt.save(make_state(1), base(1))
+    ckpt.wait()
+    assert ckpt.uses_process and ckpt.durable_step == 1
+    theirs = Holder("w-2", "flow-2", "other-host", 1, "")
+    now = time.time()
+    put_bytes(inner, LEASE_KEY, LeaseDoc(theirs, lease.doc.token + 1, now, now, now + 30, 30).to_json())
+    ckpt.save(make_state(2), base(2))
+    with pytest.raises(LeaseLost, match="taken over") as lost:
+        ckpt.wait()
+    assert lost.value.taken_by == "w-2"
+    assert ckpt.durable_step == 1 and not (inner.root / step_dir(2) / MANIFEST).exists()
+
+
+def test_a_storage_that_cannot_be_reopened_stays_in_the_thread(tmp_path: Path, writer: Any) -> None:
+    class Wrapped(LocalStorage):  # a test double, like the fault-injecting storages
+        pass
+
+    ckpt = writer(Wrapped(tmp_path / "s"))
+    ckpt.save(make_state(1), base(1))
+    ckpt.wait()
+    assert ckpt.durable_step == 1 and not ckpt.uses_process
+
+
+def test_the_writer_opens_s3_again_with_the_same_options(
+    s3_bucket: tuple[str, str], tmp_path: Path, writer: Any
+) -> None:
+    endpoint, bucket = s3_bucket
+    storage = open_storage(f"s3://{bucket}/job", S3Options(endpoint_url=endpoint, multipart_chunk_mb=5))
+    ckpt = writer(storage)
+    state = make_state(7)
+    ckpt.save(state, base(7))
+    ckpt.wait()
+    assert ckpt.uses_process and ckpt.durable_step == 7
+    assert get_bytes(storage, "latest") == b'{"step": 7, "dir": "step_000000007"}'
+    m = Manifest.from_json(get_bytes(storage, f"{step_dir(7)}/{MANIFEST}"))
+    assert m.step == 7 and "model.safetensors" in m.files
