@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-
-from sqlalchemy import exc as sa_exc
 
 from spotrun.checkpoints_cmd import add_checkpoints
 from spotrun.console import (
@@ -29,6 +28,8 @@ from spotrun.console import (
 from spotrun.deploy_cmd import add_deploy, add_serve
 from spotrun.report_cmd import add_report
 from spotrun.run_cmd import add_run
+from spotrun.server_cmd import add_server
+from tasks.settings import spotrun_home
 from trainer.errors import SpotrunError
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 def cmd_history(args: argparse.Namespace) -> int:
     """`spotrun history`: the newest attempts (of a job) from the SQL history, as a table or JSON."""
+    from sqlalchemy import exc as sa_exc
+
     from tasks.history import HistoryStore, StoreUnavailable
     from tasks.settings import Settings
 
@@ -82,6 +85,7 @@ COMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "report": add_report,
     "deploy": add_deploy,
     "serve": add_serve,
+    "server": add_server,
 }
 
 
@@ -97,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `spotrun` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="spotrun: %(levelname)s: %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    # One home for this command and every process it starts (flows, trainers, workers): a relative
+    # or unset SPOTRUN_HOME is fixed here, before anything changes directory.
+    os.environ["SPOTRUN_HOME"] = str(spotrun_home())
     handler: Handler = args.handler
     try:
         return handler(args)

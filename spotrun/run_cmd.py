@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import sys
 import time
@@ -22,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.spec import JobSpec, load_spec
 
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
+    from spotrun.server import PrefectApi
     from tasks.history import AttemptRow
     from tasks.policy import RetryPolicy
     from tasks.providers.aws_config import AwsProviderConfig
@@ -63,15 +63,17 @@ _M = TypeVar("_M", bound=BaseModel)
 def cmd_run(args: argparse.Namespace) -> int:
     """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed."""
     from spotrun.server import prefect_api
+    from tasks.history.engine import check_database_url
     from tasks.settings import Settings
 
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
     settings = Settings.from_env()
+    job = settings.resolve(job)
+    check_database_url(settings.database_url)
     out = wide_console()
-    if not os.environ.get("PREFECT_API_URL"):
-        out.print(f"PREFECT_API_URL is unset: starting a Prefect server under {settings.home / 'prefect'}")
-    with prefect_api(settings.home) as api:
-        out.print(f"flow run of job {job.name} against {api.url}", markup=False)
+    with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
+        out.print(server_line(api), markup=False)
+        out.print(f"flow run of job {job.name} against {api.url}; checkpoints in {job.storage}", markup=False)
         try:
             result = run_job(job, provider, policy, settings, out)
         except KeyboardInterrupt:  # the flow stopped its trainer (emergency checkpoint) and recorded it
@@ -79,12 +81,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
         print_result(out, result, api.flow_run_url(result.flow_run_id))
     if api.server is not None:
-        out.print("the Prefect server has stopped; set PREFECT_API_URL to a running one to keep flow runs")
+        out.print("the temporary Prefect server has stopped, and the flow run link with it; "
+                  "`spotrun server start` keeps one running", markup=False)  # fmt: skip
     last = result.attempts[-1] if result.attempts else None
     if not result.completed and last is not None and last.trainer_code == "CONFIG_ERROR":
         # bad input the trainer found (a recipe that cannot be built): exit 2 with its one line, like ours
         raise ConfigError(f"attempt {last.attempt}: {last.error.removeprefix('ConfigError: ')}")
     return EXIT_OK if result.completed else EXIT_FAILED
+
+
+def server_line(api: PrefectApi) -> str:
+    """Which Prefect server this run is recorded in, and for how long its links work."""
+    if api.source == "env":
+        return f"Prefect server: {api.url} (PREFECT_API_URL)"
+    if api.source == "background":
+        how = "started in the background" if api.started else "background"
+        return f"Prefect server: {api.ui_url} ({how}; it keeps running after this run: spotrun server stop)"
+    return f"Prefect server: {api.ui_url} (temporary: it stops when this run ends)"
 
 
 def run_inputs(
@@ -116,7 +129,18 @@ def run_inputs(
             LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice}
         )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
+    check_recipe(spec.recipe, local=provider.kind == "local")
     return spec, provider, _validated(RetryPolicy, budgets)
+
+
+def check_recipe(name: str, local: bool) -> None:
+    """ConfigError now, not after a worker crashed on it: an unknown built-in name always; a
+    `module:function` that does not import only for local workers (EC2 images may hold what this
+    machine lacks)."""
+    from trainer import recipes
+
+    if local or ":" not in name:
+        recipes.resolve(name)
 
 
 def load_provider(path: str) -> LocalProviderConfig | AwsProviderConfig:
@@ -304,8 +328,10 @@ def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:
 def add_run(sub: Subparsers) -> None:
     help_ = "train a job through the resilient-training flow here, with a live progress view"
     epilog = (
-        "The flow runs in this process against PREFECT_API_URL, or against a Prefect server started "
-        "under $SPOTRUN_HOME/prefect for the run. Workers are local trainer processes, reclaimed by "
+        "The flow runs in this process against PREFECT_API_URL, or else the background Prefect server "
+        "(`spotrun server`; started here if it is not running, and left running so the flow run's link "
+        "keeps working; --temporary-server: one for this run alone). A relative storage is under "
+        "$SPOTRUN_HOME. Workers are local trainer processes, reclaimed by "
         "the spot simulator as the --preempt-* options say, or EC2 spot instances (--provider with kind "
         "aws). Exit 0 Completed, 1 Failed, 2 bad input, 130 interrupted (Ctrl-C: the trainer takes an "
         "emergency checkpoint first; the same command resumes)."
@@ -327,5 +353,10 @@ def add_run(sub: Subparsers) -> None:
     p.add_argument("--max-preemptions", type=int, metavar="N", help="give up at this many preemptions")
     p.add_argument(
         "--provider", metavar="FILE.yaml", help="provider settings: kind local (default) or aws (docs/aws.md)"
+    )
+    p.add_argument(
+        "--temporary-server",
+        action="store_true",
+        help="without PREFECT_API_URL: a Prefect server for this run alone, stopped after it (dead links)",
     )
     p.set_defaults(handler=cmd_run)

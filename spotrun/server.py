@@ -1,13 +1,18 @@
-"""A Prefect API to run flows against: the one PREFECT_API_URL names, or a local server started here.
+"""A Prefect API to run flows against: the one PREFECT_API_URL names, the background server
+`spotrun server start` keeps under SPOTRUN_HOME, or a local server started for one command.
 
-`PrefectServer` runs `prefect server start` on a free loopback port, in its own process group, with
+`PrefectServer` runs `prefect server start` on a loopback port, in its own process group, with
 SQLite under its PREFECT_HOME; it is ready when /api/health answers (7-14 s on a fresh database on
-2 cores, 3-5 s on an existing one) and stops on SIGTERM to the group. The tests, the demo and
-`spotrun run` use it.
+2 cores, 3-5 s on an existing one) and stops on SIGTERM to the group. The background server is the
+same process started without a parent-death signal, recorded in `<home>/prefect/server.json`; every
+command finds it there and checks it (the pid is a Prefect server, /api/health answers) before use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -19,12 +24,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from trainer.errors import SpotrunError
 
 
 class ServerStartError(SpotrunError):
     """The local Prefect server did not come up; the message names its log."""
+
+
+DEFAULT_PORT = 4200  # Prefect's own default: the UI address a user already knows, when it is free
+STATE_FILE = "server.json"  # in the background server's PREFECT_HOME: pid, API URL, start time
+LOCK_FILE = "server.lock"  # held while one command checks for, or starts, the background server
 
 
 def free_port() -> int:
@@ -105,12 +116,135 @@ class PrefectServer:
             self.proc.wait()
 
 
+def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Prefect API at `api_url` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Background:
+    """The background server as its state file records it."""
+
+    pid: int
+    api_url: str
+    started_at: float
+    log: str
+
+    @property
+    def ui_url(self) -> str:
+        return self.api_url.removesuffix("/api")
+
+
+def server_home(home: Path) -> Path:
+    """The background server's PREFECT_HOME (its SQLite database, log and state file)."""
+    return home / "prefect"
+
+
+def _read_state(home: Path) -> Background | None:
+    try:
+        d = json.loads((server_home(home) / STATE_FILE).read_text())
+        return Background(int(d["pid"]), str(d["api_url"]), float(d["started_at"]), str(d["log"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _is_prefect_server(pid: int) -> bool:
+    """The pid is alive and runs a Prefect server (not a reused pid, not a zombie)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"prefect" in cmdline and b"server" in cmdline
+
+
+def running_server(home: Path) -> Background | None:
+    """The background server under `home` when its process runs and its API answers, else None."""
+    state = _read_state(home)
+    if state is None or not _is_prefect_server(state.pid):
+        return None
+    return state if healthy(state.api_url) else None
+
+
+@contextmanager
+def _server_lock(home: Path) -> Iterator[None]:
+    """One command at a time checks for or starts the background server (two would share one SQLite)."""
+    server_home(home).mkdir(parents=True, exist_ok=True)
+    with open(server_home(home) / LOCK_FILE, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def start_background(home: Path, port: int | None = None, timeout_s: float = 90) -> tuple[Background, bool]:
+    """The background server, started now unless it already runs; (server, started now). `port`: None
+    takes 4200 when free, else a free one; 0 always a free one. ServerStartError if it does not come up
+    or the asked-for port is taken."""
+    with _server_lock(home):
+        found = running_server(home)
+        if found is not None:
+            return found, False
+        state = _read_state(home)
+        if state is not None and _is_prefect_server(state.pid):
+            raise ServerStartError(
+                f"the background Prefect server (pid {state.pid}) runs but {state.api_url}/health does not "
+                f"answer; see {state.log}, or stop it with `spotrun server stop`"
+            )
+        if port and not port_free(port):
+            raise ServerStartError(f"port {port} on 127.0.0.1 is in use; pick another with --port")
+        chosen = port or (DEFAULT_PORT if port is None and port_free(DEFAULT_PORT) else free_port())
+        server = PrefectServer(server_home(home), chosen, die_with_parent=False).start(timeout_s)
+        assert server.proc is not None
+        bg = Background(server.proc.pid, server.api_url, time.time(), str(server.log))
+        tmp = server_home(home) / f"{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(bg.__dict__) + "\n")
+        os.replace(tmp, server_home(home) / STATE_FILE)
+        return bg, True
+
+
+def stop_background(home: Path, timeout_s: float = 15) -> Background | None:
+    """Stop the background server (SIGTERM to its group, SIGKILL after `timeout_s`); the stopped one, or
+    None when none ran. Its database and log stay: the next start keeps the flow-run history."""
+    with _server_lock(home):
+        state = _read_state(home)
+        (server_home(home) / STATE_FILE).unlink(missing_ok=True)
+        if state is None or not _is_prefect_server(state.pid):
+            return None
+        _signal_group(state.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _is_prefect_server(state.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _is_prefect_server(state.pid):
+            _signal_group(state.pid, signal.SIGKILL)
+        return state
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)  # the server leads its own session: its uvicorn workers go with it
+
+
 @dataclass(frozen=True)
 class PrefectApi:
-    """The API flows run against; `server` is set when it was started here."""
+    """The API flows run against. `source`: PREFECT_API_URL (env), the background server, or a server
+    started for this command alone (temporary: `server` is set, and its links die with it)."""
 
     url: str
     server: PrefectServer | None
+    source: Literal["env", "background", "temporary"] = "temporary"
+    started: bool = False  # the background server was started by this command
 
     @property
     def ui_url(self) -> str:
@@ -122,16 +256,43 @@ class PrefectApi:
         return f"{self.ui_url}/runs/flow-run/{flow_run_id}"
 
 
-@contextmanager
-def prefect_api(home: Path, *, use_env: bool = True, keep: bool = False) -> Iterator[PrefectApi]:
-    """The server PREFECT_API_URL names (when `use_env` and it is set), as is; otherwise a local server
-    under home/"prefect", started now and stopped on exit unless `keep`. The body runs with
-    PREFECT_API_URL pointing at it (trainer subprocesses inherit it through the environment too)."""
+def choose_api(home: Path, *, use_env: bool, background: Literal["no", "reuse", "start"]) -> PrefectApi:
+    """PREFECT_API_URL (when `use_env` and set); else the background server when it runs (`reuse`),
+    or started now (`start`); else a temporary server (the caller stops it)."""
     url = os.environ.get("PREFECT_API_URL", "").strip() if use_env else ""
-    server = None if url else PrefectServer(home / "prefect", die_with_parent=not keep).start()
-    api = PrefectApi(server.api_url, server) if server is not None else PrefectApi(url, None)
+    if url:
+        return PrefectApi(url, None, "env")
+    if background == "start":
+        bg, started = start_background(home)
+        return PrefectApi(bg.api_url, None, "background", started)
+    if background == "reuse":
+        with _server_lock(home):
+            found = running_server(home)
+        if found is not None:
+            return PrefectApi(found.api_url, None, "background")
+    return PrefectApi("", None)
+
+
+@contextmanager
+def prefect_api(
+    home: Path,
+    *,
+    use_env: bool = True,
+    keep: bool = False,
+    background: Literal["no", "reuse", "start"] = "reuse",
+) -> Iterator[PrefectApi]:
+    """The server PREFECT_API_URL names (when `use_env` and it is set), as is; else the background server
+    as `background` says (choose_api); otherwise a local server under home/"prefect", started now and
+    stopped on exit unless `keep`. The body runs with PREFECT_API_URL pointing at it (trainer
+    subprocesses inherit it through the environment too)."""
+    api = choose_api(home, use_env=use_env, background=background)
+    server = None
+    if not api.url:
+        server = PrefectServer(server_home(home), die_with_parent=not keep).start()
+        api = PrefectApi(server.api_url, server)
+    client_env = server.env() if server is not None else {"PREFECT_API_URL": api.url}
     try:
-        with patched_environ(**(server.env() if server is not None else {})):
+        with patched_environ(**client_env):
             from prefect.settings import PREFECT_API_URL, temporary_settings
 
             with temporary_settings({PREFECT_API_URL: api.url}):

@@ -115,6 +115,7 @@ def run_job(
 ) -> JobResult:
     """Train `job` on `provider`'s workers until it completes or the policy gives up. `recovers`: the
     crashed flow run this one replaces (its job run is continued)."""
+    job = settings.resolve(job)  # a relative storage: under SPOTRUN_HOME, for every worker and record
     runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink, recovers)
     try:
         runlog.stop_leftover(provider)

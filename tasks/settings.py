@@ -1,4 +1,9 @@
-"""Where the orchestrator keeps its files and its history: read from the environment once, at the edge."""
+"""Where the orchestrator keeps its files and its history: read from the environment once, at the edge.
+
+SPOTRUN_HOME (default ~/.spotrun) holds the history database, the journal, the background Prefect
+server, worker directories and caches, and every relative `storage:` of a job: the same job file names
+the same checkpoints and the same history from any directory.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks.history import database_url
+if TYPE_CHECKING:
+    from trainer.spec import JobSpec
+
+HOME_SETTING = "SPOTRUN_HOME"
+DEFAULT_HOME = "~/.spotrun"
+
+
+def spotrun_home(environ: Mapping[str, str] | None = None) -> Path:
+    """SPOTRUN_HOME as an absolute path (a relative value is taken from the current directory once,
+    here); default ~/.spotrun, one per user, whatever the directory a command runs in."""
+    env = os.environ if environ is None else environ
+    return Path(env.get(HOME_SETTING, "").strip() or DEFAULT_HOME).expanduser().resolve()
 
 
 @dataclass(frozen=True)
@@ -17,8 +34,10 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        from tasks.history import database_url  # SQLAlchemy: not for commands that never read history
+
         env = os.environ if environ is None else environ
-        home = Path(env.get("SPOTRUN_HOME", ".spotrun")).expanduser().resolve()
+        home = spotrun_home(env)
         return cls(home, database_url(env, home))
 
     @property
@@ -28,3 +47,12 @@ class Settings:
 
     def job_dir(self, job: str) -> Path:
         return self.home / "jobs" / job
+
+    def resolve(self, job: JobSpec) -> JobSpec:
+        """The job with its storage made absolute (a relative path is under SPOTRUN_HOME): done once
+        where a spec enters the orchestrator, so the trainer, the cache key and the history all see one
+        location."""
+        from trainer.storage import resolve_uri
+
+        storage = resolve_uri(job.storage, self.home)
+        return job if storage == job.storage else job.model_copy(update={"storage": storage})

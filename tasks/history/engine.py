@@ -9,21 +9,64 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
+from trainer.errors import ConfigError
+
 
 def default_url(home: Path) -> str:
     """The embedded default: a SQLite file in the spotrun home."""
     return f"sqlite:///{(home / 'history.db').absolute()}"
 
 
+URL_FORMS = "sqlite:///PATH or postgresql://USER@HOST[:PORT]/DB"
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
 def normalize_url(url: str) -> URL:
-    """Parse a database URL; plain PostgreSQL URLs (and asyncpg ones) get the sync psycopg driver."""
+    """Parse a database URL; plain PostgreSQL URLs (and asyncpg ones) get the sync psycopg driver.
+    ConfigError, one line naming the URL (password hidden) and the forms that work, for anything else."""
     try:
         u = make_url(url)
-    except sa_exc.ArgumentError as e:
-        raise ValueError(f"database URL {url!r} is not a URL: write sqlite:///PATH or postgresql://…") from e
+    except (sa_exc.ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
+        shown = _hide_password(url)
+        why = "its port is not a number" if "int()" in str(e) else "it is not a URL"
+        raise ConfigError(f"SPOTRUN_DATABASE_URL {shown}: {why}; write {URL_FORMS}") from None
     if u.drivername in ("postgres", "postgresql", "postgresql+asyncpg"):
         u = u.set(drivername="postgresql+psycopg")
+    if u.get_backend_name() not in ("sqlite", "postgresql"):
+        shown = u.render_as_string(hide_password=True)
+        raise ConfigError(
+            f"SPOTRUN_DATABASE_URL {shown}: {u.get_backend_name()} is not supported; write {URL_FORMS}"
+        )
     return u
+
+
+def check_database_url(url: str) -> URL:
+    """normalize_url, and a SQLite file that exists must be a SQLite database (ConfigError if not):
+    checked before anything is written, so a wrong path never gets a table or a journal."""
+    u = normalize_url(url)
+    db = u.database
+    if u.get_backend_name() == "sqlite" and db not in (None, "", ":memory:"):
+        path = Path(db)
+        if path.is_dir():
+            raise ConfigError(f"SPOTRUN_DATABASE_URL names a directory ({path}); name a file in it")
+        try:
+            head = path.read_bytes()[:16] if path.is_file() else b""
+        except OSError as e:
+            raise ConfigError(f"cannot read the history database {path}: {e.strerror}") from None
+        if head and head != SQLITE_MAGIC:
+            raise ConfigError(
+                f"{path} is not a SQLite database; point SPOTRUN_DATABASE_URL at another file "
+                "(a new one is created) or move this one away"
+            )
+    return u
+
+
+def _hide_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.partition(':')[0]}:***@{host}"
 
 
 def make_engine(url: URL, connect_timeout_s: float) -> Engine:

@@ -28,7 +28,7 @@ from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.history.engine import make_engine, normalize_url, one_line, unreachable
+from tasks.history.engine import check_database_url, make_engine, one_line, unreachable
 from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
 from tasks.history.models import AlertStatus, JobRun, JobStatus
@@ -70,7 +70,7 @@ class HistoryStore(HistoryReads):
         With `journal_dir` (Settings.journal_dir) writes that cannot reach the database wait in a
         file there, replayed by the next process that opens it; without, in memory only.
         """
-        engine = make_engine(normalize_url(url), connect_timeout_s)
+        engine = make_engine(check_database_url(url), connect_timeout_s)
         rendered = engine.url.render_as_string(hide_password=True)
         journal = FileJournal(journal_path(journal_dir, rendered)) if journal_dir is not None else None
         store = cls(engine, journal)

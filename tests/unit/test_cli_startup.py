@@ -25,7 +25,7 @@ print("HEAVY", heavy)
 @pytest.mark.parametrize(
     "argv",
     [[], ["history"], ["checkpoints", "list"], ["checkpoints", "verify"], ["run"], ["deploy"], ["serve"],
-     ["report"]],
+     ["report"], ["server"], ["server", "start"], ["server", "status"]],
 )  # fmt: skip
 def test_help_imports_neither_torch_nor_prefect(argv: list[str]) -> None:
     out = subprocess.run(

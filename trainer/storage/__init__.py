@@ -27,6 +27,7 @@ __all__ = [
     "get_bytes",
     "open_storage",
     "put_bytes",
+    "resolve_uri",
     "sha256_of",
 ]
 
@@ -40,6 +41,17 @@ def check_uri(uri: str) -> str:
     if not uri.removeprefix("file://"):
         raise ValueError("empty storage path: use a directory, file:///dir or s3://bucket/prefix")
     return uri
+
+
+def resolve_uri(uri: str, home: Path) -> str:
+    """A storage URI made independent of the current directory: a relative path (or `file://` with a
+    relative path) is taken under `home` (SPOTRUN_HOME), so the same job file names the same checkpoints
+    from any directory; `~` expands; absolute paths and `s3://` are returned as they are."""
+    check_uri(uri)
+    if uri.startswith("s3://"):
+        return uri
+    path = Path(uri.removeprefix("file://")).expanduser()
+    return str(path if path.is_absolute() else home / path)
 
 
 def open_storage(uri: str, s3: S3Options | None = None, create: bool = True) -> Storage:
