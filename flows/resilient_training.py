@@ -22,7 +22,8 @@ from tasks.endings import record_ending
 from tasks.job_slot import one_run_per_job
 from tasks.policy import RetryPolicy
 from tasks.prefect_sink import PrefectSink
-from tasks.providers import ProviderConfig, build_provider
+from tasks.providers import build_provider
+from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local import LocalProviderConfig
 from tasks.recovery import recovered_run
 from tasks.reporting import artifact_key
@@ -39,9 +40,19 @@ from trainer.spec import JobSpec
 @one_run_per_job  # a second run of a running job waits or is refused (policy.duplicate_runs)
 def resilient_training(
     job: JobSpec,
-    provider: ProviderConfig = LocalProviderConfig(),  # noqa: B008 (pydantic default: the UI form)
+    # A plain union (JSON schema anyOf), not tasks.providers.ProviderConfig's discriminated one (oneOf):
+    # the Prefect UI offers anyOf as a choice, then that provider's form; oneOf it shows as raw JSON.
+    # Either validates the same: `kind` is a Literal in each, and both forbid extra keys.
+    provider: LocalProviderConfig | AwsProviderConfig = LocalProviderConfig(),  # noqa: B008 (the UI's default)
     policy: RetryPolicy = RetryPolicy(),  # noqa: B008
 ) -> State:
+    """Train `job` on the provider's workers, restarting after each reclaim until done or out of budget.
+
+    Args:
+        job: what to train: the recipe, its arguments, steps, checkpoints and storage.
+        provider: where workers run: local subprocesses under a simulated spot market, or EC2 spot.
+        policy: how many preemptions and errors the job may spend before it gives up.
+    """
     settings = Settings.from_env()
     run_id = str(flow_run.get_id() or "")
     workers = build_provider(provider, settings.job_dir(job.name) / "workers", run_id)

@@ -20,6 +20,7 @@ import queue
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -109,7 +110,7 @@ class LocalProvider:
         # trainer's default lease holder is `local-<pid>`, this worker's id, and a heartbeat is not needed.
         work = worker_dir(Path(self.cfg.workdir or ".spotrun/local"), job)
         cache = work / "cache" if self.cfg.keep_cache else work / f"attempt-{attempt}" / "cache"
-        cmd = [self.cfg.python, "-m", "trainer", "--config", str(spec_path.resolve())]
+        cmd = [self.cfg.python or sys.executable, "-m", "trainer", "--config", str(spec_path.resolve())]
         cmd += ["--storage", job.storage, "--cache", str(cache), "--metrics", str(work / "metrics.jsonl")]
         cmd += extra_args
         work.mkdir(parents=True, exist_ok=True)

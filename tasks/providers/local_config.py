@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,9 +49,10 @@ class LocalProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
-    python: str = Field(
-        default=sys.executable,
-        description="Python interpreter that runs `python -m trainer` (torch and this project installed)",
+    python: str | None = Field(
+        default=None,  # not sys.executable: a default is baked into the deployment on the deploying machine
+        description="Python interpreter that runs `python -m trainer` (torch and this project installed); "
+        "empty: the one running the flow",
     )
     workdir: str | None = Field(
         default=None,
@@ -93,7 +93,10 @@ class LocalProviderConfig(BaseModel):
         description="reuse the local checkpoint cache across attempts; false rehearses a fresh machine "
         "with an empty disk every attempt (each resume downloads from storage)",
     )
-    simulator: SpotSimulatorConfig = Field(default_factory=SpotSimulatorConfig)
+    simulator: SpotSimulatorConfig = Field(
+        default_factory=SpotSimulatorConfig,
+        description="when simulated spot reclaims happen: a schedule, random ones, or none",
+    )
 
 
 def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:

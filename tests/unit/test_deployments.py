@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import uuid4
@@ -280,3 +281,38 @@ def test_deploy_without_a_server_is_one_line_error(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "no Prefect server to deploy to: set PREFECT_API_URL" in err and "spotrun serve" in err
+
+
+def _training_schema() -> dict[str, Any]:
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.resilient_training import resilient_training
+
+    return parameter_schema(resilient_training).model_dump()
+
+
+def test_the_provider_is_a_choice_of_forms_the_ui_can_render() -> None:
+    provider = _training_schema()["properties"]["provider"]
+    # anyOf: the UI's schema form offers a choice, then the chosen provider's form (oneOf: raw JSON)
+    assert provider["anyOf"] == [
+        {"$ref": "#/definitions/LocalProviderConfig"},
+        {"$ref": "#/definitions/AwsProviderConfig"},
+    ]
+    assert "oneOf" not in provider and provider["default"]["kind"] == "local"
+
+
+def test_the_form_has_no_machine_specific_defaults_and_every_field_is_described() -> None:
+    import sys
+    from pathlib import Path
+
+    schema = _training_schema()
+    text = json.dumps(schema)
+    for local in (sys.executable, str(REPO), str(Path.home())):
+        assert local not in text, f"{local} is baked into the form's defaults"
+    undescribed = [
+        f"{name}.{field}"
+        for name, definition in [("flow", schema), *schema["definitions"].items()]
+        for field, prop in definition.get("properties", {}).items()
+        if len(prop.get("description", "")) < 10 or prop["description"].rstrip().endswith("e.g.")
+    ]
+    assert undescribed == [], "fields the UI shows without a description"
