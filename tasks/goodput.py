@@ -1,6 +1,6 @@
 """Goodput of one job run, computed from its attempt rows alone (what SQL stores; no Prefect, no I/O).
 
-Definitions (the README's `spotrun report` section states the same):
+Definitions (docs/architecture.md's goodput report section states the same):
 
 - wall time: the first attempt's start to the job run's end; while it runs, to now; a job run that
   ended without an end time (its controller died): to the last attempt's end.
