@@ -253,6 +253,7 @@ def watch(
     """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
     when the trainer reports a stop request or a cloud notice (the worker is going away)."""
     last_update = 0.0
+    trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
 
     def on_status(rec: Record) -> None:
         nonlocal last_update
@@ -262,7 +263,7 @@ def watch(
                 sink.log(logging.WARNING, f"trainer passed over checkpoint step {r.step}: {r.reason}")
             if rec.resharded_from is not None:
                 sink.log(logging.WARNING, f"resumed {resharded(rec.resharded_from, job.world_size)}")
-        elif isinstance(rec, Durable):
+        elif isinstance(rec, Durable) and not trainer_log:  # once: EC2 streams no log, the status says it
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):
             sink.log(logging.WARNING, f"worker stopping on {rec.reason} at step {rec.step}")
@@ -275,6 +276,8 @@ def watch(
             sink.progress(job.name, rec.step, job.total_steps)
 
     def on_log(line: str) -> None:
+        nonlocal trainer_log
+        trainer_log = True
         sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
 
     return provider.watch(worker, on_status, on_log)

@@ -1,0 +1,49 @@
+"""What the flow run's log says about checkpoints: each durable checkpoint once, whether or not the
+provider streams the trainer's own log (which says it with timings)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tasks.control import PlainSink, watch
+from trainer.records import Durable
+from trainer.spec import JobSpec
+
+JOB = JobSpec(name="digits", recipe="digits", total_steps=100)
+TRAINER_LINE = (
+    "checkpoint step 25 durable in /store (snapshot 0.010s, write 0.02s, upload 0.00s, verify 0.00s)"
+)
+
+
+class Streams:
+    """A provider whose watch replays `script`: ("log", line) or ("status", record)."""
+
+    def __init__(self, *script: tuple[str, Any]) -> None:
+        self.script = script
+
+    def watch(self, worker: Any, on_status: Any, on_log: Any) -> Any:
+        for kind, item in self.script:
+            on_log(item) if kind == "log" else on_status(item)
+        return None
+
+
+@pytest.mark.parametrize(
+    ("script", "lines"),
+    [
+        # local: the trainer's log reaches the flow run, and it already says so
+        ((("log", "resuming from step 0"), ("log", TRAINER_LINE), ("status", Durable(step=25, t=0.0))), 1),
+        # EC2: no trainer log reaches the controller; the status record is all there is
+        ((("status", Durable(step=25, t=0.0)),), 1),
+    ],
+)
+def test_each_durable_checkpoint_is_logged_once(
+    script: tuple[tuple[str, Any], ...], lines: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    watch(Streams(*script), SimpleNamespace(id="local-1"), JOB, PlainSink())  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records if "checkpoint step 25 durable" in r.getMessage()]
+    assert len(said) == lines, said
