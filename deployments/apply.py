@@ -7,11 +7,14 @@ the same ids and nothing new.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import yaml
@@ -97,8 +100,72 @@ def api_url() -> str:
     return str(url)
 
 
-def run_prefect_deploy(api_url: str, prefect_file: Path = PREFECT_FILE) -> None:
-    """`prefect deploy --all` from the repository root, where the entrypoints are relative to."""
+Schedules = dict[str, dict[str, Any]]  # slug -> {"cron"/"interval"/"timezone": what fires, "active": bool}
+
+
+def _what_fires(s: dict[str, Any]) -> dict[str, Any]:
+    return {"cron": s.get("cron"), "interval": s.get("interval"), "timezone": s.get("timezone") or "UTC"}
+
+
+def keep_operator_schedules(doc: dict[str, Any], existing: dict[str, Schedules]) -> dict[str, Any]:
+    """prefect.yaml as `prefect deploy` should apply it over the deployments already on the server
+    (`existing`: "flow/deployment" -> its schedules by slug), pure.
+
+    Sending a deployment's schedules again resets their `active` flags to the file's (re-pausing the
+    sweeper an operator resumed) and makes the server delete and recreate the queued scheduled runs.
+    So a deployment whose schedules the file does not change gets `schedules: null`, which keeps them
+    as they are; one whose schedules changed gets the file's, each keeping the operator's `active`.
+    """
+    doc = copy.deepcopy(doc)
+    for d in doc.get("deployments", []):
+        current = existing.get(f"{_flow_name(d['entrypoint'])}/{d['name']}")
+        wanted = d.get("schedules")
+        if current is None or not wanted:
+            continue
+        same = {s.get("slug"): _what_fires(s) for s in wanted} == {
+            slug: _what_fires(s) for slug, s in current.items()
+        }
+        if same:
+            d["schedules"] = None
+            continue
+        for s in wanted:
+            if s.get("slug") in current:
+                s["active"] = current[s["slug"]]["active"]
+    return doc
+
+
+def server_schedules(client: SyncPrefectClient, names: list[str]) -> dict[str, Schedules]:
+    """The schedules of those deployments that exist on the server, in prefect.yaml's terms."""
+    out: dict[str, Schedules] = {}
+    for name in names:
+        try:
+            dep = client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            continue
+        out[name] = {}
+        for s in dep.schedules:
+            sched = s.schedule
+            interval = getattr(sched, "interval", None)
+            out[name][s.slug or str(s.id)] = {
+                "cron": getattr(sched, "cron", None),
+                "interval": interval.total_seconds() if interval is not None else None,
+                "timezone": getattr(sched, "timezone", None),
+                "active": s.active,
+            }
+    return out
+
+
+def run_prefect_deploy(
+    api_url: str, prefect_file: Path = PREFECT_FILE, existing: dict[str, Schedules] | None = None
+) -> None:
+    """`prefect deploy --all` from the repository root, where the entrypoints are relative to; with
+    `existing`, the file rewritten by `keep_operator_schedules` first."""
+    if existing:
+        doc = keep_operator_schedules(yaml.safe_load(prefect_file.read_text()), existing)
+        with tempfile.TemporaryDirectory(prefix="spotrun-deploy-") as tmp:
+            kept = Path(tmp) / prefect_file.name
+            kept.write_text(yaml.safe_dump(doc, sort_keys=False))
+            return run_prefect_deploy(api_url, kept)
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file"]
     cmd.append(str(prefect_file))
     env = {**os.environ, "PREFECT_API_URL": api_url}
@@ -122,7 +189,7 @@ def deploy(
     names = DeployedNames.read(prefect_file)
     with get_client(sync_client=True) as client:
         created = [p for p in sorted(set(names.pools.values()) - {""}) if ensure_work_pool(client, p)]
-        run_prefect_deploy(url, prefect_file)
+        run_prefect_deploy(url, prefect_file, server_schedules(client, list(names.pools)))
         ids = {name: client.read_deployment_by_name(name).id for name in names.pools}
         for needed in (ALERT_DEPLOYMENT, RECOVER_DEPLOYMENT):
             if needed not in ids:

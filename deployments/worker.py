@@ -36,12 +36,26 @@ class WorkerStartError(SpotrunError):
     """The worker exited or did not register with the server; the message names its log."""
 
 
+def worker_name(host: str | None = None) -> str:
+    """`spotrun-<host>`: the pool's worker for this machine."""
+    return f"spotrun-{host or socket.gethostname()}"
+
+
 class LocalWorker:
     """`prefect worker start` in its own session; stopped with TERM, a second TERM, then KILL."""
 
-    def __init__(self, log: Path, pool: str = POOL, query_s: float = 5.0, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        log: Path,
+        pool: str = POOL,
+        query_s: float = 5.0,
+        limit: int | None = None,
+        name: str | None = None,
+    ) -> None:
         self.log, self.pool, self.query_s, self.limit = log, pool, query_s, limit
-        self.name = f"spotrun-{socket.gethostname()}-{os.getpid()}"
+        # One name per host, not per process: each `spotrun serve` after a restart is the same worker to
+        # the server, so offline workers do not pile up in the pool.
+        self.name = name or worker_name()
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0  # time.monotonic() at the last start
 

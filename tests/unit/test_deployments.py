@@ -316,3 +316,53 @@ def test_the_form_has_no_machine_specific_defaults_and_every_field_is_described(
         if len(prop.get("description", "")) < 10 or prop["description"].rstrip().endswith("e.g.")
     ]
     assert undescribed == [], "fields the UI shows without a description"
+
+
+NIGHTLY = "resilient-training/nightly-retraining"
+SWEEPER = "sweep-instances/sweep-instances"
+
+
+def _on_server(active_sweeper: bool, cron: str = "0 3 * * *") -> dict[str, Any]:
+    return {
+        NIGHTLY: {"nightly-0300-utc": {"cron": cron, "interval": None, "timezone": "UTC", "active": True}},
+        SWEEPER: {
+            "every-10-minutes": {"cron": None, "interval": 600.0, "timezone": None, "active": active_sweeper}
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("existing", "nightly", "sweeper"),
+    [
+        # first deploy: the file's schedules (the sweeper off until AWS is configured)
+        ({}, DEPLOYMENTS["nightly-retraining"]["schedules"], DEPLOYMENTS["sweep-instances"]["schedules"]),
+        # unchanged schedules are not sent: an operator's resume holds, queued runs stay
+        (_on_server(active_sweeper=True), None, None),
+        (_on_server(active_sweeper=False), None, None),
+    ],
+)
+def test_redeploy_keeps_what_an_operator_set(existing: dict[str, Any], nightly: Any, sweeper: Any) -> None:
+    from deployments.apply import keep_operator_schedules
+
+    doc = keep_operator_schedules(DOC, existing)
+    by_name = {d["name"]: d for d in doc["deployments"]}
+    assert by_name["nightly-retraining"]["schedules"] == nightly
+    assert by_name["sweep-instances"]["schedules"] == sweeper
+    assert DEPLOYMENTS["sweep-instances"]["schedules"][0]["active"] is False  # the input is not changed
+
+
+def test_a_changed_schedule_is_sent_with_the_operators_active_flag() -> None:
+    from deployments.apply import keep_operator_schedules
+
+    existing = _on_server(active_sweeper=True)
+    existing[NIGHTLY]["nightly-0300-utc"] |= {"cron": "0 4 * * *", "active": False}  # paused, old time
+    doc = keep_operator_schedules(DOC, existing)
+    (nightly,) = {d["name"]: d for d in doc["deployments"]}["nightly-retraining"]["schedules"]
+    assert (nightly["cron"], nightly["active"]) == ("0 3 * * *", False)
+
+
+def test_workers_are_named_per_host() -> None:
+    from deployments.worker import LocalWorker, worker_name
+
+    assert worker_name("gpu-box-1") == "spotrun-gpu-box-1"
+    assert LocalWorker(REPO / "w.log").name == LocalWorker(REPO / "x.log").name == worker_name()
