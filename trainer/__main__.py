@@ -43,7 +43,7 @@ from trainer.loop import AttemptOptions, ResumeSource, _device, run_attempt
 from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
-from trainer.status import StatusReporter, stdout_reporter
+from trainer.status import StatusReporter, open_status
 from trainer.storage import open_storage
 from trainer.storage.base import local_dir_name
 
@@ -58,6 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-steps", type=int, help="stop after this many steps in this attempt (with a checkpoint)"
     )
     p.add_argument("--resume-from", help="require resuming from this step (or a step_NNN directory URI)")
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="resume a checkpoint made with other training settings (seed, batch_size, amp, recipe args "
+        "that do not shape the model), like resume.allow_changes: true in the spec; not bitwise from here",
+    )
+    p.add_argument(
+        "--status",
+        default="-",
+        metavar="DEST",
+        help="where the status records (`@spotrun {json}` lines) go: - (stdout, the default), fd:N (a "
+        "descriptor the supervisor passed) or a file to append to; the log stays on stderr",
+    )
     p.add_argument(
         "--cache", help="local checkpoint directory (default $SPOTRUN_HOME/cache/<job>-<storage hash>)"
     )
@@ -141,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest()
     install_signal_handlers(stop)
     # ranks: only rank 0 speaks (the launcher relays it), and the launcher writes the exit record
-    reporter = stdout_reporter() if env.rank == 0 else StatusReporter()
+    try:  # a rank writes to its stdout, which the launcher reads and relays to --status
+        stream = open_status(args.status if env.ranks is None else "-") if env.rank == 0 else None
+    except ConfigError as e:
+        log.error("%s", e)
+        return int(ExitCode.CONFIG_ERROR)
+    reporter = StatusReporter(stream)
     error = ""
     with contextlib.ExitStack() as cleanup:  # the heartbeat outlives _run: it stores the exit record
         try:
@@ -170,6 +188,11 @@ def _classify(e: Exception) -> ExitCode:
         log.info("stopping: rank 0 refused to start (%s)", type(e).__name__)
     elif shown is not None:
         log.error("%s", shown)
+    elif isinstance(transient := e.__cause__ if isinstance(e, CheckpointError) else e, TransientStorageError):
+        # the network or the endpoint, not our code: one line, no traceback (botocore already retried)
+        log.error(
+            "storage unreachable: %s; exiting to be retried from the last durable checkpoint", transient
+        )
     elif isinstance(e, CheckpointError | StorageError):
         log.exception("storage failure; the last durable checkpoint is intact")
     else:
@@ -207,6 +230,8 @@ def _run(
     uri = args.storage or spec.storage
     if args.storage:  # validated like the job file's own field
         spec = parse_spec({**spec.model_dump(mode="json"), "storage": args.storage}, "--storage")
+    if args.allow_changes:
+        spec = spec.model_copy(update={"resume": spec.resume.model_copy(update={"allow_changes": True})})
     opts = AttemptOptions(
         cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
         max_steps=args.max_steps,
@@ -259,10 +284,9 @@ def _run(
     finally:
         if watcher is not None:
             watcher.close()
-    log.info(
-        "attempt finished: %s at step %d (resumed from %s, durable %s)",
-        result.code.name, result.step, result.resumed_from, result.durable_step,
-    )  # fmt: skip
+    start = "from scratch" if result.resumed_from is None else f"resumed from step {result.resumed_from}"
+    durable = "none durable" if result.durable_step is None else f"durable {result.durable_step}"
+    log.info("attempt finished: %s at step %d (%s, %s)", result.code.name, result.step, start, durable)
     return result.code, ""
 
 

@@ -114,11 +114,14 @@ class Selection:
     uri: str | None = None  # the chosen checkpoint's directory URI
     world_size: int | None = None  # ranks that wrote it (its manifest)
 
-    def describe(self, uri: str) -> str:
+    def describe(self, uri: str, into: str | None = None) -> str:
+        """The one resume line: where from (`uri`, the storage selected from), and `into` the job's own
+        storage when that is another one (a fork: `--resume-from OTHER --storage NEW`)."""
         rej = "".join(f"; rejected step {r.step}: {r.reason()}" for r in self.rejected)
+        fork = f", into {into}" if into is not None and into != uri else ""
         if self.step is None:
             return f"no valid checkpoint in {uri}, starting from scratch{rej}"
-        return f"resuming from step {self.step} of {uri}{rej}"
+        return f"resuming from step {self.step} of {uri}{fork}{rej}"
 
     def rejected_records(self, most: int = MAX_REPORTED) -> list[dict[str, Any]]:
         """The rejections as the `started` status record carries them: newest first, reasons cut short."""

@@ -25,7 +25,7 @@ from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import COMPLETED
 from trainer.data import ResumableLoader
 from trainer.distributed import Agreement, Ranks, wrap
-from trainer.errors import ConfigError, TrainingDiverged
+from trainer.errors import ConfigError, ResumeIncompatible, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.interval import Choice, IntervalTuner
@@ -47,7 +47,7 @@ from trainer.resume import (
     mark_completed,
     select_together,
 )
-from trainer.spec import JobSpec
+from trainer.spec import Change, JobSpec, describe_changes, spec_changes
 from trainer.state import RngState, state_nbytes
 from trainer.stateful import Registry, Stateful
 from trainer.status import StatusReporter
@@ -86,6 +86,7 @@ class AttemptResult:
     durable_step: int | None
     message: str = ""
     resharded_from: int | None = None  # the checkpoint's world size, when it differed from this run's
+    changes: list[Change] = field(default_factory=list)  # trajectory changes allowed at this resume
 
 
 def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
@@ -122,10 +123,12 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         Expectation.from_registry(run.state, spec.shape_hash(ranks.world_size)),
         shape_hash_at=spec.shape_hash, world_size=ranks.world_size,
         allow_reshard=spec.distributed is not None and spec.distributed.allow_reshard,
+        spec=spec.model_dump(mode="json"), shape_args=run.shape_args, allow_changes=spec.resume.allow_changes,
     )  # fmt: skip
     selection = select_together(storage, opts.cache, expect, opts.resume_from, ranks)
     if ranks.is_zero:
-        log.info(selection.describe(storage.uri))
+        source = opts.resume_from.storage if opts.resume_from is not None else None
+        log.info(selection.describe(source.uri if source is not None else storage.uri, into=storage.uri))
     resharded_from = run.reshard(selection.world_size) if selection.world_size is not None else None
     if spec.distributed is not None:
         from trainer.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
@@ -142,12 +145,18 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
             on_durable=durable,
         )  # fmt: skip
     pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
+    if run.changes and ranks.is_zero:
+        log.warning(
+            "resuming step %d with changed training settings (%s), as resume.allow_changes allows: from "
+            "here on the run is not bitwise equal to an uninterrupted one; the change is recorded in "
+            "every checkpoint from now on", run.step, describe_changes(run.changes),
+        )  # fmt: skip
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
     opts.reporter.emit(
         "started", resumed_from=selection.step, checkpoint=selection.uri,
         rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
-        resharded_from=resharded_from,
+        resharded_from=resharded_from, changes=[c.as_dict() for c in run.changes] or None,
     )  # fmt: skip
     try:
         code = run.train(end, pending)
@@ -155,7 +164,14 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         run.ckpt.close()
     if code is ExitCode.COMPLETED and ranks.is_zero:
         mark_completed(storage, spec, run.step)
-    return AttemptResult(code, run.step, selection.step, run.ckpt.durable_step, resharded_from=resharded_from)
+    return AttemptResult(
+        code,
+        run.step,
+        selection.step,
+        run.ckpt.durable_step,
+        resharded_from=resharded_from,
+        changes=run.changes,
+    )
 
 
 def _prior_cost_s(model: torch.nn.Module) -> float:
@@ -194,8 +210,12 @@ class _Run:
         self.stop_agreed = False  # distributed: the ranks agreed to stop after this step
         self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
         self.steps_log = MetricsLog(None)  # run_attempt gives rank 0 one that writes
+        self.shape_args = recipes.shape_args(spec.recipe)
+        self.changes: list[Change] = []  # trajectory changes this attempt resumed across
+        self.change_log: list[dict[str, Any]] = []  # every allowed change so far, in trainer.pt
         held: dict[str, Stateful] = {"model": parts.model, "optimizer": parts.optimizer}
-        held |= {"scheduler": parts.scheduler} | ({"scaler": scaler} if scaler is not None else {})
+        held |= {"scheduler": parts.scheduler if parts.scheduler is not None else _NoScheduler()}
+        held |= {"scaler": scaler} if scaler is not None else {}
         held |= {"rng": RngState(device), "trainer": self}
         self.state = Registry(self.ranks.rank, held, parts.extra_state, sharded=spec.distributed is not None)
 
@@ -256,11 +276,16 @@ class _Run:
             "rank": self.ranks.rank,
             "world_size": self.ranks.world_size,
             "device": self.device.type,
+            "changes": self.change_log,
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         self.step, self.best = int(meta["step"]), float(meta["best_metric"])
         self.loader.position.load_state_dict(meta["position"])
+        changes = spec_changes(meta["spec"], self.spec.model_dump(mode="json"), self.shape_args)
+        self.changes = [c for c in changes if c.kind == "trajectory"]  # shape: refused by validation
+        self.change_log = list(meta.get("changes", []))
+        self.change_log += [{"step": self.step, **c.as_dict()} for c in self.changes]
         saved = int(meta["threads"])
         self.threads = self.spec.threads or saved  # unpinned: adopt the checkpoint's, for exactness
         if saved != self.threads:
@@ -474,8 +499,24 @@ def _step(
         scaler.update()
     else:
         parts.optimizer.step()
-    parts.scheduler.step()
+    if parts.scheduler is not None:
+        parts.scheduler.step()
     return agreed
+
+
+class _NoScheduler:
+    """The `scheduler` part of a recipe without one: an empty state, so that every checkpoint holds the
+    same parts whether or not the recipe schedules its learning rate."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ResumeIncompatible(
+                "the checkpoint holds a scheduler's state and the recipe returns no scheduler; "
+                "return the scheduler it was made with, or use a new storage URI"
+            )
 
 
 def _seed_everything(seed: int) -> None:

@@ -4,6 +4,7 @@ in tasks/providers parse them back). One dataclass per kind, each with `t` (epoc
 trainer's clock):
 
   Started   resumed_from, checkpoint, rejected, step, total_steps    about to take the first step
+            [, resharded_from, changes]                             (a resharded or changed resume)
   Step      step, loss, steps_per_s, durable_step                   progress, at most 4 a second
   Durable   step                                                    a checkpoint verified in storage
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
@@ -77,6 +78,31 @@ class Rejected:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """A training setting the resumed checkpoint was made with and this attempt changed (allowed by
+    `resume.allow_changes`): values as JSON text. From here on the run is not bitwise equal to an
+    uninterrupted one."""
+
+    field: str  # "seed", "args.lr"
+    old: str
+    new: str
+
+
+def _changes(v: Any) -> tuple[Changed, ...]:
+    if not isinstance(v, list | tuple):
+        raise MalformedRecord(f"expected a list of changes, got {v!r}")
+    out = []
+    for e in v:
+        if isinstance(e, Changed):
+            out.append(e)
+        elif isinstance(e, Mapping) and "field" in e:
+            out.append(Changed(_str(e["field"]), _str(e.get("old", "")), _str(e.get("new", ""))))
+        else:
+            raise MalformedRecord(f"expected {{field, old, new}}, got {e!r}")
+    return tuple(out)
+
+
 def _rejected(v: Any) -> tuple[Rejected, ...]:
     if not isinstance(v, list | tuple):
         raise MalformedRecord(f"expected a list of rejections, got {v!r}")
@@ -107,6 +133,8 @@ class RecordBase:
                 continue
             if f.name == "rejected":
                 value = [{"step": r.step, "reason": r.reason} for r in value]
+            elif f.name == "changes":
+                value = [{"field": c.field, "old": c.old, "new": c.new} for c in value]
             out[f.name] = value
         return out
 
@@ -121,6 +149,8 @@ class Started(RecordBase):
     total_steps: int | None = _f(_optional(_int), None)
     # the world size of a checkpoint resumed on another one ("resharded N->M", not bitwise)
     resharded_from: int | None = _f(_optional(_int), None, omit_none=True)
+    # training settings changed at this resume (`resume.allow_changes`); None: none changed
+    changes: tuple[Changed, ...] | None = _f(_optional(_changes), None, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

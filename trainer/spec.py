@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,10 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.errors import ConfigError
 
-# Fields that change the shape of the state or the meaning of the data position. A checkpoint
-# whose values for these differ cannot be resumed (ResumeIncompatible); a different world size alone
-# can, when `distributed.allow_reshard` says so (trainer/resharding.py).
+# The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
+# (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash. Whether
+# a checkpoint may be resumed is decided field by field by `spec_changes`, not by this hash.
 SHAPE_FIELDS = ("recipe", "args", "batch_size", "world_size")
+# What a job's identity is made of, apart from the world size (`distributed.allow_reshard` decides that):
+#   shape       must match to load: the recipe, and the recipe args it declares as shaping the state
+#               (`shape_args`; a recipe that declares none has every arg count as shape, to stay safe)
+#   trajectory  changes the numbers, not the state's shapes: seed, batch_size, amp, the other args.
+#               Resumable with `resume.allow_changes` (or the trainer's --allow-changes), recorded in
+#               the checkpoint and reported; the run is no longer bitwise equal to an uninterrupted one.
+# Everything else (total_steps, storage, checkpoint policy, workers, threads, device, ...) may change
+# freely; total_steps moves a schedule that depends on it, which is how a run is extended.
+TRAJECTORY_FIELDS = ("seed", "batch_size", "amp")
 
 
 class CheckpointPolicy(BaseModel):
@@ -214,6 +225,19 @@ class TrackingOptions(BaseModel):
         return v
 
 
+class ResumeOptions(BaseModel):
+    """What a resume accepts beyond an identical job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow_changes: bool = Field(
+        default=False,
+        description="resume a checkpoint made with other training settings (seed, batch_size, amp, "
+        "recipe args that do not shape the model): recorded in the checkpoint and the run's history, "
+        "and the run is no longer bitwise equal to an uninterrupted one. Shape changes are always refused",
+    )
+
+
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
@@ -263,6 +287,9 @@ class JobSpec(BaseModel):
     tracking: TrackingOptions = Field(
         default_factory=TrackingOptions, description="MLflow tracking and the resume-fidelity check"
     )
+    resume: ResumeOptions = Field(
+        default_factory=ResumeOptions, description="which differences from a checkpoint's job to accept"
+    )
 
     @field_validator("recipe")
     @classmethod
@@ -298,8 +325,8 @@ class JobSpec(BaseModel):
         return _hash(self.model_dump(mode="json"))
 
     def shape_hash(self, world_size: int | None = None) -> str:
-        """SHA-256 over the shape-relevant fields only: equal hashes can resume each other's checkpoints.
-        `world_size`: the ranks actually running (default: the spec's)."""
+        """SHA-256 over SHAPE_FIELDS: equal hashes can resume each other's checkpoints; unequal ones
+        are told apart by `spec_changes`. `world_size`: the ranks actually running (default: the spec's)."""
         return _hash(self.shape_fields(world_size))
 
     def shape_fields(self, world_size: int | None = None) -> dict[str, Any]:
@@ -309,6 +336,58 @@ class JobSpec(BaseModel):
 
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+UNSET = "(unset)"  # an arg one of the two specs does not give: the recipe's default applies
+
+
+@dataclass(frozen=True)
+class Change:
+    """One setting that differs between a checkpoint's job (`old`) and this one (`new`); values as
+    JSON text, so they compare and store the same everywhere."""
+
+    field: str  # "seed", "args.lr"
+    old: str
+    new: str
+    kind: Literal["shape", "trajectory"]
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.old} -> {self.new}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "old": self.old, "new": self.new}
+
+
+def spec_changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], shape_args: Collection[str] | None = None
+) -> list[Change]:
+    """How job spec `new` differs from `old` (both in JSON form, as checkpoints store them), shape
+    changes first. `shape_args`: the recipe args that shape the state (None: all of them). A field an
+    older spec does not have is not compared."""
+    out: list[Change] = []
+    if old.get("recipe") != new.get("recipe"):
+        out.append(Change("recipe", _text(old.get("recipe")), _text(new.get("recipe")), "shape"))
+    old_args, new_args = old.get("args") or {}, new.get("args") or {}
+    for k in sorted(set(old_args) | set(new_args)):
+        a, b = old_args.get(k, UNSET), new_args.get(k, UNSET)
+        if a != b:
+            kind: Literal["shape", "trajectory"] = (
+                "shape" if shape_args is None or k in shape_args else "trajectory"
+            )
+            out.append(Change(f"args.{k}", _text(a), _text(b), kind))
+    for k in TRAJECTORY_FIELDS:
+        if k in old and k in new and old[k] != new[k]:
+            out.append(Change(k, _text(old[k]), _text(new[k]), "trajectory"))
+    return sorted(out, key=lambda c: c.kind != "shape")
+
+
+def describe_changes(changes: Collection[Change]) -> str:
+    """`a 1 -> 2, b x -> y`: the changes as one message names them."""
+    return ", ".join(str(c) for c in changes)
+
+
+def _text(v: Any) -> str:
+    return v if v == UNSET else json.dumps(v, sort_keys=True, separators=(",", ":"))
 
 
 def parse_spec(data: Any, source: str = "job spec") -> JobSpec:

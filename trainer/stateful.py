@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 from trainer.errors import ConfigError
+from trainer.spec import describe_changes, spec_changes
 from trainer.state import all_finite, iter_tensors
 
 if TYPE_CHECKING:
     from trainer.ckpt_format import Manifest
+    from trainer.spec import JobSpec
 
 Kind = Literal["integrity", "structure", "content", "compat"]
 Finding = tuple[Kind, str]
@@ -73,11 +75,28 @@ class Expectation:
     shape_hash_at: Callable[[int], str] | None = None
     world_size: int | None = None
     allow_reshard: bool = False
+    # The running job's spec (JSON form) and its recipe's `shape_args`: with them, compatibility is
+    # decided field by field against the spec the checkpoint carries (JobSpec's shape and trajectory),
+    # and the hash only guards the checkpoint's own consistency. `allow_changes`: trajectory changes pass.
+    spec: Mapping[str, Any] | None = None
+    shape_args: frozenset[str] | None = None
+    allow_changes: bool = False
 
     @classmethod
     def of_shape(cls, shape_hash: str) -> Expectation:
         """Only JobSpec.shape_hash(): refuses another job's checkpoints without building a recipe."""
         return cls(shape_hash=shape_hash)
+
+    @classmethod
+    def of_spec(cls, spec: JobSpec, shape_args: frozenset[str] | None = None) -> Expectation:
+        """The spec alone, without building a recipe: refuses shape changes and (unless the spec allows
+        them) trajectory changes by name. `shape_args`: the recipe's (None: every arg is shape)."""
+        return cls(
+            shape_hash=spec.shape_hash(),
+            spec=spec.model_dump(mode="json"),
+            shape_args=shape_args,
+            allow_changes=spec.resume.allow_changes,
+        )
 
     @classmethod
     def from_parts(
@@ -184,19 +203,51 @@ def check_trainer(meta: Any, m: Manifest, expect: Expectation | None) -> list[Fi
     out: list[Finding] = []
     if meta.get("shape_hash") != m.shape_hash:
         out.append(("content", "shape hash differs from the manifest's"))
-    if expect is not None and expect.shape_hash is not None:
-        want = expect.shape_hash_at(m.world_size) if expect.shape_hash_at else expect.shape_hash
-        if m.shape_hash != want:
-            theirs = json.dumps({k: meta["spec"].get(k) for k in ("recipe", "args", "batch_size")})
-            out.append(("compat", f"made by a job with different shape settings {theirs}"))
-        elif expect.world_size is not None and m.world_size != expect.world_size and not expect.allow_reshard:
-            out.append((
-                "compat",
-                f"was written by {m.world_size} rank(s) and this run has {expect.world_size}; set "
-                f"distributed.allow_reshard: true to resume it resharded (not bitwise), or run "
-                f"{m.world_size} rank(s)",
-            ))  # fmt: skip
+    if expect is not None:
+        out += check_compat(meta["spec"], m, expect)
     return out + check_finite(meta, m, expect)
+
+
+def check_compat(saved: Mapping[str, Any], m: Manifest, expect: Expectation) -> list[Finding]:
+    """Can this job resume a checkpoint made by the job `saved`? Shape changes never; another world
+    size with `allow_reshard`; trajectory changes with `allow_changes`. Each refusal names the fields
+    (old -> new) and the fix."""
+    if expect.spec is None:  # a tool that knows only the hash
+        if expect.shape_hash is None:
+            return []
+        want = expect.shape_hash_at(m.world_size) if expect.shape_hash_at else expect.shape_hash
+        if m.shape_hash == want:
+            return _check_world(m, expect)
+        theirs = json.dumps({k: saved.get(k) for k in ("recipe", "args", "batch_size")})
+        return [("compat", f"made by a job with different shape settings {theirs}")]
+    changes = spec_changes(saved, expect.spec, expect.shape_args)
+    shape = [c for c in changes if c.kind == "shape"]
+    if shape:
+        return [(
+            "compat",
+            f"made by a job with different shape settings ({describe_changes(shape)}); restore them, "
+            "or use a new storage URI for a changed model",
+        )]  # fmt: skip
+    trajectory = [c for c in changes if c.kind == "trajectory"]
+    if trajectory and not expect.allow_changes:
+        return [(
+            "compat",
+            f"made with different training settings ({describe_changes(trajectory)}); restore them, or "
+            "pass --allow-changes (or set resume.allow_changes: true) to go on with the new ones (the "
+            "run is then no longer bitwise equal to an uninterrupted one)",
+        )]  # fmt: skip
+    return _check_world(m, expect)
+
+
+def _check_world(m: Manifest, expect: Expectation) -> list[Finding]:
+    if expect.world_size is None or m.world_size == expect.world_size or expect.allow_reshard:
+        return []
+    return [(
+        "compat",
+        f"was written by {m.world_size} rank(s) and this run has {expect.world_size}; set "
+        f"distributed.allow_reshard: true to resume it resharded (not bitwise), or run "
+        f"{m.world_size} rank(s)",
+    )]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,14 @@
-"""Structured progress lines on stdout, for whoever supervises the trainer (the flow's provider).
+"""Structured progress lines for whoever supervises the trainer (the flow's provider).
 
-Each line is `@spotrun {json}`, flushed at once. Kinds:
+Each line is `@spotrun {json}`, flushed at once, on the stream `--status` names: stdout by default, or
+a descriptor or file of its own (the local provider passes a pipe, so that the records never mix with
+what a recipe prints and the log on stderr stays for people). Kinds:
   started   {resumed_from, checkpoint, step, total_steps,      training is about to take its first step,
              rejected: [{step, reason}]}                       from the checkpoint the trainer chose (URI,
                                                                or null: scratch) past the ones it refused,
                                                                newest first: the one authority on resume
+            + {resharded_from, changes: [{field, old, new}]}   after a resharded resume, or one that
+                                                               changed training settings (allow_changes)
   step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   durable   {step}                                             a checkpoint was read back and verified
   notice    {cloud, action, stop, deadline}                    a cloud notice (a rebalance: stop false)
@@ -22,13 +26,18 @@ Listeners (`subscribe`) get every record, also without a stream: the storage hea
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from trainer.errors import ConfigError
 from trainer.records import Durable, Record, Step, build, parse_record
+
+log = logging.getLogger(__name__)
 
 PREFIX = "@spotrun "
 
@@ -79,6 +88,27 @@ class StatusReporter:
 
 def stdout_reporter() -> StatusReporter:
     return StatusReporter(sys.stdout)
+
+
+def open_status(dest: str) -> IO[str]:
+    """The stream `--status DEST` names: `-` stdout, `fd:N` a descriptor the supervisor passed (so the
+    records travel apart from whatever the recipe prints), else a file opened for appending. A
+    descriptor that is not open falls back to stdout, with a warning: a wrapper between the supervisor
+    and the trainer may have closed it, and the records must reach someone."""
+    if dest == "-":
+        return sys.stdout
+    if dest.startswith("fd:"):
+        try:
+            return os.fdopen(int(dest[3:]), "w", buffering=1, encoding="utf-8")
+        except (ValueError, OSError) as e:
+            log.warning("--status %s: cannot open (%s); writing status records to stdout", dest, e)
+            return sys.stdout
+    try:
+        return open(dest, "a", buffering=1, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(
+            f"--status {dest}: cannot open for appending ({e.strerror}); give a writable path"
+        ) from None
 
 
 def parse_status_line(line: str) -> Record | None:

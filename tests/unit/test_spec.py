@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, load_spec, parse_spec
+from trainer.spec import JobSpec, load_spec, parse_spec, spec_changes
 
 BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
 
@@ -67,3 +68,61 @@ def test_example_jobs_are_valid() -> None:
     assert jobs
     for p in jobs:
         load_spec(p)
+
+
+SAVED: dict[str, Any] = {
+    "recipe": "digits", "args": {"hidden": 32, "lr": 0.003}, "seed": 0, "batch_size": 64, "amp": False,
+    "total_steps": 100,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("new", "shape_args", "expected"),
+    [
+        ({}, {"hidden"}, []),
+        ({"total_steps": 200, "storage": "/elsewhere"}, {"hidden"}, []),  # neither shape nor trajectory
+        ({"args": {"hidden": 32, "lr": 0.001}}, {"hidden"}, [("args.lr", "trajectory", "0.003 -> 0.001")]),
+        ({"args": {"hidden": 32, "lr": 0.001}}, None, [("args.lr", "shape", "0.003 -> 0.001")]),  # undeclared
+        ({"args": {"hidden": 64, "lr": 0.003}}, {"hidden"}, [("args.hidden", "shape", "32 -> 64")]),
+        ({"args": {"hidden": 32}}, {"hidden"}, [("args.lr", "trajectory", "0.003 -> (unset)")]),
+        ({"seed": 1}, {"hidden"}, [("seed", "trajectory", "0 -> 1")]),
+        ({"batch_size": 32}, {"hidden"}, [("batch_size", "trajectory", "64 -> 32")]),
+        ({"amp": True}, {"hidden"}, [("amp", "trajectory", "false -> true")]),
+        ({"recipe": "charlm"}, set(), [("recipe", "shape", '"digits" -> "charlm"')]),
+        (  # shape first, then the rest in field order
+            {"seed": 2, "args": {"hidden": 8, "lr": 1}},
+            {"hidden"},
+            [
+                ("args.hidden", "shape", "32 -> 8"),
+                ("args.lr", "trajectory", "0.003 -> 1"),
+                ("seed", "trajectory", "0 -> 2"),
+            ],
+        ),
+    ],
+)
+def test_spec_changes_split_shape_from_trajectory(
+    new: dict[str, Any], shape_args: set[str] | None, expected: list[tuple[str, str, str]]
+) -> None:
+    changes = spec_changes(SAVED, {**SAVED, **new}, shape_args)
+    assert [(c.field, c.kind, f"{c.old} -> {c.new}") for c in changes] == expected
+
+
+def test_a_field_an_older_spec_lacks_is_not_a_change() -> None:
+    old = {k: v for k, v in SAVED.items() if k != "amp"}
+    assert spec_changes(old, {**SAVED, "amp": True}, {"hidden"}) == []
+
+
+def test_resume_allow_changes_is_off_by_default_and_no_change_itself() -> None:
+    a = JobSpec.model_validate(BASE)
+    b = JobSpec.model_validate({**BASE, "resume": {"allow_changes": True}})
+    assert not a.resume.allow_changes and b.resume.allow_changes
+    assert spec_changes(a.model_dump(mode="json"), b.model_dump(mode="json")) == []
+    assert a.shape_hash() == b.shape_hash()
+
+
+def test_built_in_recipes_declare_their_shape_args() -> None:
+    from trainer.recipes import shape_args
+
+    assert shape_args("digits") == {"hidden"}
+    assert shape_args("charlm") == {"d_model", "n_layers", "n_heads", "seq_len"}
+    assert shape_args("tests.fakes.nondeterministic_recipe:build") is None  # undeclared: all args

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.fakes.extra_recipe import Calls as Counter
-from trainer.ckpt_format import REQUIRED_FILES, rng_file
+from trainer.ckpt_format import REQUIRED_FILES, Manifest, rng_file
 from trainer.data import Position
 from trainer.errors import ConfigError
 from trainer.state import RngState
-from trainer.stateful import Registry, Stateful, reconcile, spec_of_file
+from trainer.stateful import Expectation, Registry, Stateful, check_compat, reconcile, spec_of_file
 
 
 def _parts() -> dict[str, Any]:
@@ -104,3 +104,37 @@ def test_reconcile_names_missing_and_leftover_parts(
     wanted: dict[str, str], present: list[str], missing: list[str], leftovers: list[str]
 ) -> None:
     assert reconcile(wanted, present) == (missing, leftovers)
+
+
+_SAVED = {"recipe": "digits", "args": {"hidden": 32, "lr": 0.003}, "seed": 0, "batch_size": 64, "amp": False}
+
+
+@pytest.mark.parametrize(
+    ("new", "world", "allow", "reshard", "found"),
+    [
+        ({}, 1, False, False, None),
+        ({"args": {"hidden": 64, "lr": 0.003}}, 1, True, False,
+         "different shape settings (args.hidden 32 -> 64)"),
+        ({"args": {"hidden": 32, "lr": 0.001}}, 1, False, False,
+         "different training settings (args.lr 0.003 -> 0.001); restore them, or pass --allow-changes"),
+        ({"seed": 7}, 1, False, False, "different training settings (seed 0 -> 7)"),
+        ({"seed": 7, "batch_size": 32}, 1, True, False, None),  # allowed
+        ({}, 2, False, False, "was written by 1 rank(s) and this run has 2; set distributed.allow_reshard"),
+        ({}, 2, False, True, None),
+        ({"seed": 7}, 2, True, False, "was written by 1 rank(s)"),  # allow_changes is not allow_reshard
+        ({"args": {"hidden": 64, "lr": 0.003}}, 2, True, True, "different shape settings"),  # shape wins
+    ],
+)  # fmt: skip
+def test_compat_refuses_shape_always_trajectory_unless_allowed(
+    new: dict[str, Any], world: int, allow: bool, reshard: bool, found: str | None
+) -> None:
+    m = Manifest(step=5, spec_hash="a", shape_hash="b", world_size=1, files={})
+    expect = Expectation(
+        spec={**_SAVED, **new}, shape_args=frozenset({"hidden"}), allow_changes=allow,
+        world_size=world, allow_reshard=reshard,
+    )  # fmt: skip
+    findings = check_compat(_SAVED, m, expect)
+    if found is None:
+        assert findings == []
+    else:
+        assert [k for k, _ in findings] == ["compat"] and found in findings[0][1], findings

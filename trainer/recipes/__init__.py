@@ -1,8 +1,23 @@
 """Recipes build the parts of a training job. Built in: digits, charlm; users name `pkg.module:function`.
 
-A recipe is `build(args: dict, ctx: RecipeContext) -> Parts`. It must build model, optimizer and
-scheduler in that order and draw all its data randomness from `ctx.seed` (see trainer/data.py):
-that is what makes resume bitwise exact.
+A recipe is a function `build(args: dict, ctx: RecipeContext) -> Parts`; docs/recipes.md has the whole
+contract and a complete example. In short, for resume to be bitwise exact:
+
+- build the model, then the optimizer, then the scheduler: the trainer seeds the global RNGs with
+  `ctx.seed` just before, so weight init is the same in every attempt;
+- draw data randomness (augmentation, crops) from `trainer.data.sample_generator(seed, epoch, index)`
+  and take the epoch from `dataset.set_epoch(epoch)`, never from the global RNG or a worker's;
+- `Parts.scheduler` (optional) is stepped once per optimizer step, after `optimizer.step()`;
+- the loader hands `loss_fn` one batch as the default collate makes it from `dataset[i]`, and drops
+  the last partial batch of each epoch.
+
+Validate args at the top of `build` and raise `ConfigError` or `ValueError` with what to change: the
+trainer reports it in one line, exits CONFIG_ERROR (2) and is not retried. Any other exception is a
+bug in the recipe and is reported with its traceback.
+
+Declare which args shape the state with `@recipe(shape_args=...)`: changing one of them makes a
+checkpoint unloadable (refused), while changing any other arg (a learning rate) is a change of
+trajectory, accepted with `resume.allow_changes`. A recipe that declares nothing has every arg shape.
 
 State a recipe keeps beyond the model, optimizer and scheduler (an EMA of the weights, a streaming
 dataset's cursor) goes in `Parts.extra_state`: name -> anything with `state_dict()` and
@@ -17,9 +32,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import Dataset
@@ -40,16 +55,56 @@ class RecipeContext:
 
 @dataclass
 class Parts:
-    """What a recipe returns. `dataset` may define `set_epoch(epoch)` for epoch-dependent augmentation;
-    `extra_state` holds the recipe's own checkpointed parts (see the module docstring)."""
+    """What a recipe returns.
+
+    `scheduler`: stepped once per optimizer step, after it; None keeps the optimizer's lr. `dataset`:
+    a map-style dataset; it may define `set_epoch(epoch)` for epoch-dependent augmentation. `loss_fn(model,
+    batch)`: `batch` is what the default collate makes of `batch_size` items. `grad_clip`: clip the
+    gradients' global norm to this before each step; None (the default) leaves them as they are.
+    `extra_state`: the recipe's own checkpointed parts (see the module docstring)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     dataset: Dataset[Any]
     loss_fn: LossFn
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = None
     extra_state: dict[str, Stateful] = field(default_factory=dict)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def recipe(*, shape_args: Iterable[str]) -> Callable[[_F], _F]:
+    """Declare which of a recipe's args shape its state (model and optimizer structure): a checkpoint
+    made with other values for them cannot be loaded. Every other arg only changes the trajectory."""
+    declared = frozenset(shape_args)
+
+    def mark(fn: _F) -> _F:
+        fn.shape_args = declared  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+_T = TypeVar("_T", int, float, str)
+
+
+def arg(args: dict[str, Any], name: str, kind: type[_T], default: _T) -> _T:
+    """`args[name]` (or `default`) as `kind`; a ValueError naming the arg when it is not one."""
+    value = args.get(name, default)
+    try:
+        if isinstance(value, bool | dict | list):
+            raise TypeError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} {value!r} is not {'an' if kind is int else 'a'} {kind.__name__}") from None
+
+
+def shape_args(name: str) -> frozenset[str] | None:
+    """The args recipe `name` declares as shaping its state; None when it declares nothing (all do)."""
+    declared = getattr(resolve(name), "shape_args", None)
+    return frozenset(declared) if declared is not None else None
 
 
 BUILTIN = {
@@ -81,8 +136,9 @@ def resolve(name: str) -> Recipe:
 
 
 def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
-    """Resolve and call a recipe. Whatever stops it from building is the job file's to fix: a
-    ConfigError naming the recipe, its args and the error (the trainer exits CONFIG_ERROR, not retried)."""
+    """Resolve and call a recipe. A ConfigError or ValueError it raises is the job file's to fix: a
+    ConfigError naming the recipe and the error (the trainer exits CONFIG_ERROR, not retried). Any
+    other error is the recipe's own bug, or a download that may pass on retry: raised as it is."""
     fn = resolve(name)
     try:
         inspect.signature(fn).bind(args, ctx)
@@ -92,12 +148,10 @@ def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
         parts = fn(args, ctx)
     except ConfigError:
         raise  # already one line that says what to fix
-    except OSError:
-        raise  # a dataset download or a disk that failed: may pass on retry, so not the job file's fault
-    except Exception as e:  # the recipe's own checks, torch's (nn.Linear(64, -4)): the args are wrong
+    except ValueError as e:  # the recipe's checks, torch's (nn.Dropout(p=2)): the args
         raise ConfigError(
-            f"recipe {name!r} could not be built with args {json.dumps(args, default=str)}: "
-            f"{type(e).__name__}: {_first_line(e)}; fix args in the job file"
+            f"recipe {name!r} rejected args {json.dumps(args, default=str)}: {_first_line(e)}; "
+            "fix args in the job file"
         ) from None
     if not isinstance(parts, Parts):
         raise ConfigError(f"recipe {name!r} returned {type(parts).__name__}, expected trainer.recipes.Parts")

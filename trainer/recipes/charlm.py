@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.data import sample_generator
-from trainer.recipes import Parts, RecipeContext, warmup_cosine
+from trainer.recipes import Parts, RecipeContext, arg, recipe, warmup_cosine
 
 VOCAB = 256  # bytes
 DEFAULTS: dict[str, Any] = {
@@ -51,20 +51,21 @@ class CharLMConfig:
     def __init__(self, args: dict[str, Any]) -> None:
         unknown = set(args) - set(DEFAULTS)
         if unknown:
-            raise TypeError(f"unknown argument(s) {sorted(unknown)}; charlm takes {sorted(DEFAULTS)}")
+            raise ValueError(f"unknown argument(s) {sorted(unknown)}; charlm takes {sorted(DEFAULTS)}")
         a = {**DEFAULTS, **args}
-        self.d_model, self.n_layers, self.seq_len = int(a["d_model"]), int(a["n_layers"]), int(a["seq_len"])
-        self.n_heads = int(a["n_heads"]) if a["n_heads"] is not None else max(1, self.d_model // 64)
-        self.dropout, self.lr, self.warmup = float(a["dropout"]), float(a["lr"]), int(a["warmup"])
-        self.max_corpus_mb = float(a["max_corpus_mb"])
+        self.d_model, self.n_layers = arg(a, "d_model", int, 128), arg(a, "n_layers", int, 4)
+        self.seq_len = arg(a, "seq_len", int, 128)
+        self.n_heads = arg(a, "n_heads", int, 1) if a["n_heads"] is not None else max(1, self.d_model // 64)
+        self.dropout, self.lr = arg(a, "dropout", float, 0.1), arg(a, "lr", float, 1e-3)
+        self.warmup, self.max_corpus_mb = arg(a, "warmup", int, 20), arg(a, "max_corpus_mb", float, 2.0)
         if min(self.d_model, self.n_layers, self.seq_len, self.n_heads) < 1:
-            raise TypeError("d_model, n_layers, n_heads and seq_len must be >= 1")
+            raise ValueError("d_model, n_layers, n_heads and seq_len must be >= 1")
         if self.d_model % self.n_heads:
-            raise TypeError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
-            raise TypeError(f"dropout {self.dropout} must be in [0, 1)")
+            raise ValueError(f"dropout {self.dropout} must be in [0, 1)")
         if self.max_corpus_mb <= 0:
-            raise TypeError("max_corpus_mb must be > 0")
+            raise ValueError("max_corpus_mb must be > 0")
 
 
 def param_count(cfg: CharLMConfig) -> int:
@@ -170,6 +171,7 @@ class CorpusWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return w[:-1], w[1:]
 
 
+@recipe(shape_args={"d_model", "n_layers", "n_heads", "seq_len"})
 def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     cfg = CharLMConfig(args)
     model = CharLM(cfg).to(ctx.device)
@@ -185,4 +187,4 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
         logits = m(x.to(ctx.device))
         return F.cross_entropy(logits.view(-1, VOCAB), y.to(ctx.device).view(-1))
 
-    return Parts(model, opt, sched, dataset, loss_fn)
+    return Parts(model, opt, sched, dataset, loss_fn, grad_clip=1.0)

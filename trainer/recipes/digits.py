@@ -15,7 +15,9 @@ from torch.utils.data import Dataset
 
 from trainer.data import sample_generator
 from trainer.errors import ConfigError
-from trainer.recipes import Parts, RecipeContext, warmup_cosine
+from trainer.recipes import Parts, RecipeContext, arg, recipe, warmup_cosine
+
+ARGS = {"hidden", "dropout", "lr", "noise", "warmup", "fail_at_step"}
 
 
 class DigitsDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -50,13 +52,22 @@ def load_digits_array() -> np.ndarray:
         return np.loadtxt(f, delimiter=",", dtype=np.float64)
 
 
+@recipe(shape_args={"hidden"})
 def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
-    hidden = int(args.get("hidden", 256))
-    dropout = float(args.get("dropout", 0.1))
-    lr = float(args.get("lr", 3e-3))
-    unknown = set(args) - {"hidden", "dropout", "lr", "noise", "warmup", "fail_at_step"}
+    unknown = set(args) - ARGS
     if unknown:
-        raise TypeError(f"unknown argument(s) {sorted(unknown)}")
+        raise ValueError(f"unknown argument(s) {sorted(unknown)}; digits takes {sorted(ARGS)}")
+    hidden, dropout, lr = (
+        arg(args, "hidden", int, 256),
+        arg(args, "dropout", float, 0.1),
+        arg(args, "lr", float, 3e-3),
+    )
+    if hidden < 1:
+        raise ValueError(f"hidden {hidden} must be >= 1")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout {dropout} must be in [0, 1)")
+    if lr <= 0:
+        raise ValueError(f"lr {lr} must be > 0")
     model = nn.Sequential(
         nn.Linear(64, hidden), nn.GELU(), nn.Dropout(dropout),
         nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
@@ -64,7 +75,7 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     ).to(ctx.device)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine(ctx.total_steps, int(args.get("warmup", 10)))
+        opt, warmup_cosine(ctx.total_steps, arg(args, "warmup", int, 10))
     )
     fail_at = args.get("fail_at_step")
 
@@ -72,7 +83,8 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
         x, y = batch
         return F.cross_entropy(m(x.to(ctx.device)), y.to(ctx.device))
 
-    parts = Parts(model, opt, sched, DigitsDataset(ctx.seed, float(args.get("noise", 0.1))), loss_fn)
+    dataset = DigitsDataset(ctx.seed, arg(args, "noise", float, 0.1))
+    parts = Parts(model, opt, sched, dataset, loss_fn, grad_clip=1.0)
     if fail_at is not None:  # test hook: a recipe that raises at a given step (crash loops in the flow tests)
         parts.loss_fn = _failing(loss_fn, sched, int(fail_at))
     return parts
