@@ -154,7 +154,9 @@ def _loop(
             )
             if decision.action == "done":
                 restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
-                payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id}
+                # the checkpoint the last attempt resumed from: the recovery note names it
+                payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id,
+                           "checkpoint": record.resumed_checkpoint or ""}  # fmt: skip
                 sink.event(report.JOB_COMPLETED, job.name, payload, restarted)
                 return _finish(runlog, "completed", "", started)
             sink.event(report.attempt_event(record), job.name, _event_payload(record, runlog))

@@ -26,6 +26,7 @@ class PrefectSink:
 
     def __init__(self) -> None:
         self._progress: UUID | None = None
+        self._attempts: UUID | None = None  # one table, updated in place
 
     def step(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
         run: Task[..., _T] = task(name=name, cache_policy=NO_CACHE, **STEP_OPTIONS.get(name, {}))(fn)
@@ -45,7 +46,7 @@ class PrefectSink:
         report.set_progress(self._progress, step, total)
 
     def attempts(self, job: str, records: list[AttemptRecord]) -> None:
-        report.attempts_table(job, records)
+        self._attempts = report.attempts_table(job, records, self._attempts)
 
     def summary(self, job: str, markdown: str) -> None:
         report.publish_summary(job, markdown)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 from collections import Counter
 from typing import Any, cast
@@ -13,6 +15,8 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
 
 from tasks.attempts import AttemptRecord, Outcome
@@ -71,7 +75,9 @@ def set_progress(artifact_id: UUID, step: int, total: int) -> None:
     update_progress_artifact(artifact_id, min(100.0, 100.0 * step / max(total, 1)))
 
 
-def attempts_table(job: str, records: list[AttemptRecord]) -> None:
+def attempts_table(job: str, records: list[AttemptRecord], artifact_id: UUID | None = None) -> UUID:
+    """The attempts so far as one table artifact: created on the first call, then updated in place (the
+    flow run's Artifacts tab shows one card, not one per attempt as a new version each time would)."""
     rows = [
         {
             "attempt": r.attempt,
@@ -87,7 +93,12 @@ def attempts_table(job: str, records: list[AttemptRecord]) -> None:
         }
         for r in records
     ]
-    create_table_artifact(rows, key=artifact_key(job, "attempts"), description=f"attempts of {job}")
+    if artifact_id is not None:
+        with get_client(sync_client=True) as client:
+            client.update_artifact(artifact_id, ArtifactUpdate(data=json.dumps(rows)))
+        return artifact_id
+    created = create_table_artifact(rows, key=artifact_key(job, "attempts"), description=f"attempts of {job}")
+    return cast(UUID, created)
 
 
 def goodput(records: list[AttemptRecord], wall_s: float) -> float:
@@ -95,8 +106,15 @@ def goodput(records: list[AttemptRecord], wall_s: float) -> float:
 
 
 def summary_markdown(
-    job: str, status: str, records: list[AttemptRecord], wall_s: float, timeline: str
+    job: str,
+    status: str,
+    records: list[AttemptRecord],
+    wall_s: float,
+    timeline: str,
+    timeline_png: bytes | None = None,
 ) -> str:
+    """The run summary; with `timeline_png`, the timeline inline as a data URI, which the Prefect UI
+    renders (a link to a file on the controller's disk opens nothing there)."""
     lost = Counter[str]()
     for r in records:
         lost[r.outcome.value] += r.lost_steps
@@ -106,7 +124,7 @@ def summary_markdown(
         f"- attempts: {len(records)}; wall time {wall_s:.1f} s; goodput {goodput(records, wall_s):.1%}"
         " (productive time / wall time)",
         "- lost steps per cause: " + (", ".join(f"{k} {v}" for k, v in sorted(lost.items())) or "none"),
-        f"- timeline: [{timeline}]({timeline})",
+        f"- timeline: below; saved at `{timeline}`" if timeline else "- timeline: not saved",
         *cost_lines(records),
         *interval_lines(records),
         "",
@@ -116,6 +134,9 @@ def summary_markdown(
     for r in records:
         frm = r.resumed_checkpoint or "scratch"
         lines.append(f"| {r.attempt} | {r.outcome.value} | {r.cause} | {frm} | {r.lost_steps} |")
+    if timeline_png:
+        inline = base64.b64encode(timeline_png).decode("ascii")
+        lines += ["", "## Timeline", "", f"![training step over wall time](data:image/png;base64,{inline})"]
     return "\n".join(lines)
 
 

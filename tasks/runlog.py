@@ -101,6 +101,8 @@ class ReportSink(Protocol):
         self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
     ) -> None: ...
 
+    def progress(self, job: str, step: int, total: int) -> None: ...
+
     def attempts(self, job: str, records: list[AttemptRecord]) -> None: ...
 
     def summary(self, job: str, markdown: str) -> None: ...
@@ -398,8 +400,11 @@ class JobRunLog:
                           report.checkpoint_interval(self.records), resume_checks=checks,
                           resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
                           mlflow=tracking.as_dict() if tracking is not None else None)  # fmt: skip
-        markdown = report.summary_markdown(self.job.name, status, self.records, wall_s, timeline)
+        png = (self.dir / "timeline.png").read_bytes() if timeline else None
+        markdown = report.summary_markdown(self.job.name, status, self.records, wall_s, timeline, png)
         self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
+        if status == "completed":  # the last progress report came up to a second before the last step
+            self.sink.progress(self.job.name, self.job.total_steps, self.job.total_steps)
         adoption.clear_controller(self.dir)
         if not self.store.flush(timeout_s=10):
             self.sink.log(
