@@ -179,12 +179,14 @@ def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Catalog, Expectations]]:
+    from tasks.settings import spotrun_home
     from trainer.catalog import Catalog
     from trainer.spec import S3Options, load_spec
-    from trainer.storage import open_storage
+    from trainer.storage import open_storage, resolve_uri
 
     spec = load_spec(args.spec) if args.spec else None
-    uri = args.uri or (spec.storage if spec is not None else None)
+    # a URI typed here is a path like any other argument; the spec's relative storage is under SPOTRUN_HOME
+    uri = args.uri or (resolve_uri(spec.storage, spotrun_home()) if spec is not None else None)
     if uri is None:
         raise ConfigError("give a storage URI (a directory or s3://bucket/prefix), or --spec JOB.yaml")
     s3 = spec.s3 if spec is not None else S3Options()

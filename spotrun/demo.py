@@ -6,27 +6,30 @@ Slack when SPOTRUN_SLACK_WEBHOOK_URL (or SPOTRUN_SLACK_TOKEN + SPOTRUN_SLACK_CHA
 is tracked in MLflow (the embedded store): one run whose per-step losses equal the uninterrupted run's,
 with the three preemptions and the registered model; the demo says how to browse it with `mlflow ui`.
 
-Embedded defaults only (PREFECT_API_URL and SPOTRUN_DATABASE_URL are ignored). Under $SPOTRUN_HOME
-(default ./.spotrun/):
-  demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), history.db
-             (the SQLite restart history), mlflow.db and mlflow-artifacts/ (the MLflow run and model),
-             jobs/digits/ (workers, metrics, timeline) and reference/ (an
-             uninterrupted `python -m trainer` run of the same job, made in the background) and
-             worker.log (the Prefect worker that runs the alert flow)
-  prefect/   the Prefect server the demo starts and stops (SQLite). Kept between demos: the UI lists
-             earlier demo runs, and the server starts in seconds rather than after fresh migrations.
+PREFECT_API_URL and SPOTRUN_DATABASE_URL are ignored: the demo records its run in the history database
+of $SPOTRUN_HOME (default ~/.spotrun), so a plain `spotrun history` shows it afterwards. Under
+$SPOTRUN_HOME:
+  history.db the SQLite restart history, shared with every other spotrun command of this home
+  demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), mlflow.db
+             and mlflow-artifacts/ (the MLflow run and model), jobs/digits/ (workers, metrics,
+             timeline), reference/ (an uninterrupted `python -m trainer` run of the same job, made in
+             the background) and worker.log (the Prefect worker that runs the alert flow)
+  prefect/   the Prefect server (SQLite): the background one (`spotrun server start`) when it runs,
+             else one started for the demo and stopped after it (--keep-server: left running as the
+             background server, to browse the run in the UI).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -36,12 +39,12 @@ from spotrun import run_cmd
 from spotrun.console import wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.live import metrics_record
-from spotrun.server import PrefectServer, prefect_api
+from spotrun.server import PrefectApi, prefect_api, running_server, server_home
 from tasks.attempts import Outcome
 from tasks.history import default_url
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from tasks.settings import Settings
+from tasks.settings import Settings, spotrun_home
 from trainer.catalog import fetch
 from trainer.ckpt_format import MODEL_FILE, load_part
 from trainer.errors import SpotrunError
@@ -52,7 +55,6 @@ from trainer.storage import open_storage
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
 REFERENCE_TIMEOUT_S = 300.0
-KEPT_SERVER = "demo-server.pid"  # in the Prefect home: a server left running by --keep-server
 # The demo trains digits.yaml for TOTAL_STEPS, reclaiming each of the first three attempts after
 # SCHEDULE's seconds of training (counted from its first step). Seconds, not steps, because that is
 # how a spot market behaves; so TOTAL_STEPS must outlast 1.6 s of training on a fast machine (2 idle
@@ -129,26 +131,12 @@ def _diff_tensors(what: str, a: Any, b: Any) -> list[str]:
     return [f"{what} {k} differs" for k in ta if not torch.equal(ta[k], tb[k])]
 
 
-def check_no_kept_server(prefect_home: Path) -> None:
-    """Two servers on one SQLite database lock each other out: refuse while a kept one still runs."""
-    try:
-        pid, url = (prefect_home / KEPT_SERVER).read_text().split()
-        alive = b"prefect" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return
-    if alive:
-        raise SpotrunError(
-            f"the Prefect server an earlier demo kept ({url}) still runs: stop it with `kill -- -{pid}`"
-        )
-
-
 def run_demo(home: Path, keep_server: bool) -> bool:
     """The whole demo; True on PASS."""
-    check_no_kept_server(home / "prefect")
     job_file, job = prepare(home)
     demo = home / "demo"
     os.environ["SPOTRUN_HOME"] = str(demo)  # read by the flow (Settings.from_env) and its workers
-    os.environ["SPOTRUN_DATABASE_URL"] = default_url(demo)
+    os.environ["SPOTRUN_DATABASE_URL"] = default_url(home)  # the home's one history: `spotrun history`
     settings = Settings.from_env()
     every = job.checkpoint.every_steps
     console.print(f"demo job {job.name}: {job.total_steps} steps, a checkpoint every {every}, under {demo}")
@@ -175,10 +163,12 @@ def _run_and_check(
     keep_server: bool,
     started: list[subprocess.Popen[bytes]],
 ) -> bool:
-    console.print(f"starting a Prefect server under {home / 'prefect'} (SQLite) ...", markup=False)
     t0 = time.monotonic()
     provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
-    with prefect_api(home, use_env=False, keep=keep_server) as api:
+    background: Literal["reuse", "start"] = "start" if keep_server else "reuse"
+    if running_server(home) is None:
+        console.print(f"starting a Prefect server under {server_home(home)} (SQLite) ...", markup=False)
+    with prefect_api(home, use_env=False, background=background) as api:
         console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
         with alerting(settings.home / "worker.log", console):
             result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
@@ -204,8 +194,8 @@ def _run_and_check(
     if not failures:
         failures = show_mlflow(result, settings.home / "reference" / "metrics.jsonl", job.total_steps)
     _verdict(job, result, failures)
-    _server_note(api.server, keep_server, home / "prefect")
-    console.print(f"history: SPOTRUN_DATABASE_URL={settings.database_url} spotrun history", markup=False)
+    _server_note(api)
+    console.print(f"history: {_home_prefix(home)}spotrun history {job.name}", markup=False)
     return not failures
 
 
@@ -266,17 +256,19 @@ def _verdict(job: JobSpec, result: run_cmd.RunResult, failures: list[str]) -> No
     )
 
 
-def _server_note(server: PrefectServer | None, kept: bool, prefect_home: Path) -> None:
-    if server is None or server.proc is None:
-        return
-    if kept:
-        pid = server.proc.pid
-        (prefect_home / KEPT_SERVER).write_text(f"{pid} {server.api_url.removesuffix('/api')}\n")
-        console.print(f"the Prefect server keeps running (pid {pid}); stop it with: kill -- -{pid}")
-    else:
+def _server_note(api: PrefectApi) -> None:
+    if api.server is not None:
         console.print(
-            "the Prefect server has stopped; rerun with --keep-server to browse the flow run in the UI"
+            "the Prefect server has stopped; rerun with --keep-server (or run `spotrun server start` "
+            "first) to browse the flow run in the UI"
         )
+    else:
+        console.print(f"the Prefect server keeps running at {api.ui_url}; stop it with: spotrun server stop")
+
+
+def _home_prefix(home: Path) -> str:
+    """`SPOTRUN_HOME=... ` when the demo's home is not the default one, for the commands it prints."""
+    return "" if home == spotrun_home({}) else f"SPOTRUN_HOME={shlex.quote(str(home))} "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave the Prefect server running, to browse the run in the UI",
     )
     args = p.parse_args(argv)
-    home = Path(os.environ.get("SPOTRUN_HOME") or ".spotrun").expanduser().resolve()
+    home = spotrun_home()
     t0 = time.monotonic()
     try:
         ok = run_demo(home, args.keep_server)

@@ -65,10 +65,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from spotrun.server import prefect_api
     from tasks.history.engine import check_database_url
     from tasks.settings import Settings
+    from trainer.storage import check_local_path
 
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
     settings = Settings.from_env()
     job = settings.resolve(job)
+    check_local_path(job.storage)
     check_database_url(settings.database_url)
     out = wide_console()
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.trainer_runs import trainer, write_spec
+import pytest
+
+from tests.trainer_runs import REPO, trainer, write_spec
 from trainer.exitcodes import ExitCode
 
 
@@ -53,10 +58,97 @@ def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path: Path) -> None
 
 
 def test_recipe_that_cannot_be_built_is_a_config_error_naming_the_args(tmp_path: Path) -> None:
-    job = write_spec(tmp_path / "job.yaml", args={"hidden": -4})  # torch: negative dimension
+    job = write_spec(tmp_path / "job.yaml", args={"hidden": -4})  # the recipe's own check (ValueError)
     r = trainer(job, str(tmp_path / "s"), tmp_path)
     _assert_one_clear_error(r, "recipe 'digits' could not be built with args {")
-    assert '"hidden": -4' in r.stderr and "RuntimeError: Trying to create tensor with negative" in r.stderr
+    assert '"hidden": -4' in r.stderr and "ValueError: hidden -4 must be >= 1" in r.stderr
     assert "fix args in the job file" in r.stderr
     job = write_spec(tmp_path / "job.yaml", args={"hidden": 8, "hiden": 8})
     _assert_one_clear_error(trainer(job, str(tmp_path / "s"), tmp_path), "unknown argument(s) ['hiden']")
+
+
+def test_storage_that_refuses_writes_is_not_retried(tmp_path: Path) -> None:
+    """sysfs refuses new files (EACCES), even to root: a read-only or foreign store, told in one line."""
+    r = trainer(write_spec(tmp_path / "job.yaml"), "/sys/kernel", tmp_path)
+    _assert_one_clear_error(r, "in storage /sys/kernel: permission denied")
+
+
+def test_storage_path_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("keep me\n")
+    r = trainer(write_spec(tmp_path / "job.yaml"), str(tmp_path / "afile"), tmp_path)
+    _assert_one_clear_error(r, f"storage {tmp_path / 'afile'} is a file, not a directory")
+    assert (tmp_path / "afile").read_text() == "keep me\n"
+
+
+def test_s3_endpoint_down_is_one_line_and_retryable(tmp_path: Path) -> None:
+    job = write_spec(tmp_path / "job.yaml", s3={"endpoint_url": "http://127.0.0.1:9"})  # discard: refused
+    creds = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+    r = trainer(job, "s3://spotrun-down/x", tmp_path, env=creds)
+    assert r.returncode == ExitCode.CRASHED and ExitCode.CRASHED.retryable, r.stderr[-2000:]
+    errors = _error_lines(r.stderr)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "http://127.0.0.1:9" in errors[0] and "retried from the last durable checkpoint" in errors[0]
+
+
+# ---- the command line: every bad input is one line on stderr, exit 2, and nothing is touched ----
+
+JOB = "name: bad\nrecipe: {recipe}\ntotal_steps: 5\nstorage: {storage}\n"
+MYSQL = "mysql://u:secret@db.example/history"
+CLI_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
+    # (id, argv, environment, what the one line must say); {t}: the test's directory
+    ("unknown recipe", ["run", "{t}/nosuch.yaml"], {}, "unknown recipe 'nosuchrecipe'"),
+    ("storage is a file", ["run", "{t}/job.yaml", "--storage", "{t}/afile"], {}, "{t}/afile is a file"),
+    ("relative storage under a file", ["run", "{t}/under.yaml"], {}, "under {t}/home/afile, which is a file"),
+    ("run with a mysql URL", ["run", "{t}/job.yaml"], {"SPOTRUN_DATABASE_URL": MYSQL},
+     "mysql is not supported"),
+    ("mysql URL", ["history"], {"SPOTRUN_DATABASE_URL": MYSQL}, "mysql is not supported"),
+    ("password hidden", ["history"], {"SPOTRUN_DATABASE_URL": MYSQL}, "u:***@db.example"),
+    ("sqlite file that is no database", ["history"], {"SPOTRUN_DATABASE_URL": "sqlite:///{t}/notdb.db"},
+     "{t}/notdb.db is not a SQLite database"),
+    ("run with a non-database sqlite", ["run", "{t}/job.yaml"],
+     {"SPOTRUN_DATABASE_URL": "sqlite:///{t}/notdb.db"}, "is not a SQLite database"),
+    ("port that is not a number", ["history"], {"SPOTRUN_DATABASE_URL": "postgresql://u@h:notaport/db"},
+     "its port is not a number"),
+    ("report with a bad port", ["report", "bad"], {"SPOTRUN_DATABASE_URL": "postgresql://u@h:notaport/db"},
+     "its port is not a number"),
+    ("list a file", ["checkpoints", "list", "{t}/afile"], {}, "{t}/afile is a file"),
+    ("verify a missing directory", ["checkpoints", "verify", "{t}/missing"], {},
+     "storage directory {t}/missing does not exist"),
+    ("verify --spec whose storage is missing", ["checkpoints", "verify", "--spec", "{t}/job.yaml"], {},
+     "{t}/home/ckpt does not exist"),
+]  # fmt: skip
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("argv", "env", "says"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input_is_one_line_exit_2_and_touches_nothing(
+    tmp_path: Path, argv: list[str], env: dict[str, str], says: str
+) -> None:
+    t = str(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "afile").write_text("a file, not a directory\n")
+    (tmp_path / "home" / "afile").write_text("also a file\n")
+    (tmp_path / "notdb.db").write_text("not a database\n")
+    (tmp_path / "job.yaml").write_text(JOB.format(recipe="digits", storage="ckpt"))
+    (tmp_path / "nosuch.yaml").write_text(JOB.format(recipe="nosuchrecipe", storage="ckpt"))
+    (tmp_path / "under.yaml").write_text(JOB.format(recipe="digits", storage="afile/ckpt"))
+    before = _tree(tmp_path)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRUN_", "PREFECT_"))}
+    # a case that got past its check would fail on this API rather than start a server
+    full_env |= {
+        "PYTHONPATH": str(REPO),
+        "SPOTRUN_HOME": f"{t}/home",
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+    }
+    full_env |= {k: v.format(t=t) for k, v in env.items()}
+    cmd = [sys.executable, "-m", "spotrun.cli", *(a.format(t=t) for a in argv)]
+    r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-2000:]
+    assert r.stderr.startswith("spotrun: error: ") and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert says.format(t=t) in r.stderr, r.stderr
+    assert "secret" not in r.stderr
+    assert _tree(tmp_path) == before  # nothing deleted, changed or created

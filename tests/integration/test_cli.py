@@ -167,7 +167,7 @@ def test_empty_storage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     [
         ("gs://bucket/job", "unsupported scheme"),
         ("s3://", "names no bucket"),
-        ("/nonexistent/spotrun/storage", "no such directory"),
+        ("/nonexistent/spotrun/storage", "does not exist"),
     ],
 )
 def test_bad_uri_is_one_line_error(capsys: pytest.CaptureFixture[str], uri: str, fragment: str) -> None:
@@ -406,15 +406,23 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     demo = tmp_path / "demo"
     assert (demo / "checkpoints" / step_dir(TOTAL_STEPS) / MANIFEST).is_file()
     assert (demo / "checkpoints" / "reports" / "timeline.png").is_file()
-    assert (demo / "history.db").is_file() and (tmp_path / "prefect" / "server.log").is_file()
+    assert (tmp_path / "history.db").is_file() and (tmp_path / "prefect" / "server.log").is_file()
+    assert not (demo / "history.db").exists()  # one history per SPOTRUN_HOME: the demo's run is in it
     assert "/runs/flow-run/" in r.stdout and "the Prefect server has stopped" in r.stdout
     # the three restarts raised one restart-storm alert through the deployed path (no Slack set here)
     assert "restart-storm alert for digits: no Slack configured" in r.stdout
     assert "digits restarted 3 times in 1 h" in r.stdout
-    store = HistoryStore.open(default_url(demo))
+    store = HistoryStore.open(default_url(tmp_path))
     storms = store.alerts(job="digits", kind="restart-storm")  # a recovery note may follow, or not yet
     store.close()
     assert [a.status.value for a in storms] == ["logged"]
+    env.pop("SPOTRUN_DATABASE_URL")
+    history = subprocess.run(
+        [sys.executable, "-m", "spotrun.cli", "history", "digits", "--json"],
+        env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert history.returncode == 0, history.stderr
+    assert [r["outcome"] for r in json.loads(history.stdout)][-1] == "completed"
 
 
 SERVER_CHILD = """

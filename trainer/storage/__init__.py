@@ -21,6 +21,7 @@ __all__ = [
     "LocalStorage",
     "ObjectInfo",
     "Storage",
+    "check_local_path",
     "check_uri",
     "confirm_stored",
     "digest_of",
@@ -54,6 +55,20 @@ def resolve_uri(uri: str, home: Path) -> str:
     return str(path if path.is_absolute() else home / path)
 
 
+def check_local_path(uri: str) -> None:
+    """ConfigError, naming the file, when a local storage path or one of its parents is a file: said
+    before anything starts rather than by a worker that cannot create it."""
+    if uri.startswith("s3://"):
+        return
+    path = Path(uri.removeprefix("file://")).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"is under {p}, which is a file"
+                raise ConfigError(f"storage {path} {where}, not a directory: point storage at a directory")
+            return
+
+
 def open_storage(uri: str, s3: S3Options | None = None, create: bool = True) -> Storage:
     """Map a storage URI to a backend: a path or file:// URI is local, s3://bucket/prefix is S3.
 
@@ -69,6 +84,7 @@ def open_storage(uri: str, s3: S3Options | None = None, create: bool = True) -> 
         opts = s3 or S3Options()
         return S3Storage(make_s3_client(opts), bucket, prefix, opts)
     path = Path(uri.removeprefix("file://")).expanduser()
+    check_local_path(str(path))
     if not create and not path.is_dir():
-        raise ConfigError(f"no such directory: {path}; check the storage URI")
+        raise ConfigError(f"storage directory {path} does not exist; check the storage URI")
     return LocalStorage(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -12,13 +13,21 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trainer.errors import PreconditionFailed, StorageError
+from trainer.errors import ConfigError, PreconditionFailed, StorageError
 from trainer.storage.base import CHUNK, ObjectInfo
 
 TMP_MARK = ".spotrun-tmp-"
 # `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
 # (unlinking a lock file someone holds would let a third writer lock a fresh inode), never listed.
 LOCK_SUFFIX = ".spotrun-lock"
+# Errors no retry fixes: the user must remount, grant or free space first.
+UNWRITABLE = {
+    errno.EROFS: "the file system is read-only; remount it writable or choose another storage",
+    errno.EACCES: "permission denied; grant this user write access or choose another storage",
+    errno.EPERM: "operation not permitted; grant this user write access or choose another storage",
+    errno.ENOSPC: "no space left on the device; free space or choose another storage",
+    errno.EDQUOT: "disk quota exceeded; free space or choose another storage",
+}
 
 
 def fsync_dir(path: Path) -> None:
@@ -53,10 +62,27 @@ class LocalStorage:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().resolve()
         self.uri = str(self.root)
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"storage {self.root} is a file, not a directory: point storage at a directory")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(
+                f"storage {self.root}: a part of the path is a file, not a directory; fix storage"
+            ) from None
         except OSError as e:
             raise StorageError(f"cannot create storage directory {self.root}: {e.strerror}") from None
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """A store that refuses writes (read-only, permissions, full) as a StorageError: not retried, one
+        line naming the store; other OSErrors (I/O errors) pass as they are."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in UNWRITABLE:
+                raise
+            raise StorageError(f"cannot {what} in storage {self.root}: {UNWRITABLE[e.errno]}") from e
 
     def _path(self, key: str) -> Path:
         p = (self.root / key).resolve()
@@ -65,7 +91,8 @@ class LocalStorage:
         return p
 
     def put(self, key: str, src: Path) -> None:
-        copy_durable(Path(src), self._path(key))
+        with self._writing(f"write {key}"):
+            copy_durable(Path(src), self._path(key))
 
     def get(self, key: str, dst: Path) -> None:
         p = self._path(key)
@@ -96,6 +123,10 @@ class LocalStorage:
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, keys: Sequence[str]) -> None:
+        with self._writing("delete"):
+            self._delete(keys)
+
+    def _delete(self, keys: Sequence[str]) -> None:
         parents = set()
         for key in keys:
             p = self._path(key)
@@ -131,6 +162,10 @@ class LocalStorage:
         return data, _version(data)
 
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
+        with self._writing(f"write {key}"):
+            return self._put_if(key, data, if_version)
+
+    def _put_if(self, key: str, data: bytes, if_version: str | None) -> str:
         dst = self._path(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
