@@ -3,6 +3,7 @@ provider streams the trainer's own log (which says it with timings)."""
 
 from __future__ import annotations
 
+import base64
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -47,3 +48,14 @@ def test_each_durable_checkpoint_is_logged_once(
     watch(Streams(*script), SimpleNamespace(id="local-1"), JOB, PlainSink())  # type: ignore[arg-type]
     said = [r.getMessage() for r in caplog.records if "checkpoint step 25 durable" in r.getMessage()]
     assert len(said) == lines, said
+
+
+def test_the_summary_shows_the_timeline_inline() -> None:
+    from tasks.reporting import summary_markdown
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
+    md = summary_markdown("digits", "completed", [], 12.0, "/home/me/.spotrun/digits/timeline.png", png)
+    assert "- timeline: below; saved at `/home/me/.spotrun/digits/timeline.png`" in md
+    inline = base64.b64encode(png).decode()
+    assert md.endswith(f"![training step over wall time](data:image/png;base64,{inline})")
+    assert "not saved" in summary_markdown("digits", "failed", [], 1.0, "")
