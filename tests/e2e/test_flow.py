@@ -251,7 +251,7 @@ def test_recipe_that_cannot_be_built_stops_at_once_with_one_line(
     spec = job(tmp_path, total_steps=50, args={"hidden": -4})
     state = run_flow(spec, LocalProviderConfig())
     assert state.is_failed() and "not retryable (CONFIG_ERROR)" in state.message
-    assert "recipe 'digits' could not be built" in state.message and "RuntimeError" in state.message
+    assert "recipe 'digits' could not be built" in state.message and "ValueError" in state.message
     rows = attempts(home)
     assert [(r.outcome.value, r.trainer_code) for r in rows] == [("crashed", "CONFIG_ERROR")]
     path = tmp_path / "job.yaml"

@@ -150,8 +150,8 @@ def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
         raise  # already one line that says what to fix
     except ValueError as e:  # the recipe's checks, torch's (nn.Dropout(p=2)): the args
         raise ConfigError(
-            f"recipe {name!r} rejected args {json.dumps(args, default=str)}: {_first_line(e)}; "
-            "fix args in the job file"
+            f"recipe {name!r} could not be built with args {json.dumps(args, default=str)}: "
+            f"{type(e).__name__}: {_first_line(e)}; fix args in the job file"
         ) from None
     if not isinstance(parts, Parts):
         raise ConfigError(f"recipe {name!r} returned {type(parts).__name__}, expected trainer.recipes.Parts")
