@@ -112,9 +112,10 @@ def keep_operator_schedules(doc: dict[str, Any], existing: dict[str, Schedules])
     (`existing`: "flow/deployment" -> its schedules by slug), pure.
 
     Sending a deployment's schedules again resets their `active` flags to the file's (re-pausing the
-    sweeper an operator resumed) and makes the server delete and recreate the queued scheduled runs.
-    So a deployment whose schedules the file does not change gets `schedules: null`, which keeps them
-    as they are; one whose schedules changed gets the file's, each keeping the operator's `active`.
+    sweeper an operator resumed). So a deployment whose schedules the file does not change gets
+    `schedules: null`, which keeps them as they are; one whose schedules changed gets the file's, each
+    keeping the operator's `active`. (Queued scheduled runs are still recreated: the server deletes a
+    deployment's future auto-scheduled runs on any update of it, schedules or not.)
     """
     doc = copy.deepcopy(doc)
     for d in doc.get("deployments", []):
