@@ -27,10 +27,12 @@ def chromium_missing() -> str | None:
 class Shot:
     png: Path
     text: str  # the page's visible text, for assertions
+    image_loaded: bool = False  # an <img> on the page was decoded (naturalWidth > 0)
 
 
 def screenshots(ui_url: str, deployment_id: str, flow_run_id: str, out: Path) -> dict[str, Shot]:
-    """The deployment's run form, the flow run's Artifacts tab, and its newest attempts table."""
+    """The deployment's run form (and its provider's form), the flow run's Artifacts tab, its attempts
+    table and the summary's timeline image."""
     from playwright.sync_api import sync_playwright
 
     out.mkdir(parents=True, exist_ok=True)
@@ -49,6 +51,8 @@ def screenshots(ui_url: str, deployment_id: str, flow_run_id: str, out: Path) ->
             page.goto(f"{ui_url}/deployments/deployment/{deployment_id}/run")
             page.get_by_text("Total Steps", exact=True).wait_for()
             shoot("deployment-form")
+            page.get_by_text("Heartbeat Timeout S", exact=False).first.scroll_into_view_if_needed()
+            shoot("provider-choice")
             page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}")
             page.get_by_text("Artifacts", exact=True).first.click()
             page.get_by_text("attempts of", exact=False).first.wait_for()
@@ -56,6 +60,15 @@ def screenshots(ui_url: str, deployment_id: str, flow_run_id: str, out: Path) ->
             page.get_by_text("attempts of", exact=False).first.click()  # the newest version first
             page.get_by_text("lost steps", exact=True).first.wait_for()
             shoot("attempts-table", full_page=True)
+            page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}")
+            page.get_by_text("Artifacts", exact=True).first.click()
+            page.get_by_text("run summary of", exact=False).first.click()
+            image = page.locator("img[alt='training step over wall time']").first
+            image.wait_for()
+            image.scroll_into_view_if_needed()
+            shoot("timeline")
+            loaded = image.evaluate("i => i.complete && i.naturalWidth > 0")
+            shots["timeline"] = Shot(shots["timeline"].png, shots["timeline"].text, bool(loaded))
         finally:
             browser.close()
     return shots

@@ -165,6 +165,19 @@ def test_scheduler_creates_the_nightly_run(stack: Stack) -> None:
     first = scheduled[0]
     assert (first.hour, first.minute) == (3, 0) and first > datetime.now(UTC)
     assert runs[0].parameters["job"]["name"] == "charlm-nightly"
+    # an operator resumes the sweeper; the next `spotrun deploy` (every `spotrun serve` runs one) keeps
+    # that. (The queued nightly runs are not kept yet: the server deletes a deployment's future
+    # auto-scheduled runs on any update, and `prefect deploy` updates every deployment.)
+    with get_client(sync_client=True) as client:
+        sweeper = client.read_deployment_by_name("sweep-instances/sweep-instances")
+        (sched,) = sweeper.schedules
+        client.update_deployment_schedule(sweeper.id, sched.id, active=True)
+        try:
+            deploy(RULES)
+            again = client.read_deployment_by_name("sweep-instances/sweep-instances")
+            assert [s.active for s in again.schedules] == [True]
+        finally:
+            client.update_deployment_schedule(sweeper.id, sched.id, active=False)
 
 
 def test_storms_alert_once_per_job_and_two_restarts_do_not(stack: Stack) -> None:
@@ -274,7 +287,7 @@ def test_slack_down_is_recorded_and_training_unaffected(stack: Stack, slack_down
 def test_ui_shows_the_job_form_and_the_attempts_table(
     stack: Stack, slack_down_run: Any, tmp_path: Path
 ) -> None:
-    _, state, _ = slack_down_run
+    spec, state, _ = slack_down_run
     out = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
     dep_id = stack.report.deployments["resilient-training/resilient-training"]
     ui = stack.server.api_url.removesuffix("/api")
@@ -284,6 +297,13 @@ def test_ui_shows_the_job_form_and_the_attempts_table(
         assert field in form, f"the deployment form shows no {field!r} field"
     table = shots["attempts-table"].text
     assert "preempted" in table and "resumed from" in table and "lost steps" in table
+    assert shots["flow-run-artifacts"].text.count(f"attempts of {spec.name}") == 1  # one card, updated
+    assert "scratch" in table and "4" in table  # the final version: all four attempts
+    provider = shots["provider-choice"].text
+    assert "Local Provider Config" in provider or "LocalProviderConfig" in provider, provider[:2000]
+    assert "Heartbeat Timeout S" in provider  # the chosen provider's own form, not a JSON editor
+    assert shots["timeline"].image_loaded, "the summary's timeline image did not render"
+    assert "100%" in shots["flow-run-artifacts"].text or "100" in shots["flow-run-artifacts"].text
     assert all(s.png.stat().st_size > 20_000 for s in shots.values())  # a blank page is ~6 KB
 
 
