@@ -265,6 +265,9 @@ def watch(
                 sink.log(logging.WARNING, f"trainer passed over checkpoint step {r.step}: {r.reason}")
             if rec.resharded_from is not None:
                 sink.log(logging.WARNING, f"resumed {resharded(rec.resharded_from, job.world_size)}")
+            if rec.changes:  # allowed by resume.allow_changes: the run's numbers part from here
+                changed = ", ".join(f"{c.field} {c.old} -> {c.new}" for c in rec.changes)
+                sink.log(logging.WARNING, f"resumed with changed training settings ({changed}): not bitwise")
         elif isinstance(rec, Durable) and not trainer_log:  # once: EC2 streams no log, the status says it
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):

@@ -307,6 +307,9 @@ class JobRunLog:
             record.extra["cost"] = dict(result.facts["cost"])
         if result.started is not None and result.started.resharded_from is not None:
             record.extra["resharded"] = resharded(result.started.resharded_from, self.job.world_size)
+        if result.started is not None and result.started.changes:  # resume.allow_changes: not bitwise
+            changes = result.started.changes
+            record.extra["spec_changes"] = [{"field": c.field, "old": c.old, "new": c.new} for c in changes]
         if result.interval is not None:  # `every: auto`: the interval it settled on, and why
             iv = result.interval
             record.extra["checkpoint_interval"] = {
