@@ -32,7 +32,7 @@ typecheck: $(VENV)/.installed
 # end-to-end tests mostly wait (on Prefect servers, heartbeats, the zombie window), so on 2 cores
 # this took the suite from 13 to under 9 minutes (measured).
 test: $(VENV)/.installed browser lint typecheck
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # Headless Chromium for the UI check (tests/e2e/test_alerts.py): Debian's package, installed as root
 # (~20 s, once). Without it the UI test is skipped with the reason.

@@ -24,10 +24,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
 from deployments.worker import POOL
-from spotrun.server import PrefectServer
 from tasks.job_slot import limit_name
 from tests.e2e.test_flow import job
 from tests.e2e.test_one_run_per_job import active_slots
+from tests.prefect_server import PrefectServer
 from trainer.spec import JobSpec
 
 ROOT = Path(__file__).parents[2]

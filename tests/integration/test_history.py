@@ -50,6 +50,7 @@ from tests.integration.databases import (
     record,
     same_record,
 )
+from trainer.errors import ConfigError
 
 TABLES = {"job_runs", "attempts", "checkpoint_rejections", "alerts"}
 STORE_LOG = "tasks.history.store"
@@ -473,7 +474,7 @@ def test_database_url_setting(tmp_path: Path) -> None:
     assert normalize_url("postgresql://u:p@h/db").drivername == "postgresql+psycopg"
     assert normalize_url("postgresql+asyncpg://u@h/db").drivername == "postgresql+psycopg"
     assert normalize_url("sqlite:///x.db").drivername == "sqlite"
-    with pytest.raises(ValueError, match="sqlite:///PATH"):
+    with pytest.raises(ConfigError, match="sqlite:///PATH"):
         normalize_url("not a url")
     with HistoryStore.open(default_url(tmp_path / "new" / "home")) as store:  # makes the directory
         new_run(store)
