@@ -43,7 +43,7 @@ from spotrun.server import PrefectApi, prefect_api, running_server, server_home
 from tasks.attempts import Outcome
 from tasks.history import default_url
 from tasks.policy import RetryPolicy
-from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from tasks.providers.local import OMP_WAIT, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tasks.settings import Settings, spotrun_home
 from trainer.catalog import fetch
 from trainer.ckpt_format import MODEL_FILE, load_part
@@ -57,16 +57,17 @@ DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
 REFERENCE_TIMEOUT_S = 300.0
 # The demo trains digits.yaml for TOTAL_STEPS, reclaiming each of the first three attempts after
 # SCHEDULE's seconds of training (counted from its first step). Seconds, not steps, because that is
-# how a spot market behaves; so TOTAL_STEPS must outlast 1.6 s of training on a fast machine (2 idle
-# cores run 150-450 steps/s, depending on what else runs): at 1,000 steps/s the third reclaim still
-# comes at ~1,600 steps. The notice window leaves time for the notice's checkpoint.
-TOTAL_STEPS = 2000
+# how a spot market behaves. A noticed worker trains on until its replacement stands by (at most half
+# the NOTICE_S window: trainer/handover.py), so TOTAL_STEPS must outlast 1.6 s + 2 x 3 s of training
+# on a fast machine (2 idle cores run 150-450 steps/s, depending on what else runs): at 500 steps/s
+# the third reclaim still comes before step 3,800.
+TOTAL_STEPS = 4000
 SCHEDULE = [
     PlannedPreemption(after_s=0.5, notice=True),
     PlannedPreemption(after_s=0.5, notice=False),
     PlannedPreemption(after_s=0.6, notice=True),
 ]
-NOTICE_S = 3.0
+NOTICE_S = 6.0
 console = wide_console()
 
 
@@ -89,6 +90,7 @@ def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(root / "checkpoints")]
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
     env = {
+        **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local.py)
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }

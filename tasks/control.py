@@ -32,6 +32,7 @@ from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.runlog import JobRunLog, Summary
 from tasks.settings import Settings
 from trainer.errors import StorageError
+from trainer.handover import write_standby
 from trainer.lease import write_handoff
 from trainer.records import Durable, Notice, Record, Started, Step, Stopping
 from trainer.spec import JobSpec
@@ -198,6 +199,8 @@ def _attempt(
 
     def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
         assert ahead is not None and worker is not None
+        if not ahead.started:  # the noticed trainer trains on until this replacement stands by
+            _announce(job, worker.id, sink)
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
     try:
@@ -217,6 +220,14 @@ def _attempt(
 def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:
     """The next attempt's worker, to be started (in a thread) when this one reports it is stopping."""
     return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra))
+
+
+def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
+    """Tell a noticed trainer that a replacement is on its way (trainer/handover.py)."""
+    try:
+        write_standby(open_storage(job.storage, job.s3), worker_id, "starting")
+    except (OSError, StorageError) as e:  # the trainer then stops after its announcement window
+        sink.log(logging.WARNING, f"replacement for {worker_id} not announced: {e}")
 
 
 def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:

@@ -8,6 +8,8 @@ the controller provisions the next one at once, in a thread; that trainer builds
 waits (`--prewarm-wait`) for the storage lease, which the old trainer gives back only after its
 emergency checkpoint is durable, or which the controller hands over once it has released the old
 worker (`_handoff.json`, trainer/lease.py). It therefore never loads a checkpoint that is not durable.
+Meanwhile the old trainer trains on through its notice until this one stands by (trainer/handover.py):
+the cold start overlaps training, not idle time.
 
 If the attempt ends in a way that needs no replacement (completed, gave up, cancelled), the prewarmed
 worker is released unused.

@@ -4,6 +4,7 @@ workers into, and a fault proxy."""
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +14,11 @@ import boto3
 import pytest
 
 from tests.servers import FaultProxy
+
+# Every trainer the tests start (and their torchrun ranks) inherits this: OpenMP threads that sleep
+# while they wait, as the local provider's workers do; spinning ones burn the cores the three xdist
+# workers share (tasks/providers/local.py measured the demo at 79 s spinning, 49 s sleeping).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -84,6 +84,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "storage lease that the worker being replaced gives back once its checkpoint is durable",
     )
     p.add_argument(
+        "--handover-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="at a cloud notice, train on for up to this long until the replacement the controller "
+        "started stands by, then checkpoint and stop (never past what the notice's deadline leaves for "
+        "the checkpoint); 0: stop at the next step. A SIGTERM hands over only with --sigterm-window-s; "
+        "Ctrl-C always stops at once",
+    )
+    p.add_argument(
+        "--sigterm-window-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="a SIGTERM comes this long before a SIGKILL (the local spot simulator's notice): with "
+        "--handover-s, train through the first half of it",
+    )
+    p.add_argument(
         "--mtbf-s",
         type=float,
         help="with checkpoint.every: auto, the seconds between reclaims to plan for (the controller's "
@@ -241,6 +259,7 @@ def _run(
         fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
         mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
         reporter=reporter,
+        prewarmed=args.prewarm_wait > 0,
     )
     _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank
     storage = open_storage(uri, spec.s3)
@@ -268,6 +287,9 @@ def _run(
     if watcher is not None:
         watcher.start()
     me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
+    if env.ranks is None:  # ranks agree on their stop every step: no handover there (trainer/handover.py)
+        opts.handover_s, opts.worker_id = max(args.handover_s, 0.0), me.worker_id
+        opts.sigterm_window_s = max(args.sigterm_window_s, 0.0)
     try:
         if env.rank == 0:
             # after the recipe is built, before anything is published; released before the exit record,

@@ -7,6 +7,7 @@ registry of stateful parts (trainer/stateful.py); its `rng` part is deferred for
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from trainer.distributed import Agreement, Ranks, wrap
 from trainer.errors import ConfigError, ResumeIncompatible, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
+from trainer.handover import Handover
 from trainer.interval import Choice, IntervalTuner
 from trainer.metrics_log import MetricsLog
 from trainer.preemption import (
@@ -75,6 +77,12 @@ class AttemptOptions:
     # Take the job's storage for writing (its lease), once the recipe is built: a prewarmed trainer
     # does the slow part (imports, recipe, data) while the worker it replaces still saves.
     claim: Callable[[], Storage] | None = None
+    prewarmed: bool = False  # started at another worker's notice: warm the first step's imports while waiting
+    # Train through a notice for up to this long, until the replacement stands by (trainer/handover.py);
+    # 0: stop at the next step. `worker_id`: this trainer's name in the lease, which a standby names.
+    handover_s: float = 0.0
+    worker_id: str | None = None
+    sigterm_window_s: float = 0.0  # a SIGTERM's warning before SIGKILL, when the provider knows it
     reporter: StatusReporter = field(default_factory=StatusReporter)  # no stream: silent
 
 
@@ -110,9 +118,12 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         if ranks.rank:  # dropout masks differ per rank; rank 0 keeps the single-process stream
             _seed_everything(_rank_seed(spec.seed, ranks.rank))
     if opts.claim is not None:
+        if opts.prewarmed:  # the first optimizer step imports torch._dynamo: 0.8 s, paid while waiting
+            importlib.import_module("torch._dynamo")  # `import torch._dynamo` here would shadow torch
         storage = opts.claim()  # resume and publish only through the storage this trainer holds
     scaler = torch.amp.GradScaler(device.type) if spec.amp else None
     run = _Run(spec, parts, scaler, device, opts)
+    run.storage = storage
     run.steps_log = MetricsLog(storage if ranks.is_zero else None)  # to storage once a checkpoint covers them
 
     def durable(step: int) -> None:  # the writer thread, after `latest` moved (or the loop, for a sync save)
@@ -208,6 +219,10 @@ class _Run:
         self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
         self.stop_reported = False
         self.stop_agreed = False  # distributed: the ranks agreed to stop after this step
+        self.handover: Handover | None = None  # a noticed trainer waiting for its replacement
+        self.handover_logged = False
+        self.storage: Storage | None = None  # where the standby record is read (set by run_attempt)
+        self.last_step_s = 0.0
         self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
         self.steps_log = MetricsLog(None)  # run_attempt gives rank 0 one that writes
         self.shape_args = recipes.shape_args(spec.recipe)
@@ -330,7 +345,8 @@ class _Run:
                 agreed = _step(
                     self.parts, self.scaler, batch, self.device, self.spec.amp, self.step, self._agree
                 )
-                self._timed(time.perf_counter() - t0)
+                self.last_step_s = time.perf_counter() - t0
+                self._timed(self.last_step_s)
                 loss = agreed.loss
                 self.step, pos.batch = self.step + 1, pos.batch + 1
                 self.best, self.last_loss = min(self.best, loss), loss
@@ -343,7 +359,7 @@ class _Run:
                 if self.opts.fault is not None:
                     self.opts.fault.maybe_fire(self.step, self.ranks.rank)
                 self.ckpt.check()  # a background failure stops training here, not later
-                if agreed.stop if self.ranks.distributed else self.opts.stop.requested:
+                if agreed.stop if self.ranks.distributed else self._stop_seen:
                     self.stop_agreed = True
                     self._stopping()
                     return
@@ -375,9 +391,37 @@ class _Run:
 
     @property
     def _stop_seen(self) -> bool:
-        """One process: its own stop request. Ranks: only what they agreed on (one rank acting on its
-        own flag would leave the others waiting in the next collective)."""
-        return self.stop_agreed if self.ranks.distributed else self.opts.stop.requested
+        """One process: its own stop request, once any handover is over. Ranks: only what they agreed
+        on (one rank acting on its own flag would leave the others waiting in the next collective)."""
+        if self.ranks.distributed:
+            return self.stop_agreed
+        return self.opts.stop.requested and self._handed_over()
+
+    def _handed_over(self) -> bool:
+        """Whether a noticed trainer may stop now: at once without `--handover-s` or on Ctrl-C; else
+        once its replacement stands by or the handover's time is up (trainer/handover.py)."""
+        stop, opts = self.opts.stop, self.opts
+        if opts.handover_s <= 0 or opts.worker_id is None or stop.reason == "SIGINT":
+            return True
+        if self.handover is None:
+            budget = self._handover_budget()
+            if budget <= 0:
+                return True
+            assert self.storage is not None
+            self.handover = Handover(self.storage, opts.worker_id, budget)
+            if stop.deadline is None:  # a signal: the controller learns of the notice from this record
+                opts.reporter.emit("notice", cloud="signal", action=stop.reason or "", stop=True)
+            log.info(
+                "notice (%s) at step %d: training on until the replacement stands by (at most %.1f s)",
+                stop.reason, self.step, budget,
+            )  # fmt: skip
+        if not self.handover.ready:
+            return False
+        if not self.handover_logged:
+            self.handover_logged = True
+            h = self.handover
+            log.info("handing over after %.2f s more training: %s", h.waited_s, h.reason)
+        return True
 
     @property
     def _stop_reason(self) -> str:
@@ -419,6 +463,21 @@ class _Run:
             nbytes, write_bps, upload_bps, time.time(), deadline,
             self.spec.preemption.save_margin_s, measured=measured is not None, in_flight=self.ckpt.in_flight,
         )  # fmt: skip
+
+    def _handover_budget(self) -> float:
+        """Seconds of training a handover may add: `handover_s`, less what the emergency checkpoint
+        needs before the notice's deadline (with its margin), or before the second half of a SIGTERM's
+        window; a SIGTERM with no known window hands over nothing."""
+        stop, opts = self.opts.stop, self.opts
+        now = time.time()
+        if stop.deadline is not None:
+            end, margin = stop.deadline, self.spec.preemption.save_margin_s
+        elif stop.reason == "SIGTERM" and opts.sigterm_window_s > 0:
+            end, margin = (stop.received_at or now) + opts.sigterm_window_s, opts.sigterm_window_s / 2
+        else:
+            return 0.0
+        estimate = self._plan_emergency_save(end).estimate_s
+        return min(opts.handover_s, end - now - margin - estimate - self.last_step_s)
 
     @property
     def _skip_save(self) -> bool:

@@ -118,6 +118,11 @@ def default_store(job: JobSpec) -> Storage:
     return open_storage(job.storage, job.s3)
 
 
+# A noticed instance trains on for up to this long while its replacement boots; the trainer keeps what
+# the emergency checkpoint needs before the notice's deadline (save_margin_s included) on top of it.
+HANDOVER_S = 100.0
+
+
 class AwsProvider:
     """EC2 spot workers; see the module docstring."""
 
@@ -157,6 +162,8 @@ class AwsProvider:
         # The controller names the worker it released (node 0) for the storage lease; torchrun may have
         # put global rank 0, the lease holder, on another node (aws_watch.py), released as surely.
         extra_args = [*extra_args, *(a for p in self._released_peers for a in ("--lease-takeover", p))]
+        if self.prewarm and nnodes == 1:  # train through the 2-minute notice while the replacement boots
+            extra_args += ["--handover-s", f"{HANDOVER_S:g}"]
 
         def script(node: launch.NodeRole | None) -> str:
             s = launch.build_user_data(

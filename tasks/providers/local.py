@@ -113,6 +113,9 @@ class LocalProvider:
         cmd = [self.cfg.python or sys.executable, "-m", "trainer", "--config", str(spec_path.resolve())]
         cmd += ["--storage", job.storage, "--cache", str(cache), "--metrics", str(work / "metrics.jsonl")]
         cmd += extra_args
+        if self.prewarm:  # the simulator's SIGTERM comes notice_s before its SIGKILL: train through half
+            window = f"{self.cfg.notice_s:g}"
+            cmd += ["--handover-s", window, "--sigterm-window-s", window]
         work.mkdir(parents=True, exist_ok=True)
         try:
             proc = _spawn(cmd, _child_env(self.flow_run_id))
@@ -332,13 +335,21 @@ def worker_dir(workdir: Path, job: JobSpec) -> Path:
     return workdir.resolve() / local_dir_name(job.name, job.storage)
 
 
+# Local workers share their cores with the controller, the Prefect server and, at a handover, a second
+# trainer. OpenMP threads that spin while they wait then burn the cores the others need: the demo beside
+# one busy core took 79 s (92 s of CPU) with spinning threads and 49 s (46 s) with sleeping ones
+# (measured). How threads wait changes no result: the bitwise tests run with it.
+OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def _child_env(flow_run_id: str | None = None) -> dict[str, str]:
-    """The flow's environment, this project on PYTHONPATH, unbuffered output (lines are heartbeats)."""
+    """The flow's environment, this project on PYTHONPATH, unbuffered output (lines are heartbeats),
+    OpenMP threads that sleep while they wait (unless the environment says otherwise)."""
     spec = importlib.util.find_spec("trainer")
     root = str(Path(spec.origin).resolve().parents[1]) if spec and spec.origin else os.getcwd()
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     run = {"SPOTRUN_FLOW_RUN_ID": flow_run_id} if flow_run_id else {}
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
+    return {**OMP_WAIT, **os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
 
 
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:

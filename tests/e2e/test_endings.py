@@ -122,7 +122,7 @@ from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSi
 from trainer.spec import JobSpec
 plan = [PlannedPreemption(after_s=0.3, notice=True)] * 2
 spec = JobSpec.model_validate_json(sys.argv[1])
-resilient_training(spec, LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=plan), notice_s=10))
+resilient_training(spec, LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=plan), notice_s=2))
 """
 
 

@@ -66,10 +66,12 @@ def attempts(home: Path, url: str | None = None) -> list[Any]:
         store.close()
 
 
-def schedule(*entries: tuple[float, bool]) -> LocalProviderConfig:
+def schedule(*entries: tuple[float, bool], notice_s: float = 2) -> LocalProviderConfig:
+    """Reclaims after these seconds of training, with a notice or not. A 2 s notice lets the old worker
+    train through at most 1 s of it (trainer/handover.py): the attempts end as planned."""
     plan = [PlannedPreemption(after_s=s, notice=n) for s, n in entries]
     return LocalProviderConfig(
-        simulator=SpotSimulatorConfig(schedule=plan), notice_s=5, heartbeat_timeout_s=60
+        simulator=SpotSimulatorConfig(schedule=plan), notice_s=notice_s, heartbeat_timeout_s=60
     )
 
 
@@ -86,6 +88,25 @@ def test_preemptions_with_and_without_notice_complete_bitwise(
     assert rows[1].resumed_from is not None and rows[3].resumed_from is not None
     summary = state.result()
     assert summary["attempts"] == 4 and Path(summary["timeline"]).is_file()
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_the_noticed_worker_trains_until_its_replacement_stands_by(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    """A 20 s notice: the old trainer trains on while its replacement starts (2-6 s here), saves once that
+    one waits for the lease, and the replacement resumes from exactly that step: nothing lost, bitwise."""
+    spec = job(tmp_path, total_steps=3000)
+    state = run_flow(spec, schedule((0.3, True), notice_s=20))
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [r.outcome.value for r in rows] == ["preempted", "completed"]
+    old, new = rows
+    assert new.resumed_from == old.last_step == old.last_durable_step and old.lost_steps == 0, rows
+    # it trained on past the notice for as long as the replacement took to start (a process start and
+    # `import torch` alone take over 1 s), which started beside it; without a handover the lead is ~0.2 s
+    assert old.notice_lead_s is not None and old.notice_lead_s > 1.0, old
+    assert new.started_at < old.ended_at, (new.started_at, old.ended_at)
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
 
 

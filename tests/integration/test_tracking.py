@@ -58,7 +58,8 @@ def _job(tmp_path: Path, **overrides: Any) -> JobSpec:
 
 def _provider(tmp_path: Path, *plan: tuple[float, bool]) -> LocalProvider:
     sim = SpotSimulatorConfig(schedule=[PlannedPreemption(after_s=s, notice=n) for s, n in plan])
-    return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, notice_s=10))
+    # a 2 s notice: at most 1 s of training through it (trainer/handover.py), the attempts stay as planned
+    return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, notice_s=2))
 
 
 def _settings(tmp_path: Path) -> Settings:
