@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections import Counter
 from typing import Any, cast
 from uuid import UUID
 
@@ -19,7 +18,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
 
+from tasks import goodput
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.goodput import GoodputReport
 
 log = logging.getLogger(__name__)
 
@@ -101,32 +102,27 @@ def attempts_table(job: str, records: list[AttemptRecord], artifact_id: UUID | N
     return cast(UUID, created)
 
 
-def goodput(records: list[AttemptRecord], wall_s: float) -> float:
-    return sum(r.productive_s for r in records) / wall_s if wall_s > 0 else 0.0
-
-
 def summary_markdown(
     job: str,
     status: str,
     records: list[AttemptRecord],
-    wall_s: float,
+    rep: GoodputReport,
     timeline: str,
     timeline_png: bytes | None = None,
 ) -> str:
-    """The run summary; with `timeline_png`, the timeline inline as a data URI, which the Prefect UI
-    renders (a link to a file on the controller's disk opens nothing there)."""
-    lost = Counter[str]()
-    for r in records:
-        lost[r.outcome.value] += r.lost_steps
+    """The run summary: the goodput report (`spotrun report`'s figures, tasks/goodput.py), the attempts
+    and, with `timeline_png`, the timeline inline as a data URI, which the Prefect UI renders (a link to
+    a file on the controller's disk opens nothing there)."""
     lines = [
         f"# {job}: {status}",
         "",
-        f"- attempts: {len(records)}; wall time {wall_s:.1f} s; goodput {goodput(records, wall_s):.1%}"
-        " (productive time / wall time)",
-        "- lost steps per cause: " + (", ".join(f"{k} {v}" for k, v in sorted(lost.items())) or "none"),
+        "| figure | value |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in goodput.summary_rows(rep)),
+        "",
         f"- timeline: below; saved at `{timeline}`" if timeline else "- timeline: not saved",
-        *cost_lines(records),
         *interval_lines(records),
+        *(f"- note: {n}" for n in rep.notes if not n.startswith("GPUs per worker")),
         "",
         "| attempt | outcome | cause | resumed from | lost steps |",
         "|---|---|---|---|---|",
@@ -149,20 +145,6 @@ def checkpoint_interval(records: list[AttemptRecord]) -> dict[str, Any] | None:
 def interval_lines(records: list[AttemptRecord]) -> list[str]:
     iv = checkpoint_interval(records)
     return [f"- checkpoint interval (every: auto): {iv['reason']}"] if iv is not None else []
-
-
-def cost_lines(records: list[AttemptRecord]) -> list[str]:
-    """One Markdown line comparing what the attempts cost with on-demand, where a provider priced them."""
-    costs = [r.extra["cost"] for r in records if "cost" in r.extra]
-    usd = [c.get("usd") for c in costs]
-    if not costs or any(v is None for v in usd):
-        return []
-    line = f"- cost: ${sum(usd):.2f} over {sum(c.get('hours', 0) for c in costs):.2f} instance hours"
-    on_demand = [c.get("on_demand_usd") for c in costs]
-    if all(v is not None for v in on_demand) and sum(on_demand) > 0:
-        saved = 1 - sum(usd) / sum(on_demand)
-        line += f"; on demand ${sum(on_demand):.2f} ({saved:.0%} saved)"
-    return [line]
 
 
 def publish_summary(job: str, markdown: str) -> None:

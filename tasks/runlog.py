@@ -15,11 +15,12 @@ from typing import Any, Protocol
 
 import yaml
 
-from tasks import adoption
+from tasks import adoption, goodput
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import ResumePoint
 from tasks.endings import ending_for, flow_run_state
+from tasks.goodput import RunInfo
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
 from tasks.mtbf import estimate_mtbf
@@ -61,7 +62,7 @@ class Summary:
     message: str
     attempts: int
     final_step: int
-    goodput: float
+    goodput: float  # effective training time / wall time, as `spotrun report` (tasks/goodput.py); 0: none
     wall_s: float
     timeline: str
     cost_usd: float | None = None  # summed over attempts, where the provider prices them
@@ -398,13 +399,16 @@ class JobRunLog:
             timeline = ""
         final = max((r.last_step for r in self.records), default=0)
         checks = self.resume_checks
-        summary = Summary(status, message, len(self.records), final, report.goodput(self.records, wall_s),
+        now = time.time()  # the job run's end, as finish_job_run just stored it (to within a query)
+        info = RunInfo(self.job.name, self.job_run_id, status, now, gpus_per_worker=self.job.world_size)
+        figures = goodput.compute(self.records, info, now)  # what `spotrun report` computes from SQL
+        summary = Summary(status, message, len(self.records), final, figures.goodput or 0.0,
                           wall_s, timeline, *total_cost(self.records),
                           report.checkpoint_interval(self.records), resume_checks=checks,
                           resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
                           mlflow=tracking.as_dict() if tracking is not None else None)  # fmt: skip
         png = (self.dir / "timeline.png").read_bytes() if timeline else None
-        markdown = report.summary_markdown(self.job.name, status, self.records, wall_s, timeline, png)
+        markdown = report.summary_markdown(self.job.name, status, self.records, figures, timeline, png)
         self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
         if status == "completed":  # the last progress report came up to a second before the last step
             self.sink.progress(self.job.name, self.job.total_steps, self.job.total_steps)

@@ -275,7 +275,9 @@ class JobSpec(BaseModel):
         default_factory=CheckpointPolicy, description="when to checkpoint and how many to keep"
     )
     storage: str = Field(
-        default=".spotrun/checkpoints", description="directory, file:// URI or s3://bucket/prefix"
+        default="",
+        description="directory, file:// URI or s3://bucket/prefix; a relative path is under SPOTRUN_HOME; "
+        "empty: checkpoints/<name> there (one store per job: two jobs in one store refuse each other)",
     )
     s3: S3Options = Field(default_factory=S3Options, description="options for s3:// storage")
     preemption: PreemptionOptions = Field(
@@ -304,6 +306,13 @@ class JobSpec(BaseModel):
         from trainer.storage import check_uri  # storage imports this module for S3Options
 
         return check_uri(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storage_per_job(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("storage") and isinstance(data.get("name"), str):
+            return {**data, "storage": f"checkpoints/{data['name']}"}
+        return data
 
     @model_validator(mode="before")
     @classmethod

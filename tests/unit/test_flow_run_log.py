@@ -51,11 +51,13 @@ def test_each_durable_checkpoint_is_logged_once(
 
 
 def test_the_summary_shows_the_timeline_inline() -> None:
+    from tasks.goodput import RunInfo, compute
     from tasks.reporting import summary_markdown
 
     png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
-    md = summary_markdown("digits", "completed", [], 12.0, "/home/me/.spotrun/digits/timeline.png", png)
+    rep = compute([], RunInfo("digits", "run-1", "completed", 12.0), now=12.0)
+    md = summary_markdown("digits", "completed", [], rep, "/home/me/.spotrun/digits/timeline.png", png)
     assert "- timeline: below; saved at `/home/me/.spotrun/digits/timeline.png`" in md
     inline = base64.b64encode(png).decode()
     assert md.endswith(f"![training step over wall time](data:image/png;base64,{inline})")
-    assert "not saved" in summary_markdown("digits", "failed", [], 1.0, "")
+    assert "not saved" in summary_markdown("digits", "failed", [], rep, "")

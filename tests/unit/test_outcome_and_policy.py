@@ -268,7 +268,9 @@ def test_normalize_error_masks_numbers_but_keeps_the_step() -> None:
 
 
 def test_summary_compares_cost_with_on_demand() -> None:
-    from tasks.reporting import cost_lines
+    """The flow's summary carries the goodput report's figures (tasks/goodput.py), cost included."""
+    from tasks.goodput import RunInfo, compute
+    from tasks.reporting import summary_markdown
 
     def rec(attempt: int, cost: dict[str, Any] | None) -> AttemptRecord:
         r = AttemptRecord(attempt, f"i-{attempt}", "aws", 0.0, 1.0, Outcome.PREEMPTED, "spot")
@@ -276,9 +278,12 @@ def test_summary_compares_cost_with_on_demand() -> None:
             r.extra["cost"] = cost
         return r
 
+    def md(*records: AttemptRecord) -> str:
+        rep = compute(list(records), RunInfo("j", "run-1", "failed", 2.0), now=2.0)
+        return summary_markdown("j", "failed", list(records), rep, "")
+
     spot = {"usd": 0.3, "on_demand_usd": 1.0, "hours": 1.0, "market": "spot", "price_per_h": 0.3}
-    assert cost_lines([rec(1, spot), rec(2, spot)]) == [
-        "- cost: $0.60 over 2.00 instance hours; on demand $2.00 (70% saved)"
-    ]
-    assert cost_lines([rec(1, None)]) == []  # the local provider prices nothing
-    assert cost_lines([rec(1, {**spot, "usd": None})]) == []  # a price unknown: no made-up total
+    assert "| cost | $0.60 spot vs $2.00 on demand (70% saved) |" in md(rec(1, spot), rec(2, spot))
+    assert "| cost | n/a |" in md(rec(1, None)) or "| cost | unavailable |" in md(rec(1, None))
+    unknown = md(rec(1, {**spot, "usd": None}))  # a price unknown: no made-up total
+    assert "| cost | unavailable vs $1.00 on demand |" in unknown

@@ -126,3 +126,12 @@ def test_built_in_recipes_declare_their_shape_args() -> None:
     assert shape_args("digits") == {"hidden"}
     assert shape_args("charlm") == {"d_model", "n_layers", "n_heads", "seq_len"}
     assert shape_args("tests.fakes.nondeterministic_recipe:build") is None  # undeclared: all args
+
+
+def test_storage_defaults_to_one_store_per_job() -> None:
+    """Two jobs without a storage never share one (each would refuse the other's checkpoints)."""
+    base = {"recipe": "digits", "total_steps": 5}
+    a, b = (JobSpec.model_validate({**base, "name": n}) for n in ("a", "b"))
+    assert (a.storage, b.storage) == ("checkpoints/a", "checkpoints/b")  # under SPOTRUN_HOME
+    assert JobSpec.model_validate({**base, "name": "a", "storage": ""}).storage == "checkpoints/a"
+    assert JobSpec.model_validate({**base, "name": "a", "storage": "s3://b/x"}).storage == "s3://b/x"
