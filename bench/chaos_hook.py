@@ -157,11 +157,14 @@ def _log_resumes(where: dict[str, str]) -> None:
 
     opts = S3Options(endpoint_url=where["endpoint"])
     direct = S3Storage(make_s3_client(opts), where["bucket"], where["prefix"], opts)
-    expected = newest_verified(direct, Path(where["cache"]) / str(os.getpid()))
     report = StatusReporter.report
 
     def logged_report(self: Any, rec: Any) -> None:
         if isinstance(rec, Started):
+            # read now, with the lease held: a trainer started at a notice waits while the one it
+            # replaces trains on and checkpoints (trainer/handover.py); what it must resume from is
+            # the newest checkpoint when it took over, not when its process started
+            expected = newest_verified(direct, Path(where["cache"]) / str(os.getpid()))
             line = json.dumps({"pid": os.getpid(), "resumed_from": rec.resumed_from, "expected": expected})
             with open(where["log"], "a") as f:
                 f.write(line + "\n")

@@ -99,8 +99,12 @@ def reclaim_first(world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS
         ]
         wait_for("training on it", lambda: (read_heartbeat(store, iid) or {}).get("durable_step"))
         imds.interrupt(in_seconds=120)
+        # Once its trainer has the notice, take it back: the next instance has its own metadata service,
+        # and this one is shared. The controller provisions that instance only when the heartbeat shows
+        # the notice, and the old trainer trains on until it stands by (trainer/handover.py).
+        wait_for("the notice seen", lambda: "notice" in (read_heartbeat(store, iid) or {}).get("records", {}))
+        imds.clear_notice()
         wait_for("its exit record", lambda: "exit" in (read_heartbeat(store, iid) or {}).get("records", {}))
-        imds.clear_notice()  # the next instance has its own metadata service
         spot_interrupt(iid, world.region)
     except Exception as e:  # reported by the test, not lost in a thread
         errors.append(repr(e))

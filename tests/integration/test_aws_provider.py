@@ -389,6 +389,8 @@ json.dump(beat, open(path, "w"))
         worker.id,
         "--max-steps",
         "7",
+        "--handover-s",  # prewarm on: train through the notice until the replacement stands by
+        "100",
     ]
 
 
