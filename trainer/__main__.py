@@ -28,6 +28,7 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
+from trainer.handover import ANNOUNCE_S
 from trainer.heartbeat import HeartbeatWriter
 from trainer.launch import (
     LAUNCHER_ID,
@@ -92,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "started stands by, then checkpoint and stop (never past what the notice's deadline leaves for "
         "the checkpoint); 0: stop at the next step. A SIGTERM hands over only with --sigterm-window-s; "
         "Ctrl-C always stops at once",
+    )
+    p.add_argument(
+        "--announce-s",
+        type=float,
+        default=ANNOUNCE_S,
+        metavar="SECONDS",
+        help=f"with --handover-s, stop after this long if the controller has announced no replacement "
+        f"(default {ANNOUNCE_S:g}; EC2's provider passes its poll interval plus a heartbeat's)",
     )
     p.add_argument(
         "--sigterm-window-s",
@@ -289,7 +298,7 @@ def _run(
     me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
     if env.ranks is None:  # ranks agree on their stop every step: no handover there (trainer/handover.py)
         opts.handover_s, opts.worker_id = max(args.handover_s, 0.0), me.worker_id
-        opts.sigterm_window_s = max(args.sigterm_window_s, 0.0)
+        opts.sigterm_window_s, opts.announce_s = max(args.sigterm_window_s, 0.0), max(args.announce_s, 0.0)
     try:
         if env.rank == 0:
             # after the recipe is built, before anything is published; released before the exit record,

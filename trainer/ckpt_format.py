@@ -3,7 +3,7 @@
 Layout `single` (one process):
 
     <root>/step_000001200/
-        model.safetensors      weights; metadata {"format": "spotrun/1", "step": "1200"}
+        model.safetensors      weights; metadata {"spotrun": '{"format": "spotrun/1", "step": 1200}'}
         optimizer.pt           optimizer.state_dict()            (torch.load weights_only=True)
         scheduler.pt           lr_scheduler.state_dict()
         scaler.pt              GradScaler.state_dict(), only with AMP
@@ -214,12 +214,31 @@ class _HashingWriter:
         return FileEntry(self.size, str(self._h.hexdigest()))
 
 
+def model_metadata(step: int) -> dict[str, str]:
+    """The model file's header metadata, as one key: safetensors writes several keys in an order that
+    changes from process to process, so the same weights got different bytes and digests (two orders
+    in six processes, measured); with one key the file is a function of the weights and the step."""
+    return {"spotrun": json.dumps({"format": FORMAT_TAG, "step": step}, sort_keys=True)}
+
+
+def metadata_step(meta: dict[str, str] | None) -> int | None:
+    """The step a model file's metadata names: this format's one key, or the two keys written before."""
+    meta = meta or {}
+    try:
+        step = json.loads(meta["spotrun"]).get("step") if "spotrun" in meta else meta.get("step")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(step, int):
+        return step
+    return int(step) if isinstance(step, str) and step.isdigit() else None
+
+
 def write_part(path: Path, codec: Codec, state: Any, step: int) -> FileEntry:
     """Write one part's state in its codec, fsynced and hashed as it is written."""
     w = _HashingWriter(path)
     try:
         if codec is Codec.SAFETENSORS:
-            w.write(save(state, metadata={"format": FORMAT_TAG, "step": str(step)}))
+            w.write(save(state, metadata=model_metadata(step)))
         else:
             torch.save({"step": step, "state": state}, w)  # type: ignore[arg-type]
     finally:

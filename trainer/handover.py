@@ -7,7 +7,7 @@ at once leaves the job idle for the whole cold start; so a trainer started with 
 keeps training after a notice until the replacement writes that it waits for the lease, then takes
 its emergency checkpoint and exits, and the replacement resumes from that checkpoint a poll later.
 
-Three objects in the job's storage, one writer each:
+One object in the job's storage, with two writers in turn:
 
     _standby.json   {"replacing": WORKER, "state": "starting" | "waiting", "worker": ID, "at": t}
                     "starting": the controller's word, written when it starts the replacement;
@@ -15,8 +15,10 @@ Three objects in the job's storage, one writer each:
 
 The old trainer stops training (and saves) at the first of:
 - a `waiting` standby that replaces it: the replacement is ready;
-- no standby naming it within ANNOUNCE_S of the notice: nobody is coming (the controller is
-  cancelling, or is gone), so waiting would only delay the stop;
+- no standby naming it within the announcement window (ANNOUNCE_S locally; EC2's provider passes
+  its poll interval plus a heartbeat's, `--announce-s`) of the notice: nobody is coming (the
+  controller is cancelling, or is gone), so waiting would only delay the stop;
+- a second stop request (a cancel's SIGTERM, the instance shutting down, Ctrl-C);
 - `handover_s` after the notice, or earlier where the notice's deadline leaves only the time the
   emergency checkpoint needs (its estimate plus `save_margin_s`).
 
@@ -33,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer.errors import StorageError
 from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
@@ -57,28 +60,33 @@ def write_standby(storage: Storage, replacing: str, state: str, worker: str = ""
 
 
 def read_standby(storage: Storage) -> Standby | None:
-    """The standby record, or None when absent or unreadable (a handover then just ends sooner)."""
+    """The standby record, or None when absent or unreadable (the next poll reads it again)."""
     try:
         d = json.loads(get_bytes(storage, STANDBY_KEY))
         return Standby(str(d["replacing"]), str(d["state"]), str(d.get("worker", "")), float(d["at"]))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # a poll that fails ends the wait early
+    except (OSError, StorageError, ValueError, KeyError, TypeError) as e:  # polled again next time
         log.warning("handover: cannot read %s/%s: %s", storage.uri, STANDBY_KEY, e)
         return None
 
 
-def stop_now(standby: Standby | None, me: str, since_notice_s: float, left_s: float) -> str | None:
+def stop_now(
+    standby: Standby | None, me: str, since_notice_s: float, left_s: float, announce_s: float = ANNOUNCE_S
+) -> str | None:
     """Why the old trainer stops training now, or None to train on (pure; table-tested).
     `since_notice_s`: seconds since the notice; `left_s`: seconds of training the handover still has."""
     mine = standby is not None and standby.replacing == me
     if mine and standby is not None and standby.state == "waiting":
         return f"replacement {standby.worker or '?'} stands by"
     if left_s <= 0:
-        return "no time left for more training before the emergency checkpoint"
-    if not mine and since_notice_s >= ANNOUNCE_S:
-        return f"no replacement announced within {ANNOUNCE_S:g} s"
+        return NO_TIME_LEFT
+    if not mine and since_notice_s >= announce_s:
+        return f"no replacement announced within {announce_s:g} s"
     return None
+
+
+NO_TIME_LEFT = "no time left for more training before the emergency checkpoint"
 
 
 class Handover:
@@ -90,9 +98,10 @@ class Handover:
         storage: Storage,
         me: str,
         budget_s: float,
+        announce_s: float = ANNOUNCE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._storage, self._me, self._clock = storage, me, clock
+        self._storage, self._me, self._clock, self._announce_s = storage, me, clock, announce_s
         self._t0 = clock()
         self._end = self._t0 + max(0.0, budget_s)
         self._done = threading.Event()
@@ -102,7 +111,18 @@ class Handover:
 
     @property
     def ready(self) -> bool:
+        """Whether training should stop now. The time limit is also read here, on the caller's clock:
+        a storage read that hangs (an S3 endpoint gone) must not keep the loop training past it."""
+        if not self._done.is_set() and self._clock() >= self._end:
+            self.reason = NO_TIME_LEFT
+            self._done.set()
         return self._done.is_set()
+
+    def end(self, reason: str) -> None:
+        """Stop now, whatever the replacement does."""
+        if not self._done.is_set():
+            self.reason = reason
+            self._done.set()
 
     @property
     def waited_s(self) -> float:
@@ -110,10 +130,10 @@ class Handover:
 
     def _poll(self) -> None:
         while not self._done.is_set():
+            standby = read_standby(self._storage)
             now = self._clock()
-            why = stop_now(read_standby(self._storage), self._me, now - self._t0, self._end - now)
+            why = stop_now(standby, self._me, now - self._t0, self._end - now, self._announce_s)
             if why is not None:
-                self.reason = why
-                self._done.set()
+                self.end(why)
                 return
             time.sleep(POLL_S)

@@ -469,7 +469,7 @@ def wait_for_lease(
     after that checkpoint became durable; it expired; or the controller's handoff names the holder as
     released), for up to `wait_s`; then LeaseHeld. Whatever is taken, the checkpoint chosen next is
     one the old holder had made durable: it publishes nothing after giving the lease back."""
-    deadline, logged = clock() + wait_s, False
+    deadline, logged, stood_by = clock() + wait_s, False, False
     while True:
         try:
             return Lease.acquire(storage, me, ttl_s, [*released, *read_handoff(storage)], clock)
@@ -479,16 +479,19 @@ def wait_for_lease(
             if not logged:
                 log.info("prewarmed: waiting up to %.0f s for the storage lease (%s)", wait_s, e)
                 logged = True
-                _stand_by(storage, me)
+            stood_by = stood_by or _stand_by(storage, me)  # again at each poll until it is written
             sleep(PREWARM_POLL_S)
 
 
-def _stand_by(storage: Storage, me: Holder) -> None:
-    """Tell the holder, which may be training through its notice, that its replacement is ready."""
+def _stand_by(storage: Storage, me: Holder) -> bool:
+    """Tell the holder, which may be training through its notice, that its replacement is ready;
+    whether that was written."""
     doc, _ = read_lease(storage)
     if doc is None:
-        return
+        return False
     try:
         write_standby(storage, doc.holder.worker_id, "waiting", me.worker_id)
-    except (OSError, StorageError) as e:  # the holder then trains on until its handover time is up
+    except (OSError, StorageError) as e:  # retried at the next poll; meanwhile the holder trains on
         log.warning("prewarmed: standby not written (%s)", e)
+        return False
+    return True

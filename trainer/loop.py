@@ -29,7 +29,8 @@ from trainer.distributed import Agreement, Ranks, wrap
 from trainer.errors import ConfigError, ResumeIncompatible, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
-from trainer.handover import Handover
+from trainer.handover import ANNOUNCE_S, Handover
+from trainer.handover import POLL_S as HANDOVER_POLL_S
 from trainer.interval import Choice, IntervalTuner
 from trainer.metrics_log import MetricsLog
 from trainer.preemption import (
@@ -83,6 +84,7 @@ class AttemptOptions:
     handover_s: float = 0.0
     worker_id: str | None = None
     sigterm_window_s: float = 0.0  # a SIGTERM's warning before SIGKILL, when the provider knows it
+    announce_s: float = ANNOUNCE_S  # how long a noticed trainer waits for its replacement's announcement
     reporter: StatusReporter = field(default_factory=StatusReporter)  # no stream: silent
 
 
@@ -221,6 +223,7 @@ class _Run:
         self.stop_agreed = False  # distributed: the ranks agreed to stop after this step
         self.handover: Handover | None = None  # a noticed trainer waiting for its replacement
         self.handover_logged = False
+        self.handover_at_count = 0  # stop requests when the handover began
         self.storage: Storage | None = None  # where the standby record is read (set by run_attempt)
         self.last_step_s = 0.0
         self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
@@ -334,7 +337,7 @@ class _Run:
 
     def _loop(self, end: int, pending: Restored | None, metrics: IO[str] | None, meter: _Meter) -> None:
         pos = self.loader.position
-        while self.step < end and not self._stop_seen:
+        while self.step < end and not self._stop_now():
             it = self.loader.epoch_iter()
             if pending is not None:  # after iter(): creating the iterator may draw from the global RNG
                 pending.apply(self.state)
@@ -359,7 +362,7 @@ class _Run:
                 if self.opts.fault is not None:
                     self.opts.fault.maybe_fire(self.step, self.ranks.rank)
                 self.ckpt.check()  # a background failure stops training here, not later
-                if agreed.stop if self.ranks.distributed else self._stop_seen:
+                if agreed.stop if self.ranks.distributed else self._stop_now():
                     self.stop_agreed = True
                     self._stopping()
                     return
@@ -391,30 +394,38 @@ class _Run:
 
     @property
     def _stop_seen(self) -> bool:
-        """One process: its own stop request, once any handover is over. Ranks: only what they agreed
-        on (one rank acting on its own flag would leave the others waiting in the next collective)."""
+        """One process: its own stop request. Ranks: only what they agreed on (one rank acting on its
+        own flag would leave the others waiting in the next collective)."""
+        return self.stop_agreed if self.ranks.distributed else self.opts.stop.requested
+
+    def _stop_now(self) -> bool:
+        """The loop's question, at a step boundary: stop here? As `_stop_seen`, except that a noticed
+        single process trains on through a handover first (trainer/handover.py)."""
         if self.ranks.distributed:
             return self.stop_agreed
         return self.opts.stop.requested and self._handed_over()
 
     def _handed_over(self) -> bool:
         """Whether a noticed trainer may stop now: at once without `--handover-s` or on Ctrl-C; else
-        once its replacement stands by or the handover's time is up (trainer/handover.py)."""
+        once its replacement stands by, the handover's time is up, or a second stop request came."""
         stop, opts = self.opts.stop, self.opts
         if opts.handover_s <= 0 or opts.worker_id is None or stop.reason == "SIGINT":
             return True
         if self.handover is None:
             budget = self._handover_budget()
-            if budget <= 0:
+            if budget <= 0 or stop.count > 1:
                 return True
             assert self.storage is not None
-            self.handover = Handover(self.storage, opts.worker_id, budget)
+            self.handover = Handover(self.storage, opts.worker_id, budget, opts.announce_s)
+            self.handover_at_count = stop.count
             if stop.deadline is None:  # a signal: the controller learns of the notice from this record
                 opts.reporter.emit("notice", cloud="signal", action=stop.reason or "", stop=True)
             log.info(
                 "notice (%s) at step %d: training on until the replacement stands by (at most %.1f s)",
                 stop.reason, self.step, budget,
             )  # fmt: skip
+        if stop.count > self.handover_at_count:  # a cancel, the machine shutting down: no more waiting
+            self.handover.end("a second stop request")
         if not self.handover.ready:
             return False
         if not self.handover_logged:
@@ -422,6 +433,26 @@ class _Run:
             h = self.handover
             log.info("handing over after %.2f s more training: %s", h.waited_s, h.reason)
         return True
+
+    def _handover_budget(self) -> float:
+        """Seconds of training a handover may add: `handover_s`, less what the emergency checkpoint
+        needs before the notice's deadline (with its margin), or before the second half of a SIGTERM's
+        window; a SIGTERM with no known window hands over nothing. The reserve assumes a periodic
+        checkpoint in flight when the stop comes (two saves), plus a poll and two steps of lateness."""
+        stop, opts = self.opts.stop, self.opts
+        now = time.time()
+        if stop.deadline is not None:
+            end, margin = stop.deadline, self.spec.preemption.save_margin_s
+        elif stop.reason == "SIGTERM" and opts.sigterm_window_s > 0:
+            end, margin = (stop.received_at or now) + opts.sigterm_window_s, opts.sigterm_window_s / 2
+        else:
+            return 0.0
+        measured = self.ckpt.bandwidth()
+        write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
+        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.capture())
+        save = plan_emergency_save(nbytes, write_bps, upload_bps, now, end, margin, in_flight=True).estimate_s
+        late = HANDOVER_POLL_S + 2 * self.last_step_s
+        return min(opts.handover_s, end - now - margin - save - late)
 
     @property
     def _stop_reason(self) -> str:
@@ -463,21 +494,6 @@ class _Run:
             nbytes, write_bps, upload_bps, time.time(), deadline,
             self.spec.preemption.save_margin_s, measured=measured is not None, in_flight=self.ckpt.in_flight,
         )  # fmt: skip
-
-    def _handover_budget(self) -> float:
-        """Seconds of training a handover may add: `handover_s`, less what the emergency checkpoint
-        needs before the notice's deadline (with its margin), or before the second half of a SIGTERM's
-        window; a SIGTERM with no known window hands over nothing."""
-        stop, opts = self.opts.stop, self.opts
-        now = time.time()
-        if stop.deadline is not None:
-            end, margin = stop.deadline, self.spec.preemption.save_margin_s
-        elif stop.reason == "SIGTERM" and opts.sigterm_window_s > 0:
-            end, margin = (stop.received_at or now) + opts.sigterm_window_s, opts.sigterm_window_s / 2
-        else:
-            return 0.0
-        estimate = self._plan_emergency_save(end).estimate_s
-        return min(opts.handover_s, end - now - margin - estimate - self.last_step_s)
 
     @property
     def _skip_save(self) -> bool:

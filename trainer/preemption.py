@@ -33,12 +33,14 @@ class StopRequest:
         self.reason: str | None = None
         self.received_at: float | None = None
         self.deadline: float | None = None  # epoch seconds the machine goes away, when a notice says
+        self.count = 0  # requests so far: a second one ends a handover (trainer/handover.py)
 
     def notice(self, reason: str, deadline: float | None = None) -> None:
         """Ask the loop to checkpoint and stop; the first reason wins, the earliest deadline wins."""
         # Deadline before the flag: a loop that sees the flag must also see the deadline.
         if deadline is not None and (self.deadline is None or deadline < self.deadline):
             self.deadline = deadline
+        self.count += 1
         if not self._event.is_set():
             self.reason, self.received_at = reason, time.time()
             self._event.set()

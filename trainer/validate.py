@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, required_files
+from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, metadata_step, required_files
 from trainer.digests import digest_file
 from trainer.state import all_finite
 from trainer.stateful import (
@@ -154,8 +154,7 @@ def _open_part(path: Path, codec: Codec) -> Iterator[tuple[int | None, Any]]:
         yield None, FileSystemReader(str(path.parent)).read_metadata()
         return
     with safe_open(str(path), framework="pt") as f:
-        step = (f.metadata() or {}).get("step")
-        yield (int(step) if step is not None and step.isdigit() else None), _LazyTensors(f)
+        yield metadata_step(f.metadata()), _LazyTensors(f)
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):

@@ -50,6 +50,7 @@ from tasks.providers.aws_policy import (
 from tasks.providers.aws_sweeper import sweep_flow_run
 from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
+from trainer.heartbeat import HEARTBEAT_EVERY_S
 from trainer.records import Notice, Record
 from trainer.storage import Storage, open_storage
 
@@ -163,7 +164,9 @@ class AwsProvider:
         # put global rank 0, the lease holder, on another node (aws_watch.py), released as surely.
         extra_args = [*extra_args, *(a for p in self._released_peers for a in ("--lease-takeover", p))]
         if self.prewarm and nnodes == 1:  # train through the 2-minute notice while the replacement boots
-            extra_args += ["--handover-s", f"{HANDOVER_S:g}"]
+            # the controller sees the notice at its next look at the heartbeat (written at once)
+            announce = self.cfg.poll_s + HEARTBEAT_EVERY_S
+            extra_args += ["--handover-s", f"{HANDOVER_S:g}", "--announce-s", f"{announce:g}"]
 
         def script(node: launch.NodeRole | None) -> str:
             s = launch.build_user_data(

@@ -391,6 +391,8 @@ json.dump(beat, open(path, "w"))
         "7",
         "--handover-s",  # prewarm on: train through the notice until the replacement stands by
         "100",
+        "--announce-s",  # its poll (the test's) plus a heartbeat's interval
+        f"{provider.cfg.poll_s + 5:g}",
     ]
 
 

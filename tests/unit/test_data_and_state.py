@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,3 +101,30 @@ def test_snapshot_is_a_copy_into_reused_buffers() -> None:
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
     assert torch.equal(second["model"]["w"], torch.full((3,), 2.0))
     assert second["meta"]["step"] == 1 and snap.nbytes == 5 * 4
+
+
+def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
+    """safetensors orders several metadata keys per process; the one key spotrun writes cannot move."""
+    code = (
+        "import sys, torch; from pathlib import Path; from trainer.ckpt_format import write_part;"
+        "from trainer.stateful import Codec;"
+        "sd = {'b': torch.ones(2), 'a': torch.arange(6.).reshape(2, 3),"
+        " 'h': torch.zeros(1, dtype=torch.float16)};"
+        "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, 1200).digest)"
+    )
+    digests = set()
+    for seed in range(6):
+        out = tmp_path / f"m{seed}.safetensors"
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(Path(__file__).parents[2])}
+        r = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        digests.add(r.stdout.strip())
+    assert len(digests) == 1, digests
+    from safetensors import safe_open
+
+    from trainer.ckpt_format import metadata_step
+
+    with safe_open(str(tmp_path / "m0.safetensors"), framework="pt") as f:
+        assert metadata_step(f.metadata()) == 1200
+    assert metadata_step({"format": "spotrun/1", "step": "30"}) == 30  # files written before
+    assert metadata_step({"spotrun": "not json"}) is None and metadata_step(None) is None

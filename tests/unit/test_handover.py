@@ -71,3 +71,32 @@ def test_handover_without_an_announcement_ends_at_the_window(tmp_path: Path) -> 
         time.sleep(0.05)
     assert h.ready and h.reason is not None and "no replacement announced" in h.reason
     assert h.waited_s >= ANNOUNCE_S
+
+
+class HangingStorage:
+    """A storage whose reads hang (an S3 endpoint that stopped answering)."""
+
+    uri = "s3://hangs/job"
+
+    def read(self, key: str) -> list[bytes]:
+        time.sleep(30)
+        return []
+
+
+def test_the_time_limit_holds_while_a_storage_read_hangs() -> None:
+    h = Handover(HangingStorage(), ME, budget_s=0.3)  # type: ignore[arg-type]
+    assert not h.ready
+    time.sleep(0.4)
+    assert h.ready and h.reason is not None and "no time left" in h.reason  # read on the loop's clock
+
+
+def test_a_second_stop_request_ends_the_handover_and_ec2_waits_longer_for_its_announcement(
+    tmp_path: Path,
+) -> None:
+    storage = open_storage(str(tmp_path / "store"))
+    write_standby(storage, ME, "starting")
+    h = Handover(storage, ME, budget_s=30)
+    h.end("a second stop request")
+    assert h.ready and h.reason == "a second stop request"
+    assert stop_now(None, ME, since_notice_s=5.0, left_s=60.0, announce_s=15.0) is None  # EC2: poll + beat
+    assert "within 15 s" in (stop_now(None, ME, since_notice_s=15.0, left_s=60.0, announce_s=15.0) or "")
