@@ -483,6 +483,12 @@ class S3:
 
     @classmethod
     def connect(cls, endpoint: str) -> S3:
+        # the writer process (states >= 64 MB) opens S3 again from the environment, as on a worker:
+        # the same fakes there, and never a developer's profile or session token
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            os.environ.pop(k, None)
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
+        os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
         session = boto3.session.Session(
             aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
         )
