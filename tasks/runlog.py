@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -309,8 +309,7 @@ class JobRunLog:
         if result.started is not None and result.started.resharded_from is not None:
             record.extra["resharded"] = resharded(result.started.resharded_from, self.job.world_size)
         if result.started is not None and result.started.changes:  # resume.allow_changes: not bitwise
-            changes = result.started.changes
-            record.extra["spec_changes"] = [{"field": c.field, "old": c.old, "new": c.new} for c in changes]
+            record.extra["spec_changes"] = [asdict(c) for c in result.started.changes]
         if result.interval is not None:  # `every: auto`: the interval it settled on, and why
             iv = result.interval
             record.extra["checkpoint_interval"] = {

@@ -13,12 +13,14 @@ from typing import Any
 import boto3
 import pytest
 
+from tasks.providers.local import OMP_WAIT
 from tests.servers import FaultProxy
 
 # Every trainer the tests start (and their torchrun ranks) inherits this: OpenMP threads that sleep
 # while they wait, as the local provider's workers do; spinning ones burn the cores the three xdist
 # workers share (tasks/providers/local.py measured the demo at 79 s spinning, 49 s sleeping).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+for _k, _v in OMP_WAIT.items():
+    os.environ.setdefault(_k, _v)
 
 FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

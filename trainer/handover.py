@@ -113,9 +113,8 @@ class Handover:
     def ready(self) -> bool:
         """Whether training should stop now. The time limit is also read here, on the caller's clock:
         a storage read that hangs (an S3 endpoint gone) must not keep the loop training past it."""
-        if not self._done.is_set() and self._clock() >= self._end:
-            self.reason = NO_TIME_LEFT
-            self._done.set()
+        if self._clock() >= self._end:
+            self.end(NO_TIME_LEFT)
         return self._done.is_set()
 
     def end(self, reason: str) -> None:

@@ -447,9 +447,7 @@ class _Run:
             end, margin = (stop.received_at or now) + opts.sigterm_window_s, opts.sigterm_window_s / 2
         else:
             return 0.0
-        measured = self.ckpt.bandwidth()
-        write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
-        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.capture())
+        nbytes, write_bps, upload_bps, _ = self._save_size_and_speed()
         save = plan_emergency_save(nbytes, write_bps, upload_bps, now, end, margin, in_flight=True).estimate_s
         late = HANDOVER_POLL_S + 2 * self.last_step_s
         return min(opts.handover_s, end - now - margin - save - late)
@@ -483,16 +481,22 @@ class _Run:
             )  # fmt: skip
         self.opts.reporter.emit("stopping", **fields)
 
+    def _save_size_and_speed(self) -> tuple[int, float, float, bool]:
+        """What an emergency checkpoint would write and how fast: this rank's share (its last
+        checkpoint's files, else the state it would capture), the write and upload bandwidth measured
+        on the last checkpoints (else the defaults), and whether they were measured."""
+        measured = self.ckpt.bandwidth()
+        write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
+        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.capture())
+        return nbytes, write_bps, upload_bps, measured is not None
+
     def _plan_emergency_save(self, deadline: float) -> SavePlan:
         if self.ckpt.durable_step == self.step:
             return SavePlan(True, 0.0, f"step {self.step} is already durable")
-        measured = self.ckpt.bandwidth()
-        write_bps, upload_bps = measured or (DEFAULT_WRITE_BPS, DEFAULT_UPLOAD_BPS)
-        # this rank's share: its last checkpoint's files, else the state it would capture
-        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.capture())
+        nbytes, write_bps, upload_bps, measured = self._save_size_and_speed()
         return plan_emergency_save(
             nbytes, write_bps, upload_bps, time.time(), deadline,
-            self.spec.preemption.save_margin_s, measured=measured is not None, in_flight=self.ckpt.in_flight,
+            self.spec.preemption.save_margin_s, measured=measured, in_flight=self.ckpt.in_flight,
         )  # fmt: skip
 
     @property
