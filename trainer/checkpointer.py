@@ -1,7 +1,8 @@
 """Asynchronous checkpointing: the loop blocks only for the snapshot into host memory.
 
 Pipeline per checkpoint, off the loop: write the step directory locally (fsynced and hashed in one
-pass, manifest last, one rename) -> upload every file, manifest last -> confirm each stored object
+pass, manifest last, one rename) -> upload every file, then the checkpoint's sidecars (the per-step
+metrics it covers, trainer/metrics_log.py), manifest last -> confirm each stored object
 against the manifest (S3's checksum on receipt, or the digest read back) -> move `latest` ->
 retention. It runs in a writer process fed through shared memory (trainer/writer_proc.py) for states
 of PROCESS_MIN_BYTES and more, else in a background thread. A failure anywhere is kept and raised in
@@ -31,7 +32,7 @@ from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_d
 from trainer.errors import CheckpointError, LeaseLost
 from trainer.shm import SharedSnapshotter
 from trainer.state import Snapshotter, state_nbytes
-from trainer.storage import Storage, confirm_stored
+from trainer.storage import Storage, confirm_stored, put_bytes
 from trainer.writer_proc import WriterProcess, opener_of
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,12 @@ WRITERS = (AUTO, PROCESS, THREAD)
 # Below this the writer stays a thread: a small state's write takes milliseconds, while a second
 # process costs ~1.5 s of CPU to import torch (on 2 cores, beside the trainer's own start-up).
 PROCESS_MIN_BYTES = 64 * 2**20
+
+
+# on_durable(step, sidecars_written): the checkpoint at `step` is durable, with its sidecars unless
+# the second argument is False (their write failed; the caller carries their content to the next one)
+OnDurable = Callable[[int, bool], None]
+Sidecars = dict[str, bytes]  # storage key -> content
 
 
 @dataclass
@@ -62,7 +69,7 @@ class BackgroundSaver:
     """One checkpoint in flight at a time, persisted by a thread; its failure is kept and raised in the
     loop at the next `check()`. What the two checkpointers (one process, ranks) share."""
 
-    def __init__(self, durable_step: int | None, on_durable: Callable[[int], None] | None) -> None:
+    def __init__(self, durable_step: int | None, on_durable: OnDurable | None) -> None:
         # torch.save's zip CRC32s tripled the write time of 1 GB (3.4 s vs 1.0 s, measured), and
         # torch.load never checks them; the manifest's SHA-256 is the integrity check. Process-wide.
         torch.serialization.set_crc32_options(False)
@@ -145,7 +152,7 @@ class Checkpointer(BackgroundSaver):
         background: bool = True,
         pin_memory: bool = False,
         durable_step: int | None = None,
-        on_durable: Callable[[int], None] | None = None,
+        on_durable: OnDurable | None = None,
         writer: str = AUTO,
     ) -> None:
         super().__init__(durable_step, on_durable)
@@ -162,8 +169,15 @@ class Checkpointer(BackgroundSaver):
     def uses_process(self) -> bool:
         return self._proc is not None
 
-    def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
-        """Snapshot `state` and persist it (in the background unless `wait`). Returns the seconds blocked."""
+    def save(
+        self,
+        state: dict[str, Any],
+        manifest_base: dict[str, Any],
+        wait: bool = False,
+        sidecars: Sidecars | None = None,
+    ) -> float:
+        """Snapshot `state` and persist it (in the background unless `wait`), with `sidecars` written
+        before its manifest. Returns the seconds blocked."""
         t0 = time.perf_counter()
         # One in flight at a time: the buffers are reused, and publication order must follow step order.
         self.wait()
@@ -177,7 +191,7 @@ class Checkpointer(BackgroundSaver):
             snap = self.snapshotter.snapshot(state)
             timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
             persist = self._persist
-        self._persist_in(self.background and not wait, persist, snap, manifest_base, timings)
+        self._persist_in(self.background and not wait, persist, snap, manifest_base, sidecars or {}, timings)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -208,32 +222,34 @@ class Checkpointer(BackgroundSaver):
         )
         return True
 
-    def _persist_remote(self, snap: Any, base: dict[str, Any], t: SaveTimings) -> None:
+    def _persist_remote(self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings) -> None:
         assert self._proc is not None and self._shared is not None and self._shared.arena is not None
-        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base)
+        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base, sidecars)
         t.write_s, t.upload_s, t.verify_s, t.nbytes = done.write_s, done.upload_s, done.verify_s, done.nbytes
-        self._record(done.step, t, where="writer process")
+        self._record(done.step, t, done.sidecars_written, where="writer process")
 
-    def _persist(self, snap: dict[str, Any], base: dict[str, Any], t: SaveTimings) -> None:
+    def _persist(
+        self, snap: dict[str, Any], base: dict[str, Any], sidecars: Sidecars, t: SaveTimings
+    ) -> None:
         t0 = time.perf_counter()
         local, manifest = write_checkpoint_dir(self.cache, snap, base)
         t1 = time.perf_counter()
-        upload(self.storage, local, manifest)
+        written = upload(self.storage, local, manifest, sidecars)
         t2 = time.perf_counter()
         verify_remote(self.storage, manifest)
         write_latest(self.storage, manifest.step)
         t3 = time.perf_counter()
         t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
         t.nbytes = sum(f.size for f in manifest.files.values())
-        self._record(manifest.step, t, where="thread")
+        self._record(manifest.step, t, written, where="thread")
         apply_retention(self.storage, manifest.step, self.keep)
         prune_local(self.cache, {manifest.step})
 
-    def _record(self, step: int, t: SaveTimings, where: str) -> None:
+    def _record(self, step: int, t: SaveTimings, sidecars_written: bool, where: str) -> None:
         self.durable_step = step
         self.history.append(t)
         if self.on_durable is not None:
-            self.on_durable(step)
+            self.on_durable(step, sidecars_written)
         log.info(
             "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs; %s)",
             step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s, where,
@@ -249,14 +265,36 @@ def lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
-def upload(storage: Storage, local: Path, manifest: Manifest) -> None:
-    """Upload a checkpoint directory, manifest last. An older manifest for the same step (a rejected
-    checkpoint from an earlier attempt) is deleted first, so no mix of old and new is ever committed."""
+def upload(storage: Storage, local: Path, manifest: Manifest, sidecars: Sidecars | None = None) -> bool:
+    """Upload a checkpoint directory, then its sidecars, manifest last. An older manifest for the same
+    step (a rejected checkpoint from an earlier attempt) is deleted first, so no mix of old and new is
+    ever committed. Returns whether the sidecars were written."""
     name = step_dir(manifest.step)
     storage.delete([f"{name}/{MANIFEST}"])
     for fname in sorted(manifest.files):
         storage.put(f"{name}/{fname}", local / fname)
+    written = put_sidecars(storage, sidecars or {})
     storage.put(f"{name}/{MANIFEST}", local / MANIFEST)
+    return written
+
+
+def put_sidecars(storage: Storage, sidecars: Sidecars) -> bool:
+    """Write the objects a checkpoint carries beside its directory, before its manifest: whenever the
+    checkpoint is committed, so are they (a trainer killed between the two would otherwise leave steps
+    that a checkpoint covers with no metrics). A failed write never fails the checkpoint: it is logged
+    and reported (False), and the caller sends the same content with the next checkpoint."""
+    try:
+        for key, body in sorted(sidecars.items()):
+            put_bytes(storage, key, body)
+    except LeaseLost:
+        raise
+    except Exception as e:  # storage trouble: the checkpoint's own writes retry or fail on their own
+        log.warning(
+            "%s not written (%s: %s); sent again with the next checkpoint",
+            ", ".join(sorted(sidecars)), type(e).__name__, e,
+        )  # fmt: skip
+        return False
+    return True
 
 
 def verify_remote(storage: Storage, manifest: Manifest) -> None:

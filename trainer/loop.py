@@ -26,13 +26,13 @@ from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import COMPLETED
 from trainer.data import ResumableLoader
 from trainer.distributed import Agreement, Ranks, wrap
-from trainer.errors import ConfigError, ResumeIncompatible, TrainingDiverged
+from trainer.errors import ConfigError, LeaseLost, ResumeIncompatible, TrainingDiverged
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.handover import ANNOUNCE_S, Handover
 from trainer.handover import POLL_S as HANDOVER_POLL_S
 from trainer.interval import Choice, IntervalTuner
-from trainer.metrics_log import MetricsLog
+from trainer.metrics_log import MetricsLog, prune_after
 from trainer.preemption import (
     DEFAULT_UPLOAD_BPS,
     DEFAULT_WRITE_BPS,
@@ -128,8 +128,8 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     run.storage = storage
     run.steps_log = MetricsLog(storage if ranks.is_zero else None)  # to storage once a checkpoint covers them
 
-    def durable(step: int) -> None:  # the writer thread, after `latest` moved (or the loop, for a sync save)
-        run.steps_log.publish(step)
+    def durable(step: int, sidecars_written: bool) -> None:  # the writer thread, after `latest` moved
+        run.steps_log.written(step, sidecars_written)  # (or the loop, for a synchronous save)
         opts.reporter.emit("durable", step=step)
 
     expect = replace(
@@ -164,6 +164,8 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
             "here on the run is not bitwise equal to an uninterrupted one; the change is recorded in "
             "every checkpoint from now on", run.step, describe_changes(run.changes),
         )  # fmt: skip
+    if ranks.is_zero:
+        _drop_lost_metrics(storage, run.step)
     torch.set_num_threads(run.threads)  # BLAS results differ bitwise across thread counts
     end = spec.total_steps if opts.max_steps is None else min(spec.total_steps, run.step + opts.max_steps)
     opts.reporter.emit(
@@ -185,6 +187,17 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         resharded_from=resharded_from,
         changes=run.changes,
     )
+
+
+def _drop_lost_metrics(storage: Storage, step: int) -> None:
+    """Metrics objects past the resume step are a lost future's (metrics_log.prune_after). Failing to
+    delete them costs only their steps' first values in MLflow (equal for a deterministic run): warn."""
+    try:
+        prune_after(storage, step)
+    except LeaseLost:
+        raise
+    except Exception as e:  # storage trouble: training does not depend on it
+        log.warning("metrics objects past step %d not deleted (%s: %s)", step, type(e).__name__, e)
 
 
 def _prior_cost_s(model: torch.nn.Module) -> float:
@@ -527,7 +540,8 @@ class _Run:
 
     def checkpoint(self, wait: bool = False) -> float:
         """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
-        blocked = self.ckpt.save(self.capture(), self.manifest_base(), wait=wait)
+        sidecars = self.steps_log.sidecars(self.step)
+        blocked = self.ckpt.save(self.capture(), self.manifest_base(), wait=wait, sidecars=sidecars)
         self.since_ckpt = time.monotonic()
         if self.tuner is not None:
             self.tuner.saved(blocked)

@@ -23,7 +23,6 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.catalog import apply_retention, prune_local, write_latest
-from trainer.checkpointer import BackgroundSaver, SaveTimings, lower_thread_priority, verify_remote
+from trainer.checkpointer import (
+    BackgroundSaver,
+    OnDurable,
+    SaveTimings,
+    Sidecars,
+    lower_thread_priority,
+    put_sidecars,
+    verify_remote,
+)
 from trainer.ckpt_format import (
     MANIFEST,
     SHARDED,
@@ -120,7 +127,7 @@ class ShardedCheckpointer(BackgroundSaver):
         background: bool = True,
         pin_memory: bool = False,
         durable_step: int | None = None,
-        on_durable: Callable[[int], None] | None = None,
+        on_durable: OnDurable | None = None,
         strategy: str | None = None,
     ) -> None:
         super().__init__(durable_step, on_durable)
@@ -133,9 +140,16 @@ class ShardedCheckpointer(BackgroundSaver):
         # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
 
-    def save(self, state: dict[str, Any], manifest_base: dict[str, Any], wait: bool = False) -> float:
+    def save(
+        self,
+        state: dict[str, Any],
+        manifest_base: dict[str, Any],
+        wait: bool = False,
+        sidecars: Sidecars | None = None,
+    ) -> float:
         """Stage this rank's shard and snapshot its other parts, then persist (in the background unless
-        `wait`). Every rank calls it at the same step. Returns the seconds the loop was blocked."""
+        `wait`); rank 0 writes `sidecars` before the manifest. Every rank calls it at the same step.
+        Returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
         self.wait()
         step = int(manifest_base["step"])
@@ -156,8 +170,9 @@ class ShardedCheckpointer(BackgroundSaver):
             dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
         timings.snapshot_s = time.perf_counter() - t0
         self._persist_in(
-            background, self._commit, future, staged, tmp, snap, manifest_base, timings, nice=False
-        )
+            background, self._commit, future, staged, tmp, snap, manifest_base, sidecars or {}, timings,
+            nice=False,
+        )  # fmt: skip
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -170,6 +185,7 @@ class ShardedCheckpointer(BackgroundSaver):
         tmp: Path,
         snap: dict[str, Any],
         base: dict[str, Any],
+        sidecars: Sidecars,
         t: SaveTimings,
     ) -> None:
         step, rank = t.step, self.ranks.rank
@@ -195,8 +211,9 @@ class ShardedCheckpointer(BackgroundSaver):
             report = ({}, f"rank {rank}: {type(e).__name__}: {e}"[:400])
         reports = self.ranks.gather(report)
         verdict: tuple[int | None, str | None] = (None, None)
+        written = True  # what the other ranks report: their MetricsLog records nothing
         if reports is not None:  # rank 0
-            verdict = self._publish(tmp, base, reports, t)
+            verdict, written = self._publish(tmp, base, sidecars, reports, t)
         durable, error = self.ranks.broadcast(verdict)
         if rank != 0:
             shutil.rmtree(tmp, ignore_errors=True)  # another node's copy, or already renamed by rank 0
@@ -207,7 +224,7 @@ class ShardedCheckpointer(BackgroundSaver):
         self.durable_step = durable
         self.history.append(t)
         if self.on_durable is not None:
-            self.on_durable(durable)
+            self.on_durable(durable, written)
         if rank == 0:
             log.info(
                 "checkpoint step %d durable in %s (%d ranks; stage %.3fs, write %.2fs, upload %.2fs, "
@@ -236,14 +253,15 @@ class ShardedCheckpointer(BackgroundSaver):
         self,
         tmp: Path,
         base: dict[str, Any],
+        sidecars: Sidecars,
         reports: list[tuple[dict[str, FileEntry], str | None]],
         t: SaveTimings,
-    ) -> tuple[int | None, str | None]:
-        """Rank 0, once every rank reported: the manifest, read-back, `latest`.
-        Returns (step, None), or (None, why)."""
+    ) -> tuple[tuple[int | None, str | None], bool]:
+        """Rank 0, once every rank reported: the sidecars, the manifest, read-back, `latest`.
+        Returns ((step, None), whether the sidecars were written), or ((None, why), False)."""
         errors = [e for _, e in reports if e]
         if errors:
-            return None, errors[0]
+            return (None, errors[0]), False
         try:
             files: dict[str, FileEntry] = {}
             for f, _ in reports:
@@ -253,16 +271,17 @@ class ShardedCheckpointer(BackgroundSaver):
             body = manifest.to_json()
             (tmp / MANIFEST).write_bytes(body)
             t0 = time.perf_counter()
+            written = put_sidecars(self.storage, sidecars)
             self.storage.put(f"{name}/{MANIFEST}", tmp / MANIFEST)
             verify_remote(self.storage, manifest)
             write_latest(self.storage, manifest.step)
             t.verify_s = time.perf_counter() - t0
             self._keep_local(tmp, manifest)
-            return manifest.step, None
+            return (manifest.step, None), written
         except LeaseLost:
             raise
         except Exception as e:
-            return None, f"rank 0: {type(e).__name__}: {e}"[:400]
+            return (None, f"rank 0: {type(e).__name__}: {e}"[:400]), False
 
     def _keep_local(self, tmp: Path, manifest: Manifest) -> None:
         """The local copy becomes a committed checkpoint when it holds every file (one node); otherwise

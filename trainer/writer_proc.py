@@ -62,6 +62,7 @@ class Init:
 class Job:
     structure: Any  # Registry.capture() with a shm.Slot per tensor
     base: dict[str, Any]  # the manifest's fields but files
+    sidecars: dict[str, bytes]  # written before the manifest (checkpointer.put_sidecars)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Done:
     upload_s: float
     verify_s: float
     nbytes: int
+    sidecars_written: bool
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,15 @@ class WriterProcess:
         level = logging.getLogger().getEffectiveLevel()
         self.conn.send(Init(opener, lease_token, cache, keep, level))
 
-    def persist(self, structure: Any, arena_fd: int, generation: int, base: dict[str, Any]) -> Done:
+    def persist(
+        self, structure: Any, arena_fd: int, generation: int, base: dict[str, Any], sidecars: dict[str, bytes]
+    ) -> Done:
         try:
             if generation != self.generation:
                 self.conn.send(("arena", os.fstat(arena_fd).st_size))
                 send_handle(self.conn, arena_fd, self.proc.pid)
                 self.generation = generation
-            self.conn.send(Job(structure, base))
+            self.conn.send(Job(structure, base, sidecars))
             reply = self.conn.recv()
         except (EOFError, OSError) as e:
             raise CheckpointError(f"the checkpoint writer process died ({self._how()})") from e
@@ -194,7 +198,7 @@ class _Writer:
         local, manifest = write_checkpoint_dir(self.cache, snap, job.base)
         del snap  # the views of the arena: released before it may be replaced
         t1 = time.perf_counter()
-        upload(self.storage, local, manifest)
+        written = upload(self.storage, local, manifest, job.sidecars)
         t2 = time.perf_counter()
         verify_remote(self.storage, manifest)
         write_latest(self.storage, manifest.step)
@@ -202,7 +206,7 @@ class _Writer:
         apply_retention(self.storage, manifest.step, self.keep)
         prune_local(self.cache, {manifest.step})
         nbytes = sum(f.size for f in manifest.files.values())
-        return Done(manifest.step, t1 - t0, t2 - t1, t3 - t2, nbytes)
+        return Done(manifest.step, t1 - t0, t2 - t1, t3 - t2, nbytes, written)
 
 
 def _serve(conn: Connection) -> None:

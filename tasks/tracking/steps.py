@@ -1,8 +1,11 @@
 """The per-step metrics the trainers published to the job's storage (trainer/metrics_log.py), read back.
 
-Each object `metrics/step_<S>.jsonl` holds the steps up to the durable step S that the object before it
-did not. Reading is ordered by S; a step found twice (a checkpoint quarantined after its metrics were
-written, then recomputed by the next attempt) counts once, from the first object that has it.
+Each object `metrics/step_<S>.jsonl` holds the steps up to the checkpoint step S that the object before
+it did not; it is written before that checkpoint's manifest. Only steps up to the newest committed
+checkpoint are sent (`committed_step`): an object whose checkpoint never committed is deleted by the next
+attempt, which trains those steps again. Reading is ordered by S; a step found twice (a checkpoint
+rejected after its metrics were sent, then recomputed by the next attempt) counts once, from the first
+object that has it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from trainer.catalog import list_checkpoints
 from trainer.metrics_log import PREFIX, parse_metrics_key
 from trainer.storage import Storage, get_bytes
 
@@ -70,3 +74,10 @@ def read_steps(storage: Storage, after: int = 0, through: int | None = None) -> 
         if through is not None and durable >= through:
             break
     return out
+
+
+def committed_step(storage: Storage) -> int | None:
+    """The newest step with a committed checkpoint (a manifest) in the job's storage: the metrics up to
+    it are final. Read from the listing, not `latest`, which a trainer killed after the manifest never
+    moved."""
+    return max((s for s, c in list_checkpoints(storage).items() if c.committed), default=None)

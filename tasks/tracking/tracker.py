@@ -31,7 +31,7 @@ from typing import Any
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
-from tasks.tracking.steps import read_steps
+from tasks.tracking.steps import committed_step, read_steps
 from trainer.ckpt_format import MODEL_FILE, checkpoint_uri, step_dir
 from trainer.errors import StorageError
 from trainer.resume import completed_step
@@ -173,7 +173,8 @@ class Tracker:
         the run is finished."""
         final = self._final  # read once: the last round sends everything published before it
         run = self.run or self._attach(storage)
-        steps = read_steps(storage, run.through)
+        committed = committed_step(storage)
+        steps = read_steps(storage, run.through, committed) if committed is not None else {}
         before = run.through
         for s in sorted(steps):  # objects are written in step order: a hole before a later step stays
             if s > before + 1:
@@ -262,9 +263,9 @@ class Tracker:
             return run.register(self.job.name, weights, self.job, tags)
 
     def _gap(self, first: int, last: int) -> None:
-        """Steps no metrics object holds, though later ones exist: their checkpoint became durable and
-        the trainer died before writing them (the moment between `latest` moving and the write), or the
-        storage was trained on before tracking. They stay missing in MLflow; say so once."""
+        """Steps no metrics object holds, though later ones exist: the storage was trained on before
+        tracking, or a trainer died after a checkpoint whose metrics write had failed. They stay missing
+        in MLflow; say so once."""
         if (first, last) not in self._gaps:
             self._gaps.add((first, last))
             log.warning("no per-step metrics for steps %d-%d in %s/metrics/: MLflow's history skips them",

@@ -32,10 +32,10 @@ from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPre
 from tasks.settings import Settings
 from tasks.tracking import Tracker, Where
 from tasks.tracking import tracker as tracker_module
-from trainer.ckpt_format import MODEL_FILE, step_dir
+from trainer.ckpt_format import MANIFEST, MODEL_FILE, step_dir
 from trainer.metrics_log import MetricsLog
 from trainer.spec import JobSpec
-from trainer.storage import LocalStorage
+from trainer.storage import LocalStorage, put_bytes
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -340,11 +340,14 @@ def test_a_recipe_that_breaks_determinism_is_a_mismatch(tmp_path: Path) -> None:
 
 
 def _publish(storage: LocalStorage, steps: range, durable: int, loss: float = 1.0) -> None:
-    """What a trainer writes once the checkpoint at `durable` is durable (trainer/metrics_log.py)."""
+    """What a trainer writes with the checkpoint at `durable`: its metrics sidecar, then its manifest
+    (trainer/metrics_log.py)."""
     log = MetricsLog(storage)
     for s in steps:
         log.record(s, loss / s, 1e-3, 1e-3)
-    log.publish(durable)
+    for key, body in log.sidecars(durable).items():
+        put_bytes(storage, key, body)
+    put_bytes(storage, f"{step_dir(durable)}/{MANIFEST}", b"{}")
 
 
 def test_the_next_controller_reattaches_and_sends_each_step_once(

@@ -16,6 +16,7 @@ from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import MANIFEST, Manifest, read_part, step_dir
 from trainer.errors import CheckpointError, LeaseLost
 from trainer.lease import LEASE_KEY, FencedStorage, Holder, Lease, LeaseDoc
+from trainer.metrics_log import metrics_key
 from trainer.spec import S3Options
 from trainer.state import capture_rng
 from trainer.stateful import spec_of
@@ -105,6 +106,20 @@ def test_the_process_writes_what_the_thread_writes(tmp_path: Path, writer: Any) 
     writer_proc = proc._proc.proc
     proc.close()
     assert writer_proc.poll() is not None
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_checkpoints_metrics_are_stored_before_its_manifest(tmp_path: Path, writer: Any, kind: str) -> None:
+    """A committed checkpoint always has its steps' metrics: a kill after the manifest cannot lose them."""
+    storage = LocalStorage(tmp_path / "store")
+    seen: list[tuple[int, bool]] = []
+    ckpt = writer(storage, writer=kind, on_durable=lambda step, ok: seen.append((step, ok)))
+    body = b'{"step":3,"loss":"0x1.0p+0"}\n'
+    ckpt.save(make_state(3), base(3), sidecars={metrics_key(3): body})
+    ckpt.wait()
+    assert seen == [(3, True)] and ckpt.uses_process is (kind == "process")
+    metrics, manifest = storage.root / metrics_key(3), storage.root / step_dir(3) / MANIFEST
+    assert metrics.read_bytes() == body and metrics.stat().st_mtime_ns <= manifest.stat().st_mtime_ns
 
 
 def test_an_emergency_save_does_not_wait_for_a_writer_to_start(tmp_path: Path, writer: Any) -> None:

@@ -22,12 +22,13 @@ from tasks.tracking.fidelity import (
     worst_verdict,
 )
 from tasks.tracking.mlflow_run import RunRef, flatten
-from tasks.tracking.steps import read_steps
+from tasks.tracking.steps import committed_step, read_steps
 from tasks.tracking.tracker import Where
 from tests.trainer_runs import REPO
 from trainer.catalog import apply_retention
+from trainer.checkpointer import put_sidecars
 from trainer.ckpt_format import MANIFEST, step_dir
-from trainer.metrics_log import MetricsLog, metrics_key, parse_metrics_key
+from trainer.metrics_log import MetricsLog, metrics_key, parse_metrics_key, prune_after
 from trainer.records import build
 from trainer.spec import JobSpec
 from trainer.storage import LocalStorage, put_bytes
@@ -108,50 +109,94 @@ def test_replayed_steps_from_the_metrics_file(
     assert (sorted(a), sorted(b)) == (list(lost), list(mine))
 
 
-def test_metrics_log_publishes_each_step_once_when_durable(tmp_path: Path) -> None:
+def _store(storage: LocalStorage, sidecars: dict[str, bytes], committed: int | None = None) -> None:
+    """What a checkpoint writer does with a checkpoint's sidecars: write them, then (unless it was
+    killed first) the checkpoint's manifest."""
+    for key, body in sidecars.items():
+        put_bytes(storage, key, body)
+    if committed is not None:
+        put_bytes(storage, f"{step_dir(committed)}/{MANIFEST}", b"{}")
+
+
+def test_a_checkpoint_carries_each_step_once(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     log = MetricsLog(storage)
     for step in range(1, 8):
         log.record(step, 1.0 / step, 1e-3 * step, 1e-3 * (step + 1))
-    log.publish(5)  # the checkpoint at 5 is durable; 6 and 7 are not yet
-    log.publish(5)  # nothing left up to 5: no second object
-    assert [o.key for o in storage.list("metrics/")] == [metrics_key(5)]
+    first = log.sidecars(5)  # the checkpoint at 5; 6 and 7 come after it
+    assert list(first) == [metrics_key(5)] and log.sidecars(5) == first  # nothing dropped before durable
+    _store(storage, first, committed=5)
+    log.written(5)
+    assert log.sidecars(5) == {}  # nothing left up to 5: no second object
     got = read_steps(storage)
     assert sorted(got) == [1, 2, 3, 4, 5]
     assert got[3].loss == 1.0 / 3 and got[3].lr == 3e-3  # bitwise, through float.hex
-    assert got[5].lr_next == 6e-3 and got[4].lr_next is None  # the durable step's next rate only
+    assert got[5].lr_next == 6e-3 and got[4].lr_next is None  # the checkpoint step's next rate only
     assert got[1].steps_per_s is None and got[2].steps_per_s is not None
-    log.publish(7)
+    _store(storage, log.sidecars(7), committed=7)
     assert sorted(read_steps(storage)) == list(range(1, 8))
     assert sorted(read_steps(storage, after=5)) == [6, 7]
+    assert committed_step(storage) == 7
+
+
+def test_steps_whose_sidecar_failed_go_with_the_next_checkpoint(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    log = MetricsLog(storage)
+    for step in range(1, 5):
+        log.record(step, 1.0, 1e-3, 1e-3)
+    log.sidecars(2)  # its write failed; the checkpoint stands
+    log.written(2, sidecars_written=False)
+    _store(storage, log.sidecars(4), committed=4)
+    assert [o.key for o in storage.list("metrics/")] == [metrics_key(4)]
+    assert sorted(read_steps(storage)) == [1, 2, 3, 4]
 
 
 class Flaky(LocalStorage):
     fail = True
 
     def put(self, key: str, src: Path) -> None:
-        if self.fail:
+        if self.fail and key.startswith("metrics/"):
             raise OSError("disk full")
         super().put(key, src)
 
 
-def test_a_failed_write_keeps_the_steps_for_the_next_checkpoint(tmp_path: Path) -> None:
+def test_a_failed_sidecar_never_fails_its_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     storage = Flaky(tmp_path)
-    log = MetricsLog(storage)
-    for step in range(1, 5):
-        log.record(step, 1.0, 1e-3, 1e-3)
-    log.publish(2)  # fails: nothing written, nothing dropped, the checkpoint is not failed
+    assert put_sidecars(storage, {metrics_key(2): b"x\n"}) is False
+    assert "sent again with the next checkpoint" in caplog.text and not list(storage.list("metrics/"))
     storage.fail = False
-    log.publish(4)
-    assert [o.key for o in storage.list("metrics/")] == [metrics_key(4)]
-    assert sorted(read_steps(storage)) == [1, 2, 3, 4]
+    assert put_sidecars(storage, {metrics_key(4): b"x\n"}) is True
+
+
+def test_an_uncommitted_checkpoints_metrics_are_never_sent_and_the_next_attempt_deletes_them(
+    tmp_path: Path,
+) -> None:
+    """Killed between the sidecar and the manifest of step 10: its steps 6-10 wait, unsent; the next
+    attempt resumes from 5, deletes the object and trains 6-10 again."""
+    storage = LocalStorage(tmp_path)
+    lost = MetricsLog(storage)
+    for step in range(1, 11):
+        lost.record(step, 1.0, 1e-3, 1e-3)
+    _store(storage, lost.sidecars(5), committed=5)
+    lost.written(5)
+    _store(storage, lost.sidecars(10))  # no manifest: the kill
+    assert committed_step(storage) == 5
+    assert sorted(read_steps(storage, through=committed_step(storage))) == [1, 2, 3, 4, 5]
+    assert prune_after(storage, 5) == [metrics_key(10)]
+    resumed = MetricsLog(storage)
+    for step in range(6, 9):
+        resumed.record(step, 2.0, 1e-3, 1e-3)
+    _store(storage, resumed.sidecars(8), committed=8)
+    got = read_steps(storage, through=committed_step(storage))
+    assert sorted(got) == list(range(1, 9)) and {got[s].loss for s in range(6, 9)} == {2.0}
 
 
 def test_ranks_other_than_the_first_write_nothing(tmp_path: Path) -> None:
     log = MetricsLog(None)
     log.record(1, 1.0, 1e-3, 1e-3)
-    log.publish(1)
-    assert not list(tmp_path.iterdir())
+    assert log.sidecars(1) == {}
 
 
 def test_a_step_in_two_objects_counts_once_from_the_first(tmp_path: Path) -> None:
@@ -243,7 +288,7 @@ def test_resume_checks_from_the_metrics_file_or_the_last_status_record(tmp_path:
     log = MetricsLog(storage)
     for s in range(1, 21):
         log.record(s, 2.0 - s / 20, 1e-3, 1e-3)
-    log.publish(20)  # attempt 1's durable steps, 1-20, with the rate scheduled for 21
+    _store(storage, log.sidecars(20), committed=20)  # attempt 1's steps, 1-20, with the rate set for 21
     checker = ResumeChecker(storage, rtol=1e-3)
     assert checker.check(_worker(None), _watched(None), None, 1) is None  # the first attempt
 
