@@ -237,8 +237,23 @@ class Applied:
     id: UUID | None
 
 
-def _comparable(a: AutomationCore) -> dict[str, Any]:
-    return a.model_dump(mode="json", exclude={"id", "created", "updated"})
+def _comparable(a: AutomationCore) -> Any:
+    """The automation's definition with its sets sorted. Dumped to JSON as they are, sets (a
+    trigger's `expect`, `after`, `for_each`) come out in hash order, which differs from process to
+    process: every `spotrun serve` then "updated" the zombie automation, and an update drops the
+    trigger's armed buckets, so a run that had died before it was never marked Crashed (seen after a
+    host loss: the restarted serve re-applied the automation 40 s after the dead run's last heartbeat)."""
+    return _sorted_sets(a.model_dump(exclude={"id", "created", "updated"}))
+
+
+def _sorted_sets(v: Any) -> Any:
+    if isinstance(v, set | frozenset):
+        return sorted((_sorted_sets(x) for x in v), key=repr)
+    if isinstance(v, dict):
+        return {k: _sorted_sets(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_sorted_sets(x) for x in v]
+    return v
 
 
 def apply_automations(client: SyncPrefectClient, wanted: list[AutomationCore]) -> list[Applied]:

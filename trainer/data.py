@@ -21,6 +21,12 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch * 10_007 + int(index)) % (2**63))
 
 
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A generator seeded by (seed, epoch), for a table of per-sample randomness drawn once an epoch
+    (row i is sample i's): counter-based like `sample_generator`, in one call instead of one a sample."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch * 10_007 + 5_555_555_555) % (2**63))
+
+
 class EpochSampler(Sampler[int]):
     """Permutation = f(seed, epoch, rank); starts at any offset without loading the skipped samples.
 

@@ -7,9 +7,12 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import pytest
 import yaml
@@ -27,6 +30,7 @@ from deployments.automations import (
     ZOMBIE,
     AlertRules,
     RecoveryRules,
+    _comparable,
     build_automations,
     build_recovery_automations,
 )
@@ -366,3 +370,25 @@ def test_workers_are_named_per_host() -> None:
 
     assert worker_name("gpu-box-1") == "spotrun-gpu-box-1"
     assert LocalWorker(REPO / "w.log").name == LocalWorker(REPO / "x.log").name == worker_name()
+
+
+COMPARABLE = """
+import json, sys, uuid
+from deployments.automations import RecoveryRules, _comparable, build_recovery_automations
+wanted = build_recovery_automations(RecoveryRules(), uuid.UUID(int=7))
+print(json.dumps([_comparable(a) for a in wanted], default=str))
+"""
+
+
+def test_the_same_automations_compare_equal_in_any_process() -> None:
+    """Sets dumped in hash order made each `spotrun serve` update the zombie automation, which drops
+    the buckets its trigger had armed: a run that died before the update was never marked Crashed."""
+    here = json.dumps(
+        [_comparable(a) for a in build_recovery_automations(RecoveryRules(), UUID(int=7))], default=str
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
+    there = subprocess.run(
+        [sys.executable, "-c", COMPARABLE], env=env, capture_output=True, text=True, cwd=REPO
+    )
+    assert there.returncode == 0, there.stderr[-2000:]
+    assert there.stdout.strip() == here

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.data import sample_generator
+from trainer.data import epoch_generator
 from trainer.errors import ConfigError
 from trainer.recipes import Parts, RecipeContext, arg, recipe, warmup_cosine
 
@@ -22,13 +22,16 @@ ARGS = {"hidden", "dropout", "lr", "noise", "warmup", "fail_at_step"}
 
 class DigitsDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Noise augmentation is counter-based, a function of (seed, epoch, index) only, so it does not
-    depend on worker count, worker RNG, prefetching or skipped batches."""
+    depend on worker count, worker RNG, prefetching or skipped batches: sample i's noise is row i of
+    the epoch's table, drawn in one call from a generator seeded by (seed, epoch). (A generator per
+    sample cost ~20 us each on 2 cores, a third of a 64-sample step, measured with cProfile.)"""
 
     def __init__(self, seed: int, noise: float) -> None:
         data = load_digits_array()
         self.x = torch.tensor(data[:, :64] / 16.0, dtype=torch.float32)
         self.y = torch.tensor(data[:, 64], dtype=torch.long)
         self.seed, self.noise, self.epoch = seed, noise, 0
+        self._table: tuple[int, torch.Tensor] | None = None  # (epoch, its noise rows)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -36,9 +39,21 @@ class DigitsDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self.x)
 
+    def _noise(self) -> torch.Tensor:
+        if self._table is None or self._table[0] != self.epoch:
+            g = epoch_generator(self.seed, self.epoch)
+            self._table = (self.epoch, torch.randn(len(self.x), 64, generator=g))
+        return self._table[1]
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = sample_generator(self.seed, self.epoch, i)
-        return self.x[i] + self.noise * torch.randn(64, generator=g), self.y[i]
+        return self.x[i] + self.noise * self._noise()[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A batch's samples in one indexing (the DataLoader calls this when it exists): the same
+        values as __getitem__ (elementwise, so bitwise), without its per-sample overhead."""
+        idx = torch.tensor(indices, dtype=torch.long)
+        x = self.x[idx] + self.noise * self._noise()[idx]
+        return list(zip(x.unbind(0), self.y[idx].unbind(0), strict=True))
 
 
 def load_digits_array() -> np.ndarray:
