@@ -31,6 +31,7 @@ DDP: dict[str, Any] = {
     "checkpoint": {"every_steps": 10, "keep": 2},
     "log_every": 50,
     "distributed": {"nproc_per_node": 2, "strategy": "ddp"},
+    "tracking": {"mlflow": False},  # tested in tests/integration/test_tracking.py
 }
 # FSDP2 on charlm: 2 blocks sharded one by one, the root takes the rest. 6 a rank, 12 in all: divisible
 # by 1, 2 and 3 ranks, so the resharding tests keep the global batch.
@@ -46,6 +47,7 @@ FSDP: dict[str, Any] = {
     "checkpoint": {"every_steps": 6, "keep": 3},
     "log_every": 20,
     "distributed": {"nproc_per_node": 2, "strategy": "fsdp"},
+    "tracking": {"mlflow": False},
 }  # fmt: skip
 
 

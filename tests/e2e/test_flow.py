@@ -38,6 +38,10 @@ def job(tmp_path: Path, **overrides: Any) -> JobSpec:
         "checkpoint": {"every_steps": 25, "keep": 3},
         "storage": str(tmp_path / "store"),
         "log_every": 100,
+        # MLflow off: the flow tests test other things, and tracking cost ~40% of the controller's CPU
+        # in them (import, a client, log_batch into SQLite: py-spy); tests/integration/test_tracking.py
+        # and the demo run the default, tracked path
+        "tracking": {"mlflow": False},
     }
     spec.update(overrides)
     return JobSpec.model_validate(spec)

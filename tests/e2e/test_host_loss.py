@@ -129,7 +129,7 @@ def training_runs(deployment_id: uuid.UUID) -> list[FlowRun]:
 
 
 def test_host_loss_is_detected_and_the_job_resumes_by_itself(server: PrefectServer, tmp_path: Path) -> None:
-    spec = job(tmp_path, name=f"hostloss-{uuid.uuid4().hex[:6]}", total_steps=4000, args={"hidden": 64},
+    spec = job(tmp_path, name=f"hostloss-{uuid.uuid4().hex[:6]}", total_steps=2500, args={"hidden": 64},
                checkpoint={"every_steps": 100, "keep": 3})  # fmt: skip
     store = Path(spec.storage)
     env = {**os.environ, **server.env(), "SPOTRUN_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO),

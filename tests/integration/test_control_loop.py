@@ -39,6 +39,7 @@ def _job(tmp_path: Path, **overrides: Any) -> JobSpec:
         "checkpoint": {"every_steps": 25, "keep": 2},
         "storage": str(tmp_path / "store"),
         "log_every": 100,
+        "tracking": {"mlflow": False},  # tests/integration/test_tracking.py tracks
     }
     return JobSpec.model_validate({**spec, **overrides})
 
