@@ -10,6 +10,9 @@ The contract (providers read exactly this; change it only with them):
             "pid": int,
             "last_step": int | null,     newest step any status record named
             "durable_step": int | null,  newest step known durable
+            "losses": [[step, loss], ...]  every `step` record's loss since the newest durable step,
+                                         oldest first (at most MAX_LOSSES): what a reclaim would lose,
+                                         for the resume-fidelity check (tasks/tracking/fidelity.py)
             "records": {kind: record}}   the last status record of each kind, exactly the JSON of
                                          its `@spotrun` line (trainer/status.py), e.g. records["exit"]
                                          = {"kind": "exit", "t": ..., "code": 75, "name": "PREEMPTED", ...}
@@ -35,13 +38,14 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.records import KINDS, Durable, Record, parse_record
+from trainer.records import KINDS, Durable, Record, Step, parse_record
 from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 
 WORKERS_DIR = "_workers"
 HEARTBEAT_EVERY_S = 5.0
+MAX_LOSSES = 2000  # step records come at most 4 a second: over 8 minutes between two checkpoints
 PROMPT_KINDS = frozenset({"started", "notice", "durable", "stopping"})
 ERROR_LOG_EVERY_S = 60.0
 _WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -68,6 +72,19 @@ def read_heartbeat(storage: Storage, worker_id: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def heartbeat_losses(doc: dict[str, Any]) -> dict[int, float]:
+    """step -> loss of the step records a heartbeat carries (those after its durable step)."""
+    out: dict[int, float] = {}
+    raw = doc.get("losses")
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            step, loss = item
+            out[int(step)] = float(loss)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
 def heartbeat_records(doc: dict[str, Any]) -> list[Record]:
     """The records of a heartbeat, oldest first (by `t`, then in the order a trainer writes the kinds);
     unknown and malformed ones left out."""
@@ -92,6 +109,7 @@ class HeartbeatWriter:
         self.records: dict[str, dict[str, Any]] = {}
         self.last_step: int | None = None
         self.durable_step: int | None = None
+        self.losses: list[tuple[int, float]] = []  # (step, loss) of step records after durable_step
         self.writes = self.failures = 0
         self._state = threading.Condition()  # guards records, steps, _seq, _closed
         self._write_lock = threading.Lock()  # one put at a time; guards _written
@@ -118,6 +136,11 @@ class HeartbeatWriter:
                     self.durable_step = step
             if isinstance(durable, int):
                 self.durable_step = durable
+            if isinstance(rec, Step) and rec.loss is not None:
+                self.losses.append((rec.step, rec.loss))
+            if self.durable_step is not None and self.losses and self.losses[0][0] <= self.durable_step:
+                self.losses = [x for x in self.losses if x[0] > self.durable_step]
+            del self.losses[:-MAX_LOSSES]
             due = time.monotonic() - self._last_scheduled >= self.every_s
             if kind in PROMPT_KINDS or kind == "exit" or due:
                 self._schedule()
@@ -143,7 +166,7 @@ class HeartbeatWriter:
             body = {
                 "worker_id": self.worker_id, "t": self.clock(), "pid": self.pid,
                 "last_step": self.last_step, "durable_step": self.durable_step,
-                "records": dict(self.records),
+                "losses": [list(x) for x in self.losses], "records": dict(self.records),
             }  # fmt: skip
             return self._seq, body
 

@@ -49,7 +49,7 @@ from tasks.providers.aws_launch import TAG_LEASE, lease_value
 from tasks.providers.aws_policy import Placement
 from tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
 from trainer.errors import StorageError
-from trainer.heartbeat import heartbeat_records, read_heartbeat
+from trainer.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat
 from trainer.records import Durable, Exit, Record, Started, Step
 from trainer.storage import Storage
 
@@ -206,6 +206,7 @@ class WorkerWatch:
             self._record(rec)
             if self.on_status is not None:
                 self.on_status(rec)
+        self.result.add_losses(heartbeat_losses(hb))  # the steps between two polls' step records
         self._sample(hb)
 
     def _find_speaker(self) -> None:

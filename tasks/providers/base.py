@@ -19,6 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from trainer.heartbeat import MAX_LOSSES
 from trainer.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ class WatchResult:
     last_durable_step: int | None = None  # newest checkpoint reported durable
     durable_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) per durable record
     step_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) samples, oldest dropped
+    # step -> loss of every step record seen (and of those a heartbeat carried): the lost attempt's
+    # side of the resume-fidelity check where no metrics file has every step (tasks/tracking/fidelity.py)
+    losses: dict[int, float] = field(default_factory=dict)
     notice_at: float | None = None  # a notice (SIGTERM) was delivered
     notice_kind: NoticeKind | None = None  # who ended it on purpose
     killed_at: float | None = None  # the worker was killed (by the provider, the cloud or release)
@@ -120,12 +124,21 @@ class WatchResult:
     def fold(self, rec: Record) -> None:
         """Take one trainer status record: the last of each kind, the highest step and durable step."""
         setattr(self, _SLOT[rec.kind], rec)
+        if isinstance(rec, Step) and rec.loss is not None:
+            self.add_losses({rec.step: rec.loss})
         step = getattr(rec, "step", None)
         if isinstance(step, int):
             self.last_step = max(self.last_step, step)
         durable = rec.step if isinstance(rec, Durable) else getattr(rec, "durable_step", None)
         if isinstance(durable, int):
             self.last_durable_step = max(self.last_durable_step or 0, durable)
+
+    def add_losses(self, losses: dict[int, float]) -> None:
+        """Keep these steps' losses (the newest MAX_LOSSES steps)."""
+        self.losses.update(losses)
+        if len(self.losses) > MAX_LOSSES:
+            for s in sorted(self.losses)[: len(self.losses) - MAX_LOSSES]:
+                del self.losses[s]
 
     def records(self) -> list[Record]:
         """The last record of each kind, oldest first."""

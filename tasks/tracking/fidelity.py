@@ -18,8 +18,11 @@ no verdict, one off it `mismatch`.
 
 Where the values come from: the local provider's trainers append every step's loss to one metrics file
 per job (`--metrics`), so a lost attempt's steps are all there. Other providers (EC2) keep no file the
-controller can read after the instance is gone: the lost attempt's last `step` status record (at most 4
-a second) is the sample compared, against the resumed attempt's value for that step from storage.
+controller can read after the instance is gone: the lost attempt's `step` status records (at most 4 a
+second) are the samples compared, every one the controller saw and every one the trainer's last
+heartbeat carried (those after its newest durable checkpoint: trainer/heartbeat.py), each against the
+resumed attempt's value for that step from storage. Steps after the last heartbeat write (at most 5 s
+of training) are not compared.
 """
 
 from __future__ import annotations
@@ -265,14 +268,14 @@ class ResumeChecker:
 
     def __init__(self, storage: Storage, rtol: float) -> None:
         self.storage, self.rtol = storage, rtol
-        self._last_sample: tuple[int, float] | None = None  # the previous attempt's last step record
+        self._last_losses: dict[int, float] = {}  # the previous attempt's step records' losses
 
     def check(
         self, worker: Worker, result: WatchResult, previous: AttemptRecord | None, attempt: int
     ) -> ResumeCheck | None:
         """The verdict on `attempt` (which `result` describes), given the attempt before it; None when
         there is nothing to check (the first attempt, one that never started, or no values)."""
-        sample, self._last_sample = self._last_sample, _sample(result)
+        samples, self._last_losses = self._last_losses, dict(result.losses)
         if previous is None or result.started is None or previous.outcome is Outcome.PROVISION_FAILED:
             return None
         start = result.resumed_from or 0
@@ -281,7 +284,7 @@ class ResumeChecker:
         lost, mine = replayed(lines, start)
         prev_last = max([previous.last_step, *lost])
         if prev_last > start:
-            return self._replay(attempt, start, lost, mine, sample)
+            return self._replay(attempt, start, lost, mine, samples)
         if start > 0:  # the file continues the line before: this attempt's first step is its last S+1
             first = [loss for step, loss in lines if step == start + 1][-1:]
             return self._continuity(attempt, start, {start + 1: first[0]} if first else {})
@@ -293,10 +296,10 @@ class ResumeChecker:
         start: int,
         lost: dict[int, float],
         mine: dict[int, float],
-        sample: tuple[int, float] | None,
+        samples: dict[int, float],
     ) -> ResumeCheck | None:
-        if not lost and sample is not None and sample[0] > start:  # no file: the last reported step
-            lost = {sample[0]: sample[1]}
+        if not lost:  # no file: the lost attempt's step records past the resume point
+            lost = {s: v for s, v in samples.items() if s > start}
         if not lost:
             return None
         durable = read_steps(self.storage, start, max(lost))
@@ -316,11 +319,6 @@ class ResumeChecker:
         recent = [before[s].loss for s in sorted(before) if s <= start]
         v = continuity_verdict(start + 1, expected, first, recent, self.rtol)
         return _check(attempt, CONTINUITY, start, v)
-
-
-def _sample(result: WatchResult) -> tuple[int, float] | None:
-    p = result.progress
-    return (p.step, p.loss) if p is not None and p.loss is not None else None
 
 
 def _check(attempt: int, method: str, start: int, v: Verdict | None) -> ResumeCheck | None:

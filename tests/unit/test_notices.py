@@ -17,7 +17,13 @@ from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, unused_
 from trainer.catalog import list_checkpoints
 from trainer.checkpointer import Checkpointer, SaveTimings
 from trainer.errors import ConfigError
-from trainer.heartbeat import HeartbeatWriter, heartbeat_key, heartbeat_records, read_heartbeat
+from trainer.heartbeat import (
+    HeartbeatWriter,
+    heartbeat_key,
+    heartbeat_losses,
+    heartbeat_records,
+    read_heartbeat,
+)
 from trainer.notices import (
     AWS_INSTANCE_ACTION,
     AWS_TOKEN,
@@ -340,14 +346,16 @@ def test_heartbeat_contract(tmp_path: Path) -> None:
     hb(Started(t=1.0, resumed_from=None, step=0, total_steps=9))
     hb(Step(t=2.0, step=5, loss=0.5, steps_per_s=3.0, durable_step=None))
     hb(Durable(t=3.0, step=5))
+    hb(Step(t=3.5, step=6, loss=0.1 + 0.2, steps_per_s=3.0, durable_step=5))
     hb(Exit(t=4.0, code=75, name="PREEMPTED", error="", step=6, durable_step=5))
     doc = read_heartbeat(storage, "w1")  # the exit write is synchronous: no waiting
     hb.close()
     assert doc is not None
-    assert set(doc) == {"worker_id", "t", "pid", "last_step", "durable_step", "records"}
+    assert set(doc) == {"worker_id", "t", "pid", "last_step", "durable_step", "losses", "records"}
+    assert heartbeat_losses(doc) == {6: 0.1 + 0.2}  # the steps after the durable one, bitwise
     assert (doc["last_step"], doc["durable_step"]) == (6, 5)
-    assert doc["records"]["exit"]["name"] == "PREEMPTED" and doc["records"]["step"]["step"] == 5
-    assert [r.kind for r in heartbeat_records(doc)] == ["started", "step", "durable", "exit"]
+    assert doc["records"]["exit"]["name"] == "PREEMPTED" and doc["records"]["step"]["step"] == 6
+    assert [r.kind for r in heartbeat_records(doc)] == ["started", "durable", "step", "exit"]
     assert [o.key for o in storage.list()] == [heartbeat_key("w1")] == ["_workers/w1/heartbeat.json"]
 
 

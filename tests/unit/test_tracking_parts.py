@@ -305,11 +305,18 @@ def test_resume_checks_from_the_metrics_file_or_the_last_status_record(tmp_path:
     check = checker.check(_worker(metrics), _watched(20), _attempt(2, 23), 3)
     assert check is not None and (check.method, check.verdict, check.first_diff) == ("replay", "mismatch", 21)
 
-    # no file (EC2): the lost attempt's last status record against the resumed attempt's durable step
+    # no file (EC2): the lost attempt's status records (and those its last heartbeat carried), each
+    # against the resumed attempt's value for that step from storage
     checker = ResumeChecker(storage, rtol=1e-3)
-    checker.check(_worker(None), _watched(None, progress=(18, 2.0 - 18 / 20)), None, 1)
+    lost = _watched(None, progress=(18, 2.0 - 18 / 20))
+    lost.add_losses({16: 2.0 - 16 / 20, 17: 2.0 - 17 / 20, 12: 0.0})  # 12: before the resume point
+    checker.check(_worker(None), lost, None, 1)
     check = checker.check(_worker(None), _watched(15), _attempt(1, 18), 2)
-    assert check is not None and (check.method, check.verdict, check.steps) == ("replay", "exact", 1)
+    assert check is not None and (check.method, check.verdict, check.steps) == ("replay", "exact", 3)
+    lost.add_losses({17: 1.0})  # the lost attempt computed 17 differently
+    checker.check(_worker(None), lost, None, 1)
+    check = checker.check(_worker(None), _watched(15), _attempt(1, 18), 2)
+    assert check is not None and (check.verdict, check.first_diff) == ("mismatch", 17)
 
 
 def test_the_trainer_never_imports_mlflow() -> None:
