@@ -540,8 +540,11 @@ class _Run:
 
     def checkpoint(self, wait: bool = False) -> float:
         """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
-        sidecars = self.steps_log.sidecars(self.step)
-        blocked = self.ckpt.save(self.capture(), self.manifest_base(), wait=wait, sidecars=sidecars)
+        t0 = time.perf_counter()
+        self.ckpt.wait()  # (save's own first step) the last save's steps leave the buffer before this
+        sidecars = self.steps_log.sidecars(self.step)  # object is cut: each step in one object
+        self.ckpt.save(self.capture(), self.manifest_base(), wait=wait, sidecars=sidecars)
+        blocked = time.perf_counter() - t0
         self.since_ckpt = time.monotonic()
         if self.tuner is not None:
             self.tuner.saved(blocked)
