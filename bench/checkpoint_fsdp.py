@@ -147,7 +147,7 @@ class DurableClock:
     def __init__(self) -> None:
         self.at = 0.0
 
-    def __call__(self, step: int) -> None:
+    def __call__(self, step: int, sidecars_written: bool) -> None:
         self.at = time.perf_counter()
 
 
