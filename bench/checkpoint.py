@@ -133,12 +133,14 @@ class Trainee:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(p.model.parameters(), 1.0)
         p.optimizer.step()
+        assert p.scheduler is not None  # charlm schedules its rate
         p.scheduler.step()
         self.step += 1
 
     def capture(self) -> dict[str, Any]:
         """The state as trainer/loop.py captures it."""
         p = self.parts
+        assert p.scheduler is not None
         meta = {
             "step": self.step, "position": {"epoch": 0, "batch": self.step}, "best_metric": 0.0,
             "spec": self.spec.model_dump(mode="json"), "spec_hash": self.spec.spec_hash(),

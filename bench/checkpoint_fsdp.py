@@ -104,6 +104,7 @@ class Trainee:
         ]
         self.meta = TrainerMeta(self.spec, ranks)
         p = self.parts
+        assert p.scheduler is not None  # charlm schedules its rate
         held: dict[str, Stateful] = {"model": p.model, "optimizer": p.optimizer, "scheduler": p.scheduler}
         held |= {"rng": RngState(torch.device("cpu")), "trainer": self.meta}
         self.registry = Registry(ranks.rank, held, {}, sharded=True)
@@ -115,6 +116,7 @@ class Trainee:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(p.model.parameters(), 1.0)
         p.optimizer.step()
+        assert p.scheduler is not None  # charlm schedules its rate
         p.scheduler.step()
         self.meta.step += 1
 
@@ -182,6 +184,7 @@ def gathered_save(t: Trainee, ranks: Ranks, root: Path) -> dict[str, float]:
     osd = get_optimizer_state_dict(p.model, p.optimizer, options=opts)
     t1 = time.perf_counter()
     if ranks.rank == 0:
+        assert p.scheduler is not None
         full = {
             "model": msd, "optimizer": osd, "scheduler": p.scheduler.state_dict(),
             "rng": RngState(torch.device("cpu")).state_dict(), "trainer": t.meta.state_dict(),
