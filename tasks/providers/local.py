@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from tasks.providers import fork_server
 from tasks.providers.base import (
     KillReason,
     LogCallback,
@@ -45,7 +46,14 @@ from tasks.providers.local_config import (
     plan_preemption,
     simulator_rng,
 )
-from tasks.providers.processes import die_with_parent, exited, kill_leftovers, on_spawner_thread, signal_group
+from tasks.providers.processes import (
+    Proc,
+    die_with_parent,
+    exited,
+    kill_leftovers,
+    on_spawner_thread,
+    signal_group,
+)
 from trainer.records import Durable, Record, Started, Step
 from trainer.status import parse_status_line
 from trainer.storage.base import local_dir_name
@@ -77,7 +85,7 @@ STEP_SAMPLES = 4096  # (t, step) samples kept for productive-time accounting (ab
 
 @dataclass
 class _Handle:
-    proc: subprocess.Popen[str]
+    proc: Proc
     events: queue.Queue[_Event]
     readers: list[threading.Thread]
     started_mono: float
@@ -117,10 +125,7 @@ class LocalProvider:
             window = f"{self.cfg.notice_s:g}"
             cmd += ["--handover-s", window, "--sigterm-window-s", window]
         work.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = _spawn(cmd, _child_env(self.flow_run_id))
-        except (OSError, subprocess.SubprocessError) as e:
-            raise ProvisionError(f"cannot start {shlex.join(cmd[:3])}: {e}", retryable=False) from e
+        proc = self._start(cmd, _child_env(self.flow_run_id))
         handle = _Handle(proc, queue.Queue(), [], time.monotonic())
         for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
             t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
@@ -128,6 +133,17 @@ class LocalProvider:
             handle.readers.append(t)
         log.info("attempt %d: trainer pid %d: %s", attempt, proc.pid, shlex.join(cmd))
         return Worker(f"local-{proc.pid}", self.name, attempt, time.time(), handle)
+
+    def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
+        if self.cfg.fork_server:
+            try:
+                return fork_server.spawn(cmd[0], cmd[2], cmd[3:], env)
+            except (fork_server.ForkServerUnavailable, OSError) as e:  # not an error: a slower start
+                log.warning("trainer fork server unavailable (%s); starting a fresh process", e)
+        try:
+            return _spawn(cmd, env)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ProvisionError(f"cannot start {shlex.join(cmd[:3])}: {e}", retryable=False) from e
 
     def watch(
         self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None

@@ -70,6 +70,12 @@ class LocalProviderConfig(BaseModel):
         description="at a spot notice, start the next attempt's worker at once: it builds the recipe "
         "while the old one saves, and resumes as soon as that checkpoint is durable",
     )
+    fork_server: bool = Field(
+        default=True,
+        description="fork each trainer from a server process that has imported torch and the training "
+        "stack once (seconds less per attempt: what a replacement after a reclaim without notice waits "
+        "for); false: every trainer is a fresh `python -m trainer`",
+    )
     startup_timeout_s: float = Field(
         default=600,
         gt=0,

@@ -6,20 +6,34 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import IO, Protocol, TypeVar
 
 PR_SET_PDEATHSIG = 1
 
 
-def exited(proc: subprocess.Popen[str]) -> bool:
+class Proc(Protocol):
+    """A trainer process: a Popen, or a child of the fork server (tasks/providers/fork_server.py)."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[str] | None
+    stderr: IO[str] | None
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def exited(proc: Proc) -> bool:
     """Whether the trainer has exited, without reaping it (WNOWAIT)."""
     if proc.returncode is not None:
         return True
+    from tasks.providers.fork_server import ForkedProcess  # it imports this module
+
+    if isinstance(proc, ForkedProcess):
+        return proc.exited()
     try:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped by a concurrent release()
@@ -31,7 +45,7 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
-def kill_leftovers(proc: subprocess.Popen[str]) -> None:
+def kill_leftovers(proc: Proc) -> None:
     """SIGKILL every process in the trainer's session, unless the leader is reaped (its id may be reused)."""
     if proc.returncode is not None:
         return

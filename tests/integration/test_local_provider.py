@@ -200,7 +200,7 @@ def _read_pid(path: Path, timeout: float = 15) -> int:
 
 def test_release_kills_the_whole_session_and_a_spawning_thread_may_end(tmp_path: Path) -> None:
     job, spec = _job(tmp_path)
-    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)))
+    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)), fork_server=False)
     box: list[Worker] = []
     t = threading.Thread(target=lambda: box.append(provider.provision(job, 1, spec, [])))
     t.start()
@@ -215,7 +215,7 @@ def test_release_kills_the_whole_session_and_a_spawning_thread_may_end(tmp_path:
 
 def test_release_from_another_thread_ends_a_watch(tmp_path: Path) -> None:
     job, spec = _job(tmp_path)
-    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)))
+    provider = _provider(tmp_path, python=str(_fake_python(tmp_path)), fork_server=False)
     worker = provider.provision(job, 1, spec, [])
     _read_pid(tmp_path / "pids")
     timer = threading.Timer(0.3, provider.release, args=(worker,))
@@ -244,8 +244,8 @@ import sys, time
 from pathlib import Path
 from tasks.providers.local import LocalProvider, LocalProviderConfig
 from trainer.spec import load_spec
-spec, workdir, python = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-provider = LocalProvider(LocalProviderConfig(workdir=workdir, python=python))
+spec, workdir, python, forked = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "forked"
+provider = LocalProvider(LocalProviderConfig(workdir=workdir, python=python, fork_server=forked))
 worker = provider.provision(load_spec(spec), 1, spec, [])
 print(worker.handle.proc.pid, flush=True)
 time.sleep(120)
@@ -254,12 +254,14 @@ time.sleep(120)
 
 @pytest.mark.parametrize("python", ["trainer", "silent"])
 def test_worker_dies_with_the_process_that_started_it(tmp_path: Path, python: str) -> None:
-    """`trainer`: the real trainer, a long job. `silent`: a worker that never writes, so only the parent-death
+    """`trainer`: the real trainer, a long job, forked from the fork server (which dies with the parent
+    and takes the trainer along). `silent`: a fresh process that never writes, so only the parent-death
     signal can end it (a trainer would also die of a broken pipe at its next status line)."""
     _, spec = _job(tmp_path, **LONG)
     exe = sys.executable if python == "trainer" else str(_fake_python(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", PARENT, str(spec), str(tmp_path / "work"), exe]
+    how = "forked" if python == "trainer" else "fresh"
+    cmd = [sys.executable, "-c", PARENT, str(spec), str(tmp_path / "work"), exe, how]
     parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert parent.stdout is not None
