@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 MAX_PACKET = 1 << 20  # a request is argv + environment: a few KB
 
 
@@ -157,7 +157,7 @@ def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int], server_pid: 
         pid = -1
     if pid == 0:
         os.close(settled_r)
-        _become_child(server_pid)
+        _become_child(server_pid, str(msg["module"]))
         os.close(settled_w)  # the pid is a session id now: the provider may kill the session
         return 0
     os.close(settled_w)
@@ -170,11 +170,14 @@ def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int], server_pid: 
     return pid
 
 
-def _become_child(server_pid: int) -> None:
-    """Its own session, and SIGKILL when the server dies (PR_SET_PDEATHSIG, Linux)."""
+def _become_child(server_pid: int, module: str) -> None:
+    """Its own session, its module's name as the process name (`ps -o comm`, `pgrep -x trainer`; the
+    command line stays the server's), and SIGKILL when the server dies (PR_SET_PDEATHSIG, Linux)."""
     os.setsid()
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl(PR_SET_NAME, ctypes.c_char_p(module.encode()[:15]), 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != server_pid:  # the server died before prctl: no signal would ever come
             os._exit(1)
 

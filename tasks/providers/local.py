@@ -135,7 +135,10 @@ class LocalProvider:
         return Worker(f"local-{proc.pid}", self.name, attempt, time.time(), handle)
 
     def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
-        if self.cfg.fork_server:
+        # Only for the flow's own interpreter: a configured `python` may be a wrapper (a profiler, `nice`,
+        # a container entry point) that a fork from this interpreter would skip.
+        own = self.cfg.python is None or os.path.abspath(self.cfg.python) == os.path.abspath(sys.executable)
+        if self.cfg.fork_server and own:
             try:
                 return fork_server.spawn(cmd[0], cmd[2], cmd[3:], env)
             except (fork_server.ForkServerUnavailable, OSError) as e:  # not an error: a slower start

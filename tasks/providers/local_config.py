@@ -74,7 +74,8 @@ class LocalProviderConfig(BaseModel):
         default=True,
         description="fork each trainer from a server process that has imported torch and the training "
         "stack once (seconds less per attempt: what a replacement after a reclaim without notice waits "
-        "for); false: every trainer is a fresh `python -m trainer`",
+        "for); only when `python` is empty or the flow's own interpreter; false: every trainer is a fresh "
+        "`python -m trainer`",
     )
     startup_timeout_s: float = Field(
         default=600,
