@@ -32,6 +32,7 @@ from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPre
 from tasks.settings import Settings
 from tasks.tracking import Tracker, Where
 from tasks.tracking import tracker as tracker_module
+from tests.fakes.fault_python import install
 from trainer.ckpt_format import MANIFEST, MODEL_FILE, step_dir
 from trainer.metrics_log import MetricsLog
 from trainer.spec import JobSpec
@@ -319,11 +320,18 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
     assert client.get_run(m["run_id"]).info.status == "FINISHED"
 
 
-def test_a_recipe_that_breaks_determinism_is_a_mismatch(tmp_path: Path) -> None:
+def test_a_recipe_that_breaks_determinism_is_a_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job = _job(tmp_path, recipe="tests.fakes.nondeterministic_recipe:build", total_steps=300,
                tracking={"mlflow": False})  # fmt: skip
     sink = PlainSink()
-    provider = _provider(tmp_path, (0.3, False))
+    # killed at a step, not after a time: steps past the newest checkpoint are lost, to be replayed
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"1": {"args": ["--inject-fault", "sigkill@37"]}}))
+    monkeypatch.setenv("SPOTRUN_TEST_FAULT_PLAN", str(plan))
+    provider = _provider(tmp_path)
+    provider.cfg = provider.cfg.model_copy(update={"python": str(install(tmp_path))})
     result = run_job(job, provider, RetryPolicy(), sink, settings=_settings(tmp_path), sleep=lambda s: None)
     assert result.completed, result.message
     assert result.summary.mlflow is None and not (Path(job.storage) / "tracking.json").exists()
