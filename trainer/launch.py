@@ -18,7 +18,6 @@ same when this process dies: no rank outlives its worker.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from types import FrameType
 from typing import Any
 
 from trainer.exitcodes import ExitCode
+from trainer.parent_death import arm_pdeathsig
 from trainer.preemption import StopRequest
 from trainer.records import Exit
 from trainer.spec import DistributedOptions
@@ -45,7 +45,6 @@ RANK_EXITS = "SPOTRUN_RANK_EXITS"  # where ranks leave their exit codes (set by 
 LAUNCHER_ID = "SPOTRUN_LAUNCHER_ID"  # the worker's identity, for rank 0's storage lease
 NODE_RANK = "SPOTRUN_NODE_RANK"  # multi-node: this machine's index (the provider sets it)
 MASTER_ADDR = "SPOTRUN_MASTER_ADDR"  # multi-node: the first machine's address
-PR_SET_PDEATHSIG = 1
 
 # A rank's own verdict outranks a peer's crash: a rank that cannot load the checkpoint, or finds the
 # lease held, ends the attempt with that reason, while its peers only see their collectives break.
@@ -167,7 +166,7 @@ def launch(
     log.info("launching %d rank(s) on this machine (world size %d): %s", nproc, world, " ".join(cmd[1:4]))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, text=True, errors="replace", env=env,
-        process_group=0, preexec_fn=_pdeathsig,
+        process_group=0, preexec_fn=arm_pdeathsig,
     )  # fmt: skip
     previous = _forward_signals(proc, stop)
     try:
@@ -213,18 +212,12 @@ def _forward_signals(proc: subprocess.Popen[str], stop: StopRequest) -> dict[int
     return previous
 
 
-def _pdeathsig() -> None:
-    """In the child between fork and exec: SIGKILL me when my parent dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-
 def die_with_agent() -> None:
     """In a rank: SIGKILL me when torchrun dies (it started me in a session of my own, which a
     worker-wide SIGKILL does not reach). If it is already gone, go now."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
-    _pdeathsig()
+    arm_pdeathsig()
     if os.getppid() != parent:
         os._exit(int(ExitCode.CRASHED))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import CheckpointError, LeaseLost
+from trainer.parent_death import arm_pdeathsig
 from trainer.storage import LocalStorage, Storage
 
 log = logging.getLogger(__name__)
@@ -253,10 +254,7 @@ def _answer(writer: _Writer, job: Job) -> Done | Failed:
 def _detach_from_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    arm_pdeathsig()
     with contextlib.suppress(OSError):
         os.nice(WRITER_NICE)
 

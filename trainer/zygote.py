@@ -46,7 +46,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+from trainer.parent_death import arm_pdeathsig
+
+PR_SET_NAME = 15
 MAX_PACKET = 1 << 20  # a request is argv + environment: a few KB
 
 
@@ -175,9 +177,8 @@ def _become_child(server_pid: int, module: str) -> None:
     command line stays the server's), and SIGKILL when the server dies (PR_SET_PDEATHSIG, Linux)."""
     os.setsid()
     if sys.platform.startswith("linux"):
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-        prctl(PR_SET_NAME, ctypes.c_char_p(module.encode()[:15]), 0, 0, 0)
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(module.encode()[:15]), 0, 0, 0)
+        arm_pdeathsig()
         if os.getppid() != server_pid:  # the server died before prctl: no signal would ever come
             os._exit(1)
 
