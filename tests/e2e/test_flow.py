@@ -20,6 +20,7 @@ from tasks.history import HistoryStore
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
+from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal, trainer
 from trainer.ckpt_format import step_dir
 from trainer.spec import JobSpec
@@ -194,7 +195,7 @@ def test_killed_flow_process_leaves_no_trainer_behind(prefect_api: str, home: Pa
         trainer_pid = _wait_for_trainer(home / "jobs" / "orphan-check", flow_proc.pid, timeout_s=120)
         os.kill(flow_proc.pid, signal.SIGKILL)
         flow_proc.wait()
-        assert _gone_within(trainer_pid, 20), f"trainer {trainer_pid} outlived the flow process"
+        assert wait_gone(trainer_pid, 20), f"trainer {trainer_pid} outlived the flow process"
     finally:
         if flow_proc.poll() is None:
             flow_proc.kill()
@@ -226,19 +227,6 @@ def _wait_for_trainer(job_dir: Path, flow_pid: int, timeout_s: float) -> int:
 def _stepping(job_dir: Path) -> bool:
     metrics = list(job_dir.glob("workers/*/metrics.jsonl"))
     return bool(metrics) and metrics[0].stat().st_size > 0
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-        except (FileNotFoundError, IndexError):
-            return True
-        if state == "Z":  # dead, waiting for init to reap it
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture

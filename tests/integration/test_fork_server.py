@@ -18,6 +18,7 @@ import pytest
 from tasks.providers import fork_server
 from tasks.providers.fork_server import ForkServer, ForkServerUnavailable, load_key
 from tasks.providers.processes import exited, kill_leftovers
+from tests.procs import wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,21 +65,6 @@ def server(env: dict[str, str]) -> Iterator[ForkServer]:
     s.close()
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return True
-
-
-def _wait_gone(pid: int, timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _gone(pid)
-
-
 def test_a_child_is_what_python_m_would_be(server: ForkServer, env: dict[str, str], tmp_path: Path) -> None:
     proc = server.spawn("zchild", ["3", "x y"], {**env, "CHILD_VAR": "mine"}, str(tmp_path))
     assert proc.stdout is not None and proc.stderr is not None
@@ -116,7 +102,7 @@ def test_a_killed_child_stays_unreaped_until_wait(server: ForkServer, env: dict[
     assert Path(f"/proc/{proc.pid}").exists()  # a zombie: its pid, the session's id, is not reused yet
     kill_leftovers(proc)  # what the provider does before it reaps: the rest of the session goes too
     assert proc.wait(timeout=10) == -signal.SIGKILL
-    assert _wait_gone(proc.pid) and _wait_gone(grandchild)
+    assert wait_gone(proc.pid) and wait_gone(grandchild)
 
 
 def test_the_server_ignores_a_terminal_ctrl_c(server: ForkServer, env: dict[str, str]) -> None:
@@ -131,7 +117,7 @@ def test_the_server_ignores_a_terminal_ctrl_c(server: ForkServer, env: dict[str,
     assert server.alive and not exited(proc)
     kill_leftovers(proc)
     proc.wait(timeout=10)
-    assert _wait_gone(grandchild)
+    assert wait_gone(grandchild)
 
 
 def test_children_die_with_the_server_and_a_new_one_is_started(env: dict[str, str]) -> None:
@@ -140,7 +126,7 @@ def test_children_die_with_the_server_and_a_new_one_is_started(env: dict[str, st
     assert proc.stdout is not None
     grandchild = int(proc.stdout.readline())
     first.proc.kill()
-    assert _wait_gone(proc.pid), "a trainer outlived its fork server"
+    assert wait_gone(proc.pid), "a trainer outlived its fork server"
     assert proc.wait(timeout=10) == -signal.SIGKILL  # what the client reports for it
     with pytest.raises(ForkServerUnavailable):
         first.spawn("zchild", [], env, os.getcwd())

@@ -24,6 +24,7 @@ from tasks.providers.local import (
     SpotSimulatorConfig,
     worker_dir,
 )
+from tests.procs import gone, wait_gone
 from tests.trainer_runs import REPO, write_spec
 from trainer.ckpt_format import COMPLETED
 from trainer.exitcodes import ExitCode
@@ -66,28 +67,12 @@ def _watch(provider: LocalProvider, worker: Worker) -> tuple[WatchResult, list[d
     return result, statuses, logs
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie nobody has reaped yet (an orphan whose reaper is slow)."""
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return True
-
-
 def _group_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return True
     return False
-
-
-def _wait_gone(pid: int, timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _gone(pid)
 
 
 LONG = {"total_steps": 5000, "checkpoint": {"every_steps": 50}}  # minutes: ends only when killed
@@ -168,7 +153,7 @@ def test_release_twice_before_watch(tmp_path: Path) -> None:
     worker = provider.provision(job, 1, spec, [])
     provider.release(worker)
     provider.release(worker)
-    assert _gone(worker.handle.proc.pid)
+    assert gone(worker.handle.proc.pid)
     result = provider.watch(worker, None, None)  # returns at once: the worker is gone
     assert result.kill_reason == "release" and result.signal == signal.SIGKILL
     assert classify(result, False)[0] is Outcome.CRASHED
@@ -208,9 +193,9 @@ def test_release_kills_the_whole_session_and_a_spawning_thread_may_end(tmp_path:
     worker = box[0]
     grandchild = _read_pid(tmp_path / "pids")
     time.sleep(0.3)
-    assert not _gone(worker.handle.proc.pid) and not _gone(grandchild)
+    assert not gone(worker.handle.proc.pid) and not gone(grandchild)
     provider.release(worker)
-    assert _gone(worker.handle.proc.pid) and _wait_gone(grandchild, 5)
+    assert gone(worker.handle.proc.pid) and wait_gone(grandchild, 5)
 
 
 def test_release_from_another_thread_ends_a_watch(tmp_path: Path) -> None:
@@ -269,11 +254,11 @@ def test_worker_dies_with_the_process_that_started_it(tmp_path: Path, python: st
         if python == "silent":
             grandchild = _read_pid(tmp_path / "pids")
         time.sleep(1.0)
-        assert not _gone(pid)
+        assert not gone(pid)
     finally:
         parent.kill()
         parent.wait()
-    assert _wait_gone(pid), f"worker {pid} outlived its parent"
+    assert wait_gone(pid), f"worker {pid} outlived its parent"
     if python == "silent":  # the data-loader-like grandchild is only reached by the session kill...
         os.kill(grandchild, signal.SIGKILL)  # ...which a SIGKILLed parent cannot run: clean up after it
 
@@ -305,7 +290,7 @@ def test_an_interrupted_watch_stops_the_trainer_gracefully(
     outcome, cause = classify(result, False)
     assert outcome is Outcome.CANCELLED and f"emergency checkpoint at step {result.last_step}" in cause
     assert to_record(worker, result, outcome, cause).lost_steps == 0
-    assert _gone(worker.handle.proc.pid)
+    assert gone(worker.handle.proc.pid)
 
 
 def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
