@@ -27,8 +27,9 @@ from tasks.providers.aws_sweeper import sweep
 from tasks.sweeping import flow_run_is_live
 from tests.aws_backdoor import spot_interrupt
 from tests.conftest import Ec2World
-from tests.e2e.test_flow import _gone_within, attempts, job, reference_dir, run_flow
+from tests.e2e.test_flow import attempts, job, reference_dir, run_flow
 from tests.fakes.imds import FakeIMDS
+from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal
 from trainer.catalog import fetch, read_latest
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, step_dir
@@ -162,7 +163,7 @@ def test_sweeper_terminates_the_worker_of_a_killed_flow_process(
         os.kill(flow_proc.pid, signal.SIGKILL)  # no finally, no release: the instance stays up
         flow_proc.wait()
         pid = (read_heartbeat(store, iid) or {}).get("pid")
-        assert pid and _gone_within(int(pid), 20), "the process playing the instance outlived the flow"
+        assert pid and wait_gone(int(pid), 20), "the process playing the instance outlived the flow"
     finally:
         if flow_proc.poll() is None:
             flow_proc.kill()

@@ -389,7 +389,7 @@ time.sleep(600)
 
 def test_prefect_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A demo or `spotrun run` killed with SIGKILL must not leave its server holding the database."""
-    from tests.e2e.test_flow import _gone_within
+    from tests.procs import wait_gone
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", SERVER_CHILD, str(tmp_path / "prefect")]
@@ -399,7 +399,7 @@ def test_prefect_server_dies_with_the_process_that_started_it(tmp_path: Path) ->
         server_pid = int(child.stdout.readline())
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        assert _gone_within(server_pid, 20), f"prefect server {server_pid} outlived its parent"
+        assert wait_gone(server_pid, 20), f"prefect server {server_pid} outlived its parent"
     finally:
         if child.poll() is None:
             child.kill()
