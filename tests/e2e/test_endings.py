@@ -54,6 +54,13 @@ def _wait_for_steps(home: Path, name: str, steps: int, timeout_s: float = 180) -
     raise AssertionError(f"the trainer of {name} did not reach step {steps}")
 
 
+def _signal_masks(pid: int) -> str:
+    """A process's blocked, ignored and caught signals (/proc), e.g. `SigBlk: 0000000000000002` when
+    SIGINT is blocked."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return " ".join(x.replace("\t", " ") for x in lines if x.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def _assert_cancelled_without_loss(home: Path, name: str, words: str) -> int:
     run, rows = _history(home, name)
     assert run.status is JobStatus.CANCELLED and words in run.message, run
@@ -75,12 +82,13 @@ def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
     child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_steps(home, "ctrlc", 100)
+        masks = _signal_masks(child.pid)  # what the failure message needs if the interrupt has no effect
         child.send_signal(signal.SIGINT)  # what a terminal sends; the trainer is in its own session
         out, _ = child.communicate(timeout=120)
     finally:
         if child.poll() is None:
             child.kill()
-    assert child.returncode == 130, out[-3000:]
+    assert child.returncode == 130, f"{masks}; this process: {_signal_masks(os.getpid())}\n{out[-3000:]}"
     assert "Traceback" not in out and f"resume with: spotrun run {path}" in out, out[-3000:]
     stopped = _assert_cancelled_without_loss(home, "ctrlc", "Ctrl-C")
     assert stopped < spec.total_steps
