@@ -54,6 +54,10 @@ def _wait_for_steps(home: Path, name: str, steps: int, timeout_s: float = 180) -
     raise AssertionError(f"the trainer of {name} did not reach step {steps}")
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_masks(pid: int) -> str:
     """A process's blocked, ignored and caught signals (/proc), e.g. `SigBlk: 0000000000000002` when
     SIGINT is blocked."""
@@ -79,7 +83,10 @@ def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(home)}
     cmd = [sys.executable, "-m", "spotrun.cli", "run", str(path)]
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a terminal's foreground job takes Ctrl-C; one started by a shell with `&` inherits SIGINT ignored
+    # (POSIX), and so would `spotrun run` here if this test process was started that way
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=_sigint_default)  # fmt: skip
     try:
         _wait_for_steps(home, "ctrlc", 100)
         masks = _signal_masks(child.pid)  # what the failure message needs if the interrupt has no effect
