@@ -159,10 +159,11 @@ class Tracker:
         while not self._stop:
             try:
                 storage = storage or open_storage(self.job.storage, self.job.s3)
-                if self._sync(storage):
+                finished = self._sync(storage)
+                self._up()  # also when the round that got through after an outage was the last one
+                if finished:
                     self._done.set()
                     return
-                self._up()
             except Exception as e:  # the tracking server, storage or a bug: never the training's problem
                 self._down(e)
             self._wake.wait(RETRY_S if self._down_since is not None else POLL_S)

@@ -261,8 +261,10 @@ def _ready(port: int, timeout_s: float = 120) -> None:
 
 
 class OutageSink(PlainSink):
-    """Takes the tracking server away when attempt 2 starts, and brings it back OUTAGE_S later (while
-    attempt 2 trains: a trainer takes ~3 s to start, and this job ~2 s more to finish)."""
+    """Takes the tracking server away when attempt 2 starts, and brings it back OUTAGE_S later: while
+    attempt 2 trains (a fresh trainer takes ~3 s to start, and this job ~2 s more to finish), or once
+    it has finished (a forked one starts in well under a second), when the final round is the first to
+    get through."""
 
     OUTAGE_S = 3.0
 
