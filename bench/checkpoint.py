@@ -39,11 +39,13 @@ import os
 import pstats
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -502,19 +504,37 @@ class S3:
         return S3Storage(make_s3_client(self.opts, session=self.session), BUCKET, prefix, self.opts)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextmanager
 def moto_endpoint() -> Iterator[str]:
-    """An in-process moto S3 server on 127.0.0.1; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    """A moto S3 server in its own process on 127.0.0.1; yields its endpoint URL. Not in this process:
+    there the mock's request handling shares the client's GIL, and parallel parts measured the mock
+    (8 MiB parts: 0.85x a single PUT in-process, 1.19x against a separate server, at 100 MB)."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://{host}:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"moto server did not start on port {port}") from None
+                time.sleep(0.1)
+        yield endpoint
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def bench_size(size: Size, s3: S3, work: Path, budget_s: float) -> dict[str, Any]:

@@ -84,8 +84,11 @@ class S3Options(BaseModel):
     kms_key_id: str | None = Field(
         default=None, description="KMS key for sse: aws:kms; empty: the bucket's AWS-managed key"
     )
+    # 8 MiB, boto3's and the AWS CLI's default: measured against moto in its own process on 2 cores,
+    # 8 streams of 8 MiB parts beat one PUT 1.19x at 100 MB and 1.32x at 400 MB, where 64 MiB parts
+    # lost (0.72x at 100 MB: a 64 + 36 MiB split keeps two streams busy, not eight)
     multipart_chunk_mb: int = Field(
-        default=64, ge=5, le=5120, description="part size of multipart uploads, in MiB"
+        default=8, ge=5, le=5120, description="part size of multipart uploads, in MiB"
     )
     max_concurrency: int = Field(
         default=8, ge=1, le=64, description="parts uploaded or downloaded at once per file"
