@@ -1,15 +1,23 @@
-"""Run `python -m trainer` in subprocesses and read back what it produced: shared by the e2e tests."""
+"""Run `python -m trainer` in subprocesses and read back what it produced: shared by the e2e tests.
+
+The trainers fork from a fork server (trainer/zygote.py), as the local provider's do by default: a fresh
+`python -m trainer` spends ~2.3 s of CPU in `import torch` and `torch._dynamo` before its first step,
+and these helpers start about a hundred trainers in the suite (most of them references and killed
+attempts). Where no server can start, the trainer starts as a fresh process, as the provider's would.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import yaml
@@ -41,6 +49,58 @@ def write_spec(path: Path, **overrides: Any) -> Path:
     return path
 
 
+class Trainer:
+    """A `python -m trainer ARGS` process, forked or fresh, its output drained by threads (a pipe
+    nobody reads would block a trainer that logs more than 64 KB)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
+        from tasks.providers import fork_server
+
+        try:
+            server = fork_server.server_for(sys.executable, env)
+            self.proc: Any = server.spawn("trainer", args, env, str(cwd))
+        except fork_server.ForkServerUnavailable:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer", *args], cwd=cwd, env=env, text=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+        self.pid: int = self.proc.pid
+        self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._drains = [self._drain(self.proc.stdout, "stdout"), self._drain(self.proc.stderr, "stderr")]
+
+    def _drain(self, pipe: IO[str], name: str) -> threading.Thread:
+        def read() -> None:
+            with pipe:
+                self._out[name].append(pipe.read())
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        return t
+
+    def poll(self) -> int | None:
+        exited = self.proc.exited() if hasattr(self.proc, "exited") else self.proc.poll() is not None
+        return self.proc.wait() if exited else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; past `timeout` the trainer's session is killed and TimeoutExpired raised."""
+        try:
+            rc: int = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        for t in self._drains:
+            t.join()
+        return rc
+
+    def result(self, cmd: list[str], timeout: float | None) -> subprocess.CompletedProcess[str]:
+        rc = self.wait(timeout)
+        out, err = ("".join(self._out[k]) for k in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
 def trainer(
     config: Path,
     storage: str,
@@ -50,10 +110,10 @@ def trainer(
     timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
     """One attempt, to completion or death."""
-    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
-    cmd += ["--metrics", str(workdir / "metrics.jsonl"), "--cache", str(workdir / "cache"), *extra]
+    args = ["--config", str(config), "--storage", storage]
+    args += ["--metrics", str(workdir / "metrics.jsonl"), "--cache", str(workdir / "cache"), *extra]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return Trainer(args, full_env, workdir).result([sys.executable, "-m", "trainer", *args], timeout)
 
 
 def trainer_killed_after(
@@ -70,27 +130,18 @@ def trainer_killed_after(
     signal goes to the whole process group, as a container runtime sends it. Returns the exit code."""
     metrics = workdir / "metrics.jsonl"
     start = _count_lines(metrics)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
-    cmd += ["--metrics", str(metrics), "--cache", str(workdir / "cache")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=group,
+    args = ["--config", str(config), "--storage", storage, "--metrics", str(metrics)]
+    proc = Trainer(
+        [*args, "--cache", str(workdir / "cache")], {**os.environ, "PYTHONPATH": str(REPO)}, workdir
     )
     deadline = time.monotonic() + timeout
     while _count_lines(metrics) - start < lines and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     if proc.poll() is None:
-        if group:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-    proc.wait(timeout=timeout)
-    return proc.returncode
+        # a trainer has its own session (forked ones always do): the group is the trainer's alone
+        with contextlib.suppress(ProcessLookupError):
+            (os.killpg if group else os.kill)(proc.pid, sig)
+    return proc.wait(timeout=timeout)
 
 
 def _count_lines(p: Path) -> int:
