@@ -10,6 +10,8 @@ copy 0.84 GB/s: hashing a 1 GB checkpoint costs ~0.1 s instead of ~0.8 s, on eve
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -34,9 +36,13 @@ def digest_chunks(chunks: Iterable[bytes], algo: str = DIGEST) -> tuple[str, int
 
 
 def digest_file(path: Path, algo: str = DIGEST) -> str:
-    def chunks() -> Iterable[bytes]:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                yield chunk
-
-    return digest_chunks(chunks(), algo)[0]
+    """The file's digest, hashed straight from the page cache through a read-only mapping. read()
+    copied every byte first, and the copy cost 4x the hash: 100 MB in 17 ms read in 4 MiB chunks, 4.3 ms
+    mapped (xxh3-128 on this VM). A file truncated by another program while it is hashed would raise
+    SIGBUS; nothing of spotrun's rewrites a file in place (every write is a temp file and a rename)."""
+    h = new_hasher(algo)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                h.update(m)
+    return str(h.hexdigest())
