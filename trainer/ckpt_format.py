@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save
-
 from trainer.digests import DIGEST, DIGESTS, digest_file, new_hasher
 from trainer.signing import check, manifest_key, signature
 from trainer.stateful import STANDARD, Codec, spec_of, table
 from trainer.storage.local import fsync_dir
+
+# torch and safetensors.torch are imported where a part is read or written: listing, integrity checks and
+# the controller's reads of manifests never need them (`import torch` is ~2 s of a CLI command's start)
 
 # 2: a `layout` (single | sharded) and an xxh3-128 digest per file; 1: single only, SHA-256 (still read)
 FORMAT_VERSION = 2
@@ -101,7 +101,7 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     created_at: float = field(default_factory=time.time)
-    torch_version: str = field(default_factory=lambda: str(torch.__version__))
+    torch_version: str = field(default_factory=lambda: _torch_version())
     layout: str = "single"  # single: one process (model.safetensors, ...); sharded: DCP, one shard per rank
     strategy: str | None = None  # sharded: ddp | fsdp
     signature: str | None = None  # HMAC-SHA256 of the rest, with SPOTRUN_MANIFEST_KEY (trainer/signing.py)
@@ -238,8 +238,12 @@ def write_part(path: Path, codec: Codec, state: Any, step: int) -> FileEntry:
     w = _HashingWriter(path)
     try:
         if codec is Codec.SAFETENSORS:
+            from safetensors.torch import save
+
             w.write(save(state, metadata=model_metadata(step)))
         else:
+            import torch
+
             torch.save({"step": step, "state": state}, w)  # type: ignore[arg-type]
     finally:
         entry = w.close()
@@ -249,6 +253,8 @@ def write_part(path: Path, codec: Codec, state: Any, step: int) -> FileEntry:
 def read_part(path: Path, codec: Codec) -> Any:
     """Load one part's state whole, safely (safetensors, or torch.load weights_only)."""
     if codec is Codec.SAFETENSORS:
+        from safetensors.torch import load_file
+
         return load_file(str(path))
     return load_part(path)["state"]
 
@@ -296,7 +302,15 @@ def _remove_tree(d: Path) -> None:
 
 def load_part(path: Path) -> dict[str, Any]:
     """Load one .pt part safely (weights_only) and return its dict {'step', 'state'}."""
+    import torch
+
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or "step" not in obj or "state" not in obj:
         raise ValueError(f"{path.name} is not a spotrun checkpoint part")
     return obj
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

@@ -11,16 +11,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.catalog import Catalog, Selection, read_marker_step
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
-from trainer.distributed import Ranks
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.spec import JobSpec
 from trainer.stateful import Codec, Registry, reconcile
 from trainer.storage import Storage, put_bytes
 from trainer.validate import Expectation
+
+if TYPE_CHECKING:
+    from trainer.distributed import Ranks  # imports torch.distributed: the controller reads this module too
 
 log = logging.getLogger(__name__)
 

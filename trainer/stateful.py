@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-import torch
-
 from trainer.errors import ConfigError
 from trainer.spec import describe_changes, spec_changes
-from trainer.state import all_finite, iter_tensors
 
+# torch is imported by the functions that touch tensors: the registry's table, its files and a manifest's
+# checks are read by the controller and the CLI too, which never load a tensor
 if TYPE_CHECKING:
+    import torch
+
     from trainer.ckpt_format import Manifest
     from trainer.spec import JobSpec
 
@@ -117,6 +118,8 @@ class Expectation:
 
     @classmethod
     def from_registry(cls, registry: Registry, shape_hash: str | None) -> Expectation:
+        import torch
+
         model, optimizer = registry["model"], registry["optimizer"]
         assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
         return cls.from_parts(unwrap(model), optimizer, shape_hash, registry.files())
@@ -124,6 +127,8 @@ class Expectation:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The recipe's model inside a DDP wrapper (whose state_dict keys gain a `module.` prefix)."""
+    import torch
+
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, torch.nn.Module) else model
 
@@ -133,10 +138,14 @@ Check = Callable[[Any, "Manifest", Expectation | None], list[Finding]]
 
 def check_finite(state: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
     """No NaN/Inf in any tensor of the state: the check every part gets at least."""
+    from trainer.state import all_finite, iter_tensors
+
     return [("content", f"NaN/Inf in {name}") for name, t in iter_tensors(state) if not all_finite(t)]
 
 
 def check_model(state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectation | None) -> list[Finding]:
+    from trainer.state import all_finite
+
     out: list[Finding] = []
     keys = set(state)
     model = expect.model if expect is not None else None
@@ -155,6 +164,10 @@ def check_model(state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectat
 def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         return [("structure", "not an optimizer state_dict")]
+    import torch
+
+    from trainer.state import all_finite
+
     n_params = sum(len(g["params"]) for g in sd["param_groups"])
     shapes = expect.param_shapes if expect is not None else None
     if shapes is not None and n_params != len(shapes):

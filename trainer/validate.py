@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, metadata_step, required_files
 from trainer.digests import digest_file
-from trainer.state import all_finite
 from trainer.stateful import (
     DCP_METADATA,
     Codec,
@@ -37,7 +35,7 @@ from trainer.stateful import (
     spec_of_file,
 )
 
-__all__ = ["Expectation", "Kind", "Problem", "all_finite", "check_integrity", "read_manifest", "validate_dir"]
+__all__ = ["Expectation", "Kind", "Problem", "check_integrity", "read_manifest", "validate_dir"]
 
 
 @dataclass(frozen=True)
@@ -157,12 +155,12 @@ def _open_part(path: Path, codec: Codec) -> Iterator[tuple[int | None, Any]]:
         yield metadata_step(f.metadata()), _LazyTensors(f)
 
 
-class _LazyTensors(Mapping[str, torch.Tensor]):
+class _LazyTensors(Mapping[str, Any]):  # str -> torch.Tensor
     def __init__(self, f: Any) -> None:
         self._f, self._keys = f, list(f.keys())
 
-    def __getitem__(self, k: str) -> torch.Tensor:
-        return self._f.get_tensor(k)  # type: ignore[no-any-return]
+    def __getitem__(self, k: str) -> Any:
+        return self._f.get_tensor(k)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
