@@ -45,8 +45,11 @@ class ResumePoint:
     rejected: tuple[tuple[int, str], ...]  # (step, reasons) of every newer checkpoint passed over
 
 
-def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
-    """Every committed checkpoint under the job's storage, newest first, with its integrity problems."""
+def validate_newest(job: JobSpec, cache: Path) -> list[CheckpointReport]:
+    """The committed checkpoints under the job's storage, newest first, with their integrity problems,
+    down to the first intact one. The resume point's estimate needs no older one, and each check is a
+    fetch of the whole checkpoint into the cache (a download from S3) between two attempts: with
+    `keep: 3` hashing all of them tripled that. An older damaged one is found when it is next in line."""
     catalog = Catalog(open_storage(job.storage, job.s3), cache)
     reports = []
     for step, entry in sorted(catalog.list().items(), reverse=True):
@@ -57,6 +60,8 @@ def validate_all(job: JobSpec, cache: Path) -> list[CheckpointReport]:
         except FileNotFoundError:
             continue  # deleted by retention since the listing: not a candidate either
         reports.append(CheckpointReport(step, tuple(str(p) for p in problems)))
+        if not problems:
+            break
     return reports
 
 
@@ -70,8 +75,9 @@ def choose(reports: list[CheckpointReport], storage_uri: str) -> ResumePoint:
 
 
 def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
-    """Hash every committed checkpoint, quarantine the damaged ones, estimate the next resume point."""
-    reports = validate_all(job, cache)
+    """Hash the newest committed checkpoints down to an intact one, quarantine the damaged ones on the
+    way, estimate the next resume point."""
+    reports = validate_newest(job, cache)
     catalog = Catalog(open_storage(job.storage, job.s3))
     damaged = [r for r in reports if not r.valid]
     for r in damaged:  # the trainer must not resume from a local copy of what storage lost
@@ -79,6 +85,6 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
         sink.log(logging.WARNING, f"checkpoint step {r.step} is damaged in storage, quarantined: {reason}")
         catalog.quarantine(r.step, reason)
     point = choose(reports, job.storage)
-    sink.log(logging.INFO, f"{len(reports) - len(damaged)} checkpoint(s) intact, {len(damaged)} quarantined; "
+    sink.log(logging.INFO, f"{len(damaged)} damaged checkpoint(s) quarantined; "
                            f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip
     return point
