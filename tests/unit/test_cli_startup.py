@@ -60,3 +60,14 @@ def test_checkpoint_commands_that_load_no_tensor_import_no_torch(argv: list[str]
         env={**os.environ, "SPOTRUN_HOME": str(tmp_path / "home")},
     )  # fmt: skip
     assert "'torch'" not in out.stdout.splitlines()[-1], out.stdout + out.stderr
+
+
+def test_a_missing_job_file_is_refused_before_sqlalchemy_or_prefect_load(tmp_path: Path) -> None:
+    """`spotrun run nosuch.yaml` answers its one line in ~0.35 s: the job file is read first (it took
+    1.16 s with SQLAlchemy imported before it)."""
+    code = PROBE.replace('"sklearn")', '"sklearn", "sqlalchemy")')
+    out = subprocess.run(
+        [sys.executable, "-c", code, "run", str(tmp_path / "nosuch.yaml")],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "cannot read job file" in out.stderr and "HEAVY []" in out.stdout, out.stdout + out.stderr
