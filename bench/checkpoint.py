@@ -39,7 +39,6 @@ import os
 import pstats
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ import boto3
 import torch
 from safetensors.torch import load_file
 
+from spotrun.server import free_port
 from trainer import recipes
 from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import MODEL_FILE, sha256_file
@@ -502,12 +502,6 @@ class S3:
 
     def storage(self, prefix: str) -> S3Storage:
         return S3Storage(make_s3_client(self.opts, session=self.session), BUCKET, prefix, self.opts)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -46,6 +46,13 @@ from trainer.storage.local import fsync_dir
 # torch and safetensors.torch are imported where a part is read or written: listing, integrity checks and
 # the controller's reads of manifests never need them (`import torch` is ~2 s of a CLI command's start)
 
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 # 2: a `layout` (single | sharded) and an xxh3-128 digest per file; 1: single only, SHA-256 (still read)
 FORMAT_VERSION = 2
 SINGLE, SHARDED = "single", "sharded"
@@ -101,7 +108,7 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     created_at: float = field(default_factory=time.time)
-    torch_version: str = field(default_factory=lambda: _torch_version())
+    torch_version: str = field(default_factory=_torch_version)
     layout: str = "single"  # single: one process (model.safetensors, ...); sharded: DCP, one shard per rank
     strategy: str | None = None  # sharded: ddp | fsdp
     signature: str | None = None  # HMAC-SHA256 of the rest, with SPOTRUN_MANIFEST_KEY (trainer/signing.py)
@@ -308,9 +315,3 @@ def load_part(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or "step" not in obj or "state" not in obj:
         raise ValueError(f"{path.name} is not a spotrun checkpoint part")
     return obj
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)

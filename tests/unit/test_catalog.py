@@ -94,14 +94,6 @@ def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
     assert Catalog(store).validate(11, None)[1][0].detail == "no such checkpoint"
 
 
-class Lines:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def log(self, level: int, msg: str) -> None:
-        self.lines.append(msg)
-
-
 @pytest.mark.parametrize(
     ("dirs", "checked", "quarantined"),
     [
@@ -116,6 +108,7 @@ def test_the_controller_hashes_down_to_the_newest_intact_checkpoint(
     tmp_path: Path, dirs: dict[int, str], checked: list[int], quarantined: list[int]
 ) -> None:
     from tasks.checkpoints import check_integrity, validate_newest
+    from tasks.control import PlainSink
     from trainer.spec import JobSpec
 
     store = LocalStorage(tmp_path / "store")
@@ -123,7 +116,7 @@ def test_the_controller_hashes_down_to_the_newest_intact_checkpoint(
         _write(store, step, state)
     job = JobSpec(name="j", recipe="digits", total_steps=100, storage=str(tmp_path / "store"))
     assert [r.step for r in validate_newest(job, tmp_path / "cache")] == checked
-    point = check_integrity(job, tmp_path / "cache", Lines())
+    point = check_integrity(job, tmp_path / "cache", PlainSink())
     uncommitted = [s for s, e in sorted(Catalog(store).list().items()) if not e.committed]
     assert [s for s in uncommitted if dirs[s] != "partial"] == quarantined
     intact = [s for s in checked if dirs[s] == "ok"]
