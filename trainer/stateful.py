@@ -133,17 +133,23 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-Check = Callable[[Any, "Manifest", Expectation | None], list[Finding]]
+# (state, manifest, expectation, scan): `scan` is False where the writer recorded the file's tensors
+# as finite (FileEntry.finite): then a check reads shapes and dtypes only, never the values.
+Check = Callable[[Any, "Manifest", Expectation | None, bool], list[Finding]]
 
 
-def check_finite(state: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_finite(state: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     """No NaN/Inf in any tensor of the state: the check every part gets at least."""
     from trainer.state import all_finite, iter_tensors
 
+    if not scan:
+        return []
     return [("content", f"NaN/Inf in {name}") for name, t in iter_tensors(state) if not all_finite(t)]
 
 
-def check_model(state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_model(
+    state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectation | None, scan: bool = True
+) -> list[Finding]:
     from trainer.state import all_finite
 
     out: list[Finding] = []
@@ -152,16 +158,17 @@ def check_model(state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectat
     if model is not None and keys != set(model):
         out.append(("structure", f"keys differ from the recipe's model: {sorted(keys ^ set(model))[:3]}"))
     for k in sorted(keys):
-        t = state[k]  # one tensor at a time: `state` may read lazily from the file
+        t = state[k]  # one tensor at a time: `state` may read lazily from the file (or, not scanning,
+        # hand over only the header's shape and dtype)
         want = model.get(k) if model is not None else None
         if want is not None and (tuple(t.shape), t.dtype) != want:
             out.append(("structure", f"{k}: {tuple(t.shape)} {t.dtype}, expected {want}"))
-        elif not all_finite(t):
+        elif scan and not all_finite(t):
             out.append(("content", f"NaN/Inf in {k}"))
     return out
 
 
-def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         return [("structure", "not an optimizer state_dict")]
     import torch
@@ -179,12 +186,12 @@ def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None) -> list[Fi
                 continue
             if shapes is not None and tuple(t.shape) != shapes[int(idx)]:
                 out.append(("structure", f"param {idx} {name}: {tuple(t.shape)} != {shapes[int(idx)]}"))
-            elif not all_finite(t):
+            elif scan and not all_finite(t):
                 out.append(("content", f"NaN/Inf in param {idx} {name}"))
     return out
 
 
-def check_dcp(md: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_dcp(md: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     """A sharded checkpoint's `.metadata` (global shapes of every tensor, whatever the world size)
     against the recipe's model; the shards themselves are checked by their hashes."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -206,11 +213,11 @@ def check_dcp(md: Any, m: Manifest, expect: Expectation | None) -> list[Finding]
     return out
 
 
-def check_nothing(state: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_nothing(state: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     return []
 
 
-def check_trainer(meta: Any, m: Manifest, expect: Expectation | None) -> list[Finding]:
+def check_trainer(meta: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     if not isinstance(meta, dict) or "spec" not in meta:
         return [("structure", "missing trainer metadata")]
     out: list[Finding] = []
@@ -218,7 +225,7 @@ def check_trainer(meta: Any, m: Manifest, expect: Expectation | None) -> list[Fi
         out.append(("content", "shape hash differs from the manifest's"))
     if expect is not None:
         out += check_compat(meta["spec"], m, expect)
-    return out + check_finite(meta, m, expect)
+    return out + check_finite(meta, m, expect, scan)
 
 
 def check_compat(saved: Mapping[str, Any], m: Manifest, expect: Expectation) -> list[Finding]:
