@@ -170,27 +170,17 @@ class _Described:
     dtype: Any  # torch.dtype
 
 
-# safetensors' dtype names -> torch's (safetensors/src/tensor.rs); a name not here is read whole
-_ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
-
-
 class _LazyTensors(Mapping[str, Any]):  # str -> torch.Tensor, or _Described when not reading values
     def __init__(self, f: Any, values: bool = True) -> None:
         self._f, self._keys, self._values = f, list(f.keys()), values
 
     def __getitem__(self, k: str) -> Any:
         if not self._values:
-            import torch
-
             part = self._f.get_slice(k)
-            dtype = getattr(torch, _ST_DTYPES.get(part.get_dtype(), ""), None)
-            if isinstance(dtype, torch.dtype):
-                return _Described(tuple(part.get_shape()), dtype)
-        return self._f.get_tensor(k)
+            shape = tuple(part.get_shape())
+            if shape:  # an empty slice reads no value and carries safetensors' own dtype mapping
+                return _Described(shape, part[0:0].dtype)
+        return self._f.get_tensor(k)  # a 0-dim tensor cannot be sliced: read whole (one value)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
