@@ -15,7 +15,6 @@ from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError
 from trainer.storage.base import CHUNK, ObjectInfo
-from trainer.storage.direct import copy_direct, iter_direct
 
 TMP_MARK = ".spotrun-tmp-"
 # `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
@@ -39,25 +38,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-DIRECT_READ_MIN = 1 << 20  # smaller objects (latest, manifests, the lease) are read through the cache
-
-
-def copy_durable(src: Path, dst: Path, direct: bool = False) -> None:
-    """Copy to a temp name beside dst, fsync, rename, fsync the directory: dst is whole or absent.
-    direct: written around the page cache (storage/direct.py), for uploads that run beside training;
-    else a kernel-side copy into the cache (downloads: what is read next should be cached)."""
+def copy_durable(src: Path, dst: Path) -> None:
+    """Copy to a temp name beside dst, fsync, rename, fsync the directory: dst is whole or absent."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
     try:
-        if direct:
-            copy_direct(src, tmp)
-        else:
-            shutil.copyfile(src, tmp)  # kernel-side copy (sendfile): no user-space buffer
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        shutil.copyfile(src, tmp)  # kernel-side copy (sendfile): no user-space buffer, little CPU
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -101,7 +92,7 @@ class LocalStorage:
 
     def put(self, key: str, src: Path) -> None:
         with self._writing(f"write {key}"):
-            copy_durable(Path(src), self._path(key), direct=True)
+            copy_durable(Path(src), self._path(key))
 
     def get(self, key: str, dst: Path) -> None:
         p = self._path(key)
@@ -218,9 +209,6 @@ def _locked(lock: Path) -> Iterator[None]:
 
 
 def _iter_file(p: Path) -> Iterator[bytes]:
-    if p.stat().st_size >= DIRECT_READ_MIN:  # a checkpoint's file: read back from the disk itself
-        yield from iter_direct(p, CHUNK * 4)
-        return
     with open(p, "rb") as f:
         while chunk := f.read(CHUNK * 4):
             yield chunk
