@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,9 @@ class Checkpointer(BackgroundSaver):
             assert self._shared is not None
             snap = self._shared.snapshot(state)
             timings = SaveTimings(step, snapshot_s=self._shared.last_seconds)
-            persist: Callable[..., None] = self._persist_remote
+            persist: Callable[..., None] = partial(
+                self._persist_remote, background=self.background and not wait
+            )
         else:
             snap = self.snapshotter.snapshot(state)
             timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
@@ -222,9 +225,12 @@ class Checkpointer(BackgroundSaver):
         )
         return True
 
-    def _persist_remote(self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings) -> None:
+    def _persist_remote(
+        self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings, background: bool
+    ) -> None:
         assert self._proc is not None and self._shared is not None and self._shared.arena is not None
-        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base, sidecars)
+        arena = self._shared.arena.fd
+        done = self._proc.persist(snap, arena, self._shared.generation, base, sidecars, background)
         t.write_s, t.upload_s, t.verify_s, t.nbytes = done.write_s, done.upload_s, done.verify_s, done.nbytes
         self._record(done.step, t, done.sidecars_written, where="writer process")
 
