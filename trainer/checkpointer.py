@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -187,9 +186,7 @@ class Checkpointer(BackgroundSaver):
             assert self._shared is not None
             snap = self._shared.snapshot(state)
             timings = SaveTimings(step, snapshot_s=self._shared.last_seconds)
-            persist: Callable[..., None] = partial(
-                self._persist_remote, background=self.background and not wait
-            )
+            persist: Callable[..., None] = self._persist_remote
         else:
             snap = self.snapshotter.snapshot(state)
             timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
@@ -225,12 +222,9 @@ class Checkpointer(BackgroundSaver):
         )
         return True
 
-    def _persist_remote(
-        self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings, background: bool
-    ) -> None:
+    def _persist_remote(self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings) -> None:
         assert self._proc is not None and self._shared is not None and self._shared.arena is not None
-        arena = self._shared.arena.fd
-        done = self._proc.persist(snap, arena, self._shared.generation, base, sidecars, background)
+        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base, sidecars)
         t.write_s, t.upload_s, t.verify_s, t.nbytes = done.write_s, done.upload_s, done.verify_s, done.nbytes
         self._record(done.step, t, done.sidecars_written, where="writer process")
 

@@ -64,9 +64,6 @@ class Job:
     structure: Any  # Registry.capture() with a shm.Slot per tensor
     base: dict[str, Any]  # the manifest's fields but files
     sidecars: dict[str, bytes]  # written before the manifest (checkpointer.put_sidecars)
-    # beside training: files written around the page cache (trainer/storage/direct.py), the kernel's
-    # CPU left to the loop; False (the loop waits, as at a notice): through the cache, sooner durable
-    background: bool = True
 
 
 @dataclass(frozen=True)
@@ -128,20 +125,14 @@ class WriterProcess:
         self.conn.send(Init(opener, lease_token, cache, keep, level))
 
     def persist(
-        self,
-        structure: Any,
-        arena_fd: int,
-        generation: int,
-        base: dict[str, Any],
-        sidecars: dict[str, bytes],
-        background: bool = True,
+        self, structure: Any, arena_fd: int, generation: int, base: dict[str, Any], sidecars: dict[str, bytes]
     ) -> Done:
         try:
             if generation != self.generation:
                 self.conn.send(("arena", os.fstat(arena_fd).st_size))
                 send_handle(self.conn, arena_fd, self.proc.pid)
                 self.generation = generation
-            self.conn.send(Job(structure, base, sidecars, background))
+            self.conn.send(Job(structure, base, sidecars))
             reply = self.conn.recv()
         except (EOFError, OSError) as e:
             raise CheckpointError(f"the checkpoint writer process died ({self._how()})") from e
@@ -183,7 +174,6 @@ class _Writer:
         from trainer.lease import FencedStorage, LeaseView
 
         storage = init.opener()
-        self.local = storage if isinstance(storage, LocalStorage) else None  # direct writes: per job
         if init.lease_token is not None:
             storage = FencedStorage(storage, LeaseView(storage, init.lease_token))
         self.storage, self.cache, self.keep = storage, init.cache, init.keep
@@ -205,10 +195,8 @@ class _Writer:
         if self.buf is None:
             raise CheckpointError("a job came before its arena")
         snap = rebuild(job.structure, self.buf)
-        if self.local is not None:
-            self.local.direct_writes = job.background
         t0 = time.perf_counter()
-        local, manifest = write_checkpoint_dir(self.cache, snap, job.base, direct=job.background)
+        local, manifest = write_checkpoint_dir(self.cache, snap, job.base)
         del snap  # the views of the arena: released before it may be replaced
         t1 = time.perf_counter()
         written = upload(self.storage, local, manifest, job.sidecars)

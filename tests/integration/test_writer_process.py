@@ -108,30 +108,6 @@ def test_the_process_writes_what_the_thread_writes(tmp_path: Path, writer: Any) 
     assert writer_proc.poll() is not None
 
 
-def test_background_and_waited_saves_store_the_same_bytes(tmp_path: Path, writer: Any) -> None:
-    """A save beside training is written around the page cache, one the loop waits for through it
-    (trainer/storage/direct.py): the files, digests and read-back are the same either way."""
-    quiet, waited = LocalStorage(tmp_path / "quiet"), LocalStorage(tmp_path / "waited")
-    a, b = writer(quiet), writer(waited)
-    b.save(make_state(5, width=200), base(5))  # starts b's writer process; a waited save then goes there
-    b.wait()
-    state = make_state(10, width=200)  # ~330 KB of weights: several 8 MiB-staged blocks' worth of tails
-    a.save(state, base(10))
-    a.wait()
-    b.save(state, base(10), wait=True)
-    assert a.uses_process and b.uses_process and (a.durable_step, b.durable_step) == (10, 10)
-    files = [
-        Manifest.from_json((s.root / step_dir(10) / MANIFEST).read_bytes()).files for s in (quiet, waited)
-    ]
-    assert {f: (e.size, e.digest) for f, e in files[0].items()} == {
-        f: (e.size, e.digest) for f, e in files[1].items()
-    }
-    for f, e in files[0].items():
-        assert (quiet.root / step_dir(10) / f).stat().st_size == e.size
-    assert validate_dir(quiet.root / step_dir(10), integrity_only=True) == []
-    assert_same(loaded(quiet, 10), loaded(waited, 10))
-
-
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_a_checkpoints_metrics_are_stored_before_its_manifest(tmp_path: Path, writer: Any, kind: str) -> None:
     """A committed checkpoint always has its steps' metrics: a kill after the manifest cannot lose them."""

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError
 from trainer.storage.base import CHUNK, ObjectInfo
-from trainer.storage.direct import copy_direct, iter_direct
 
 TMP_MARK = ".spotrun-tmp-"
 # `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
@@ -39,24 +38,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-DIRECT_READ_MIN = 1 << 20  # smaller objects (latest, manifests, the lease) are read through the cache
-
-
-def copy_durable(src: Path, dst: Path, direct: bool = False) -> None:
-    """Copy to a temp name beside dst, fsync, rename, fsync the directory: dst is whole or absent.
-    direct: read and written around the page cache (trainer/storage/direct.py)."""
+def copy_durable(src: Path, dst: Path) -> None:
+    """Copy to a temp name beside dst, fsync, rename, fsync the directory: dst is whole or absent."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
     try:
-        if direct:
-            copy_direct(src, tmp)
-        else:
-            shutil.copyfile(src, tmp)  # kernel-side copy (sendfile): no user-space buffer
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        shutil.copyfile(src, tmp)  # kernel-side copy (sendfile): no user-space buffer, little CPU
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -70,9 +62,6 @@ class LocalStorage:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().resolve()
         self.uri = str(self.root)
-        # puts written, and large objects read back, around the page cache (trainer/storage/direct.py):
-        # set by the writer process for the saves that run beside training
-        self.direct_writes = False
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"storage {self.root} is a file, not a directory: point storage at a directory")
         try:
@@ -103,7 +92,7 @@ class LocalStorage:
 
     def put(self, key: str, src: Path) -> None:
         with self._writing(f"write {key}"):
-            copy_durable(Path(src), self._path(key), direct=self.direct_writes)
+            copy_durable(Path(src), self._path(key))
 
     def get(self, key: str, dst: Path) -> None:
         p = self._path(key)
@@ -115,7 +104,7 @@ class LocalStorage:
         p = self._path(key)
         if not p.is_file():
             raise FileNotFoundError(f"{self.uri}/{key}")
-        return _iter_file(p, direct=self.direct_writes)
+        return _iter_file(p)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out = []
@@ -219,10 +208,7 @@ def _locked(lock: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _iter_file(p: Path, direct: bool = False) -> Iterator[bytes]:
-    if direct and p.stat().st_size >= DIRECT_READ_MIN:  # what was written around the cache: the disk's
-        yield from iter_direct(p, CHUNK * 4)
-        return
+def _iter_file(p: Path) -> Iterator[bytes]:
     with open(p, "rb") as f:
         while chunk := f.read(CHUNK * 4):
             yield chunk
