@@ -93,22 +93,22 @@ def _counted(fn: Callable[..., Any], phase: str, entries: dict[str, int], kill: 
 def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Callable[..., Any]:
     calls = [0]
 
-    def write_checkpoint_dir(parent: Path, snap: dict[str, Any], base: dict[str, Any], **kw: Any) -> Any:
+    def write_checkpoint_dir(parent: Path, snap: dict[str, Any], base: dict[str, Any]) -> Any:
         calls[0] += 1
         if calls[0] != nth:
-            return real(parent, snap, base, **kw)
+            return real(parent, snap, base)
         if code == errno.ENOSPC:
             orig = fmt.write_part
 
-            def full(path: Path, *args: Any, **kwargs: Any) -> Any:
+            def full(path: Path, *args: Any) -> Any:
                 if not path.name.startswith("optimizer"):
-                    return orig(path, *args, **kwargs)  # the weights fit
+                    return orig(path, *args)  # the weights fit
                 path.write_bytes(b"\0" * 512)  # what fit before the disk filled up
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
             fmt.write_part = full
             try:
-                return real(parent, snap, base, **kw)
+                return real(parent, snap, base)
             finally:
                 fmt.write_part = orig
         orig_fsync = fmt._fsync_file
@@ -118,7 +118,7 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
         fmt._fsync_file = failing
         try:
-            return real(parent, snap, base, **kw)
+            return real(parent, snap, base)
         finally:
             fmt._fsync_file = orig_fsync
 

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that sleep while they wait, as spotrun's workers run (tasks/providers/local.py sets it
-# for every trainer): set before torch loads OpenMP. With GOMP's default (threads spin at each barrier
-# before they sleep), any other runnable process on a 2-core machine stretched the charlm step ~10x
-# (300 ms -> 3.7 s beside a nice-19 busy loop; 1.6x with PASSIVE, measured), and (b) measured that
-# spinning instead of the checkpoint. OMP_WAIT_POLICY=ACTIVE in the environment measures the other case.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from tasks.providers.local import OMP_WAIT  # imports no torch
+
+# OpenMP threads that sleep while they wait, as the local provider runs every trainer: set before torch
+# loads OpenMP. With GOMP's default (threads spin at each barrier before they sleep), any other runnable
+# process on a 2-core machine stretched the charlm step ~10x (300 ms -> 3.7 s beside a nice-19 busy
+# loop; 1.6x with PASSIVE, measured), and (b) measured that spinning instead of the checkpoint.
+# OMP_WAIT_POLICY=ACTIVE in the environment measures the other case.
+os.environ.update({**OMP_WAIT, **os.environ})  # defaults: what the environment sets wins
 
 import argparse
 import cProfile

@@ -470,9 +470,9 @@ def summarize(
     )
     forked = [p["cold_start_s"] for p in ps]  # each run's first attempt: forked, nothing to load
     recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
-    rec = median(recoveries)
+    rec, forked_s = median(recoveries), statistics.median(forked)
     ratio = rec / cold_process_s if rec is not None else None
-    vs_forked = rec / statistics.median(forked) if rec is not None else None
+    vs_forked = rec / forked_s if rec is not None else None
     with_notice = ", ".join(fmt(r["recovery_s"]) for r in rows if r["notice"]) or "-"
     without = ", ".join(fmt(r["recovery_s"]) for r in rows if r["notice"] is False) or "-"
     say(
@@ -480,7 +480,7 @@ def summarize(
         f"a fresh process, provision -> first step) {cold_process_s:.2f}s = {fmt(ratio, 'x')} "
         f"{verdict(ratio is not None and ratio <= GOAL_RATIO)} (<= {GOAL_RATIO:g}x); with notice "
         f"{with_notice}, without {without}; against the runs' forked first starts (median "
-        f"{statistics.median(forked):.2f}s, nothing to load): {fmt(vs_forked, 'x')}"
+        f"{forked_s:.2f}s, nothing to load): {fmt(vs_forked, 'x')}"
     )
     notice = [r["recovery_with_notice_s"] for r in rows if r.get("recovery_with_notice_s") is not None]
     say(
