@@ -1,5 +1,6 @@
-"""Ranks under torchrun (gloo on CPU): DDP and FSDP2 survive a killed rank and a SIGTERM through the
-flow bitwise; one rank's SIGTERM stops all; a damaged shard is passed over; checkpoints reshard."""
+"""Ranks under torchrun (gloo on CPU): FSDP2 survives a killed rank and a SIGTERM through the flow
+bitwise, DDP a killed rank; one rank's SIGTERM stops all; a damaged shard is passed over; checkpoints
+reshard."""
 
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def _reference(work: Path, base: dict[str, Any]) -> Path:
     return work
 
 
-@pytest.mark.parametrize("base", [DDP, FSDP], ids=["ddp", "fsdp"])
+# FSDP2 through the flow; DDP below, as two trainer attempts without the flow: the rank bookkeeping
+# (launch.combine, the forwarded SIGTERM) is the same for both, and the DDP flow variant cost the suite
+# 120 s of its 2 cores (measured 2026-12-03) for nothing the trainer-level check misses.
+@pytest.mark.parametrize("base", [FSDP], ids=["fsdp"])
 def test_killed_rank_then_notice_through_the_flow_resume_bitwise(
     prefect_api: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: dict[str, Any]
 ) -> None:
@@ -108,6 +112,20 @@ def test_killed_rank_then_notice_through_the_flow_resume_bitwise(
     assert_sharded_equal(final, ref / "store" / step_dir(spec.total_steps), tmp_path)
     worker_metrics = next((tmp_path / "local").glob("*/metrics.jsonl"))
     assert _losses_at(worker_metrics) == losses(ref) and len(losses(ref)) == spec.total_steps
+
+
+def test_ddp_killed_rank_resumes_bitwise(tmp_path: Path) -> None:
+    base = {**DDP, "total_steps": 60}
+    ref = _reference(tmp_path / "reference", base)
+    spec, store = _spec(tmp_path / "job.yaml", base), tmp_path / "store"
+    r = trainer(spec, str(store), tmp_path, "--inject-fault", "sigkill@33:1")
+    assert r.returncode == ExitCode.CRASHED, r.stderr[-3000:]
+    r = trainer(spec, str(store), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (started,) = _records(r.stdout, "started")
+    assert started["resumed_from"] in (20, 30), started  # 30 unless its upload was cut short
+    assert_sharded_equal(store / step_dir(60), ref / "store" / step_dir(60), tmp_path)
+    assert losses(tmp_path) == losses(ref) and len(losses(ref)) == 60
 
 
 def _losses_at(path: Path) -> dict[int, str]:
