@@ -22,3 +22,23 @@ def wait_gone(pid: int, timeout: float = 15) -> bool:
     while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return gone(pid)
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc (whatever session or group each put itself in)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out

@@ -175,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     if env.ranks is not None:
         die_with_agent()
     who = f"rank {env.rank} " if env.ranks is not None else ""
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(  # a forked rank replaces the handler it inherited from its worker
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s", stream=sys.stderr,
+        force=env.ranks is not None,
+    )  # fmt: skip
     stop = StopRequest()
     install_signal_handlers(stop)
     # ranks: only rank 0 speaks (the launcher relays it), and the launcher writes the exit record
@@ -283,7 +284,8 @@ def _run(
 
     if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
         launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls this worker
-        return launch(spec.distributed, argv, spec.threads, launcher_id, reporter, stop)
+        on_cpu = _device(spec).type == "cpu"  # ranks on CPU fork from here (trainer/launch.py)
+        return launch(spec.distributed, argv, spec.threads, launcher_id, reporter, stop, fork=on_cpu)
     if env.ranks is not None:
         assert spec.distributed is not None
         opts.ranks = Ranks.start(spec.distributed, env.ranks, _device(spec).type)

@@ -13,6 +13,14 @@ SIGTERM reaches it once, from here, and it forwards it to every rank (0.02-0.15 
 torchrun starts each rank in a new session, out of reach of a session-wide SIGKILL; each rank
 therefore asks the kernel for SIGKILL when torchrun dies (`die_with_agent`), and torchrun gets the
 same when this process dies: no rank outlives its worker.
+
+Start-up: on CPU (gloo) torchrun and its ranks are forked from this process, which has imported torch
+and the training stack already, instead of started as fresh interpreters: the agent runs torchrun's own
+CLI with `--run-path trainer/rank.py --start-method fork`, after importing torch._dynamo once for all the
+ranks. A fresh agent and two fresh ranks spent ~8 s of CPU in imports before the first step (torch
+1.9 s and torch._dynamo 1.25 s each, on a 2-core VM), which every reclaim paid again. On CUDA the ranks
+stay fresh processes: a process may not use CUDA after a fork from one that initialized it, and
+`device: auto` asks CUDA whether it is there. SPOTRUN_RANK_START=exec forces fresh processes anywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from trainer.exitcodes import ExitCode
 from trainer.parent_death import arm_pdeathsig
@@ -45,6 +53,7 @@ RANK_EXITS = "SPOTRUN_RANK_EXITS"  # where ranks leave their exit codes (set by 
 LAUNCHER_ID = "SPOTRUN_LAUNCHER_ID"  # the worker's identity, for rank 0's storage lease
 NODE_RANK = "SPOTRUN_NODE_RANK"  # multi-node: this machine's index (the provider sets it)
 MASTER_ADDR = "SPOTRUN_MASTER_ADDR"  # multi-node: the first machine's address
+RANK_START = "SPOTRUN_RANK_START"  # "exec": fresh rank processes even on CPU (what CUDA jobs get)
 
 # A rank's own verdict outranks a peer's crash: a rank that cannot load the checkpoint, or finds the
 # lease held, ends the attempt with that reason, while its peers only see their collectives break.
@@ -151,24 +160,32 @@ def launch(
     launcher_id: str,
     reporter: StatusReporter,
     stop: StopRequest,
+    fork: bool = False,
 ) -> tuple[ExitCode, str]:
-    """Run this machine's ranks to the end; returns the combined exit code and error line."""
+    """Run this machine's ranks to the end; returns the combined exit code and error line. With `fork`
+    (the ranks train on CPU) torchrun and its ranks are forked from this process."""
     nproc = resolve_nproc(opts)
     world = nproc * opts.nnodes
     mine = [node_rank(os.environ) * nproc + local for local in range(nproc)]  # static rendezvous
     exits = Path(tempfile.mkdtemp(prefix="spotrun-ranks-"))
-    cmd = [sys.executable, "-m", "trainer.agent", *torchrun_args(opts, nproc, os.environ)]
-    cmd += ["-m", "trainer", *argv]
     env = {k: v for k, v in os.environ.items() if k != "SPOTRUN_WORKER_ID"}  # the heartbeat is ours
     # torchrun pins OMP_NUM_THREADS=1 unless it is set; the thread count is part of exactness
     env |= {RANK_EXITS: str(exits), LAUNCHER_ID: launcher_id, "OMP_NUM_THREADS": str(threads or 1)}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    log.info("launching %d rank(s) on this machine (world size %d): %s", nproc, world, " ".join(cmd[1:4]))
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, errors="replace", env=env,
-        process_group=0, preexec_fn=arm_pdeathsig,
-    )  # fmt: skip
-    previous = _forward_signals(proc, stop)
+    torchrun = torchrun_args(opts, nproc, os.environ)
+    forked = fork and os.environ.get(RANK_START, "fork") != "exec"
+    how = "forked" if forked else "fresh"
+    log.info("launching %d %s rank(s) on this machine (world size %d)", nproc, how, world)
+    proc: subprocess.Popen[str] | ForkedAgent
+    if forked:
+        proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env)
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.agent", *torchrun, "-m", "trainer", *argv],
+            stdout=subprocess.PIPE, text=True, errors="replace", env=env,
+            process_group=0, preexec_fn=arm_pdeathsig,
+        )  # fmt: skip
+    previous = _forward_signals(proc.pid, stop)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -198,13 +215,13 @@ def launch(
     return code, error
 
 
-def _forward_signals(proc: subprocess.Popen[str], stop: StopRequest) -> dict[int, Any]:
+def _forward_signals(pid: int, stop: StopRequest) -> dict[int, Any]:
     """SIGTERM/SIGINT here -> the same signal to torchrun (its own process group), once each."""
 
     def forward(signum: int, frame: FrameType | None) -> None:
         stop.notice(signal.Signals(signum).name)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signum)
+            os.kill(pid, signum)
 
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -221,3 +238,68 @@ def die_with_agent() -> None:
     arm_pdeathsig()
     if os.getppid() != parent:
         os._exit(int(ExitCode.CRASHED))
+
+
+RANK_SCRIPT = str(Path(__file__).with_name("rank.py"))
+FORK_ARGS = ("--start-method=fork", "--run-path")
+
+
+class ForkedAgent:
+    """torchrun forked from this process (the launcher's side): its pid, its stdout, its exit code.
+
+    The child takes its own process group (a provider's signal to the worker's group reaches torchrun
+    once, from here, as for a fresh agent), SIGKILL on this process's death, the ranks' environment,
+    stdout into a pipe and default signal handlers, then runs torchrun's CLI; it never returns."""
+
+    def __init__(self, pid: int, stdout: IO[str]) -> None:
+        self.pid, self.stdout = pid, stdout
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, args: list[str], env: Mapping[str, str]) -> ForkedAgent:
+        r, w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # what is buffered now would be written twice
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child; measured through the distributed tests
+            code = 1
+            try:
+                os.close(r)
+                os.setpgid(0, 0)
+                arm_pdeathsig()
+                if os.getppid() != parent:
+                    os._exit(int(ExitCode.CRASHED))
+                os.dup2(w, 1)
+                os.close(w)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.environ.clear()
+                os.environ.update(env)
+                from trainer.agent import run_forked
+
+                code = run_forked(args)
+            except BaseException:  # the child's boundary: say why, never return into the parent's stack
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        os.close(w)
+        return cls(pid, os.fdopen(r, "r", errors="replace"))
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        self.stdout.close()
+        return self.returncode

@@ -1,11 +1,14 @@
 """Ranks under torchrun (gloo on CPU): FSDP2 survives a killed rank and a SIGTERM through the flow
 bitwise, DDP a killed rank; one rank's SIGTERM stops all; a damaged shard is passed over; checkpoints
-reshard."""
+reshard; no rank outlives its worker, forked or fresh."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,11 @@ from tasks.history import HistoryStore
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
-from tests.trainer_runs import assert_sharded_equal, losses, trainer
+from tests.procs import descendants, wait_gone
+from tests.trainer_runs import REPO, Trainer, _count_lines, assert_sharded_equal, losses, trainer
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir
 from trainer.exitcodes import ExitCode
+from trainer.launch import RANK_START
 from trainer.spec import JobSpec
 
 DDP: dict[str, Any] = {
@@ -217,3 +222,25 @@ def test_other_world_size_without_allow_reshard_is_refused(
     assert "allow_reshard" in exit_rec["error"] and "Traceback" not in r.stderr
     after = sorted(str(p.relative_to(mine)) for p in mine.rglob("*") if p.name != "_lease.json")
     assert [p for p in before if p != "_lease.json"] == after
+
+
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_ranks_die_with_their_worker(tmp_path: Path, start: str) -> None:
+    """A worker SIGKILLed alone (its group and session spared) takes torchrun and every rank with it:
+    ranks forked from the worker (CPU jobs) and fresh ones (what CUDA jobs get) alike. The fresh path
+    trains here too, so a GPU user's launch is not left untested."""
+    spec = _spec(tmp_path / "job.yaml", DDP, total_steps=100_000)
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--config", str(spec), "--storage", str(tmp_path / "store"), "--metrics", str(metrics)]
+    args += ["--cache", str(tmp_path / "cache")]
+    worker = Trainer(args, {**os.environ, "PYTHONPATH": str(REPO), RANK_START: start}, tmp_path)
+    deadline = time.monotonic() + 120
+    while _count_lines(metrics) < 12:  # past the first checkpoint: the writer has started too
+        assert worker.poll() is None and time.monotonic() < deadline, "the ranks did not train"
+        time.sleep(0.05)
+    below = descendants(worker.pid)
+    assert len(below) >= 3, below  # torchrun and two ranks
+    os.kill(worker.pid, signal.SIGKILL)
+    assert [pid for pid in below if not wait_gone(pid)] == []
+    err = worker.result([], timeout=30).stderr
+    assert f"launching 2 {'forked' if start == 'fork' else 'fresh'} rank(s)" in err, err[-2000:]

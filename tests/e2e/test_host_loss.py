@@ -32,6 +32,7 @@ from tasks.history import HistoryStore
 from tasks.recovery import JOB_CRASHED, RESTART_TAG, job_tag
 from tests.e2e.test_flow import job, reference_dir
 from tests.prefect_server import PrefectServer
+from tests.procs import descendants
 from tests.trainer_runs import assert_states_equal
 from trainer.ckpt_format import MANIFEST, step_dir
 
@@ -80,26 +81,6 @@ class Serve:
             except subprocess.TimeoutExpired:
                 for pid in [*descendants(self.proc.pid), self.proc.pid]:
                     os.kill(pid, signal.SIGKILL)
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below `root`, from /proc (whatever session or group each put itself in)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def wait_for(what: str, probe: Any, timeout_s: float = PATIENCE_S) -> Any:
