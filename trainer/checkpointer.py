@@ -15,6 +15,7 @@ reaches the loop as itself, so the exit code says "someone else writes here" rat
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import os
@@ -76,7 +77,7 @@ class BackgroundSaver:
         self.durable_step = durable_step
         self.on_durable = on_durable
         self.history: list[SaveTimings] = []
-        self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # the in-flight save's, set when it ends
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -91,9 +92,9 @@ class BackgroundSaver:
 
     def wait(self) -> None:
         """Block until the in-flight checkpoint is durable (or failed: then raise)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._done is not None:
+            self._done.wait()
+            self._done = None
         self.check()
 
     def bandwidth(self, recent: int = 3) -> tuple[float, float] | None:
@@ -110,7 +111,7 @@ class BackgroundSaver:
 
     @property
     def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._done is not None and not self._done.is_set()
 
     def close(self) -> None:
         """Release what the saver holds beyond the attempt (buffers of a stager)."""
@@ -121,13 +122,19 @@ class BackgroundSaver:
         """Run `persist(*args)` in the writer thread (at a lower priority unless not `nice`: then
         `persist` lowers it itself when it may), or here (then raise its failure at once)."""
         if background:
-            self._thread = threading.Thread(
-                target=self._guarded, args=(persist, nice, *args), name="spotrun-ckpt", daemon=True
-            )
-            self._thread.start()
+            # A bare thread: threading.Thread.start() waits until the new thread runs, which took 0.8 ms
+            # of a 13 ms stall on 2 busy cores (measured); this one ends like a daemon thread.
+            self._done = done = threading.Event()
+            _thread.start_new_thread(self._run_job, (done, persist, nice, *args))
         else:
             self._guarded(persist, False, *args)
             self.check()
+
+    def _run_job(self, done: threading.Event, persist: Callable[..., None], nice: bool, *args: Any) -> None:
+        try:
+            self._guarded(persist, nice, *args)
+        finally:
+            done.set()
 
     def _guarded(self, persist: Callable[..., None], nice: bool, *args: Any) -> None:
         if nice and threading.current_thread() is not threading.main_thread():

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.data import EpochSampler, ResumableLoader, sample_generator
-from trainer.state import Snapshotter, capture_rng, restore_rng
+from trainer.shm import SharedSnapshotter, rebuild
+from trainer.state import Snapshotter, capture_rng, host_copy, restore_rng
 
 
 class Noisy(Dataset[torch.Tensor]):
@@ -101,6 +102,49 @@ def test_snapshot_is_a_copy_into_reused_buffers() -> None:
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
     assert torch.equal(second["model"]["w"], torch.full((3,), 2.0))
     assert second["meta"]["step"] == 1 and snap.nbytes == 5 * 4
+
+
+SOURCES = {
+    "contiguous float32": lambda: torch.arange(12.0).reshape(3, 4),
+    "bfloat16": lambda: torch.arange(12.0).to(torch.bfloat16).reshape(3, 4),
+    "int64 step counter": lambda: torch.tensor(7),
+    "empty": lambda: torch.empty(0, 4),
+    "transposed view (strided)": lambda: torch.arange(12.0).reshape(4, 3).t(),
+    "offset view": lambda: torch.arange(20.0)[4:16].reshape(3, 4),
+    "parameter": lambda: torch.nn.Parameter(torch.arange(12.0).reshape(3, 4)).detach(),
+    "lazy conjugate": lambda: torch.complex(torch.arange(6.0), torch.ones(6)).conj(),
+}
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_host_copy_equals_copy_for_every_kind_of_source(name: str) -> None:
+    src = SOURCES[name]()
+    dst = torch.full(src.shape, -1, dtype=src.dtype)
+    host_copy(dst, src)
+    assert torch.equal(dst, src.resolve_neg().resolve_conj())
+
+
+def test_the_arena_takes_a_new_layout_when_the_state_changes_shape() -> None:
+    """The layout is checked as the tensors are copied: a new, a missing or a resized tensor moves the
+    snapshot to a new arena, with every value right."""
+    snap = SharedSnapshotter()
+    try:
+        states = [
+            {"w": torch.ones(3), "opt": [torch.zeros(2)]},
+            {"w": torch.full((3,), 2.0), "opt": [torch.ones(2)]},  # same layout: same arena
+            {"w": torch.full((4,), 3.0), "opt": [torch.ones(2)]},  # resized
+            {"w": torch.full((4,), 4.0), "opt": [torch.ones(2), torch.ones(1)]},  # grown
+            {"w": torch.full((4,), 5.0), "opt": []},  # shrunk
+        ]
+        generations = []
+        for state in states:
+            out = rebuild(snap.snapshot(state), snap.arena.buf if snap.arena else None)
+            generations.append(snap.generation)
+            assert torch.equal(out["w"], state["w"]) and len(out["opt"]) == len(state["opt"])
+            assert all(torch.equal(a, b) for a, b in zip(out["opt"], state["opt"], strict=True))
+        assert generations == [1, 1, 2, 3, 4]
+    finally:
+        snap.close()
 
 
 def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
