@@ -35,7 +35,8 @@ from trainer.launch import (
     RANK_EXITS,
     RankExit,
     die_with_agent,
-    launch,
+    relay,
+    start_ranks,
     under_torchrun,
     write_rank_exit,
 )
@@ -273,6 +274,12 @@ def _run(
     )
     _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank
     storage = open_storage(uri, spec.s3)
+    launched = None
+    if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
+        # before the heartbeat's thread: torchrun forks from here on CPU (trainer/launch.py)
+        launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls this worker
+        on_cpu = _device(spec).type == "cpu"
+        launched = start_ranks(spec.distributed, argv, spec.threads, launcher_id, stop, fork=on_cpu)
     if env.worker_id is not None:
         heartbeat = HeartbeatWriter(storage, env.worker_id)
         reporter.subscribe(heartbeat)
@@ -282,10 +289,8 @@ def _run(
     def on_notice(n: Notice) -> None:
         reporter.emit("notice", **n.record())
 
-    if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
-        launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls this worker
-        on_cpu = _device(spec).type == "cpu"  # ranks on CPU fork from here (trainer/launch.py)
-        return launch(spec.distributed, argv, spec.threads, launcher_id, reporter, stop, fork=on_cpu)
+    if launched is not None:
+        return relay(launched, reporter)
     if env.ranks is not None:
         assert spec.distributed is not None
         opts.ranks = Ranks.start(spec.distributed, env.ranks, _device(spec).type)

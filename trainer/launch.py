@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,17 +154,38 @@ def torchrun_args(opts: DistributedOptions, nproc: int, env: Mapping[str, str]) 
     ]  # fmt: skip
 
 
-def launch(
+def fork_ranks(on_cpu: bool, env: Mapping[str, str], threads: Sequence[str]) -> tuple[bool, str]:
+    """Whether torchrun and its ranks fork from this process, and why not where a fork was wanted."""
+    if not on_cpu or env.get(RANK_START, "fork") == "exec":
+        return False, ""
+    if threads:
+        return False, f"threads running ({', '.join(threads)})"
+    return True, ""
+
+
+@dataclass
+class Launched:
+    """This machine's ranks, started: torchrun's process and what `relay` needs to end the attempt."""
+
+    proc: subprocess.Popen[str] | ForkedAgent
+    exits: Path  # where the ranks leave their exit records
+    mine: list[int]  # their global ranks
+    previous: dict[int, Any]  # the signal handlers forwarding replaced
+
+
+def start_ranks(
     opts: DistributedOptions,
     argv: list[str],
     threads: int | None,
     launcher_id: str,
-    reporter: StatusReporter,
     stop: StopRequest,
     fork: bool = False,
-) -> tuple[ExitCode, str]:
-    """Run this machine's ranks to the end; returns the combined exit code and error line. With `fork`
-    (the ranks train on CPU) torchrun and its ranks are forked from this process."""
+) -> Launched:
+    """Start torchrun on this machine's ranks; SIGTERM/SIGINT here are forwarded to it from now on.
+    With `fork` (the ranks train on CPU) torchrun is forked from this process, which must not have
+    started a thread yet: a child forked while another thread held a lock inherits it held (measured:
+    torchrun hung in `import` on a module lock the heartbeat thread held at the fork). Where a thread
+    runs after all, torchrun starts as a fresh process instead."""
     nproc = resolve_nproc(opts)
     world = nproc * opts.nnodes
     mine = [node_rank(os.environ) * nproc + local for local in range(nproc)]  # static rendezvous
@@ -173,7 +195,10 @@ def launch(
     env |= {RANK_EXITS: str(exits), LAUNCHER_ID: launcher_id, "OMP_NUM_THREADS": str(threads or 1)}
     env.setdefault("PYTHONUNBUFFERED", "1")
     torchrun = torchrun_args(opts, nproc, os.environ)
-    forked = fork and os.environ.get(RANK_START, "fork") != "exec"
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    forked, why = fork_ranks(fork, os.environ, others)
+    if why:
+        log.warning("%s: starting torchrun as a fresh process, not forked", why)
     how = "forked" if forked else "fresh"
     log.info("launching %d %s rank(s) on this machine (world size %d)", nproc, how, world)
     proc: subprocess.Popen[str] | ForkedAgent
@@ -185,7 +210,12 @@ def launch(
             stdout=subprocess.PIPE, text=True, errors="replace", env=env,
             process_group=0, preexec_fn=arm_pdeathsig,
         )  # fmt: skip
-    previous = _forward_signals(proc.pid, stop)
+    return Launched(proc, exits, mine, _forward_signals(proc.pid, stop))
+
+
+def relay(launched: Launched, reporter: StatusReporter) -> tuple[ExitCode, str]:
+    """Relay rank 0's status records until torchrun exits; returns the combined exit code and error."""
+    proc = launched.proc
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -196,14 +226,14 @@ def launch(
                 reporter.report(rec)
         rc = proc.wait()
     finally:
-        for sig, handler in previous.items():
+        for sig, handler in launched.previous.items():
             signal.signal(sig, handler)
         with contextlib.suppress(ProcessLookupError):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    ranks = read_rank_exits(exits)
-    shutil.rmtree(exits, ignore_errors=True)
-    code, error = combine(ranks, mine)
+    ranks = read_rank_exits(launched.exits)
+    shutil.rmtree(launched.exits, ignore_errors=True)
+    code, error = combine(ranks, launched.mine)
     if ranks and ranks[min(ranks)].step is not None:
         reporter.last_step = ranks[min(ranks)].step
     log.info(

@@ -7,7 +7,15 @@ import pytest
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
-from trainer.launch import RankExit, combine, read_rank_exits, torchrun_args, write_rank_exit
+from trainer.launch import (
+    RANK_START,
+    RankExit,
+    combine,
+    fork_ranks,
+    read_rank_exits,
+    torchrun_args,
+    write_rank_exit,
+)
 from trainer.spec import DistributedOptions, parse_spec
 
 C, P, S, K, CFG, LH = (
@@ -118,3 +126,18 @@ def test_fault_with_a_rank(text: str, fault: Fault) -> None:
 def test_fault_with_a_bad_rank_is_refused() -> None:
     with pytest.raises(ConfigError, match="KIND@STEP:RANK"):
         Fault.parse("sigkill@30:x")
+
+
+@pytest.mark.parametrize(
+    ("on_cpu", "env", "threads", "forked", "why"),
+    [
+        (True, {}, [], True, ""),
+        (True, {RANK_START: "fork"}, [], True, ""),
+        (True, {RANK_START: "exec"}, [], False, ""),  # asked for fresh processes
+        (False, {}, [], False, ""),  # CUDA: never forked, nothing to warn about
+        (True, {}, ["spotrun-heartbeat"], False, "threads running (spotrun-heartbeat)"),
+        (False, {}, ["spotrun-heartbeat"], False, ""),
+    ],
+)
+def test_fork_ranks(on_cpu: bool, env: dict[str, str], threads: list[str], forked: bool, why: str) -> None:
+    assert fork_ranks(on_cpu, env, threads) == (forked, why)
