@@ -35,9 +35,10 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-# Two workers, one test file each at a time (files share servers through module fixtures): the
-# end-to-end tests mostly wait (on Prefect servers, heartbeats, the zombie window), so on 2 cores
-# this took the suite from 13 to under 9 minutes (measured).
+# Three workers, one test file each at a time (files share servers through module fixtures): some
+# end-to-end tests mostly wait (on Prefect servers, heartbeats, the zombie window), and a third
+# worker fills those waits. On 2 cores the suite is CPU-bound (84% busy, sampled): pytest took 11.0
+# min on 2026-12-03 once torchrun and its ranks forked from the worker (13.3-13.8 min before).
 test: $(VENV)/.installed browser lint typecheck
 	$(VENV)/bin/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 

@@ -51,7 +51,7 @@ from trainer.ckpt_format import (
 from trainer.digests import digest_file
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost
-from trainer.state import Snapshotter
+from trainer.state import Snapshotter, host_copy
 from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.storage import Storage
 from trainer.storage.local import fsync_dir
@@ -110,7 +110,7 @@ class ShardStager:
                     buf, state.device_mesh, state.placements, run_check=False, shape=state.shape,
                     stride=state.stride(),
                 )  # fmt: skip
-        buf.copy_(local.detach())
+        host_copy(buf, local.detach())  # one memmove where it can (trainer/state.py)
         return self._staged[path]
 
 
