@@ -274,17 +274,24 @@ def _run(
     )
     _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank
     storage = open_storage(uri, spec.s3)
-    launched = None
-    if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
-        # before the heartbeat's thread: torchrun forks from here on CPU (trainer/launch.py)
-        launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls this worker
-        on_cpu = _device(spec).type == "cpu"
-        launched = start_ranks(spec.distributed, argv, spec.threads, launcher_id, stop, fork=on_cpu)
-    if env.worker_id is not None:
-        heartbeat = HeartbeatWriter(storage, env.worker_id)
+    heartbeat = HeartbeatWriter(storage, env.worker_id) if env.worker_id is not None else None
+    if heartbeat is not None:
         reporter.subscribe(heartbeat)
         cleanup.callback(heartbeat.close)
-        heartbeat.start()
+    launched = None
+    try:
+        if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
+            # before the heartbeat's thread: torchrun forks from here on CPU (trainer/launch.py)
+            launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls it
+            on_cpu = _device(spec).type == "cpu"
+            out = reporter.stream  # --status fd:N or FILE: the supervisor's alone, not the ranks'
+            status_fd = None if out is None or out is sys.stdout else out.fileno()
+            launched = start_ranks(
+                spec.distributed, argv, spec.threads, launcher_id, stop, fork=on_cpu, private=status_fd
+            )
+    finally:  # started even when the ranks could not be: the exit record must reach the storage
+        if heartbeat is not None:
+            heartbeat.start()
 
     def on_notice(n: Notice) -> None:
         reporter.emit("notice", **n.record())

@@ -180,12 +180,16 @@ def start_ranks(
     launcher_id: str,
     stop: StopRequest,
     fork: bool = False,
+    private: int | None = None,
 ) -> Launched:
     """Start torchrun on this machine's ranks; SIGTERM/SIGINT here are forwarded to it from now on.
     With `fork` (the ranks train on CPU) torchrun is forked from this process, which must not have
-    started a thread yet: a child forked while another thread held a lock inherits it held (measured:
-    torchrun hung in `import` on a module lock the heartbeat thread held at the fork). Where a thread
-    runs after all, torchrun starts as a fresh process instead."""
+    started a Python thread yet: a child forked while another thread held a lock inherits it held
+    (measured: torchrun hung in `import` on a module lock the heartbeat thread held at the fork). Where
+    one runs after all, torchrun starts as a fresh process instead. (torchrun's own second fork, of the
+    ranks, happens beside its rendezvous keep-alive timer, whose first tick comes ~5 s later.)
+    `private`: a descriptor of this process that torchrun and the ranks must not hold (the status
+    stream the supervisor reads to EOF); a fresh torchrun never inherits one."""
     nproc = resolve_nproc(opts)
     world = nproc * opts.nnodes
     mine = [node_rank(os.environ) * nproc + local for local in range(nproc)]  # static rendezvous
@@ -203,7 +207,7 @@ def start_ranks(
     log.info("launching %d %s rank(s) on this machine (world size %d)", nproc, how, world)
     proc: subprocess.Popen[str] | ForkedAgent
     if forked:
-        proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env)
+        proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env, private)
     else:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.agent", *torchrun, "-m", "trainer", *argv],
@@ -286,7 +290,7 @@ class ForkedAgent:
         self.returncode: int | None = None
 
     @classmethod
-    def start(cls, args: list[str], env: Mapping[str, str]) -> ForkedAgent:
+    def start(cls, args: list[str], env: Mapping[str, str], private: int | None = None) -> ForkedAgent:
         r, w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # what is buffered now would be written twice
@@ -296,6 +300,8 @@ class ForkedAgent:
             code = 1
             try:
                 os.close(r)
+                if private is not None and private > 2:
+                    os.close(private)  # its Python file object is never closed here: no double close
                 os.setpgid(0, 0)
                 arm_pdeathsig()
                 if os.getppid() != parent:

@@ -124,6 +124,8 @@ class SharedSnapshotter:
             if self._seen != len(self._layout):
                 raise _NewLayout
         except _NewLayout:
+            if self.arena is not None and self.arena.pinned:
+                torch.cuda.synchronize()  # copies into the old arena may still run: let them land first
             self._reallocate(_layout_of(state))
             out = _map_tensors(state, "", self._copy)  # type: ignore[arg-type]
         if self.arena is not None and self.arena.pinned:

@@ -113,7 +113,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     goes through copy_."""
     if (
         type(src) in _PLAIN and type(dst) in _PLAIN and src.device.type == "cpu" and dst.device.type == "cpu"
-        and src.dtype == dst.dtype and src.numel() == dst.numel() and src.layout == torch.strided
+        and src.dtype == dst.dtype and src.shape == dst.shape and src.layout == torch.strided
         and src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not src.is_neg()
     ):  # fmt: skip
         n = src.numel() * src.element_size()

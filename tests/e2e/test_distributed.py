@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from flows.resilient_training import resilient_training
 from tasks.history import HistoryStore
@@ -20,7 +21,7 @@ from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
 from tests.procs import descendants, wait_gone
-from tests.trainer_runs import REPO, Trainer, _count_lines, assert_sharded_equal, losses, trainer
+from tests.trainer_runs import REPO, Trainer, assert_sharded_equal, losses, trainer
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir
 from trainer.exitcodes import ExitCode
 from trainer.launch import RANK_START
@@ -228,15 +229,17 @@ def test_other_world_size_without_allow_reshard_is_refused(
 def test_ranks_die_with_their_worker(tmp_path: Path, start: str) -> None:
     """A worker SIGKILLed alone (its group and session spared) takes torchrun and every rank with it:
     ranks forked from the worker (CPU jobs) and fresh ones (what CUDA jobs get) alike. The fresh path
-    trains here too, so a GPU user's launch is not left untested."""
-    spec = _spec(tmp_path / "job.yaml", DDP, total_steps=100_000)
-    metrics = tmp_path / "metrics.jsonl"
-    args = ["--config", str(spec), "--storage", str(tmp_path / "store"), "--metrics", str(metrics)]
+    trains here too, so a GPU user's launch is not left untested. `threads` is left unset: a forked rank
+    must train on the thread count a fresh one gets (torchrun's 1), not on what the worker imported
+    torch with."""
+    spec = _spec(tmp_path / "job.yaml", DDP, total_steps=100_000, threads=None)
+    store = tmp_path / "store"
+    args = ["--config", str(spec), "--storage", str(store), "--metrics", str(tmp_path / "metrics.jsonl")]
     args += ["--cache", str(tmp_path / "cache")]
     worker = Trainer(args, {**os.environ, "PYTHONPATH": str(REPO), RANK_START: start}, tmp_path)
     deadline = time.monotonic() + 120
-    while _count_lines(metrics) < 12:  # past the first checkpoint: the writer has started too
-        assert worker.poll() is None and time.monotonic() < deadline, "the ranks did not train"
+    while not any(store.glob(f"step_*/{MANIFEST}")):  # a durable checkpoint: the writer runs too
+        assert worker.poll() is None and time.monotonic() < deadline, "the ranks did not checkpoint"
         time.sleep(0.05)
     below = descendants(worker.pid)
     assert len(below) >= 3, below  # torchrun and two ranks
@@ -244,3 +247,5 @@ def test_ranks_die_with_their_worker(tmp_path: Path, start: str) -> None:
     assert [pid for pid in below if not wait_gone(pid)] == []
     err = worker.result([], timeout=30).stderr
     assert f"launching 2 {'forked' if start == 'fork' else 'fresh'} rank(s)" in err, err[-2000:]
+    first = min(store.glob(f"step_*/{MANIFEST}")).parent
+    assert torch.load(first / "trainer.pt", weights_only=True)["state"]["threads"] == 1
