@@ -7,6 +7,7 @@ position is (epoch, batches done in the epoch); resume slices the permutation, l
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainer.parent_death import arm_pdeathsig
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -57,6 +60,13 @@ def _worker_init(_: int) -> None:
     # Leave the trainer's process group: a group-wide SIGTERM (spot notice, Ctrl-C) must reach the
     # trainer only, which finishes the step and checkpoints; the parent still terminates workers.
     os.setpgid(0, 0)
+    # Die with the trainer. torch's own watchdog notices a dead parent only if it started while the
+    # parent lived: a trainer SIGKILLed right after forking its epoch's workers left them waiting
+    # forever on their index queues, holding the trainer's stdout (a test's reader hung on it).
+    arm_pdeathsig()
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the trainer is already gone
 
 
 @dataclass

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from tests.procs import wait_gone
 from trainer.data import EpochSampler, ResumableLoader, sample_generator
 from trainer.shm import SharedSnapshotter, rebuild
 from trainer.state import Snapshotter, capture_rng, host_copy, restore_rng
@@ -172,3 +173,30 @@ def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> No
         assert metadata_step(f.metadata()) == 1200
     assert metadata_step({"format": "spotrun/1", "step": "30"}) == 30  # files written before
     assert metadata_step({"spotrun": "not json"}) is None and metadata_step(None) is None
+
+
+ORPHAN = """
+import multiprocessing, os, sys, time
+from trainer.data import _worker_init
+
+def worker():
+    time.sleep(0.5)  # the parent dies before this worker's start-up runs
+    _worker_init(0)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("fork").Process(target=worker)
+    p.start()
+    print(p.pid, flush=True)
+    os._exit(0)
+"""
+
+
+def test_a_data_worker_whose_trainer_died_before_it_started_exits() -> None:
+    """torch's watchdog takes the parent it sees at start for the trainer: a worker orphaned before that
+    would wait forever (it held a test's pipe open for 5 minutes). _worker_init ends it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    r = subprocess.run([sys.executable, "-c", ORPHAN], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout.split()[0])
+    assert wait_gone(pid, timeout=20), f"data worker {pid} outlived its trainer"
