@@ -55,6 +55,7 @@ class ForkServer:
     """One running trainer/zygote.py and the thread that reads its packets."""
 
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        self.python = python
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [python, "-m", "trainer.zygote", str(theirs.fileno()), ",".join(preload)]
         try:
@@ -117,7 +118,8 @@ class ForkServer:
             for fd in (out_r, err_r):
                 os.close(fd)
             raise ForkServerUnavailable(str(reply.get("error", reply)))
-        return ForkedProcess(self, int(reply["pid"]), _text(out_r), _text(err_r))
+        args = [self.python, "-m", module, *argv]  # what the fresh process would have run
+        return ForkedProcess(self, int(reply["pid"]), _text(out_r), _text(err_r), args)
 
     def exit_code(self, pid: int) -> int | None:
         """The child's return code once it has exited (it is not reaped yet), else None."""
@@ -201,8 +203,13 @@ class ForkServer:
 class ForkedProcess:
     """A trainer forked by a ForkServer, with the part of Popen's interface the local provider uses."""
 
-    def __init__(self, server: ForkServer, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(
+        self, server: ForkServer, pid: int, stdout: IO[str], stderr: IO[str], args: list[str]
+    ) -> None:
         self.server, self.pid = server, pid
+        # Popen's `args`: the resume check finds the trainer's --metrics file there (tasks/tracking);
+        # without it a forked trainer's lost steps were never read from the file, only from status records
+        self.args = args
         self.stdout: IO[str] | None = stdout
         self.stderr: IO[str] | None = stderr
         self.returncode: int | None = None
