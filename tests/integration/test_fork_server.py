@@ -78,6 +78,7 @@ def test_a_child_is_what_python_m_would_be(server: ForkServer, env: dict[str, st
     assert seen["sid"] and seen["ppid"] == server.proc.pid and seen["stdin"] == ""
     assert seen["sigint"] and seen["sigterm"]  # the server's own SIG_IGN is not inherited
     assert seen["comm"] == "zchild"  # `pgrep -x trainer` finds forked trainers
+    assert proc.args == [sys.executable, "-m", "zchild", "3", "x y"]  # as Popen's: the command it stands for
 
 
 def test_an_uncaught_exception_is_exit_code_1_with_its_traceback(
