@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.parent_death import arm_pdeathsig
+from trainer.parent_death import die_with
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -63,10 +63,8 @@ def _worker_init(_: int) -> None:
     # Die with the trainer. torch's own watchdog notices a dead parent only if it started while the
     # parent lived: a trainer SIGKILLed right after forking its epoch's workers left them waiting
     # forever on their index queues, holding the trainer's stdout (a test's reader hung on it).
-    arm_pdeathsig()
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the trainer is already gone
+    parent = multiprocessing.parent_process()  # the trainer, as it was when it forked this worker
+    die_with(parent.pid if parent is not None and parent.pid is not None else os.getppid(), 1)
 
 
 @dataclass

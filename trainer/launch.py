@@ -42,7 +42,7 @@ from types import FrameType
 from typing import IO, Any
 
 from trainer.exitcodes import ExitCode
-from trainer.parent_death import arm_pdeathsig
+from trainer.parent_death import arm_pdeathsig, die_with
 from trainer.preemption import StopRequest
 from trainer.records import Exit
 from trainer.spec import DistributedOptions
@@ -268,10 +268,7 @@ def die_with_agent() -> None:
     worker-wide SIGKILL does not reach). If it is already gone, go now."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
-    arm_pdeathsig()
-    if os.getppid() != parent:
-        os._exit(int(ExitCode.CRASHED))
+    die_with(os.getppid(), int(ExitCode.CRASHED))
 
 
 RANK_SCRIPT = str(Path(__file__).with_name("rank.py"))
@@ -303,9 +300,7 @@ class ForkedAgent:
                 if private is not None and private > 2:
                     os.close(private)  # its Python file object is never closed here: no double close
                 os.setpgid(0, 0)
-                arm_pdeathsig()
-                if os.getppid() != parent:
-                    os._exit(int(ExitCode.CRASHED))
+                die_with(parent, int(ExitCode.CRASHED))
                 os.dup2(w, 1)
                 os.close(w)
                 for sig in (signal.SIGTERM, signal.SIGINT):
