@@ -28,7 +28,7 @@ from tasks.checkpoints import check_integrity
 from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.prewarm import Prewarm
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.runlog import JobRunLog, Summary
 from tasks.settings import Settings
 from trainer.errors import StorageError
@@ -195,7 +195,7 @@ def _attempt(
         except ProvisionError as e:
             return runlog.provision_failed(attempt, e, t0), None
     runlog.in_flight = worker
-    ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
+    ahead: Prewarm | None = None
 
     def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
         assert ahead is not None and worker is not None
@@ -204,8 +204,11 @@ def _attempt(
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
     try:
+        ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
         result = sink.step("train", watch, provider, worker, job, sink, at_notice if ahead else None)
-    except BaseException:
+    except BaseException as e:
+        if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
+            _stop_unwatched(provider, worker, e, sink)
         if ahead is not None:
             ahead.discard(provider)
         raise
@@ -215,6 +218,15 @@ def _attempt(
         if ahead is not None and ahead.started:
             _hand_off(job, worker.id, sink)
     return runlog.classify(worker, result), (ahead if ahead is not None and ahead.started else None)
+
+
+def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, sink: Sink) -> None:
+    """A Ctrl-C or cancel between provisioning and the watch (a forked trainer can be training 0.5 s
+    after it starts, before a Prefect task run has begun): the trainer still gets its emergency save."""
+    try:
+        provider.stop(worker, stop_cause(error))
+    except Exception as e:  # teardown: release() below still kills the worker
+        sink.log(logging.WARNING, f"could not stop {worker.id} gracefully: {e}")
 
 
 def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:

@@ -26,8 +26,7 @@ from tasks.history.models import JobRunRow
 from tasks.mtbf import estimate_mtbf
 from tasks.outcome import classify, provision_failed_record, resharded, to_record
 from tasks.providers.aws import AwsProvider
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
-from tasks.providers.local import stop_cause
+from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.reporting import RESUME_CHECKED, VERDICT_LABEL
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline

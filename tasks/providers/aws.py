@@ -49,7 +49,7 @@ from tasks.providers.aws_policy import (
 )
 from tasks.providers.aws_sweeper import sweep_flow_run
 from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
-from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, WatchResult, Worker
+from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
 from trainer.heartbeat import HEARTBEAT_EVERY_S
 from trainer.records import Notice, Record
 from trainer.storage import Storage, open_storage
@@ -244,6 +244,13 @@ class AwsProvider:
         if not (noticed and reclaimed):
             outcome = PlacementOutcome.PREEMPTED if reclaimed else PlacementOutcome.ENDED
             self.history.append(PlacementEvent(state.placement, outcome, result.ended_at))
+        return result
+
+    def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
+        """Nothing to wait for: an interrupted watch does not wait either. The release that follows
+        terminates the instance, and its shutdown is the trainer's SIGTERM (its emergency checkpoint)."""
+        result = worker.result = worker.result or WatchResult(started_at=worker.started_at)
+        result.stopped_by, result.ended_at = cause, time.time()
         return result
 
     def release(self, worker: Worker) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from tasks.providers.aws import AwsProvider
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_watch import AwsWorkerState
-from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
+from tasks.providers.base import LogCallback, StatusCallback, StopCause, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from trainer.spec import JobSpec
 
@@ -89,6 +89,9 @@ class RehearsalProvider:
         self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None
     ) -> WatchResult:
         return self.inner.watch(worker, on_status, on_log)
+
+    def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
+        return self.inner.stop(worker, cause)
 
     def release(self, worker: Worker) -> None:
         state: AwsWorkerState = worker.handle

@@ -57,6 +57,15 @@ class StopCause(StrEnum):
     ERROR = "error"  # the controller itself failed (a callback raised)
 
 
+def stop_cause(e: BaseException) -> StopCause:
+    """Why the controller stopped a worker, from what interrupted its watch."""
+    if isinstance(e, KeyboardInterrupt):
+        return StopCause.INTERRUPT
+    if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge: a cancel or a worker shutdown
+        return StopCause.CANCEL
+    return StopCause.ERROR
+
+
 class ProvisionError(Exception):
     """No worker could be started. `retryable`: capacity or a transient API error (try again, maybe
     elsewhere) rather than a setup the provider will never accept (a missing executable, bad config)."""
@@ -188,6 +197,12 @@ class Provider(Protocol):
         self, worker: Worker, on_status: StatusCallback | None, on_log: LogCallback | None
     ) -> WatchResult:
         """Block until the worker is gone. Callbacks run in the calling thread; what they raise propagates."""
+        ...
+
+    def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
+        """The controller is going away before this worker's watch began (a Ctrl-C or a cancel right
+        after provisioning): stop it as an interrupted watch does, so that the trainer's emergency
+        checkpoint is not lost, and return what was seen (also left on `worker.result`)."""
         ...
 
     def release(self, worker: Worker) -> None:

@@ -38,6 +38,7 @@ from tasks.providers.base import (
     StopCause,
     WatchResult,
     Worker,
+    stop_cause,
 )
 from tasks.providers.local_config import (
     LocalProviderConfig,
@@ -70,7 +71,6 @@ __all__ = [  # the settings and the process helpers live beside this module; imp
     "on_spawner_thread",
     "plan_preemption",
     "simulator_rng",
-    "stop_cause",
     "worker_dir",
 ]
 
@@ -155,6 +155,11 @@ class LocalProvider:
         and return once the trainer and everything in its session are gone."""
         return _Watch(self.cfg, worker, on_status, on_log).run()
 
+    def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
+        """SIGTERM the trainer (its emergency checkpoint), read its lines, including all it wrote while
+        nobody watched, for up to `stop_grace_s`, then SIGKILL what is left: an interrupted watch's stop."""
+        return _Watch(self.cfg, worker, None, None).stop(cause)
+
     def release(self, worker: Worker) -> None:
         """SIGKILL whatever is left of the worker's session, reap it, close its pipes. Idempotent."""
         h: _Handle = worker.handle
@@ -190,7 +195,7 @@ class _Watch:
         self.plan = plan_preemption(
             cfg.simulator, worker.attempt, simulator_rng(cfg.simulator.seed, worker.attempt)
         )
-        self.result = WatchResult(started_at=worker.started_at)
+        self.result = worker.result = WatchResult(started_at=worker.started_at)  # also read on interrupt
         self.last_line = self.h.started_mono
         self.training_mono: float | None = None
         self.hard_kill_at: float | None = None
@@ -200,7 +205,6 @@ class _Watch:
 
     def run(self) -> WatchResult:
         proc = self.h.proc
-        self.worker.result = self.result
         try:
             while not exited(proc):
                 self._drain(self._until_next_check(time.monotonic()))
@@ -208,11 +212,11 @@ class _Watch:
                 self._simulate(now)
                 self._check_heartbeat(now)
         except BaseException as e:  # a cancel (Prefect's TerminationSignal), Ctrl-C, or a callback's error
-            self._stop_gracefully(stop_cause(e))
+            self.stop(stop_cause(e))
             raise
         return self._reap()
 
-    def _stop_gracefully(self, cause: StopCause) -> None:
+    def stop(self, cause: StopCause) -> WatchResult:
         """The controller is going away: SIGTERM the trainer (its emergency-checkpoint path), keep reading
         its lines for up to `stop_grace_s`, then SIGKILL what is left; the result stays on the worker."""
         self.result.stopped_by = cause
@@ -229,7 +233,7 @@ class _Watch:
                 log.warning("%s: second interrupt; killing the trainer now", self.worker.id)
         if not exited(self.h.proc):
             self._kill(KillReason.STOP_GRACE)
-        self._reap()
+        return self._reap()
 
     def _reap(self) -> WatchResult:
         proc = self.h.proc
@@ -341,15 +345,6 @@ class _Watch:
         r.step_times = list(self.steps)
         r.log_tail = "\n".join(self.tail)[-TAIL_BYTES:]
         return r
-
-
-def stop_cause(e: BaseException) -> StopCause:
-    """Why the controller stopped a worker, from what interrupted its watch."""
-    if isinstance(e, KeyboardInterrupt):
-        return StopCause.INTERRUPT
-    if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge: a cancel or a worker shutdown
-        return StopCause.CANCEL
-    return StopCause.ERROR
 
 
 def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None:

@@ -88,9 +88,7 @@ def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
     child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              preexec_fn=_sigint_default)  # fmt: skip
     try:
-        # 400, not 100: a forked trainer reached step 100 0.5 s after it started, before the controller's
-        # watch had begun, and a Ctrl-C in that window is not turned into an emergency checkpoint (a
-        # known gap: the trainer dies with the controller and the attempt is recorded empty)
+        # 400: well after the watch has begun (a Ctrl-C before it: tests/integration/test_control_loop.py)
         _wait_for_steps(home, "ctrlc", 400)
         masks = _signal_masks(child.pid)  # what the failure message needs if the interrupt has no effect
         child.send_signal(signal.SIGINT)  # what a terminal sends; the trainer is in its own session

@@ -31,10 +31,11 @@ from tasks.providers.base import (
     NoticeKind,
     ProvisionError,
     StatusCallback,
+    StopCause,
     WatchResult,
     Worker,
+    stop_cause,
 )
-from tasks.providers.local import stop_cause
 from trainer.exitcodes import ExitCode
 from trainer.records import Durable, Exit, Record, Started, Step, Stopping
 from trainer.resume import mark_completed
@@ -152,6 +153,19 @@ class FakeProvider:
             result.signal, result.killed_at, result.kill_reason = KILL, h.released_at, KillReason.RELEASE
         else:
             self._end(h, result, clock, emit)
+        result.ended_at = clock.now()
+        return result
+
+    def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
+        """SIGTERM before the watch played anything: the trainer started, then its graceful exit."""
+        h: _Handle = worker.handle
+        result = worker.result = WatchResult(started_at=worker.started_at, stopped_by=cause)
+        clock = _Clock(worker.started_at)
+        start = h.resume or 0
+        self._fold(
+            result, Started(t=clock.now(), resumed_from=h.resume, step=start, total_steps=h.job.total_steps)
+        )
+        self._graceful_exit(result, clock, lambda rec: self._fold(result, rec))
         result.ended_at = clock.now()
         return result
 

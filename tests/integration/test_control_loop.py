@@ -18,7 +18,9 @@ from tasks.history.models import JobStatus
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tasks.settings import Settings
+from trainer.catalog import Catalog
 from trainer.spec import JobSpec
+from trainer.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,3 +136,34 @@ def test_adaptive_interval_plans_for_the_jobs_own_reclaims(
     planned = [r.getMessage() for r in caplog.records if "checkpoint interval planned" in r.getMessage()]
     assert "the spec's prior" in planned[0] and "1 reclaim(s)" in planned[1]
     assert result.summary.checkpoint_interval == second  # the flow's summary says it too
+
+
+def test_ctrl_c_before_the_watch_still_gets_the_emergency_checkpoint(
+    tmp_path: Path, no_prefect: None
+) -> None:
+    """A Ctrl-C between provisioning and the watch (a forked trainer can be at step 100 by then): the
+    trainer is stopped as a watched one would be, and the attempt is recorded with what it saved."""
+    job = _job(tmp_path, total_steps=100_000)
+    settings = _settings(tmp_path)
+
+    class CtrlCBeforeWatch(PlainSink):
+        def step(self, name: str, fn: Any, *args: Any) -> Any:
+            if name != "train":
+                return fn(*args)
+            catalog, deadline = Catalog(open_storage(job.storage)), time.monotonic() + 60
+            while catalog.latest() is None:  # the trainer has trained, unwatched
+                assert time.monotonic() < deadline, "no checkpoint from the trainer"
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, _provider(tmp_path), RetryPolicy(), CtrlCBeforeWatch(), settings=settings)
+    store = HistoryStore.open(settings.database_url)
+    runs, rows = store.job_runs("plain"), store.attempts(job="plain")
+    store.close()
+    assert [r.status for r in runs] == [JobStatus.CANCELLED], runs
+    assert [r.outcome.value for r in rows] == ["cancelled"], rows
+    a = rows[0]
+    assert a.last_durable_step == a.last_step > 0, a  # the emergency checkpoint at the stopping step
+    assert a.lost_steps == 0 and "emergency checkpoint" in a.cause, a
+    assert Catalog(open_storage(job.storage)).latest() == a.last_step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,15 +22,18 @@ from tasks.attempts import Outcome
 from tasks.outcome import classify
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_rehearsal import RehearsalProvider
-from tasks.providers.base import KillReason, Provider, WatchResult, Worker
+from tasks.providers.base import KillReason, Provider, StopCause, WatchResult, Worker
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
 from tests.integration.test_aws_provider import beat, make_provider
 from tests.trainer_runs import write_spec
+from trainer.catalog import Catalog
+from trainer.exitcodes import ExitCode
 from trainer.records import Durable, Exit, Notice, Record, Started, Step, Stopping
 from trainer.spec import JobSpec, load_spec
+from trainer.storage import open_storage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,6 +50,8 @@ class Case:
     spec: Path
     extra: list[str] = field(default_factory=list)
     before_watch: Callable[[Worker], None] = lambda w: None
+    training: Callable[[Worker], None] = lambda w: None  # returns once the trainer has trained a little
+    graceful: bool = True  # stop() waits for the trainer's exit (EC2: the release's shutdown signals it)
 
 
 def _job(tmp_path: Path, **over: Any) -> tuple[JobSpec, Path]:
@@ -73,7 +79,15 @@ def local_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) ->
     )  # fmt: skip
     job, spec = _job(tmp_path, total_steps=TOTAL if scenario == "complete" else 5000)
     extra = ["--inject-fault", "hang@3"] if scenario == "hang" else []
-    return Case(LocalProvider(cfg), job, spec, extra)
+    return Case(LocalProvider(cfg), job, spec, extra, training=lambda w: _first_checkpoint(job))
+
+
+def _first_checkpoint(job: JobSpec, timeout_s: float = 60) -> None:
+    """Unwatched, a local trainer shows it trains by its checkpoints."""
+    catalog, deadline = Catalog(open_storage(job.storage)), time.monotonic() + timeout_s
+    while catalog.latest() is None:
+        assert time.monotonic() < deadline, "no checkpoint from the trainer"
+        time.sleep(0.1)
 
 
 def aws_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> Case:
@@ -99,7 +113,7 @@ def aws_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> C
         if scenario == "notice":
             aws_backdoor.spot_interrupt(worker.id, world.region)
 
-    return Case(provider, job, spec, before_watch=play)
+    return Case(provider, job, spec, before_watch=play, graceful=False)
 
 
 def rehearsal_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> Case:
@@ -213,3 +227,20 @@ def test_a_hung_worker_is_lost(make_case: Callable[[str], Case]) -> None:
     assert_typed_in_order(seen)
     assert result.lost and result.kill_reason == KillReason.LOST and result.silent_s is not None
     assert classify(result, completed=False)[0] is Outcome.LOST
+
+
+def test_stop_before_watch(make_case: Callable[[str], Case]) -> None:
+    """An interrupt between provisioning and the watch (tasks/control.py): the trainer still stops
+    gracefully, with its emergency checkpoint at the step it reached."""
+    case = make_case("notice")  # the local trainer's job is long; its simulated notice needs a watch
+    worker = case.provider.provision(case.job, 1, case.spec, case.extra)
+    try:
+        case.training(worker)
+        result = case.provider.stop(worker, StopCause.INTERRUPT)
+    finally:
+        case.provider.release(worker)
+    assert worker.result is result and result.stopped_by is StopCause.INTERRUPT
+    assert result.ended_at is not None
+    if case.graceful:
+        assert result.stopping is not None and result.exit_code == ExitCode.PREEMPTED
+        assert result.last_durable_step == result.stopping.step == result.last_step

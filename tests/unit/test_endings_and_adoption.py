@@ -17,8 +17,7 @@ from tasks.attempts import Outcome
 from tasks.endings import ending_for, ending_for_state
 from tasks.history.models import JobRunRow, JobStatus
 from tasks.outcome import classify
-from tasks.providers.base import StopCause, WatchResult
-from tasks.providers.local import stop_cause
+from tasks.providers.base import StopCause, WatchResult, stop_cause
 from trainer.records import Exit
 
 
