@@ -93,10 +93,10 @@ def _counted(fn: Callable[..., Any], phase: str, entries: dict[str, int], kill: 
 def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Callable[..., Any]:
     calls = [0]
 
-    def write_checkpoint_dir(parent: Path, snap: dict[str, Any], base: dict[str, Any]) -> Any:
+    def write_checkpoint_dir(parent: Path, snap: dict[str, Any], base: dict[str, Any], **kw: Any) -> Any:
         calls[0] += 1
         if calls[0] != nth:
-            return real(parent, snap, base)
+            return real(parent, snap, base, **kw)
         if code == errno.ENOSPC:
             orig = fmt.write_part
 
@@ -108,7 +108,7 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
             fmt.write_part = full
             try:
-                return real(parent, snap, base)
+                return real(parent, snap, base, **kw)
             finally:
                 fmt.write_part = orig
         orig_fsync = fmt._fsync_file
@@ -118,7 +118,7 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
         fmt._fsync_file = failing
         try:
-            return real(parent, snap, base)
+            return real(parent, snap, base, **kw)
         finally:
             fmt._fsync_file = orig_fsync
 

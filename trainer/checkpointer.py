@@ -239,19 +239,13 @@ class Checkpointer(BackgroundSaver):
     def _persist(
         self, snap: dict[str, Any], base: dict[str, Any], sidecars: Sidecars, t: SaveTimings
     ) -> None:
-        t0 = time.perf_counter()
-        local, manifest = write_checkpoint_dir(self.cache, snap, base)
-        t1 = time.perf_counter()
-        written = upload(self.storage, local, manifest, sidecars)
-        t2 = time.perf_counter()
-        verify_remote(self.storage, manifest)
-        write_latest(self.storage, manifest.step)
-        t3 = time.perf_counter()
-        t.write_s, t.upload_s, t.verify_s = t1 - t0, t2 - t1, t3 - t2
-        t.nbytes = sum(f.size for f in manifest.files.values())
-        self._record(manifest.step, t, written, where="thread")
-        apply_retention(self.storage, manifest.step, self.keep)
-        prune_local(self.cache, {manifest.step})
+        done = persist(self.storage, self.cache, snap, base, sidecars)
+        step = done.manifest.step
+        t.write_s, t.upload_s, t.verify_s = done.write_s, done.upload_s, done.verify_s
+        t.nbytes = sum(f.size for f in done.manifest.files.values())
+        self._record(step, t, done.sidecars_written, where="thread")
+        apply_retention(self.storage, step, self.keep)
+        prune_local(self.cache, {step})
 
     def _record(self, step: int, t: SaveTimings, sidecars_written: bool, where: str) -> None:
         self.durable_step = step
@@ -273,16 +267,55 @@ def lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
-def upload(storage: Storage, local: Path, manifest: Manifest, sidecars: Sidecars | None = None) -> bool:
-    """Upload a checkpoint directory, then its sidecars, manifest last. An older manifest for the same
-    step (a rejected checkpoint from an earlier attempt) is deleted first, so no mix of old and new is
-    ever committed. Returns whether the sidecars were written."""
+@dataclass(frozen=True)
+class Persisted:
+    manifest: Manifest
+    write_s: float
+    upload_s: float
+    verify_s: float
+    sidecars_written: bool
+
+
+def persist(
+    storage: Storage, cache: Path, snap: dict[str, Any], base: dict[str, Any], sidecars: Sidecars
+) -> Persisted:
+    """One checkpoint from snapshot to durable: write the step directory (fsynced, hashed as written,
+    manifest last), upload it with its sidecars (manifest last), confirm it, move `latest`. What the
+    writer thread and the writer process both run.
+
+    A storage with a staging directory (a local or network directory) is written once, in place, and
+    each file renamed into its key: no copy in the local cache, no second pass over the bytes, nothing
+    to read back (each file is the bytes hashed as they were written), and around the page cache
+    (trainer/direct_io.py). Elsewhere the directory is written to `cache`, uploaded, and confirmed
+    against the manifest."""
+    staging = storage.staging()
+    t0 = time.perf_counter()
+    local, manifest = write_checkpoint_dir(staging or cache, snap, base, direct=staging is not None)
+    t1 = time.perf_counter()
+    written = upload(storage, local, manifest, sidecars, adopt=staging is not None)
+    t2 = time.perf_counter()
+    if staging is None:
+        verify_remote(storage, manifest)
+    else:
+        local.rmdir()  # emptied by adopt
+    write_latest(storage, manifest.step)
+    return Persisted(manifest, t1 - t0, t2 - t1, time.perf_counter() - t2, written)
+
+
+def upload(
+    storage: Storage, local: Path, manifest: Manifest, sidecars: Sidecars | None = None, adopt: bool = False
+) -> bool:
+    """Upload a checkpoint directory (or, with `adopt`, rename it into the storage from its staging
+    directory), then its sidecars, manifest last. An older manifest for the same step (a rejected
+    checkpoint from an earlier attempt) is deleted first, so no mix of old and new is ever committed.
+    Returns whether the sidecars were written."""
     name = step_dir(manifest.step)
+    put = storage.adopt if adopt else storage.put
     storage.delete([f"{name}/{MANIFEST}"])
     for fname in sorted(manifest.files):
-        storage.put(f"{name}/{fname}", local / fname)
+        put(f"{name}/{fname}", local / fname)
     written = put_sidecars(storage, sidecars or {})
-    storage.put(f"{name}/{MANIFEST}", local / MANIFEST)
+    put(f"{name}/{MANIFEST}", local / MANIFEST)
     return written
 
 

@@ -407,6 +407,13 @@ class FencedStorage:
         self.lease.check()
         return self.inner.cleanup_incomplete(older_than_s)
 
+    def staging(self) -> Path | None:
+        return self.inner.staging()
+
+    def adopt(self, key: str, src: Path) -> None:
+        self.lease.check(remote=key.rpartition("/")[2] in COMMIT_NAMES)
+        self.inner.adopt(key, src)
+
     def checked_size(self, key: str) -> int | None:
         return self.inner.checked_size(key)
 

@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -187,27 +186,22 @@ class _Writer:
         os.close(fd)
 
     def run(self, job: Job) -> Done:
-        from trainer.catalog import apply_retention, prune_local, write_latest
-        from trainer.checkpointer import upload, verify_remote
-        from trainer.ckpt_format import write_checkpoint_dir
+        from trainer.catalog import apply_retention, prune_local
+        from trainer.checkpointer import persist
         from trainer.shm import rebuild
 
         if self.buf is None:
             raise CheckpointError("a job came before its arena")
         snap = rebuild(job.structure, self.buf)
-        t0 = time.perf_counter()
-        local, manifest = write_checkpoint_dir(self.cache, snap, job.base)
-        del snap  # the views of the arena: released before it may be replaced
-        t1 = time.perf_counter()
-        written = upload(self.storage, local, manifest, job.sidecars)
-        t2 = time.perf_counter()
-        verify_remote(self.storage, manifest)
-        write_latest(self.storage, manifest.step)
-        t3 = time.perf_counter()
-        apply_retention(self.storage, manifest.step, self.keep)
-        prune_local(self.cache, {manifest.step})
-        nbytes = sum(f.size for f in manifest.files.values())
-        return Done(manifest.step, t1 - t0, t2 - t1, t3 - t2, nbytes, written)
+        try:
+            done = persist(self.storage, self.cache, snap, job.base, job.sidecars)
+        finally:
+            del snap  # the views of the arena: released before it may be replaced
+        step = done.manifest.step
+        apply_retention(self.storage, step, self.keep)
+        prune_local(self.cache, {step})
+        nbytes = sum(f.size for f in done.manifest.files.values())
+        return Done(step, done.write_s, done.upload_s, done.verify_s, nbytes, done.sidecars_written)
 
 
 def _serve(conn: Connection) -> None:

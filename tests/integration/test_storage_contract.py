@@ -76,6 +76,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 
 
 def write_random(path: Path, size: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(os.urandom(size))
     return path
 
@@ -443,3 +444,29 @@ def test_confirm_stored_checks_what_was_written(backend: Backend, tmp_path: Path
         assert confirm_stored(backend.storage, "ckpt/small.bin", 1000, "0" * 32) == "stored xxh3_128 differs"
     with pytest.raises(FileNotFoundError):
         backend.storage.checked_size("ckpt/nope.bin")
+
+
+def test_staging_and_adopt(backend: Backend, tmp_path: Path) -> None:
+    """A directory store takes a checkpoint written in place (renamed, not copied); the staging
+    directory is never listed, and a killed writer's leftovers there go with cleanup_incomplete. An
+    object store has no staging: its files are uploaded with put."""
+    staging = backend.storage.staging()
+    if staging is None:
+        assert not isinstance(backend.storage, LocalStorage)
+        return
+    src = write_random(staging / "step_7" / "model.bin", 1000)
+    inode = src.stat().st_ino
+    backend.storage.adopt("ckpt/step_7/model.bin", src)
+    stored = Path(backend.storage.uri) / "ckpt/step_7/model.bin"
+    assert not src.exists() and stored.stat().st_ino == inode  # the same file: no second copy
+    src.parent.rmdir()  # as the writer does once it has adopted the directory's files
+    assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]
+    with pytest.raises(ValueError, match="not under"):
+        backend.storage.adopt("ckpt/x.bin", write_random(tmp_path / "elsewhere.bin", 10))
+
+    write_random(staging / "step_8" / "model.bin", 10)  # a writer killed before it adopted its files
+    assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]
+    assert backend.storage.cleanup_incomplete(older_than_s=3600) == 0  # too young
+    time.sleep(0.05)
+    assert backend.storage.cleanup_incomplete(older_than_s=0) == 1
+    assert not (staging / "step_8").exists() and stored.is_file()

@@ -71,6 +71,17 @@ class Storage(Protocol):
         PreconditionFailed, with nothing written, when the condition does not hold."""
         ...
 
+    def staging(self) -> Path | None:
+        """A directory where a checkpoint can be written in place and then taken in with `adopt`,
+        without a second copy of its bytes (a local directory: one on its own file system); None for
+        an object store, where files are written locally and uploaded with `put`."""
+        ...
+
+    def adopt(self, key: str, src: Path) -> None:
+        """Store `src`, a whole, fsynced file under `staging()`, as `key` by renaming it (atomically;
+        `src` is gone). Only for storages whose `staging()` is not None."""
+        ...
+
     def checked_size(self, key: str) -> int | None:
         """The stored object's size, if the backend verified its bytes on receipt against a checksum
         the client computed from the source file (S3 with flexible checksums); None when it cannot

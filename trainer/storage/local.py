@@ -17,6 +17,8 @@ from trainer.errors import ConfigError, PreconditionFailed, StorageError
 from trainer.storage.base import CHUNK, ObjectInfo
 
 TMP_MARK = ".spotrun-tmp-"
+# Under the root: checkpoints written in place by the writer, then renamed into their keys (adopt).
+STAGING = f"{TMP_MARK}staging"
 # `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
 # (unlinking a lock file someone holds would let a third writer lock a fresh inode), never listed.
 LOCK_SUFFIX = ".spotrun-lock"
@@ -94,6 +96,24 @@ class LocalStorage:
         with self._writing(f"write {key}"):
             copy_durable(Path(src), self._path(key))
 
+    def staging(self) -> Path:
+        """On this directory's own file system, so that `adopt` is a rename: at 1 GB, the copy from a
+        local cache into the store was 3.0 s of a 10.3 s save (measured), on the cores training uses."""
+        d = self.root / STAGING
+        with self._writing("create the staging directory"):
+            d.mkdir(exist_ok=True)
+        return d
+
+    def adopt(self, key: str, src: Path) -> None:
+        src = Path(src).resolve()
+        if self.root / STAGING not in src.parents:
+            raise ValueError(f"{src} is not under {self.root / STAGING}: put() copies files from elsewhere")
+        dst = self._path(key)
+        with self._writing(f"write {key}"):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            fsync_dir(dst.parent)
+
     def get(self, key: str, dst: Path) -> None:
         p = self._path(key)
         if not p.is_file():
@@ -108,7 +128,8 @@ class LocalStorage:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not d.startswith(TMP_MARK)]  # the staging directory
             for f in files:
                 if f.startswith(TMP_MARK) or f.endswith(LOCK_SUFFIX):
                     continue
@@ -140,8 +161,16 @@ class LocalStorage:
         n = 0
         for tmp in self.root.rglob(f"{TMP_MARK}*"):
             try:
-                if tmp.stat().st_mtime < cutoff:
+                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
+                    n += 1
+            except FileNotFoundError:
+                continue
+        staging = self.root / STAGING
+        for d in staging.iterdir() if staging.is_dir() else ():  # a writer killed before it adopted them
+            try:
+                if d.stat().st_mtime < cutoff:
+                    shutil.rmtree(d) if d.is_dir() else d.unlink()
                     n += 1
             except FileNotFoundError:
                 continue

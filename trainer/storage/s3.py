@@ -288,6 +288,12 @@ class S3Storage:
             where = f"s3://{self.bucket}/{e.get('Key', '')}"
             raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
 
+    def staging(self) -> None:
+        return None  # an object store: files are written locally and uploaded
+
+    def adopt(self, key: str, src: Path) -> None:
+        raise NotImplementedError("S3 has no staging directory: put() the file")
+
     def checked_size(self, key: str) -> int | None:
         """botocore (>= 1.36) sends a CRC32 of each upload's bytes, computed as it reads the file, and S3
         rejects an upload whose bytes do not match; a HEAD with ChecksumMode shows the object kept one.
