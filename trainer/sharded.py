@@ -96,8 +96,7 @@ class DcpStateCache:
 
     def get(self, registry: Registry) -> dict[str, Any]:
         optimizer: Any = registry["optimizer"]
-        count = (len(optimizer.state), sum(len(s) for s in optimizer.state.values()))
-        if self._state is not None and count == self._count:
+        if self._state is not None and _count(optimizer) == self._count:
             live = _live_views(registry)
             if all(v in live for v in self._views):
                 _refresh_groups(self._state["optimizer"], optimizer)
@@ -105,8 +104,12 @@ class DcpStateCache:
 
         self._state = dcp_state(registry)
         self._views = [_view_of(t) for t in _tensors_in(self._state)]
-        self._count = count
+        self._count = _count(optimizer)  # after: get_state_dict makes a fresh optimizer's state itself
         return self._state
+
+
+def _count(optimizer: Any) -> tuple[int, int]:
+    return len(optimizer.state), sum(len(s) for s in optimizer.state.values())
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
