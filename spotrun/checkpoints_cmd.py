@@ -119,15 +119,16 @@ def _embedded_spec(d: Path) -> JobSpec | None:
         return None
 
 
-def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> list[Problem]:
-    """Fetch one committed checkpoint into the catalog's cache and validate it."""
-    _, problems = catalog.validate(step, expect.for_dir(catalog.fetch(step)))
-    return problems
+def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> tuple[Path, list[Problem]]:
+    """Fetch one committed checkpoint (into the catalog's cache; a directory store's is read in place)
+    and validate it: where it is, and what is wrong with it."""
+    path = catalog.fetch(step)
+    _, problems = catalog.validate(step, expect.for_dir(path))
+    return path, problems
 
 
 def list_rows(catalog: Catalog, expect: Expectations) -> list[Row]:
     """Every step directory under the storage root, newest first, each validated when committed."""
-    from trainer.ckpt_format import step_dir
     from trainer.validate import read_manifest
 
     latest = catalog.latest()
@@ -136,11 +137,10 @@ def list_rows(catalog: Catalog, expect: Expectations) -> list[Row]:
         row = Row(step, sum(entry.files.values()), entry.committed, step == latest)
         if entry.committed:
             try:
-                row.problems = inspect_step(catalog, step, expect)
+                path, row.problems = inspect_step(catalog, step, expect)
             except FileNotFoundError:  # deleted by a running trainer's retention since the listing
                 continue
-            assert catalog.cache is not None
-            manifest, _ = read_manifest(catalog.cache / step_dir(step))
+            manifest, _ = read_manifest(path)
             row.metrics = manifest.metrics if manifest is not None else {}
         rows.append(row)
     return rows
@@ -168,7 +168,7 @@ def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
             print(f"no committed checkpoint in {uri}{partial}")
             return EXIT_FINDINGS
         step = committed[0]
-        problems = inspect_step(catalog, step, expect)
+        _, problems = inspect_step(catalog, step, expect)
     if not problems:
         print(f"step {step} in {uri}: valid")
         return EXIT_OK

@@ -407,6 +407,9 @@ class FencedStorage:
         self.lease.check()
         return self.inner.cleanup_incomplete(older_than_s)
 
+    def local_path(self, key: str) -> Path | None:
+        return self.inner.local_path(key)
+
     def staging(self) -> Path | None:
         return self.inner.staging()
 

@@ -86,12 +86,28 @@ def test_quarantine_keeps_the_evidence_and_retention_removes_it(tmp_path: Path) 
     assert sorted(catalog.list()) == [20, 40]
 
 
-def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
+class NotLocal(LocalStorage):
+    """An object store as far as reading goes: its checkpoints must be fetched into a cache."""
+
+    def local_path(self, key: str) -> None:
+        return None
+
+
+def test_a_directory_store_is_read_in_place(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path / "store")
+    _write(store, 10, "ok")
+    path, problems = Catalog(store).validate(10, None, integrity_only=True)  # no cache, nothing copied
+    assert path == store.root / step_dir(10) and problems == []
+
+
+def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
+    store = NotLocal(tmp_path / "store")
     _write(store, 10, "ok")
     with pytest.raises(ValueError, match="cache directory"):
         Catalog(store).validate(10, None)
     assert Catalog(store).validate(11, None)[1][0].detail == "no such checkpoint"
+    path, problems = Catalog(store, tmp_path / "cache").validate(10, None, integrity_only=True)
+    assert path == tmp_path / "cache" / step_dir(10) and problems == []
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,11 @@ class Storage(Protocol):
         PreconditionFailed, with nothing written, when the condition does not hold."""
         ...
 
+    def local_path(self, key: str) -> Path | None:
+        """Where `key` is on this machine's file system when the store is a directory (readers then
+        read it in place), None for an object store. Never for writing: writes go through the store."""
+        ...
+
     def staging(self) -> Path | None:
         """A directory where a checkpoint can be written in place and then taken in with `adopt`,
         without a second copy of its bytes (a local directory: one on its own file system); None for

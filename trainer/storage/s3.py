@@ -288,6 +288,9 @@ class S3Storage:
             where = f"s3://{self.bucket}/{e.get('Key', '')}"
             raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
 
+    def local_path(self, key: str) -> None:
+        return None
+
     def staging(self) -> None:
         return None  # an object store: files are written locally and uploaded
 
