@@ -111,16 +111,16 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
                 return real(parent, snap, base, **kw)
             finally:
                 fmt.write_part = orig
-        orig_fsync = fmt._fsync_file
+        orig_fsync = fmt.fsync_file
 
         def failing(path: Path) -> None:
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
 
-        fmt._fsync_file = failing
+        fmt.fsync_file = failing
         try:
             return real(parent, snap, base, **kw)
         finally:
-            fmt._fsync_file = orig_fsync
+            fmt.fsync_file = orig_fsync
 
     return write_checkpoint_dir
 

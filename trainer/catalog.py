@@ -65,14 +65,19 @@ def write_latest(storage: Storage, step: int) -> None:
     put_bytes(storage, LATEST, json.dumps({"step": step, "dir": step_dir(step)}).encode())
 
 
-def fetch(storage: Storage, step: int, cache: Path) -> Path:
+def fetch(storage: Storage, step: int, cache: Path | None) -> Path:
     """Download one checkpoint into `cache/step_dir` (manifest last), reusing an identical local copy.
-    A directory store's checkpoint is read where it is: a copy would only cost a second write of
-    every byte (1 GB: 1-2 s) before the same validation reads them."""
+    A directory store's checkpoint is read where it is (no cache needed): a copy would only cost a
+    second write of every byte (1 GB: 1-2 s) before the same validation reads them. FileNotFoundError
+    when its manifest is gone (retention since the listing, as a download would find)."""
     name = step_dir(step)
     in_place = storage.local_path(name)
     if in_place is not None:
+        if not (in_place / MANIFEST).is_file():
+            raise FileNotFoundError(f"{storage.uri}/{name}/{MANIFEST}")
         return in_place
+    if cache is None:
+        raise ValueError("Catalog needs a cache directory to fetch into")
     dst = cache / name
     remote_manifest = get_bytes(storage, f"{name}/{MANIFEST}")
     if (dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == remote_manifest:
@@ -172,11 +177,6 @@ class Catalog:
     def fetch(self, step: int) -> Path:
         """One committed checkpoint's files in the cache (an identical copy there is reused), or in
         place for a directory store."""
-        in_place = self.storage.local_path(step_dir(step))
-        if in_place is not None:
-            return in_place
-        if self.cache is None:
-            raise ValueError("Catalog needs a cache directory to fetch into")
         return fetch(self.storage, step, self.cache)
 
     def validate(

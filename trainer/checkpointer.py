@@ -19,6 +19,7 @@ import _thread
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from trainer.errors import CheckpointError, LeaseLost
 from trainer.shm import SharedSnapshotter
 from trainer.state import Snapshotter, state_nbytes
 from trainer.storage import Storage, confirm_stored, put_bytes
+from trainer.storage.local import unwritable
 from trainer.writer_proc import WriterProcess, opener_of
 
 log = logging.getLogger(__name__)
@@ -289,15 +291,28 @@ def persist(
     (trainer/direct_io.py). Elsewhere the directory is written to `cache`, uploaded, and confirmed
     against the manifest."""
     staging = storage.staging()
-    t0 = time.perf_counter()
-    local, manifest = write_checkpoint_dir(staging or cache, snap, base, direct=staging is not None)
-    t1 = time.perf_counter()
-    written = upload(storage, local, manifest, sidecars, adopt=staging is not None)
-    t2 = time.perf_counter()
     if staging is None:
+        t0 = time.perf_counter()
+        local, manifest = write_checkpoint_dir(cache, snap, base)
+        t1 = time.perf_counter()
+        written = upload(storage, local, manifest, sidecars)
+        t2 = time.perf_counter()
         verify_remote(storage, manifest)
     else:
-        local.rmdir()  # emptied by adopt
+        try:
+            t0 = time.perf_counter()
+            try:
+                local, manifest = write_checkpoint_dir(staging, snap, base, direct=True)
+            except OSError as e:  # a full or read-only store: one line, not retried (as its own writes)
+                mapped = unwritable(e, f"cannot write a checkpoint in storage {storage.uri}")
+                if mapped is None:
+                    raise
+                raise mapped from e
+            t1 = time.perf_counter()
+            written = upload(storage, local, manifest, sidecars, adopt=True)
+            t2 = time.perf_counter()
+        finally:  # adopted, or a failed write's remains: nothing of it may stay in the store
+            shutil.rmtree(staging, ignore_errors=True)
     write_latest(storage, manifest.step)
     return Persisted(manifest, t1 - t0, t2 - t1, time.perf_counter() - t2, written)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,7 +200,7 @@ def sha256_file(path: Path) -> str:
     return digest_file(path, "sha256")
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -301,15 +302,19 @@ def write_checkpoint_dir(
     tmp.mkdir(parents=True)
     rank = int(snap["trainer"]["rank"])
     files: dict[str, FileEntry] = {}
-    for name, state in snap.items():
-        if state is not None:
-            spec = spec_of(name)
-            fname = spec.file_for(rank)
-            files[fname] = write_part(tmp / fname, spec.codec, state, step, direct)
-    manifest = Manifest(files=files, **manifest_base).signed()
-    (tmp / MANIFEST).write_bytes(manifest.to_json())
-    _fsync_file(tmp / MANIFEST)
-    fsync_dir(tmp)
+    try:
+        for name, state in snap.items():
+            if state is not None:
+                spec = spec_of(name)
+                fname = spec.file_for(rank)
+                files[fname] = write_part(tmp / fname, spec.codec, state, step, direct)
+        manifest = Manifest(files=files, **manifest_base).signed()
+        (tmp / MANIFEST).write_bytes(manifest.to_json())
+        fsync_file(tmp / MANIFEST)
+        fsync_dir(tmp)
+    except BaseException:  # a full disk must not stay full of this partial write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # a rejected checkpoint of the same step from an earlier attempt
         _remove_tree(final)
     os.replace(tmp, final)

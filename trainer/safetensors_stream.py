@@ -51,7 +51,7 @@ def header(
         return None
     rank = {name: i for i, name in enumerate(_ORDER)}
     order = sorted(tensors, key=lambda k: (-rank[names[tensors[k].dtype]], k))
-    head: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    head: dict[str, Any] = {"__metadata__": metadata} if metadata is not None else {}
     offset = 0
     for k in order:
         t = tensors[k]

@@ -1,16 +1,20 @@
 """Sharded checkpoints (the sharded layout): DCP writes the shards, our commit protocol publishes them.
 
 Per checkpoint, on every rank:
-  1. stage   `dcp.async_save` copies this rank's shard of model + optimizer into host memory (pinned on
-             CUDA, the buffers reused) and returns: the only part that blocks the loop. The torch parts
-             (scheduler, trainer meta, this rank's RNG) are snapshotted beside it.
-  2. write   DCP writes `__<rank>_0.distcp` (rank 0 also `.metadata`) into the node's local step
-             directory, fsynced, in a thread; each rank then writes and hashes its own `.pt` files and
-             hashes its shard, uploads its files, and reports {file: size, digest} (or its error).
+  1. stage   this rank's shard of model + optimizer is copied into reused host buffers (on CUDA by
+             `dcp.async_save`, pinned) and the save returns: the only part that blocks the loop. The
+             torch parts (scheduler, trainer meta, this rank's RNG) are snapshotted beside it.
+  2. write   DCP writes `__<rank>_0.distcp` (rank 0 also `.metadata`), fsynced, in a thread: into the
+             node's cache (S3), or into a staging directory of this rank's own inside a directory
+             store. Each rank then writes and hashes its own `.pt` files and hashes its shard; rank 0
+             deletes an earlier attempt's manifest of the step, and once it has, every rank uploads
+             its files (a directory store: renames them into their keys) and reports
+             {file: size, digest} (or its error).
   3. commit  rank 0 gathers every rank's report over the checkpoint group; only when all are durable it
-             writes the manifest (every shard, `.metadata`, every `.pt`), uploads it last, reads every
-             file back against it, moves `latest`, and broadcasts the verdict: every rank knows the
-             same durable step, and a failure anywhere fails the checkpoint everywhere.
+             writes the manifest (every shard, `.metadata`, every `.pt`), stores it last, confirms the
+             files against it (S3: size and S3's checksum; a directory store: nothing to read back),
+             moves `latest`, and broadcasts the verdict: every rank knows the same durable step, and a
+             failure anywhere fails the checkpoint everywhere.
 
 DCP's collectives and ours run on the checkpoint group (gloo) from one thread per rank, one checkpoint
 in flight at a time, so they never interleave with training's collectives or with each other.
@@ -45,6 +49,7 @@ from trainer.ckpt_format import (
     SHARDED,
     FileEntry,
     Manifest,
+    fsync_file,
     step_dir,
     write_part,
 )
@@ -98,11 +103,13 @@ class DcpStateCache:
         optimizer: Any = registry["optimizer"]
         if self._state is not None and _count(optimizer) == self._count:
             live = _live_views(registry)
-            if all(v in live for v in self._views):
-                _refresh_groups(self._state["optimizer"], optimizer)
+            if all(v in live for v in self._views) and _refresh_groups(self._state["optimizer"], optimizer):
                 return self._state
-
-        self._state = dcp_state(registry)
+        state = dcp_state(registry)
+        if _holds_values(state["model"]):  # a module's get_extra_state(): only a fresh call is current
+            self._state = None
+            return state
+        self._state = state
         self._views = [_view_of(t) for t in _tensors_in(self._state)]
         self._count = _count(optimizer)  # after: get_state_dict makes a fresh optimizer's state itself
         return self._state
@@ -146,9 +153,20 @@ def _live_views(registry: Registry) -> set[tuple[int, int]]:
     return {_view_of(t) for t in live}
 
 
-def _refresh_groups(osd: dict[str, Any], optimizer: Any) -> None:
+def _refresh_groups(osd: dict[str, Any], optimizer: Any) -> bool:
+    """Copy each group's scalars (lr, ...) into the kept state; False when the groups changed."""
+    if len(osd["param_groups"]) != len(optimizer.param_groups):
+        return False
     for cached, group in zip(osd["param_groups"], optimizer.param_groups, strict=True):
         cached.update({k: v for k, v in group.items() if k != "params"})
+    return True
+
+
+def _holds_values(state: Any) -> bool:
+    """Whether a model state dict holds anything but tensors (a module's extra state)."""
+    if isinstance(state, dict):
+        return any(_holds_values(v) for v in state.values())
+    return not isinstance(state, torch.Tensor)
 
 
 class ShardStager:
@@ -213,11 +231,8 @@ class ShardedCheckpointer(BackgroundSaver):
         self.own_staging = not (pin_memory and torch.cuda.is_available())
         self.shard_stager = ShardStager()
         self.dcp_cache = DcpStateCache()
-        # One temp directory name for all ranks of the attempt (ranks of a node share it). A directory
-        # store's staging directory is shared by every rank: DCP writes the step there, in place, and
-        # each file is renamed into its key (as `checkpointer.persist` does): no copy, no read-back.
+        # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
-        self.staging = storage.staging()
 
     def save(
         self,
@@ -232,25 +247,35 @@ class ShardedCheckpointer(BackgroundSaver):
         t0 = time.perf_counter()
         self.wait()
         step = int(manifest_base["step"])
-        tmp = (self.staging or self.cache) / f".tmp-{step_dir(step)}-{self._tag}"
+        # A directory store gives each rank a new directory of its own on the store's file system: DCP
+        # writes there in place and each file is renamed into its key (as `checkpointer.persist` does),
+        # with no copy and no read-back. Otherwise the step is written in the node's cache, uploaded.
+        staging = self.storage.staging()
+        tmp = staging / step_dir(step) if staging else self.cache / f".tmp-{step_dir(step)}-{self._tag}"
         tmp.mkdir(parents=True, exist_ok=True)
-        snap = self.snapshotter.snapshot(state)
-        shards = self.dcp_cache.get(self.registry)
-        timings = SaveTimings(step)
-        background = self.background and not wait
-        future, staged = None, None
-        if background and self.own_staging:  # staged here; written by dcp.save in the writer thread
-            staged = self.shard_stager.stage(shards)
-        elif background:
-            future = dcp.async_save(
-                shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, async_stager=self.stager
-            )
-        else:
-            dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+        try:
+            snap = self.snapshotter.snapshot(state)
+            shards = self.dcp_cache.get(self.registry)
+            timings = SaveTimings(step)
+            background = self.background and not wait
+            future, staged = None, None
+            if background and self.own_staging:  # staged here; written by dcp.save in the writer thread
+                staged = self.shard_stager.stage(shards)
+            elif background:
+                future = dcp.async_save(
+                    shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
+                    async_stager=self.stager,
+                )  # fmt: skip
+            else:
+                dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+        except BaseException:
+            if staging is not None:  # nothing of a failed save may stay in the store
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         timings.snapshot_s = time.perf_counter() - t0
         self._persist_in(
-            background, self._commit, future, staged, tmp, snap, manifest_base, sidecars or {}, timings,
-            nice=False,
+            background, self._commit, future, staged, tmp, staging, snap, manifest_base, sidecars or {},
+            timings, nice=False,
         )  # fmt: skip
         return time.perf_counter() - t0
 
@@ -262,13 +287,15 @@ class ShardedCheckpointer(BackgroundSaver):
         future: Any,
         staged: dict[str, Any] | None,
         tmp: Path,
+        staging: Path | None,
         snap: dict[str, Any],
         base: dict[str, Any],
         sidecars: Sidecars,
         t: SaveTimings,
     ) -> None:
         step, rank = t.step, self.ranks.rank
-        report: tuple[dict[str, FileEntry], str | None]
+        files: dict[str, FileEntry] = {}
+        failed: str | None = None
         t0 = time.perf_counter()
         try:
             if future is not None:
@@ -281,21 +308,30 @@ class ShardedCheckpointer(BackgroundSaver):
             if threading.current_thread() is not threading.main_thread():
                 lower_thread_priority()
             files = self._write_own(tmp, snap, step)
-            t1 = time.perf_counter()
-            put = self.storage.adopt if self.staging is not None else self.storage.put
-            for fname in sorted(files):
-                put(f"{step_dir(step)}/{fname}", tmp / fname)
-            t.write_s, t.upload_s = t1 - t0, time.perf_counter() - t1
-            report = (files, None)
+            if rank == 0:  # an earlier attempt's manifest of this step: gone before any new file lands
+                self.storage.delete([f"{step_dir(step)}/{MANIFEST}"])
         except Exception as e:  # reported to rank 0 (every rank must reach the gather), raised below
-            report = ({}, f"rank {rank}: {type(e).__name__}: {e}"[:400])
+            failed = f"rank {rank}: {type(e).__name__}: {e}"[:400]
+        self.ranks.broadcast(None)  # every rank waits for that delete (all reach it, failed or not)
+        t1 = time.perf_counter()
+        if failed is None:
+            try:
+                put = self.storage.adopt if staging is not None else self.storage.put
+                for fname in sorted(files):
+                    put(f"{step_dir(step)}/{fname}", tmp / fname)
+            except Exception as e:
+                failed = f"rank {rank}: {type(e).__name__}: {e}"[:400]
+        t.write_s, t.upload_s = t1 - t0, time.perf_counter() - t1
+        report = (files, None) if failed is None else ({}, failed)
         reports = self.ranks.gather(report)
         verdict: tuple[int | None, str | None] = (None, None)
         written = True  # what the other ranks report: their MetricsLog records nothing
         if reports is not None:  # rank 0
-            verdict, written = self._publish(tmp, base, sidecars, reports, t)
+            verdict, written = self._publish(tmp, staging is not None, base, sidecars, reports, t)
         durable, error = self.ranks.broadcast(verdict)
-        if rank != 0 or self.staging is not None:  # another node's copy, renamed by rank 0, or adopted
+        if staging is not None:  # adopted, or a failed save's remains: nothing of it stays in the store
+            shutil.rmtree(staging, ignore_errors=True)
+        elif rank != 0:  # another node's copy, or already renamed by rank 0
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise CheckpointError(error)
@@ -332,6 +368,7 @@ class ShardedCheckpointer(BackgroundSaver):
     def _publish(
         self,
         tmp: Path,
+        adopt: bool,
         base: dict[str, Any],
         sidecars: Sidecars,
         reports: list[tuple[dict[str, FileEntry], str | None]],
@@ -352,14 +389,15 @@ class ShardedCheckpointer(BackgroundSaver):
             (tmp / MANIFEST).write_bytes(body)
             t0 = time.perf_counter()
             written = put_sidecars(self.storage, sidecars)
-            if self.staging is not None:  # every file is the one hashed after DCP wrote it
+            if adopt:  # every file is the one hashed after DCP wrote it: nothing to read back
+                fsync_file(tmp / MANIFEST)
                 self.storage.adopt(f"{name}/{MANIFEST}", tmp / MANIFEST)
             else:
                 self.storage.put(f"{name}/{MANIFEST}", tmp / MANIFEST)
                 verify_remote(self.storage, manifest)
             write_latest(self.storage, manifest.step)
             t.verify_s = time.perf_counter() - t0
-            if self.staging is None:
+            if not adopt:
                 self._keep_local(tmp, manifest)
             return (manifest.step, None), written
         except LeaseLost:

@@ -146,7 +146,7 @@ class WorkerWatch:
     ) -> None:
         self.ec2, self.cfg, self.worker, self.state = ec2, cfg, worker, worker.handle
         self.on_status, self.exit_status = on_status, exit_status
-        self.result = WatchResult(started_at=worker.started_at)
+        self.result = worker.result = WatchResult(started_at=worker.started_at)  # also read on interrupt
         self.seen: dict[str, Record] = {}
         self.beat_t: Any = None  # the heartbeat's own `t`, to see it change
         now = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -447,26 +448,28 @@ def test_confirm_stored_checks_what_was_written(backend: Backend, tmp_path: Path
 
 
 def test_staging_and_adopt(backend: Backend, tmp_path: Path) -> None:
-    """A directory store takes a checkpoint written in place (renamed, not copied); the staging
-    directory is never listed, and a killed writer's leftovers there go with cleanup_incomplete. An
-    object store has no staging: its files are uploaded with put."""
+    """A directory store takes a checkpoint written in place (renamed, not copied), each writer in a
+    new directory of its own; staging is never listed, and a killed writer's leftovers there go with
+    cleanup_incomplete. An object store has no staging: its files are uploaded with put."""
     staging = backend.storage.staging()
     if staging is None:
-        assert not isinstance(backend.storage, LocalStorage)
+        assert not isinstance(backend.storage, LocalStorage) and backend.storage.local_path("x") is None
         return
+    other = backend.storage.staging()
+    assert other != staging and not any(staging.iterdir()) and not any(other.iterdir())
     src = write_random(staging / "step_7" / "model.bin", 1000)
     inode = src.stat().st_ino
     backend.storage.adopt("ckpt/step_7/model.bin", src)
-    stored = Path(backend.storage.uri) / "ckpt/step_7/model.bin"
-    assert not src.exists() and stored.stat().st_ino == inode  # the same file: no second copy
-    src.parent.rmdir()  # as the writer does once it has adopted the directory's files
+    stored = backend.storage.local_path("ckpt/step_7/model.bin")
+    assert stored is not None and not src.exists() and stored.stat().st_ino == inode  # no second copy
+    shutil.rmtree(staging)  # as the writer does once it has adopted its files
     assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]
     with pytest.raises(ValueError, match="not under"):
         backend.storage.adopt("ckpt/x.bin", write_random(tmp_path / "elsewhere.bin", 10))
 
-    write_random(staging / "step_8" / "model.bin", 10)  # a writer killed before it adopted its files
+    write_random(other / "step_8" / "model.bin", 10)  # a writer killed before it adopted its files
     assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]
     assert backend.storage.cleanup_incomplete(older_than_s=3600) == 0  # too young
     time.sleep(0.05)
     assert backend.storage.cleanup_incomplete(older_than_s=0) == 1
-    assert not (staging / "step_8").exists() and stored.is_file()
+    assert not other.exists() and stored.is_file()

@@ -194,3 +194,16 @@ def test_the_writer_opens_s3_again_with_the_same_options(
     assert get_bytes(storage, "latest") == b'{"step": 7, "dir": "step_000000007"}'
     m = Manifest.from_json(get_bytes(storage, f"{step_dir(7)}/{MANIFEST}"))
     assert m.step == 7 and "model.safetensors" in m.files
+
+
+def test_a_failed_write_leaves_nothing_in_a_directory_store(tmp_path: Path) -> None:
+    """Written in place, a checkpoint that fails half-way takes its files with it: a full disk must
+    not stay full of them, and nothing of it is ever listed."""
+    from trainer.checkpointer import persist
+    from trainer.storage.local import STAGING
+
+    storage = LocalStorage(tmp_path / "store")
+    snap = {"model": {"w": torch.ones(4)}, "optimizer": {"state": lambda: None}, "trainer": {"rank": 0}}
+    with pytest.raises(Exception, match="pickle"):
+        persist(storage, tmp_path / "cache", snap, base(3), {})
+    assert storage.list() == [] and not any((storage.root / STAGING).iterdir())

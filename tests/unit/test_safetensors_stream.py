@@ -39,7 +39,7 @@ EVERY_DTYPE = {
     ],
     ids=["every-dtype", "names", "shapes", "transposed"],
 )
-@pytest.mark.parametrize("metadata", [model_metadata(1200), None], ids=["metadata", "none"])
+@pytest.mark.parametrize("metadata", [model_metadata(1200), {}, None], ids=["metadata", "empty", "none"])
 def test_same_bytes_as_the_library(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
     data = streamed(tensors, metadata)
     assert data == save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)

@@ -77,9 +77,10 @@ class Storage(Protocol):
         ...
 
     def staging(self) -> Path | None:
-        """A directory where a checkpoint can be written in place and then taken in with `adopt`,
-        without a second copy of its bytes (a local directory: one on its own file system); None for
-        an object store, where files are written locally and uploaded with `put`."""
+        """A new, empty directory on the store's own file system for one writer's files, which are
+        then taken in with `adopt` without a second copy of their bytes (a local or network directory);
+        None for an object store, where files are written locally and uploaded with `put`. The caller
+        removes it when done; `cleanup_incomplete` removes one a killed writer left behind."""
         ...
 
     def adopt(self, key: str, src: Path) -> None:
