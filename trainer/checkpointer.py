@@ -244,7 +244,7 @@ class Checkpointer(BackgroundSaver):
         done = persist(self.storage, self.cache, snap, base, sidecars)
         step = done.manifest.step
         t.write_s, t.upload_s, t.verify_s = done.write_s, done.upload_s, done.verify_s
-        t.nbytes = sum(f.size for f in done.manifest.files.values())
+        t.nbytes = done.nbytes
         self._record(step, t, done.sidecars_written, where="thread")
         apply_retention(self.storage, step, self.keep)
         prune_local(self.cache, {step})
@@ -276,6 +276,11 @@ class Persisted:
     upload_s: float
     verify_s: float
     sidecars_written: bool
+
+    @property
+    def nbytes(self) -> int:
+        """The checkpoint's files, as the manifest lists them."""
+        return sum(f.size for f in self.manifest.files.values())
 
 
 def persist(

@@ -56,7 +56,7 @@ from trainer.ckpt_format import (
 from trainer.digests import digest_file
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost
-from trainer.state import Snapshotter, host_copy
+from trainer.state import Snapshotter, host_copy, iter_tensors
 from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.storage import Storage
 from trainer.storage.local import fsync_dir
@@ -110,7 +110,7 @@ class DcpStateCache:
             self._state = None
             return state
         self._state = state
-        self._views = [_view_of(t) for t in _tensors_in(self._state)]
+        self._views = [_view_of(t) for _, t in iter_tensors(self._state)]
         self._count = _count(optimizer)  # after: get_state_dict makes a fresh optimizer's state itself
         return self._state
 
@@ -135,14 +135,6 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 def _view_of(t: torch.Tensor) -> tuple[int, int]:
     local = local_of(t)
     return local.untyped_storage().data_ptr(), int(local.storage_offset()) * local.element_size()
-
-
-def _tensors_in(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors_in(v)]
-    if isinstance(state, list | tuple):
-        return [t for v in state for t in _tensors_in(v)]
-    return [state] if isinstance(state, torch.Tensor) else []
 
 
 def _live_views(registry: Registry) -> set[tuple[int, int]]:

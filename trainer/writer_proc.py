@@ -200,8 +200,7 @@ class _Writer:
         step = done.manifest.step
         apply_retention(self.storage, step, self.keep)
         prune_local(self.cache, {step})
-        nbytes = sum(f.size for f in done.manifest.files.values())
-        return Done(step, done.write_s, done.upload_s, done.verify_s, nbytes, done.sidecars_written)
+        return Done(step, done.write_s, done.upload_s, done.verify_s, done.nbytes, done.sidecars_written)
 
 
 def _serve(conn: Connection) -> None:
