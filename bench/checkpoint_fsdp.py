@@ -49,9 +49,9 @@ from trainer import recipes
 from trainer.digests import digest_file
 from trainer.distributed import Ranks, wrap
 from trainer.recipes.charlm import state_bytes
-from trainer.sharded import ShardedCheckpointer, dcp_state
+from trainer.sharded import ShardedCheckpointer, dcp_state, local_of
 from trainer.spec import DistributedOptions, JobSpec
-from trainer.state import RngState
+from trainer.state import RngState, iter_tensors
 from trainer.stateful import Registry, Stateful
 from trainer.storage import LocalStorage
 from trainer.storage.local import copy_durable, fsync_dir
@@ -123,20 +123,10 @@ class Trainee:
     def shard_bytes(self) -> int:
         """This rank's bytes of model + optimizer state (its DTensor shards)."""
         total = 0
-        for t in _tensors(dcp_state(self.registry)):
-            local = t.to_local() if hasattr(t, "to_local") else t
+        for _, t in iter_tensors(dcp_state(self.registry)):
+            local = local_of(t)
             total += local.numel() * local.element_size() if local.dim() > 0 else 0
         return total
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 # ---------------------------------------------------------------- the two ways
