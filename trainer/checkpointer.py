@@ -31,7 +31,7 @@ import torch
 
 from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
-from trainer.errors import CheckpointError, LeaseLost
+from trainer.errors import CheckpointError, LeaseLost, StorageError, TransientStorageError
 from trainer.shm import SharedSnapshotter
 from trainer.state import Snapshotter, state_nbytes
 from trainer.storage import Storage, confirm_stored, put_bytes
@@ -308,8 +308,8 @@ def persist(
             t0 = time.perf_counter()
             try:
                 local, manifest = write_checkpoint_dir(staging, snap, base, direct=True)
-            except OSError as e:  # a full or read-only store: one line, not retried (as its own writes)
-                mapped = unwritable(e, f"cannot write a checkpoint in storage {storage.uri}")
+            except OSError as e:
+                mapped = refused(e, storage)
                 if mapped is None:
                     raise
                 raise mapped from e
@@ -320,6 +320,21 @@ def persist(
             shutil.rmtree(staging, ignore_errors=True)
     write_latest(storage, manifest.step)
     return Persisted(manifest, t1 - t0, t2 - t1, time.perf_counter() - t2, written)
+
+
+def refused(e: BaseException, storage: Storage) -> StorageError | None:
+    """A full or read-only store met while writing into its staging directory, as the store's own
+    one-line, not-retried StorageError (what its own writes raise); None for anything else (an I/O
+    error passes as it is). DCP collects each rank's failure into a CheckpointException: looked into."""
+    causes = [e, *(exc for exc, _ in getattr(e, "failures", {}).values())]
+    for cause in causes:
+        if isinstance(cause, StorageError) and not isinstance(cause, TransientStorageError):
+            return cause
+        if isinstance(cause, OSError):
+            mapped = unwritable(cause, f"cannot write a checkpoint in storage {storage.uri}")
+            if mapped is not None:
+                return mapped
+    return None
 
 
 def upload(

@@ -27,11 +27,13 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.catalog import apply_retention, prune_local, write_latest
@@ -42,6 +44,7 @@ from trainer.checkpointer import (
     Sidecars,
     lower_thread_priority,
     put_sidecars,
+    refused,
     verify_remote,
 )
 from trainer.ckpt_format import (
@@ -55,7 +58,7 @@ from trainer.ckpt_format import (
 )
 from trainer.digests import digest_file
 from trainer.distributed import Ranks
-from trainer.errors import CheckpointError, LeaseLost
+from trainer.errors import CheckpointError, LeaseLost, StorageError
 from trainer.state import Snapshotter, host_copy, iter_tensors
 from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.storage import Storage
@@ -287,7 +290,7 @@ class ShardedCheckpointer(BackgroundSaver):
     ) -> None:
         step, rank = t.step, self.ranks.rank
         files: dict[str, FileEntry] = {}
-        failed: str | None = None
+        failed: Failed | None = None
         t0 = time.perf_counter()
         try:
             if future is not None:
@@ -302,8 +305,8 @@ class ShardedCheckpointer(BackgroundSaver):
             files = self._write_own(tmp, snap, step)
             if rank == 0:  # an earlier attempt's manifest of this step: gone before any new file lands
                 self.storage.delete([f"{step_dir(step)}/{MANIFEST}"])
-        except Exception as e:  # reported to rank 0 (every rank must reach the gather), raised below
-            failed = f"rank {rank}: {type(e).__name__}: {e}"[:400]
+        except (Exception, CheckpointException) as e:  # to rank 0 (every rank must reach the gather)
+            failed = Failed.of(rank, e, self.storage)
         self.ranks.broadcast(None)  # every rank waits for that delete (all reach it, failed or not)
         t1 = time.perf_counter()
         if failed is None:
@@ -312,11 +315,11 @@ class ShardedCheckpointer(BackgroundSaver):
                 for fname in sorted(files):
                     put(f"{step_dir(step)}/{fname}", tmp / fname)
             except Exception as e:
-                failed = f"rank {rank}: {type(e).__name__}: {e}"[:400]
+                failed = Failed.of(rank, e, self.storage)
         t.write_s, t.upload_s = t1 - t0, time.perf_counter() - t1
         report = (files, None) if failed is None else ({}, failed)
         reports = self.ranks.gather(report)
-        verdict: tuple[int | None, str | None] = (None, None)
+        verdict: tuple[int | None, Failed | None] = (None, None)
         written = True  # what the other ranks report: their MetricsLog records nothing
         if reports is not None:  # rank 0
             verdict, written = self._publish(tmp, staging is not None, base, sidecars, reports, t)
@@ -325,8 +328,8 @@ class ShardedCheckpointer(BackgroundSaver):
             shutil.rmtree(staging, ignore_errors=True)
         elif rank != 0:  # another node's copy, or already renamed by rank 0
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise CheckpointError(error)
+        if error is not None:  # on every rank; a refusing store is one line, not retried (as alone)
+            raise CheckpointError(error.why) from (StorageError(error.why) if error.refused else None)
         assert durable is not None
         t.nbytes = sum(e.size for e in report[0].values())
         self.durable_step = durable
@@ -363,9 +366,9 @@ class ShardedCheckpointer(BackgroundSaver):
         adopt: bool,
         base: dict[str, Any],
         sidecars: Sidecars,
-        reports: list[tuple[dict[str, FileEntry], str | None]],
+        reports: list[tuple[dict[str, FileEntry], Failed | None]],
         t: SaveTimings,
-    ) -> tuple[tuple[int | None, str | None], bool]:
+    ) -> tuple[tuple[int | None, Failed | None], bool]:
         """Rank 0, once every rank reported: the sidecars, the manifest, read-back, `latest`.
         Returns ((step, None), whether the sidecars were written), or ((None, why), False)."""
         errors = [e for _, e in reports if e]
@@ -395,7 +398,7 @@ class ShardedCheckpointer(BackgroundSaver):
         except LeaseLost:
             raise
         except Exception as e:
-            return (None, f"rank 0: {type(e).__name__}: {e}"[:400]), False
+            return (None, Failed.of(0, e, self.storage)), False
 
     def _keep_local(self, tmp: Path, manifest: Manifest) -> None:
         """The local copy becomes a committed checkpoint when it holds every file (one node); otherwise
@@ -406,6 +409,21 @@ class ShardedCheckpointer(BackgroundSaver):
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(self.cache)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """One rank's failed part of a save, as it travels to every rank."""
+
+    why: str
+    refused: bool  # the store refuses writes (full, read-only): one line, not retried
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException, storage: Storage) -> Failed:
+        mapped = refused(e, storage)
+        if mapped is not None:
+            return cls(f"rank {rank}: {mapped}"[:400], True)
+        return cls(f"rank {rank}: {type(e).__name__}: {e}"[:400], False)
 
 
 def _stager(pin_memory: bool) -> Any:
