@@ -49,9 +49,9 @@ from trainer import recipes
 from trainer.digests import digest_file
 from trainer.distributed import Ranks, wrap
 from trainer.recipes.charlm import state_bytes
-from trainer.sharded import ShardedCheckpointer, dcp_state, local_of
+from trainer.sharded import ShardedCheckpointer, dcp_state
 from trainer.spec import DistributedOptions, JobSpec
-from trainer.state import RngState, iter_tensors
+from trainer.state import RngState, iter_tensors, local_of
 from trainer.stateful import Registry, Stateful
 from trainer.storage import LocalStorage
 from trainer.storage.local import copy_durable, fsync_dir
@@ -109,16 +109,19 @@ class Trainee:
         held |= {"rng": RngState(torch.device("cpu")), "trainer": self.meta}
         self.registry = Registry(ranks.rank, held, {}, sharded=True)
 
-    def train_step(self) -> None:
+    def train_step(self, fence: Callable[[], float] = lambda: 0.0) -> float:
+        """One step, as trainer/loop.py's: `fence` just before the update. Returns the fence's wait."""
         p = self.parts
         loss = p.loss_fn(p.model, self.batches[self.meta.step % len(self.batches)])
         p.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(p.model.parameters(), 1.0)
+        waited = fence()
         p.optimizer.step()
         assert p.scheduler is not None  # charlm schedules its rate
         p.scheduler.step()
         self.meta.step += 1
+        return waited
 
     def shard_bytes(self) -> int:
         """This rank's bytes of model + optimizer state (its DTensor shards)."""
@@ -144,13 +147,27 @@ class DurableClock:
 
 
 def spotrun_save(t: Trainee, ckpt: ShardedCheckpointer, clock: DurableClock) -> dict[str, float]:
-    """One background sharded checkpoint on this rank: its stall, time-to-durable (until `wait()`
-    returns), and when the durable verdict arrived (`on_durable`), all from the save call."""
+    """One background sharded checkpoint on this rank: time-to-durable (until `wait()` returns) and
+    when the durable verdict arrived (`on_durable`), both from the save call."""
     t0 = time.perf_counter()
     ckpt.save(t.registry.capture(), t.meta.manifest_base(), wait=False)
-    stall = time.perf_counter() - t0
     ckpt.wait()
-    return {"stall": stall, "durable": time.perf_counter() - t0, "verdict": clock.at - t0}
+    return {"durable": time.perf_counter() - t0, "verdict": clock.at - t0}
+
+
+def spotrun_stall(t: Trainee, ckpt: ShardedCheckpointer, plain_step_s: float) -> dict[str, float]:
+    """The loop's stall for one background sharded checkpoint: the save call, plus the next step's
+    wait at the fence before its update (the parameters and optimizer state are copied during that
+    step's forward and backward). `step_slowdown_s`: how much longer that step took than `plain_step_s`
+    beside the copy and the write, its fence included."""
+    t0 = time.perf_counter()
+    ckpt.save(t.registry.capture(), t.meta.manifest_base(), wait=False)
+    t1 = time.perf_counter()
+    fence = t.train_step(ckpt.fence)
+    t2 = time.perf_counter()
+    ckpt.wait()
+    return {"stall": t1 - t0 + fence, "save_call": t1 - t0, "fence": fence,
+            "step_slowdown_s": t2 - t1 - plain_step_s}  # fmt: skip
 
 
 def sync_save(t: Trainee, ckpt: ShardedCheckpointer) -> float:
@@ -260,11 +277,13 @@ def main() -> None:
 
     spotrun_save(t, ckpt, clock)  # the first save sets up DCP's stager and the files' directories
     gathered_save(t, ranks, remote.root)
+    plain_step_s = statistics.median(timed(t.train_step) for _ in range(3))
     reps: list[dict[str, Any]] = []
-    for _ in range(cli.reps):  # interleaved, so a change in machine load hits all three alike
+    for _ in range(cli.reps):  # interleaved, so a change in machine load hits all four alike
         t.train_step()
         spot = spotrun_save(t, ckpt, clock)
         timings = ckpt.history[-1]
+        spot |= spotrun_stall(t, ckpt, plain_step_s)
         t.train_step()
         base = gathered_save(t, ranks, remote.root)
         t.train_step()

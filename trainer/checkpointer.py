@@ -80,6 +80,8 @@ class BackgroundSaver:
         self.on_durable = on_durable
         self.history: list[SaveTimings] = []
         self._done: threading.Event | None = None  # the in-flight save's, set when it ends
+        # the in-flight save's, set once it holds its own copy of what the optimizer's update changes
+        self._copied: threading.Event | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -97,7 +99,20 @@ class BackgroundSaver:
         if self._done is not None:
             self._done.wait()
             self._done = None
+        self._copied = None
         self.check()
+
+    def fence(self) -> float:
+        """Before the optimizer's update: block until the save in flight no longer reads the live
+        parameters and optimizer state. Returns the seconds blocked (0 when nothing is copying)."""
+        copied = self._copied
+        if copied is None or copied.is_set():
+            self._copied = None
+            return 0.0
+        t0 = time.perf_counter()
+        copied.wait()
+        self._copied = None
+        return time.perf_counter() - t0
 
     def bandwidth(self, recent: int = 3) -> tuple[float, float] | None:
         """(write, upload) bytes/s of the slowest of the last `recent` checkpoints; None before any.
@@ -119,30 +134,51 @@ class BackgroundSaver:
         """Release what the saver holds beyond the attempt (buffers of a stager)."""
 
     def _persist_in(
-        self, background: bool, persist: Callable[..., None], *args: Any, nice: bool = True
+        self,
+        background: bool,
+        persist: Callable[..., None],
+        *args: Any,
+        nice: bool = True,
+        copy: Callable[[], None] | None = None,
     ) -> None:
-        """Run `persist(*args)` in the writer thread (at a lower priority unless not `nice`: then
-        `persist` lowers it itself when it may), or here (then raise its failure at once)."""
-        if background:
-            # A bare thread: threading.Thread.start() waits until the new thread runs, which took 0.8 ms
-            # of a 13 ms stall on 2 busy cores (measured); this one ends like a daemon thread.
-            done = threading.Event()
-            _thread.start_new_thread(self._run_job, (done, persist, nice, *args))
-            self._done = done  # only once it runs: a thread that could not start is no save in flight
-        else:
-            self._guarded(persist, False, *args)
+        """Run `copy()`, then `persist(*args)`, in the writer thread (persist at a lower priority unless
+        not `nice`: then `persist` lowers it itself when it may), or here (then raise its failure at
+        once). `copy` finishes the snapshot: what only the optimizer's update changes, copied while
+        the next step's forward and backward run, at normal priority; `fence()` waits for it."""
+        if not background:
+            self._guarded(None, None, persist, False, *args)
             self.check()
+            return
+        # A bare thread: threading.Thread.start() waits until the new thread runs, which took 0.8 ms of
+        # a 13 ms stall on 2 busy cores (measured); this one ends like a daemon thread.
+        done, copied = threading.Event(), threading.Event() if copy is not None else None
+        _thread.start_new_thread(self._run_job, (done, copy, copied, persist, nice, *args))
+        self._done = done  # only once it runs: a thread that could not start is no save in flight
+        self._copied = copied
 
-    def _run_job(self, done: threading.Event, persist: Callable[..., None], nice: bool, *args: Any) -> None:
+    def _run_job(self, done: threading.Event, *job: Any) -> None:
         try:
-            self._guarded(persist, nice, *args)
+            self._guarded(*job)
         finally:
             done.set()
 
-    def _guarded(self, persist: Callable[..., None], nice: bool, *args: Any) -> None:
-        if nice and threading.current_thread() is not threading.main_thread():
-            lower_thread_priority()
+    def _guarded(
+        self,
+        copy: Callable[[], None] | None,
+        copied: threading.Event | None,
+        persist: Callable[..., None],
+        nice: bool,
+        *args: Any,
+    ) -> None:
         try:
+            try:
+                if copy is not None:
+                    copy()
+            finally:  # a failed copy frees the update too: the failure surfaces at the next check()
+                if copied is not None:
+                    copied.set()
+            if nice and threading.current_thread() is not threading.main_thread():
+                lower_thread_priority()
             persist(*args)
         except BaseException as e:  # boundary of the writer thread: handed to the loop via check()
             with self._lock:
@@ -164,8 +200,13 @@ class Checkpointer(BackgroundSaver):
         durable_step: int | None = None,
         on_durable: OnDurable | None = None,
         writer: str = AUTO,
+        update_only: Callable[[], set[tuple[int, int]]] | None = None,
     ) -> None:
+        """`update_only`: what only the optimizer's update writes (state.update_only_views); a
+        background save leaves its copy to the writer, during the next step's forward and backward,
+        and the loop's `fence()` holds that step's update until it is done. None: all at once."""
         super().__init__(durable_step, on_durable)
+        self.update_only = update_only
         if writer not in WRITERS:
             raise ValueError(f"writer {writer!r}: use one of {', '.join(WRITERS)}")
         self.storage, self.cache, self.keep, self.background = storage, cache, keep, background
@@ -192,16 +233,19 @@ class Checkpointer(BackgroundSaver):
         # One in flight at a time: the buffers are reused, and publication order must follow step order.
         self.wait()
         step = int(manifest_base["step"])
+        background = self.background and not wait
+        later = self.update_only() if background and self.update_only is not None else None
         if self._process_for(state, wait):
             assert self._shared is not None
-            snap = self._shared.snapshot(state)
+            snap, copies = self._shared.snapshot(state, later), self._shared.later
             timings = SaveTimings(step, snapshot_s=self._shared.last_seconds)
             persist: Callable[..., None] = self._persist_remote
         else:
-            snap = self.snapshotter.snapshot(state)
+            snap, copies = self.snapshotter.snapshot(state, later), self.snapshotter.later
             timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
             persist = self._persist
-        self._persist_in(self.background and not wait, persist, snap, manifest_base, sidecars or {}, timings)
+        copy = copies.run if copies.pending else None
+        self._persist_in(background, persist, snap, manifest_base, sidecars or {}, timings, copy=copy)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ from trainer.resume import (
     select_together,
 )
 from trainer.spec import Change, JobSpec, describe_changes, spec_changes
-from trainer.state import RngState, state_nbytes
+from trainer.state import RngState, state_nbytes, update_only_views
 from trainer.stateful import Registry, Stateful
 from trainer.status import StatusReporter
 from trainer.storage import Storage
@@ -155,7 +155,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         run.ckpt = Checkpointer(
             storage, opts.cache, spec.checkpoint.keep, spec.checkpoint.async_upload,
             pin_memory=device.type == "cuda", durable_step=durable_here(selection, opts.resume_from),
-            on_durable=durable,
+            on_durable=durable, update_only=lambda: update_only_views(parts.model, parts.optimizer),
         )  # fmt: skip
     pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
     if run.changes and ranks.is_zero:
@@ -359,7 +359,14 @@ class _Run:
                 lr = self.parts.optimizer.param_groups[0]["lr"]  # this step's; the scheduler moves it after
                 t0 = time.perf_counter()
                 agreed = _step(
-                    self.parts, self.scaler, batch, self.device, self.spec.amp, self.step, self._agree
+                    self.parts,
+                    self.scaler,
+                    batch,
+                    self.device,
+                    self.spec.amp,
+                    self.step,
+                    self._agree,
+                    self.ckpt.fence,
                 )
                 self.last_step_s = time.perf_counter() - t0
                 self._timed(self.last_step_s)
@@ -573,7 +580,11 @@ def _step(
     amp: bool,
     step: int,
     agree: Callable[[float], Agreement],
+    fence: Callable[[], float] = lambda: 0.0,
 ) -> Agreement:
+    """One training step. `fence` runs just before the update: a checkpoint saved at the end of the
+    step before may still be copying the parameters and optimizer state, which nothing but the
+    update changes (the forward and backward passes only read them), and the update waits for it."""
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=amp):
         loss = parts.loss_fn(parts.model, batch)
@@ -590,6 +601,7 @@ def _step(
         loss.backward()
     if parts.grad_clip:
         torch.nn.utils.clip_grad_norm_(parts.model.parameters(), parts.grad_clip)
+    fence()
     if scaler is not None:
         scaler.step(parts.optimizer)
         scaler.update()

@@ -59,7 +59,15 @@ from trainer.ckpt_format import (
 from trainer.digests import digest_file
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost, StorageError
-from trainer.state import Snapshotter, host_copy, iter_tensors
+from trainer.state import (
+    LaterCopies,
+    Snapshotter,
+    host_copy,
+    iter_tensors,
+    local_of,
+    update_only_views,
+    view_of,
+)
 from trainer.stateful import DCP_METADATA, Registry, spec_of
 from trainer.storage import Storage
 from trainer.storage.local import fsync_dir
@@ -101,6 +109,8 @@ class DcpStateCache:
         self._state: dict[str, Any] | None = None
         self._views: list[tuple[int, int]] = []  # each tensor's (storage address, byte offset)
         self._count = (-1, -1)
+        # ids of the returned state's tensors that only the optimizer's update writes (update_only_views)
+        self.update_only: set[int] = set()
 
     def get(self, registry: Registry) -> dict[str, Any]:
         optimizer: Any = registry["optimizer"]
@@ -109,11 +119,14 @@ class DcpStateCache:
             if all(v in live for v in self._views) and _refresh_groups(self._state["optimizer"], optimizer):
                 return self._state
         state = dcp_state(registry)
+        views = [(t, view_of(t)) for _, t in iter_tensors(state)]
+        later = update_only_views(registry["model"], registry["optimizer"])
+        self.update_only = {id(t) for t, v in views if v in later}
         if _holds_values(state["model"]):  # a module's get_extra_state(): only a fresh call is current
             self._state = None
             return state
         self._state = state
-        self._views = [_view_of(t) for _, t in iter_tensors(self._state)]
+        self._views = [v for _, v in views]
         self._count = _count(optimizer)  # after: get_state_dict makes a fresh optimizer's state itself
         return self._state
 
@@ -122,30 +135,12 @@ def _count(optimizer: Any) -> tuple[int, int]:
     return len(optimizer.state), sum(len(s) for s in optimizer.state.values())
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (the tensor itself otherwise), read from the attribute DTensor
-    keeps it in: `to_local()` goes through an autograd function, ~20 us each, and a 110 MB charlm
-    state has ~270 sharded tensors whose shards every save reads twice (a 5-7 ms check here and
-    the staging copy)."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _view_of(t: torch.Tensor) -> tuple[int, int]:
-    local = local_of(t)
-    return local.untyped_storage().data_ptr(), int(local.storage_offset()) * local.element_size()
-
-
 def _live_views(registry: Registry) -> set[tuple[int, int]]:
     model: Any = registry["model"]
     optimizer: Any = registry["optimizer"]
     live = [*model.parameters(), *model.buffers()]
     live += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {_view_of(t) for t in live}
+    return {view_of(t) for t in live}
 
 
 def _refresh_groups(osd: dict[str, Any], optimizer: Any) -> bool:
@@ -177,14 +172,21 @@ class ShardStager:
     def __init__(self) -> None:
         self._staged: dict[str, Any] = {}  # path -> staged tensor (a DTensor over a reused buffer)
         self._buffers: dict[str, torch.Tensor] = {}
+        self.later = LaterCopies()
 
-    def stage(self, state: Any, path: str = "") -> Any:
+    def stage(self, state: Any, later: set[int] | None = None) -> Any:
+        """The staged state dict. Its tensors whose ids are in `later` (what only the optimizer's
+        update changes: DcpStateCache.update_only) wait for `later.run()`, others are copied now."""
+        self.later.start(None)
+        return self._stage(state, "", later or set())
+
+    def _stage(self, state: Any, path: str, later: set[int]) -> Any:
         from torch.distributed.tensor import DTensor
 
         if isinstance(state, dict):
-            return {k: self.stage(v, f"{path}/{k}") for k, v in state.items()}
+            return {k: self._stage(v, f"{path}/{k}", later) for k, v in state.items()}
         if isinstance(state, list):
-            return [self.stage(v, f"{path}/{i}") for i, v in enumerate(state)]
+            return [self._stage(v, f"{path}/{i}", later) for i, v in enumerate(state)]
         if not isinstance(state, torch.Tensor):
             return state
         local = local_of(state)
@@ -198,7 +200,10 @@ class ShardStager:
                     buf, state.device_mesh, state.placements, run_check=False, shape=state.shape,
                     stride=state.stride(),
                 )  # fmt: skip
-        host_copy(buf, local.detach())  # one memmove where it can (trainer/state.py)
+        if id(state) in later:  # known by id: the state dict is DcpStateCache's, kept between saves
+            self.later.pending.append((buf, local.detach()))
+        else:
+            host_copy(buf, local.detach())  # one memmove where it can (trainer/state.py)
         return self._staged[path]
 
 
@@ -254,8 +259,12 @@ class ShardedCheckpointer(BackgroundSaver):
             timings = SaveTimings(step)
             background = self.background and not wait
             future, staged = None, None
+            copy = None
             if background and self.own_staging:  # staged here; written by dcp.save in the writer thread
-                staged = self.shard_stager.stage(shards)
+                # what only the update changes is copied by the writer thread, overlapping the next
+                # step's forward and backward; the loop's fence() holds the update until it is done
+                staged = self.shard_stager.stage(shards, self.dcp_cache.update_only)
+                copy = self.shard_stager.later.run
             elif background:
                 future = dcp.async_save(
                     shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
@@ -270,7 +279,7 @@ class ShardedCheckpointer(BackgroundSaver):
         timings.snapshot_s = time.perf_counter() - t0
         self._persist_in(
             background, self._commit, future, staged, tmp, staging, snap, manifest_base, sidecars or {},
-            timings, nice=False,
+            timings, nice=False, copy=copy,
         )  # fmt: skip
         return time.perf_counter() - t0
 

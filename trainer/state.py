@@ -69,18 +69,48 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x
 
 
+class LaterCopies:
+    """The part of a snapshot copied after the step boundary, by the writer, while the next step's
+    forward and backward run: tensors in `update_only_views` (set per snapshot with `start`). The
+    loop's fence holds the optimizer's update until `run()` is done (checkpointer.BackgroundSaver).
+    At 1 GB of charlm state on 2 cores the copy is 0.22-0.28 s that the loop no longer waits for."""
+
+    def __init__(self) -> None:
+        self.views: set[tuple[int, int]] = set()
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def start(self, views: set[tuple[int, int]] | None) -> None:
+        self.views, self.pending = views or set(), []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy now, or (a tensor only the update changes) leave it to `run()`."""
+        if self.views and view_of(src) in self.views:
+            self.pending.append((dst, src))
+        else:
+            host_copy(dst, src, non_blocking=non_blocking)
+
+    def run(self) -> None:
+        pending, self.pending = self.pending, []
+        for dst, src in pending:
+            host_copy(dst, src)
+
+
 class Snapshotter:
     """Copies a nested state (dicts/lists/tuples of tensors and plain values) into preallocated
     host buffers, reused across checkpoints. This copy is the only part of a checkpoint that
-    blocks the training loop; on CUDA the buffers are pinned so the copy runs at full bandwidth."""
+    blocks the training loop (less what `later` leaves to the writer); on CUDA the buffers are
+    pinned so the copy runs at full bandwidth."""
 
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
+        self.later = LaterCopies()
         self.last_seconds = 0.0
 
-    def snapshot(self, state: Any) -> Any:
+    def snapshot(self, state: Any, later: set[tuple[int, int]] | None = None) -> Any:
+        """The copy; tensors whose data `later` holds (update_only_views) wait for `later.run()`."""
         t0 = time.perf_counter()
+        self.later.start(later)
         out = _map_tensors(state, "", self._copy)
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()  # non_blocking device->pinned copies must land before we hand off
@@ -92,7 +122,7 @@ class Snapshotter:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
             self._buffers[path] = buf
-        host_copy(buf, t.detach(), non_blocking=self.pin_memory)
+        self.later.copy(buf, t.detach(), non_blocking=self.pin_memory)
         return buf
 
     @property
@@ -159,3 +189,35 @@ def all_finite(t: torch.Tensor) -> bool:
 def state_nbytes(state: Any) -> int:
     """Bytes of tensor data in a nested state: what a checkpoint of it writes, near enough."""
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(state))
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (the tensor itself otherwise), read from the attribute DTensor
+    keeps it in: `to_local()` goes through an autograd function, ~20 us each, and a 110 MB charlm
+    state has ~270 sharded tensors whose shards every save reads twice (a 5-7 ms check and the
+    staging copy)."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def view_of(t: torch.Tensor) -> tuple[int, int]:
+    """(storage address, byte offset) of a tensor's data, or its local shard's: equal for the live
+    tensor and every view a state dict takes of it."""
+    local = local_of(t)
+    return local.untyped_storage().data_ptr(), int(local.storage_offset()) * local.element_size()
+
+
+def update_only_views(model: Any, optimizer: Any) -> set[tuple[int, int]]:
+    """The parameters and optimizer states in host memory: what only the optimizer's update writes.
+    The forward and backward passes read them (FSDP2 all-gathers from the shards into buffers of its
+    own and reduce-scatters into `.grad`), so a save may copy them during the next step's forward
+    and backward, as CheckFreq does (Mohan et al., FAST '21). Buffers (a BatchNorm's running stats
+    change in forward) and device tensors are left to the copy at the step boundary."""
+    live = [*model.parameters()]
+    live += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    buffers = {view_of(b) for b in model.buffers()}
+    return {v for t in live if local_of(t).device.type == "cpu" and (v := view_of(t)) not in buffers}

@@ -207,3 +207,51 @@ def test_a_failed_write_leaves_nothing_in_a_directory_store(tmp_path: Path) -> N
     with pytest.raises(Exception, match="pickle"):
         persist(storage, tmp_path / "cache", snap, base(3), {})
     assert storage.list() == [] and not any((storage.root / STAGING).iterdir())
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_the_update_waits_for_the_copy_of_what_it_changes(
+    tmp_path: Path, writer: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A background save copies the parameters and optimizer state during the next step's forward
+    and backward; that step's update waits at the fence. With the copy slowed to 0.3 s, the stored
+    checkpoint still holds the state at the save: the parameters before the update, and the running
+    stats before the forward (a buffer: copied at the save itself)."""
+    from trainer.state import LaterCopies, update_only_views
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train_step(ckpt: Checkpointer | None = None) -> float:
+        model(torch.randn(8, 64)).sum().backward()  # moves BatchNorm's running stats
+        waited = ckpt.fence() if ckpt is not None else 0.0
+        opt.step()
+        opt.zero_grad()
+        return waited
+
+    run = LaterCopies.run
+
+    def slow_run(self: LaterCopies) -> None:
+        time.sleep(0.3)
+        run(self)
+
+    monkeypatch.setattr(LaterCopies, "run", slow_run)
+    storage = LocalStorage(tmp_path / "s")
+    ckpt = writer(storage, writer=kind, update_only=lambda: update_only_views(model, opt))
+    train_step()
+    for step in (1, 2):  # the second reuses the buffers (and the process writer's arena)
+        state: dict[str, Any] = {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "scaler": None,
+            "rng": capture_rng(torch.device("cpu")), "trainer": {"step": step, "rank": 0, "world_size": 1},
+        }  # fmt: skip
+        at_save = {k: v.clone() for k, v in model.state_dict().items()}
+        exp_avg = opt.state_dict()["state"][0]["exp_avg"].clone()
+        ckpt.save(state, base(step))
+        assert train_step(ckpt) > 0.1  # the update waited for the copy
+        ckpt.wait()
+        stored = loaded(storage, step)
+        assert_same(stored["model.safetensors"], at_save)
+        assert torch.equal(stored["optimizer.pt"]["state"][0]["exp_avg"], exp_avg)
+        assert not torch.equal(model.state_dict()["0.weight"], at_save["0.weight"])  # training moved on
+    assert ckpt.uses_process == (kind == "process")

@@ -70,3 +70,75 @@ def test_rebuilt_when_a_tensor_no_longer_views_the_live_one() -> None:
     weight.data = weight.data.clone() + 1  # a load, or a reallocated parameter
     fresh = cache.get(registry)
     assert fresh is not kept and same(fresh, dcp_state(registry))
+
+
+def test_what_only_the_update_changes_is_copied_during_the_next_step() -> None:
+    """A background save copies the parameters and optimizer state while the next step's forward and
+    backward run (they only read them), and the update waits for that copy. A buffer that forward
+    changes (BatchNorm's running stats) is copied at the step boundary, with the rest of the state."""
+    from trainer.sharded import ShardStager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    registry = cast(Registry, {"model": model, "optimizer": opt})
+    cache, stager = DcpStateCache(), ShardStager()
+    for _ in range(2):
+        train(model, opt, sched)
+        state = cache.get(registry)
+        at_save = {k: v.clone() for k, v in _flat(state).items()}
+        staged = stager.stage(state, cache.update_only)
+        deferred = {k for k, v in _flat(state).items() if id(v) in cache.update_only}
+        assert deferred and all(".weight" in k or ".bias" in k or "state" in k for k in deferred)
+        assert not any("running" in k or "num_batches" in k for k in deferred)
+        model(torch.randn(3, 4)).sum().backward()  # the next step's forward moves the running stats
+        stager.later.run()  # the writer's copy, before the update below (the loop's fence)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        assert _flat(staged).keys() == at_save.keys()
+        assert all(torch.equal(v, at_save[k]) for k, v in _flat(staged).items())
+
+
+def _flat(state: Any) -> dict[str, torch.Tensor]:
+    from trainer.state import iter_tensors
+
+    return dict(iter_tensors(state))
+
+
+def test_the_fence_holds_the_update_until_the_copy_is_done() -> None:
+    """`fence()` blocks while the save in flight still copies; a save that fails before its copy
+    releases it too (its error then surfaces at the next check)."""
+    import threading
+    import time
+
+    import pytest
+
+    from trainer.checkpointer import BackgroundSaver
+    from trainer.errors import CheckpointError
+
+    saver = BackgroundSaver(None, None)
+    assert saver.fence() == 0.0  # nothing in flight
+    go = threading.Event()
+
+    def persist() -> None:
+        time.sleep(0.2)  # the write goes on after the copy: the update does not wait for it
+
+    def copy() -> None:
+        go.wait()
+
+    saver._persist_in(True, persist, copy=copy)
+    t = threading.Timer(0.2, go.set)
+    t.start()
+    waited = saver.fence()
+    assert waited >= 0.15 and saver.in_flight
+    saver.wait()
+
+    def fails() -> None:
+        raise OSError("disk gone")
+
+    saver._persist_in(True, persist, copy=fails)
+    saver.fence()  # returns: does not hang on a copy that failed
+    with pytest.raises(CheckpointError, match="disk gone"):
+        saver.wait()
