@@ -389,12 +389,18 @@ def upload(
     checkpoint from an earlier attempt) is deleted first, so no mix of old and new is ever committed.
     Returns whether the sidecars were written."""
     name = step_dir(manifest.step)
-    put = storage.adopt if adopt else storage.put
     storage.delete([f"{name}/{MANIFEST}"])
-    for fname in sorted(manifest.files):
-        put(f"{name}/{fname}", local / fname)
+    files = [(f"{name}/{fname}", local / fname) for fname in sorted(manifest.files)]
+    if adopt:
+        storage.adopt(files)
+    else:
+        for key, src in files:
+            storage.put(key, src)
     written = put_sidecars(storage, sidecars or {})
-    put(f"{name}/{MANIFEST}", local / MANIFEST)
+    if adopt:
+        storage.adopt([(f"{name}/{MANIFEST}", local / MANIFEST)])
+    else:
+        storage.put(f"{name}/{MANIFEST}", local / MANIFEST)
     return written
 
 

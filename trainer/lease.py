@@ -413,9 +413,9 @@ class FencedStorage:
     def staging(self) -> Path | None:
         return self.inner.staging()
 
-    def adopt(self, key: str, src: Path) -> None:
-        self.lease.check(remote=key.rpartition("/")[2] in COMMIT_NAMES)
-        self.inner.adopt(key, src)
+    def adopt(self, files: Sequence[tuple[str, Path]]) -> None:
+        self.lease.check(remote=any(key.rpartition("/")[2] in COMMIT_NAMES for key, _ in files))
+        self.inner.adopt(files)
 
     def checked_size(self, key: str) -> int | None:
         return self.inner.checked_size(key)

@@ -320,9 +320,12 @@ class ShardedCheckpointer(BackgroundSaver):
         t1 = time.perf_counter()
         if failed is None:
             try:
-                put = self.storage.adopt if staging is not None else self.storage.put
-                for fname in sorted(files):
-                    put(f"{step_dir(step)}/{fname}", tmp / fname)
+                own = [(f"{step_dir(step)}/{fname}", tmp / fname) for fname in sorted(files)]
+                if staging is not None:
+                    self.storage.adopt(own)
+                else:
+                    for key, src in own:
+                        self.storage.put(key, src)
             except Exception as e:
                 failed = Failed.of(rank, e, self.storage)
         t.write_s, t.upload_s = t1 - t0, time.perf_counter() - t1
@@ -395,7 +398,7 @@ class ShardedCheckpointer(BackgroundSaver):
             written = put_sidecars(self.storage, sidecars)
             if adopt:  # every file is the one hashed after DCP wrote it: nothing to read back
                 fsync_file(tmp / MANIFEST)
-                self.storage.adopt(f"{name}/{MANIFEST}", tmp / MANIFEST)
+                self.storage.adopt([(f"{name}/{MANIFEST}", tmp / MANIFEST)])
             else:
                 self.storage.put(f"{name}/{MANIFEST}", tmp / MANIFEST)
                 verify_remote(self.storage, manifest)

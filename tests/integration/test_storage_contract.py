@@ -459,13 +459,15 @@ def test_staging_and_adopt(backend: Backend, tmp_path: Path) -> None:
     assert other != staging and not any(staging.iterdir()) and not any(other.iterdir())
     src = write_random(staging / "step_7" / "model.bin", 1000)
     inode = src.stat().st_ino
-    backend.storage.adopt("ckpt/step_7/model.bin", src)
+    rng = write_random(staging / "step_7" / "rng.pt", 10)
+    backend.storage.adopt([("ckpt/step_7/model.bin", src), ("ckpt/step_7/rng.pt", rng)])  # one call
     stored = backend.storage.local_path("ckpt/step_7/model.bin")
     assert stored is not None and not src.exists() and stored.stat().st_ino == inode  # no second copy
     shutil.rmtree(staging)  # as the writer does once it has adopted its files
-    assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]
+    assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin", "ckpt/step_7/rng.pt"]
+    backend.storage.delete(["ckpt/step_7/rng.pt"])
     with pytest.raises(ValueError, match="not under"):
-        backend.storage.adopt("ckpt/x.bin", write_random(tmp_path / "elsewhere.bin", 10))
+        backend.storage.adopt([("ckpt/x.bin", write_random(tmp_path / "elsewhere.bin", 10))])
 
     write_random(other / "step_8" / "model.bin", 10)  # a writer killed before it adopted its files
     assert [o.key for o in backend.storage.list()] == ["ckpt/step_7/model.bin"]

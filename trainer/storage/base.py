@@ -83,9 +83,10 @@ class Storage(Protocol):
         removes it when done; `cleanup_incomplete` removes one a killed writer left behind."""
         ...
 
-    def adopt(self, key: str, src: Path) -> None:
-        """Store `src`, a whole, fsynced file under `staging()`, as `key` by renaming it (atomically;
-        `src` is gone). Only for storages whose `staging()` is not None."""
+    def adopt(self, files: Sequence[tuple[str, Path]]) -> None:
+        """Store each `(key, src)`, `src` a whole, fsynced file under `staging()`, as `key` by renaming
+        it (atomically; `src` is gone), all of them durable on return. Only for storages whose
+        `staging()` is not None."""
         ...
 
     def checked_size(self, key: str) -> int | None:

@@ -115,15 +115,27 @@ class LocalStorage:
             d.mkdir(parents=True)
         return d
 
-    def adopt(self, key: str, src: Path) -> None:
-        src = Path(src).resolve()
-        if self.root / STAGING not in src.parents:
-            raise ValueError(f"{src} is not under {self.root / STAGING}: put() copies files from elsewhere")
-        dst = self._path(key)
-        with self._writing(f"write {key}"):
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
-            fsync_dir(dst.parent)
+    def adopt(self, files: Sequence[tuple[str, Path]]) -> None:
+        """Rename every file, then fsync each directory that changed once: a directory fsync after
+        each of a 1 GB checkpoint's six files cost 0.7-1.0 s of wall time on this VM's disk."""
+        moves = []
+        for key, src in files:
+            src = Path(src).resolve()
+            if self.root / STAGING not in src.parents:
+                raise ValueError(f"{src} is not under {self.root / STAGING}: put() copies other files")
+            moves.append((self._path(key), src))
+        if not moves:
+            return
+        changed: set[Path] = set()
+        with self._writing(f"write {files[0][0]}"):
+            for dst, src in moves:
+                if not dst.parent.is_dir():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    changed.update(p for p in dst.parent.parents if p.is_relative_to(self.root))
+                os.replace(src, dst)
+                changed.add(dst.parent)
+            for d in sorted(changed, key=lambda p: len(p.parts), reverse=True):  # entries, then their dirs
+                fsync_dir(d)
 
     def get(self, key: str, dst: Path) -> None:
         p = self._path(key)

@@ -294,7 +294,7 @@ class S3Storage:
     def staging(self) -> None:
         return None  # an object store: files are written locally and uploaded
 
-    def adopt(self, key: str, src: Path) -> None:
+    def adopt(self, files: Sequence[tuple[str, Path]]) -> None:
         raise NotImplementedError("S3 has no staging directory: put() the file")
 
     def checked_size(self, key: str) -> int | None:
