@@ -639,8 +639,8 @@ def report_overhead(label: str, b: dict[str, Any]) -> None:
     ph = b["sync_phases_s"]
     say(
         f"[{label}]     the same save run synchronously: {b['sync_save_s']:.2f}s (write {ph['write']:.2f}s, "
-        f"into the store {ph['upload']:.2f}s (renames from its staging directory, each with a directory "
-        f"fsync), read-back verify {ph['verify']:.2f}s)"
+        f"into the store {ph['upload']:.2f}s (renamed from its staging directory, one directory fsync "
+        f"for the files and one for the manifest), read-back verify {ph['verify']:.2f}s)"
     )
     say(f"[{label}]     cross-check, whole run with minus without: {paired} s (machine noise included)")
     say(
