@@ -33,7 +33,7 @@ from trainer.catalog import apply_retention, prune_local, write_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
 from trainer.errors import CheckpointError, LeaseLost, StorageError, TransientStorageError
 from trainer.shm import SharedSnapshotter
-from trainer.state import Snapshotter, state_nbytes
+from trainer.state import Snapshotter, TornSnapshot, state_nbytes
 from trainer.storage import Storage, confirm_stored, put_bytes
 from trainer.storage.local import unwritable
 from trainer.writer_proc import WriterProcess, opener_of
@@ -80,6 +80,9 @@ class BackgroundSaver:
         self.on_durable = on_durable
         self.history: list[SaveTimings] = []
         self._done: threading.Event | None = None  # the in-flight save's, set when it ends
+        # whether a background save may leave what only the update changes to the writer's copy
+        # (LaterCopies); off for good once a model wrote such a tensor outside the update
+        self.overlap = True
         # the in-flight save's, set once it holds its own copy of what the optimizer's update changes
         self._copied: threading.Event | None = None
         self._error: BaseException | None = None
@@ -180,6 +183,9 @@ class BackgroundSaver:
             if nice and threading.current_thread() is not threading.main_thread():
                 lower_thread_priority()
             persist(*args)
+        except TornSnapshot as e:  # this one is not published; from now on all is copied at the save
+            self.overlap = False
+            log.warning("checkpoint skipped: %s; later checkpoints copy them at the step boundary", e)
         except BaseException as e:  # boundary of the writer thread: handed to the loop via check()
             with self._lock:
                 self._error = e
@@ -234,7 +240,7 @@ class Checkpointer(BackgroundSaver):
         self.wait()
         step = int(manifest_base["step"])
         background = self.background and not wait
-        later = self.update_only() if background and self.update_only is not None else None
+        later = self.update_only() if background and self.overlap and self.update_only is not None else None
         if self._process_for(state, wait):
             assert self._shared is not None
             snap, copies = self._shared.snapshot(state, later), self._shared.later

@@ -62,6 +62,7 @@ from trainer.errors import CheckpointError, LeaseLost, StorageError
 from trainer.state import (
     LaterCopies,
     Snapshotter,
+    TornSnapshot,
     host_copy,
     iter_tensors,
     local_of,
@@ -201,7 +202,7 @@ class ShardStager:
                     stride=state.stride(),
                 )  # fmt: skip
         if id(state) in later:  # known by id: the state dict is DcpStateCache's, kept between saves
-            self.later.pending.append((buf, local.detach()))
+            self.later.defer(buf, local.detach())
         else:
             host_copy(buf, local.detach())  # one memmove where it can (trainer/state.py)
         return self._staged[path]
@@ -230,6 +231,7 @@ class ShardedCheckpointer(BackgroundSaver):
         self.stager = _stager(pin_memory)
         self.own_staging = not (pin_memory and torch.cuda.is_available())
         self.shard_stager = ShardStager()
+        self._torn: TornSnapshot | None = None  # this rank's writer copy, torn (told in _commit)
         self.dcp_cache = DcpStateCache()
         # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
@@ -246,6 +248,7 @@ class ShardedCheckpointer(BackgroundSaver):
         Returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
         self.wait()
+        self._torn = None
         step = int(manifest_base["step"])
         # A directory store gives each rank a new directory of its own on the store's file system: DCP
         # writes there in place and each file is renamed into its key (as `checkpointer.persist` does),
@@ -263,8 +266,8 @@ class ShardedCheckpointer(BackgroundSaver):
             if background and self.own_staging:  # staged here; written by dcp.save in the writer thread
                 # what only the update changes is copied by the writer thread, overlapping the next
                 # step's forward and backward; the loop's fence() holds the update until it is done
-                staged = self.shard_stager.stage(shards, self.dcp_cache.update_only)
-                copy = self.shard_stager.later.run
+                staged = self.shard_stager.stage(shards, self.dcp_cache.update_only if self.overlap else None)
+                copy = self._copy_later if self.shard_stager.later.pending else None
             elif background:
                 future = dcp.async_save(
                     shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
@@ -285,6 +288,14 @@ class ShardedCheckpointer(BackgroundSaver):
 
     def close(self) -> None:
         self.stager.close()
+
+    def _copy_later(self) -> None:
+        """The writer's part of the staging copy. A torn one is not raised here, where it would end
+        this rank's save alone, but in `_commit`, where every rank learns of it."""
+        try:
+            self.shard_stager.later.run()
+        except TornSnapshot as e:
+            self._torn = e
 
     def _commit(
         self,
@@ -314,6 +325,9 @@ class ShardedCheckpointer(BackgroundSaver):
             files = self._write_own(tmp, snap, step)
             if rank == 0:  # an earlier attempt's manifest of this step: gone before any new file lands
                 self.storage.delete([f"{step_dir(step)}/{MANIFEST}"])
+            torn, self._torn = self._torn, None
+            if torn is not None:  # only now: DCP's collectives above need every rank
+                raise torn
         except (Exception, CheckpointException) as e:  # to rank 0 (every rank must reach the gather)
             failed = Failed.of(rank, e, self.storage)
         self.ranks.broadcast(None)  # every rank waits for that delete (all reach it, failed or not)
@@ -340,6 +354,12 @@ class ShardedCheckpointer(BackgroundSaver):
             shutil.rmtree(staging, ignore_errors=True)
         elif rank != 0:  # another node's copy, or already renamed by rank 0
             shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None and error.torn:  # every rank skips this one, and copies all at the save on
+            self.overlap = False
+            if rank == 0:
+                log.warning("checkpoint step %d skipped: %s; later checkpoints copy them at the step "
+                            "boundary", step, error.why)  # fmt: skip
+            return
         if error is not None:  # on every rank; a refusing store is one line, not retried (as alone)
             raise CheckpointError(error.why) from (StorageError(error.why) if error.refused else None)
         assert durable is not None
@@ -429,13 +449,14 @@ class Failed:
 
     why: str
     refused: bool  # the store refuses writes (full, read-only): one line, not retried
+    torn: bool = False  # a rank's snapshot was written during its copy (TornSnapshot): skipped
 
     @classmethod
     def of(cls, rank: int, e: BaseException, storage: Storage) -> Failed:
         mapped = refused(e, storage)
         if mapped is not None:
             return cls(f"rank {rank}: {mapped}"[:400], True)
-        return cls(f"rank {rank}: {type(e).__name__}: {e}"[:400], False)
+        return cls(f"rank {rank}: {type(e).__name__}: {e}"[:400], False, isinstance(e, TornSnapshot))
 
 
 def _stager(pin_memory: bool) -> Any:

@@ -69,15 +69,25 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x
 
 
+class TornSnapshot(Exception):
+    """A tensor left to the writer's copy was written before that copy ended: the snapshot may hold
+    values of a later step than the checkpoint names."""
+
+
 class LaterCopies:
     """The part of a snapshot copied after the step boundary, by the writer, while the next step's
     forward and backward run: tensors in `update_only_views` (set per snapshot with `start`). The
     loop's fence holds the optimizer's update until `run()` is done (checkpointer.BackgroundSaver).
-    At 1 GB of charlm state on 2 cores the copy is 0.22-0.28 s that the loop no longer waits for."""
+    At 1 GB of charlm state on 2 cores the copy is 0.22-0.28 s that the loop no longer waits for.
+
+    Only the update should write these tensors, but a model may write a parameter in its forward
+    (`nn.Embedding(max_norm=...)` renormalizes rows in place). Every in-place write bumps a tensor's
+    version counter, which its views share: `run()` compares them after copying and raises
+    TornSnapshot when any moved, so such a snapshot is never published."""
 
     def __init__(self) -> None:
         self.views: set[tuple[int, int]] = set()
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def start(self, views: set[tuple[int, int]] | None) -> None:
         self.views, self.pending = views or set(), []
@@ -85,14 +95,24 @@ class LaterCopies:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy now, or (a tensor only the update changes) leave it to `run()`."""
         if self.views and view_of(src) in self.views:
-            self.pending.append((dst, src))
+            self.defer(dst, src)
         else:
             host_copy(dst, src, non_blocking=non_blocking)
 
+    def defer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.pending.append((dst, src, src._version))
+
     def run(self) -> None:
         pending, self.pending = self.pending, []
-        for dst, src in pending:
+        for dst, src, _ in pending:
             host_copy(dst, src)
+        written = sum(1 for _, src, version in pending if src._version != version)
+        if written:
+            raise TornSnapshot(
+                f"{written} parameter or optimizer tensor(s) were written in place during the step after "
+                "the save, before the checkpoint's copy of them ended (a forward that writes its weights, "
+                "such as nn.Embedding(max_norm=...))"
+            )
 
 
 class Snapshotter:

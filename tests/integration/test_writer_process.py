@@ -255,3 +255,49 @@ def test_the_update_waits_for_the_copy_of_what_it_changes(
         assert torch.equal(stored["optimizer.pt"]["state"][0]["exp_avg"], exp_avg)
         assert not torch.equal(model.state_dict()["0.weight"], at_save["0.weight"])  # training moved on
     assert ckpt.uses_process == (kind == "process")
+
+
+def test_a_model_that_writes_its_weights_in_forward_loses_one_checkpoint_not_its_state(
+    tmp_path: Path, writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nn.Embedding(max_norm=...) renormalizes rows in place in forward: a copy left to the writer
+    could hold the renormalized rows under the step before. The version counters tell: that
+    checkpoint is skipped (nothing published, a warning), and every later one is copied at the save."""
+    from trainer.state import LaterCopies, update_only_views
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(16, 8, max_norm=0.5)
+    model = torch.nn.Sequential(embedding, torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        embedding.weight.mul_(10)  # every row over max_norm: the next forward rewrites the rows it uses
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = LaterCopies.run
+
+    def slow_run(self: LaterCopies) -> None:
+        time.sleep(0.3)  # the forward below writes the rows first
+        run(self)
+
+    monkeypatch.setattr(LaterCopies, "run", slow_run)
+    storage = LocalStorage(tmp_path / "s")
+    ckpt = writer(storage, writer="thread", update_only=lambda: update_only_views(model, opt))
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "scaler": None,
+            "rng": capture_rng(torch.device("cpu")), "trainer": {"step": step, "rank": 0, "world_size": 1},
+        }  # fmt: skip
+
+    ckpt.save(state(1), base(1))
+    model(torch.arange(16)).sum().backward()  # renormalizes every row in place
+    ckpt.fence()
+    opt.step()
+    ckpt.wait()  # no error: the checkpoint is skipped, not failed
+    assert ckpt.durable_step is None and not (storage.root / step_dir(1)).exists() and not ckpt.overlap
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save(state(2), base(2))  # copied whole at the save now
+    model(torch.arange(16)).sum().backward()
+    ckpt.fence()
+    opt.step()
+    ckpt.wait()
+    assert ckpt.durable_step == 2
+    assert_same(loaded(storage, 2)["model.safetensors"], at_save)

@@ -142,3 +142,27 @@ def test_the_fence_holds_the_update_until_the_copy_is_done() -> None:
     saver.fence()  # returns: does not hang on a copy that failed
     with pytest.raises(CheckpointError, match="disk gone"):
         saver.wait()
+
+
+def test_a_copy_left_to_the_writer_is_torn_when_its_tensor_was_written_first() -> None:
+    """The version counter a tensor shares with its views tells whether anything wrote it between
+    the save and the writer's copy; an unchanged one is copied as it was."""
+    import pytest
+
+    from trainer.state import LaterCopies, TornSnapshot, view_of
+
+    live = torch.arange(6.0)
+    later = LaterCopies()
+    for written in (False, True):
+        dst = torch.empty(6)
+        later.start({view_of(live)})
+        later.copy(dst, live.detach())  # as a snapshot takes it: a detached view
+        assert later.pending
+        if written:
+            live.mul_(2)
+            with pytest.raises(TornSnapshot, match="1 parameter or optimizer tensor"):
+                later.run()
+        else:
+            later.run()
+            assert torch.equal(dst, live)
+        assert not later.pending
