@@ -149,7 +149,7 @@ class BackgroundSaver:
         once). `copy` finishes the snapshot: what only the optimizer's update changes, copied while
         the next step's forward and backward run, at normal priority; `fence()` waits for it."""
         if not background:
-            self._guarded(None, None, persist, False, *args)
+            self._guarded(copy, None, persist, False, *args)
             self.check()
             return
         # A bare thread: threading.Thread.start() waits until the new thread runs, which took 0.8 ms of
@@ -158,6 +158,21 @@ class BackgroundSaver:
         _thread.start_new_thread(self._run_job, (done, copy, copied, persist, nice, *args))
         self._done = done  # only once it runs: a thread that could not start is no save in flight
         self._copied = copied
+
+    @staticmethod
+    def timed_copy(copy: Callable[[], None], t: SaveTimings) -> Callable[[], None]:
+        """`copy`, its seconds added to the save's snapshot time: the copy is the same work whether
+        the loop waits for it or the writer does it beside the next step, and `bandwidth()` (which
+        plans an emergency save, all copied at the boundary) must count it."""
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                copy()
+            finally:
+                t.snapshot_s += time.perf_counter() - t0
+
+        return run
 
     def _run_job(self, done: threading.Event, *job: Any) -> None:
         try:
@@ -250,7 +265,7 @@ class Checkpointer(BackgroundSaver):
             snap, copies = self.snapshotter.snapshot(state, later), self.snapshotter.later
             timings = SaveTimings(step, snapshot_s=self.snapshotter.last_seconds)
             persist = self._persist
-        copy = copies.run if copies.pending else None
+        copy = self.timed_copy(copies.run, timings) if copies.pending else None
         self._persist_in(background, persist, snap, manifest_base, sidecars or {}, timings, copy=copy)
         return time.perf_counter() - t0
 

@@ -357,6 +357,8 @@ class _Run:
                 pending = None
             for batch in it:
                 lr = self.parts.optimizer.param_groups[0]["lr"]  # this step's; the scheduler moves it after
+                # beside a save: also the step in which it ends, whose fence may have waited for its copy
+                beside_save = self.ckpt.in_flight
                 t0 = time.perf_counter()
                 agreed = _step(
                     self.parts,
@@ -369,7 +371,7 @@ class _Run:
                     self.ckpt.fence,
                 )
                 self.last_step_s = time.perf_counter() - t0
-                self._timed(self.last_step_s)
+                self._timed(self.last_step_s, beside_save)
                 loss = agreed.loss
                 self.step, pos.batch = self.step + 1, pos.batch + 1
                 self.best, self.last_loss = min(self.best, loss), loss
@@ -399,9 +401,10 @@ class _Run:
         by_time = every_s is not None and time.monotonic() - self.since_ckpt >= every_s
         return self.ranks.agree(loss, self.opts.stop.requested, by_time)
 
-    def _timed(self, step_s: float) -> None:
-        """`every: auto`: one step's time (a save in flight or not) for the tuner; report a new interval."""
-        if self.tuner is not None and (moved := self.tuner.step(step_s, self.ckpt.in_flight)):
+    def _timed(self, step_s: float, beside_save: bool) -> None:
+        """`every: auto`: one step's time (begun beside a save or not) for the tuner; report a new
+        interval."""
+        if self.tuner is not None and (moved := self.tuner.step(step_s, beside_save)):
             self._report_interval(moved)
 
     def _report_interval(self, choice: Choice) -> None:

@@ -231,7 +231,7 @@ class ShardedCheckpointer(BackgroundSaver):
         self.stager = _stager(pin_memory)
         self.own_staging = not (pin_memory and torch.cuda.is_available())
         self.shard_stager = ShardStager()
-        self._torn: TornSnapshot | None = None  # this rank's writer copy, torn (told in _commit)
+        self._torn: Exception | None = None  # this rank's writer copy failed or torn (told in _commit)
         self.dcp_cache = DcpStateCache()
         # One temp directory name for all ranks of the attempt (ranks of a node share it).
         self._tag = ranks.broadcast(f"{os.getpid()}")
@@ -267,7 +267,7 @@ class ShardedCheckpointer(BackgroundSaver):
                 # what only the update changes is copied by the writer thread, overlapping the next
                 # step's forward and backward; the loop's fence() holds the update until it is done
                 staged = self.shard_stager.stage(shards, self.dcp_cache.update_only if self.overlap else None)
-                copy = self._copy_later if self.shard_stager.later.pending else None
+                copy = self.timed_copy(self._copy_later, timings) if self.shard_stager.later.pending else None
             elif background:
                 future = dcp.async_save(
                     shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
@@ -290,11 +290,12 @@ class ShardedCheckpointer(BackgroundSaver):
         self.stager.close()
 
     def _copy_later(self) -> None:
-        """The writer's part of the staging copy. A torn one is not raised here, where it would end
-        this rank's save alone, but in `_commit`, where every rank learns of it."""
+        """The writer's part of the staging copy. Its failure (a torn snapshot or any other) is not
+        raised here, where it would end this rank's save alone while the others wait in DCP's
+        collectives, but in `_commit` after them, where every rank learns of it."""
         try:
             self.shard_stager.later.run()
-        except TornSnapshot as e:
+        except Exception as e:
             self._torn = e
 
     def _commit(
@@ -404,8 +405,8 @@ class ShardedCheckpointer(BackgroundSaver):
         """Rank 0, once every rank reported: the sidecars, the manifest, read-back, `latest`.
         Returns ((step, None), whether the sidecars were written), or ((None, why), False)."""
         errors = [e for _, e in reports if e]
-        if errors:
-            return (None, errors[0]), False
+        if errors:  # a real failure anywhere outweighs a torn snapshot (skipped quietly)
+            return (None, min(errors, key=lambda e: e.torn)), False
         try:
             files: dict[str, FileEntry] = {}
             for f, _ in reports:

@@ -83,7 +83,9 @@ class LaterCopies:
     Only the update should write these tensors, but a model may write a parameter in its forward
     (`nn.Embedding(max_norm=...)` renormalizes rows in place). Every in-place write bumps a tensor's
     version counter, which its views share: `run()` compares them after copying and raises
-    TornSnapshot when any moved, so such a snapshot is never published."""
+    TornSnapshot when any moved, so such a snapshot is never published. A write through `.data`,
+    numpy or ctypes moves no counter: a loss_fn must not write the optimizer's parameters that way
+    (docs/recipes.md)."""
 
     def __init__(self) -> None:
         self.views: set[tuple[int, int]] = set()
@@ -94,7 +96,7 @@ class LaterCopies:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy now, or (a tensor only the update changes) leave it to `run()`."""
-        if self.views and view_of(src) in self.views:
+        if self.views and _plain_cpu(src) and view_of(src) in self.views:
             self.defer(dst, src)
         else:
             host_copy(dst, src, non_blocking=non_blocking)
@@ -237,7 +239,17 @@ def update_only_views(model: Any, optimizer: Any) -> set[tuple[int, int]]:
     own and reduce-scatters into `.grad`), so a save may copy them during the next step's forward
     and backward, as CheckFreq does (Mohan et al., FAST '21). Buffers (a BatchNorm's running stats
     change in forward) and device tensors are left to the copy at the step boundary."""
-    live = [*model.parameters()]
+    # the optimizer's own parameters only: a frozen weight or an EMA copy that a recipe's loss_fn
+    # updates is a parameter the update does not write
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    live = [*params.values()]
     live += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    buffers = {view_of(b) for b in model.buffers()}
-    return {v for t in live if local_of(t).device.type == "cpu" and (v := view_of(t)) not in buffers}
+    buffers = {view_of(b) for b in model.buffers() if _plain_cpu(b)}
+    return {view_of(t) for t in live if _plain_cpu(t)} - buffers
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A dense tensor in host memory with a storage of its own (not sparse, not a wrapper subclass
+    such as a quantized weight, which has none to compare): the only kind a copy is deferred for."""
+    local = local_of(t)
+    return type(local) in _PLAIN and local.layout == torch.strided and local.device.type == "cpu"

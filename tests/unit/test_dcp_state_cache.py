@@ -166,3 +166,25 @@ def test_a_copy_left_to_the_writer_is_torn_when_its_tensor_was_written_first() -
             later.run()
             assert torch.equal(dst, live)
         assert not later.pending
+
+
+def test_what_is_left_to_the_writer_is_the_optimizers_own() -> None:
+    """Deferred: the parameters the optimizer updates and its state. At the boundary: a parameter it
+    does not hold (frozen, or an EMA copy a loss_fn updates), buffers, and tensors with no storage of
+    their own to compare (sparse), which a snapshot still copies."""
+    from trainer.state import LaterCopies, update_only_views, view_of
+
+    torch.manual_seed(0)
+    trained, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(trained, torch.nn.BatchNorm1d(4), frozen)
+    opt = torch.optim.AdamW(trained.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    views = update_only_views(model, opt)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert views == {view_of(t) for t in [*trained.parameters(), *state]}
+    later, sparse = LaterCopies(), torch.eye(3).to_sparse()
+    later.start(views)
+    dst = torch.empty(3, 3).to_sparse()
+    later.copy(dst, sparse)  # copied now, not deferred: no error for its missing strided storage
+    assert not later.pending and torch.equal(dst.to_dense(), torch.eye(3))
