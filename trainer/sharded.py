@@ -271,10 +271,12 @@ class ShardedCheckpointer(BackgroundSaver):
             elif background:
                 future = dcp.async_save(
                     shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
-                    async_stager=self.stager,
+                    async_stager=self.stager, planner=_planner(),
                 )  # fmt: skip
             else:
-                dcp.save(shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+                dcp.save(
+                    shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, planner=_planner()
+                )
         except BaseException:
             if staging is not None:  # nothing of a failed save may stay in the store
                 shutil.rmtree(staging, ignore_errors=True)
@@ -320,7 +322,9 @@ class ShardedCheckpointer(BackgroundSaver):
                 # at normal priority: its planning collectives hold every rank up (the whole save at nice 10
                 # took 0.73-1.0 s against 0.42-0.49 s at normal priority, measured); hashing and uploads
                 # below may yield to training
-                dcp.save(staged, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group)
+                dcp.save(
+                    staged, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, planner=_planner()
+                )
             if threading.current_thread() is not threading.main_thread():
                 lower_thread_priority()
             files = self._write_own(tmp, snap, step)
@@ -458,6 +462,17 @@ class Failed:
         if mapped is not None:
             return cls(f"rank {rank}: {mapped}"[:400], True)
         return cls(f"rank {rank}: {type(e).__name__}: {e}"[:400], False, isinstance(e, TornSnapshot))
+
+
+def _planner() -> Any:
+    """DCP's save planner with its plan cache: a save whose local plans equal the last one's sends
+    empty plans through the planning collectives and reuses the cached global plan and metadata
+    (every save of an attempt has the same tensors). On 2 gloo ranks, 55 MB a rank, dcp.save's median
+    went from ~0.54 s to ~0.36 s and time to durable from 0.41-0.44 s to 0.31-0.33 s (two runs each,
+    measured 2026-12-03). The cache is DCP's, per process and keyed by the planner's class."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return DefaultSavePlanner(enable_plan_caching=True)
 
 
 def _stager(pin_memory: bool) -> Any:
