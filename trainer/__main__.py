@@ -213,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 def _classify(e: Exception) -> ExitCode:
     """Log the error the way its kind deserves and pick the exit code."""
     code, shown = _exit_code(e)
-    if getattr(e, "echo", False):  # rank 0's refusal, raised on every rank: rank 0 has said it
-        log.info("stopping: rank 0 refused to start (%s)", type(e).__name__)
+    if getattr(e, "echo", False):  # rank 0's verdict, raised on every rank: rank 0 has said it
+        log.info("stopping with rank 0 (%s; rank 0 logged why)", type(e).__name__)
     elif shown is not None:
-        log.error("%s", shown)
+        if not getattr(shown, "logged", False):
+            log.error("%s", shown)
     elif isinstance(transient := e.__cause__ if isinstance(e, CheckpointError) else e, TransientStorageError):
         # the network or the endpoint, not our code: one line, no traceback (botocore already retried)
         log.error(

@@ -340,7 +340,8 @@ class Lease:
                     taken_by=h.worker_id,
                 )
             lost = self.lost
-        log.error("%s", lost)
+        log.error("%s", lost)  # when it is found (the renewal may find it steps before a write does)
+        lost.logged = True  # type: ignore[attr-defined]  # the exit does not say it again
         return lost
 
     def _renew_loop(self) -> None:

@@ -359,6 +359,11 @@ class ShardedCheckpointer(BackgroundSaver):
             shutil.rmtree(staging, ignore_errors=True)
         elif rank != 0:  # another node's copy, or already renamed by rank 0
             shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None and error.lost:  # rank 0 found the lease taken: every rank stops publishing
+            lost = LeaseLost(error.why, taken_by=error.taken_by)
+            lost.echo = rank != 0  # type: ignore[attr-defined]  # rank 0 says it (trainer/__main__.py)
+            lost.logged = error.logged  # type: ignore[attr-defined]  # said when the lease found it
+            raise lost
         if error is not None and error.torn:  # every rank skips this one, and copies all at the save on
             self.overlap = False
             if rank == 0:
@@ -409,8 +414,8 @@ class ShardedCheckpointer(BackgroundSaver):
         """Rank 0, once every rank reported: the sidecars, the manifest, read-back, `latest`.
         Returns ((step, None), whether the sidecars were written), or ((None, why), False)."""
         errors = [e for _, e in reports if e]
-        if errors:  # a real failure anywhere outweighs a torn snapshot (skipped quietly)
-            return (None, min(errors, key=lambda e: e.torn)), False
+        if errors:  # a lost lease outweighs a real failure, which outweighs a torn snapshot (skipped)
+            return (None, min(errors, key=lambda e: (not e.lost, e.torn))), False
         try:
             files: dict[str, FileEntry] = {}
             for f, _ in reports:
@@ -432,9 +437,7 @@ class ShardedCheckpointer(BackgroundSaver):
             if not adopt:
                 self._keep_local(tmp, manifest)
             return (manifest.step, None), written
-        except LeaseLost:
-            raise
-        except Exception as e:
+        except Exception as e:  # a LeaseLost too: broadcast, so the other ranks stop with rank 0
             return (None, Failed.of(0, e, self.storage)), False
 
     def _keep_local(self, tmp: Path, manifest: Manifest) -> None:
@@ -455,9 +458,15 @@ class Failed:
     why: str
     refused: bool  # the store refuses writes (full, read-only): one line, not retried
     torn: bool = False  # a rank's snapshot was written during its copy (TornSnapshot): skipped
+    # rank 0 lost the job's lease (LeaseLost, raised on every rank): it may publish nothing more
+    lost: bool = False
+    taken_by: str | None = None  # the lease's new holder, when it was taken over
+    logged: bool = False  # rank 0's lease logged the loss as it found it
 
     @classmethod
     def of(cls, rank: int, e: BaseException, storage: Storage) -> Failed:
+        if isinstance(e, LeaseLost):
+            return cls(str(e), False, lost=True, taken_by=e.taken_by, logged=getattr(e, "logged", False))
         mapped = refused(e, storage)
         if mapped is not None:
             return cls(f"rank {rank}: {mapped}"[:400], True)

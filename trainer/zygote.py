@@ -223,6 +223,9 @@ def _run(req: Request) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.path[0] = req.cwd  # what `python -m` puts first
     sys.argv = [req.module, *req.argv]
+    # the preload imported MODULE.__main__ for what it imports; runpy runs its code afresh either way,
+    # and would warn on stderr ("found in sys.modules ... unpredictable behaviour") for every trainer
+    sys.modules.pop(f"{req.module}.__main__", None)
     runpy.run_module(req.module, run_name="__main__", alter_sys=True)
     return 0
 

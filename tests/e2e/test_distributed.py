@@ -4,6 +4,7 @@ reshard; no rank outlives its worker, forked or fresh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,10 +23,13 @@ from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSi
 from tests.fakes.fault_python import install
 from tests.procs import descendants, wait_gone
 from tests.trainer_runs import REPO, Trainer, assert_sharded_equal, losses, trainer
+from trainer.catalog import list_checkpoints, read_latest
 from trainer.ckpt_format import MANIFEST, Manifest, step_dir
 from trainer.exitcodes import ExitCode
 from trainer.launch import RANK_START
+from trainer.lease import LEASE_KEY, Holder, read_lease
 from trainer.spec import JobSpec
+from trainer.storage import LocalStorage
 
 DDP: dict[str, Any] = {
     "name": "ddpjob",
@@ -249,3 +253,42 @@ def test_ranks_die_with_their_worker(tmp_path: Path, start: str) -> None:
     assert f"launching 2 {'forked' if start == 'fork' else 'fresh'} rank(s)" in err, err[-2000:]
     first = min(store.glob(f"step_*/{MANIFEST}")).parent
     assert torch.load(first / "trainer.pt", weights_only=True)["state"]["threads"] == 1
+
+
+def test_a_stolen_lease_stops_every_rank_with_rank_0(tmp_path: Path) -> None:
+    """Rank 0 alone holds the job's storage lease. Taken over mid-run, rank 0 learns it at its next
+    commit and every rank stops with it as LEASE_LOST, on rank 0's word: none waits in the commit for
+    a verdict that never comes, and nothing more is published."""
+    spec = _spec(tmp_path / "job.yaml", DDP, total_steps=100_000)
+    store_dir = tmp_path / "store"
+    store = LocalStorage(store_dir)
+    args = ["--config", str(spec), "--storage", str(store_dir), "--cache", str(tmp_path / "cache")]
+    proc = Trainer(args, {**os.environ, "PYTHONPATH": str(REPO)}, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while (read_latest(store) or 0) < 20:
+            assert proc.poll() is None, f"trainer exited early with {proc.poll()}"
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        lease, version = read_lease(store)
+        assert lease is not None and version is not None
+        thief = Holder("thief", "run-x", "elsewhere", 1, "other-boot:pid:[1]")
+        stolen = dataclasses.replace(lease, holder=thief, token=lease.token + 1, expires_at=time.time() + 600)
+        store.put_if(LEASE_KEY, stolen.to_json(), if_version=version)
+        latest_at_theft = read_latest(store) or 0
+        r = proc.result([], timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert r.returncode == ExitCode.LEASE_LOST, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    # rank 0 says why, once; rank 1 stopped on its verdict (not killed by the launcher)
+    assert r.stderr.count("taken over by worker thief") == 1, r.stderr[-3000:]
+    assert "rank 1 trainer: stopping with rank 0 (LeaseLost" in r.stderr, r.stderr[-3000:]
+    (exit_rec,) = _records(r.stdout, "exit")
+    assert exit_rec["name"] == "LEASE_LOST"
+    assert read_latest(store) == latest_at_theft  # `latest` never moved again
+    # at most the one checkpoint whose manifest check passed just before the theft
+    assert max(s for s, c in list_checkpoints(store).items() if c.committed) <= latest_at_theft + 10
+    assert read_lease(store)[0] == stolen  # no release over the thief's lease
