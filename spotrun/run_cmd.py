@@ -35,6 +35,7 @@ from spotrun.console import (
     Subparsers,
     attempts_table,
     one_line,
+    spotrun_command,
     wide_console,
 )
 from spotrun.live import LiveView, RunMonitor
@@ -65,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
 
     from spotrun.server import prefect_api
+    from tasks.checkpoints import completed_at
     from tasks.history.engine import check_database_url  # SQLAlchemy: 0.65 s, after the job file's check
     from tasks.settings import Settings
     from trainer.storage import check_local_path
@@ -74,6 +76,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_local_path(job.storage)
     check_database_url(settings.database_url)
     out = wide_console()
+    done = completed_at(job)  # a storage that refuses or holds another finished job: one line, exit 2
+    if done is not None:  # no server, no flow run, no history row for a run with nothing to do
+        out.print(f"job {job.name} already completed at step {done} in {job.storage}: nothing to run "
+                  "(a larger --total-steps trains on; a new --storage starts over)",
+                  markup=False)  # fmt: skip
+        return EXIT_OK
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
         out.print(server_line(api), markup=False)
         out.print(f"flow run of job {job.name} against {api.url}; checkpoints in {job.storage}", markup=False)
@@ -85,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_result(out, result, api.flow_run_url(result.flow_run_id))
     if api.server is not None:
         out.print("the temporary Prefect server has stopped, and the flow run link with it; "
-                  "`spotrun server start` keeps one running", markup=False)  # fmt: skip
+                  f"`{spotrun_command()} server start` keeps one running", markup=False)  # fmt: skip
     last = result.attempts[-1] if result.attempts else None
     if not result.completed and last is not None and last.trainer_code == "CONFIG_ERROR":
         # bad input the trainer found (a recipe that cannot be built): exit 2 with its one line, like ours
@@ -99,7 +107,8 @@ def server_line(api: PrefectApi) -> str:
         return f"Prefect server: {api.url} (PREFECT_API_URL)"
     if api.source == "background":
         how = "started in the background" if api.started else "background"
-        return f"Prefect server: {api.ui_url} ({how}; it keeps running after this run: spotrun server stop)"
+        stop = f"{spotrun_command()} server stop"
+        return f"Prefect server: {api.ui_url} ({how}; it keeps running after this run: {stop})"
     return f"Prefect server: {api.ui_url} (temporary: it stops when this run ends)"
 
 
@@ -132,18 +141,18 @@ def run_inputs(
             LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice}
         )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
-    check_recipe(spec.recipe, local=provider.kind == "local")
+    check_recipe(spec.recipe, spec.args, local=provider.kind == "local")
     return spec, provider, _validated(RetryPolicy, budgets)
 
 
-def check_recipe(name: str, local: bool) -> None:
-    """ConfigError now, not after a worker crashed on it: an unknown built-in name always; a
-    `module:function` that does not import only for local workers (EC2 images may hold what this
-    machine lacks)."""
+def check_recipe(name: str, args: dict[str, Any], local: bool) -> None:
+    """ConfigError now, not after a worker crashed on it: an unknown built-in name, or an arg it does
+    not take, always; a `module:function` that does not import (or its args) only for local workers
+    (EC2 images may hold what this machine lacks)."""
     from trainer import recipes
 
     if local or ":" not in name:
-        recipes.resolve(name)
+        recipes.check_args(name, args)
 
 
 def load_provider(path: str) -> LocalProviderConfig | AwsProviderConfig:
@@ -325,7 +334,7 @@ def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:
         out.print(attempts_table(rows, "attempts (from the SQL history)"))
     status = f"{run.status.value}: {run.message}" if run is not None else "interrupted"
     out.print(f"[bold yellow]Interrupted[/]: {escape(status)}")
-    out.print(f"resume with: {shlex.join(['spotrun', *sys.argv[1:]])}", markup=False)
+    out.print(f"resume with: {spotrun_command()} {shlex.join(sys.argv[1:])}", markup=False)
 
 
 def add_run(sub: Subparsers) -> None:

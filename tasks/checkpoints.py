@@ -17,6 +17,8 @@ from typing import Protocol
 
 from trainer.catalog import Catalog, select_newest_valid
 from trainer.ckpt_format import checkpoint_uri
+from trainer.errors import ConfigError, StorageError, TransientStorageError
+from trainer.resume import completed_for
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
 from trainer.validate import Problem
@@ -88,3 +90,17 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
     sink.log(logging.INFO, f"{len(damaged)} damaged checkpoint(s) quarantined; "
                            f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip
     return point
+
+
+def completed_at(job: JobSpec) -> int | None:
+    """Before a run: the step at which `job` already finished in its storage (None: not yet), from one
+    read of its COMPLETED.json. ConfigError, one line, when the storage refuses (no bucket, no
+    credentials), cannot be reached, or holds another finished job (trainer/resume.py)."""
+    try:
+        return completed_for(open_storage(job.storage, job.s3), job)
+    except TransientStorageError as e:
+        raise ConfigError(
+            f"storage {job.storage} cannot be reached ({e}); check the URI, s3.endpoint_url and the network"
+        ) from e
+    except StorageError as e:
+        raise ConfigError(f"storage {job.storage}: {e}") from e

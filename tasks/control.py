@@ -24,14 +24,14 @@ from typing import Any, Protocol, TypeVar
 
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.checkpoints import check_integrity
+from tasks.checkpoints import check_integrity, completed_at
 from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.prewarm import Prewarm
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.runlog import JobRunLog, Summary
 from tasks.settings import Settings
-from trainer.errors import StorageError
+from trainer.errors import ConfigError, StorageError
 from trainer.handover import write_standby
 from trainer.lease import write_handoff
 from trainer.records import Durable, Notice, Record, Started, Step, Stopping
@@ -120,6 +120,11 @@ def run_job(
     runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink, recovers)
     try:
         runlog.stop_leftover(provider)
+        done = _completed_at(job, sink)
+        if done is not None:  # no worker, no attempt: its row would say "completed at step 0"
+            text = f"already completed at step {done} in {job.storage}: nothing to run"
+            sink.log(logging.INFO, f"job {job.name} {text}")
+            return _finish(runlog, "completed", text, time.time())
         return _loop(job, provider, policy, sink, runlog, sleep)
     except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
         runlog.interrupted(e)
@@ -324,6 +329,16 @@ def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object
         "error": record.error[:300],
         "flow_run_id": runlog.flow_run_id,
     }
+
+
+def _completed_at(job: JobSpec, sink: Sink) -> int | None:
+    """The step the job already finished at in its storage (None: train). A storage that cannot be
+    read, or holds another finished job, is left to the trainer, whose attempt records why."""
+    try:
+        return completed_at(job)
+    except ConfigError as e:
+        sink.log(logging.WARNING, f"storage check before the first attempt: {e}")
+        return None
 
 
 def _finish(runlog: JobRunLog, status: str, message: str, started: float) -> JobResult:

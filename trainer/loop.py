@@ -44,7 +44,7 @@ from trainer.recipes import Parts, RecipeContext
 from trainer.resume import (
     Restored,
     ResumeSource,
-    completed_step,
+    completed_for,
     durable_here,
     load_state,
     mark_completed,
@@ -102,8 +102,8 @@ class AttemptResult:
 def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
     """Train until done, preempted, or `max_steps`; raise on errors (the entry point maps them to codes)."""
     ranks = opts.ranks
-    done = completed_step(storage)
-    if done is not None and done >= spec.total_steps:
+    done = completed_for(storage, spec)  # ConfigError: the storage holds another job, finished
+    if done is not None:
         log.info("job %s already completed at step %d (%s/%s)", spec.name, done, storage.uri, COMPLETED)
         return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
     device = ranks.device(_device(spec))

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from trainer.catalog import Catalog, Selection, read_marker_step
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
 from trainer.errors import ConfigError, ResumeIncompatible
-from trainer.spec import JobSpec
+from trainer.spec import JobSpec, spec_changes
 from trainer.stateful import Codec, Registry, reconcile
-from trainer.storage import Storage, put_bytes
+from trainer.storage import Storage, get_bytes, put_bytes
 from trainer.validate import Expectation
 
 if TYPE_CHECKING:
@@ -161,7 +161,38 @@ def completed_step(storage: Storage) -> int | None:
     return read_marker_step(storage, COMPLETED)
 
 
+def completed_for(storage: Storage, spec: JobSpec) -> int | None:
+    """The step at which `spec`'s job finished in `storage`, or None when it has not reached
+    `spec.total_steps` there (a raised total_steps trains on, and its resume checks the model).
+    ConfigError when the storage holds another finished job: another name, recipe, args, seed,
+    batch size or amp (a marker written before it recorded the spec is trusted)."""
+    try:
+        marker = json.loads(get_bytes(storage, COMPLETED))
+        step = int(marker["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed %s marker in %s", COMPLETED, storage.uri)
+        return None
+    if step < spec.total_steps:
+        return None
+    old = marker.get("spec")
+    if isinstance(old, dict):
+        changes = [str(c) for c in spec_changes(old, spec.model_dump(mode="json"))]
+        if old.get("name") != spec.name:
+            changes.insert(0, f"name {old.get('name')} -> {spec.name}")
+        if changes:
+            raise ConfigError(
+                f"{storage.uri} holds job {old.get('name')} completed at step {step} with other settings "
+                f"({', '.join(changes)}); give this job a storage of its own, or restore those settings"
+            )
+    return step
+
+
 def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
-    body = {"job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time()}
+    body = {
+        "job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time(),
+        "spec": spec.model_dump(mode="json"),  # what completed_for compares a later run against
+    }  # fmt: skip
     put_bytes(storage, COMPLETED, json.dumps(body).encode())
     log.info("job %s completed at step %d", spec.name, step)

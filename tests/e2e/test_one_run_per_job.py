@@ -76,7 +76,9 @@ def test_a_second_run_is_refused_and_a_third_waits_for_the_first(
     assert set(runs) == {str(held.state_details.flow_run_id), str(waited.state_details.flow_run_id)}
     waited_run = runs[str(waited.state_details.flow_run_id)].id
     outcomes = [r.outcome.value for r in attempts(home) if r.job_run_id == waited_run]
-    assert outcomes == ["completed"]  # the job was done: one attempt that trained nothing
+    assert outcomes == []  # the job was done: no worker, no attempt row, and the run says so
+    assert waited.message == f"already completed at step {spec.total_steps} in {spec.storage}: nothing to run"
+    assert runs[str(waited.state_details.flow_run_id)].status.value == "completed"
     assert active_slots(limit_name(spec.name)) == 0
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
 
