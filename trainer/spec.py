@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ConfigError
+from trainer.spec_errors import explain_errors
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
 # (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash. Whether
@@ -409,20 +410,7 @@ def parse_spec(data: Any, source: str = "job spec") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        hint = _hint(err)
-        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ConfigError(f"{source}: field '{field}': {err['msg']}{hint}{more}") from None
-
-
-def _hint(err: Any) -> str:
-    kind = err["type"]
-    if kind == "missing":
-        return " - add it to the job file"
-    if kind == "extra_forbidden":
-        return " - remove it or check its spelling"
-    return ""
+        raise ConfigError(f"{source}: {explain_errors(e.errors(), JobSpec, data)}") from None
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -64,7 +64,8 @@ def test_recipe_that_cannot_be_built_is_a_config_error_naming_the_args(tmp_path:
     assert '"hidden": -4' in r.stderr and "ValueError: hidden -4 must be >= 1" in r.stderr
     assert "fix args in the job file" in r.stderr
     job = write_spec(tmp_path / "job.yaml", args={"hidden": 8, "hiden": 8})
-    _assert_one_clear_error(trainer(job, str(tmp_path / "s"), tmp_path), "unknown argument(s) ['hiden']")
+    r = trainer(job, str(tmp_path / "s"), tmp_path)
+    _assert_one_clear_error(r, "recipe 'digits' has no argument 'hiden': did you mean 'hidden'?")
 
 
 def test_storage_that_refuses_writes_is_not_retried(tmp_path: Path) -> None:
@@ -97,6 +98,8 @@ MYSQL = "mysql://u:secret@db.example/history"
 CLI_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     # (id, argv, environment, what the one line must say); {t}: the test's directory
     ("unknown recipe", ["run", "{t}/nosuch.yaml"], {}, "unknown recipe 'nosuchrecipe'"),
+    ("misspelt recipe arg", ["run", "{t}/typo.yaml"], {},
+     "recipe 'digits' has no argument 'hiden': did you mean 'hidden'? (fix args in the job file)"),
     ("storage is a file", ["run", "{t}/job.yaml", "--storage", "{t}/afile"], {}, "{t}/afile is a file"),
     ("relative storage under a file", ["run", "{t}/under.yaml"], {}, "under {t}/home/afile, which is a file"),
     ("run with a mysql URL", ["run", "{t}/job.yaml"], {"SPOTRUN_DATABASE_URL": MYSQL},
@@ -134,6 +137,7 @@ def test_cli_bad_input_is_one_line_exit_2_and_touches_nothing(
     (tmp_path / "notdb.db").write_text("not a database\n")
     (tmp_path / "job.yaml").write_text(JOB.format(recipe="digits", storage="ckpt"))
     (tmp_path / "nosuch.yaml").write_text(JOB.format(recipe="nosuchrecipe", storage="ckpt"))
+    (tmp_path / "typo.yaml").write_text(JOB.format(recipe="digits", storage="ckpt") + "args: {hiden: 8}\n")
     (tmp_path / "under.yaml").write_text(JOB.format(recipe="digits", storage="afile/ckpt"))
     before = _tree(tmp_path)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRUN_", "PREFECT_"))}

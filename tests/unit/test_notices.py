@@ -189,7 +189,8 @@ def test_preemption_defaults_and_not_a_shape_field() -> None:
         ({"notice": "ibm"}, "field 'preemption.notice'"),
         ({"endpoint": "169.254.169.254"}, "is not an http(s) URL: use e.g. http://169.254.169.254"),
         ({"save_margin_s": -1}, "field 'preemption.save_margin_s'"),
-        ({"polls": 1}, "remove it or check its spelling"),
+        ({"polls": 1}, "field 'preemption.polls' is not a field of 'preemption': did you mean 'poll_s'?"),
+        ({"pols": 1, "poll_s": 1}, "remove it or check its spelling"),
     ],
 )
 def test_bad_preemption_options(opts: dict[str, object], needle: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec, load_spec, parse_spec, spec_changes
+from trainer.spec_errors import explain_errors
 
 BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
 
@@ -21,7 +22,7 @@ def test_minimal_spec_gets_defaults() -> None:
     ("data", "needle"),
     [
         ({"name": "j", "recipe": "digits"}, "field 'total_steps': Field required - add it"),
-        ({**BASE, "total_step": 5}, "field 'total_step': Extra inputs are not permitted - remove it"),
+        ({**BASE, "zzz": 5}, "field 'zzz': Extra inputs are not permitted - remove it"),
         ({**BASE, "checkpoint": {"keep": 1}}, "field 'checkpoint.keep'"),
         ({**BASE, "checkpoint": {"every_steps": None}}, "set every_steps and/or every_seconds"),
         ({**BASE, "storage": "gs://b/p"}, "unsupported scheme"),
@@ -36,6 +37,60 @@ def test_bad_specs_fail_with_one_line_naming_the_field(data: dict[str, object], 
         parse_spec(data)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+NO_STEPS = {"name": "j", "recipe": "digits"}
+UNKNOWN = "Extra inputs are not permitted - remove it or check its spelling"
+
+
+def typo(field: str, where: str, meant: str, more: str = "") -> str:
+    return f"field '{field}' is not {where}: did you mean '{meant}'? (rename it in the job file){more}"
+
+
+@pytest.mark.parametrize(
+    ("data", "line"),
+    [
+        # a misspelt required key: one problem, named with the field it meant, not "Field required"
+        ({**NO_STEPS, "total_step": 5}, typo("total_step", "a job field", "total_steps")),
+        ({"recipe": "digits", "nme": "j", "total_step": 5}, typo("nme", "a job field", "name", " (+1 more)")),
+        (
+            {**NO_STEPS, "name": "a b", "total_step": 5},
+            typo("total_step", "a job field", "total_steps", " (+1 more)"),
+        ),
+        # a misspelt optional key, at the top and nested (an alias is what people write)
+        ({**BASE, "batch_sise": 8}, typo("batch_sise", "a job field", "batch_size")),
+        ({**BASE, "checkpoint": {"kep": 2}}, typo("checkpoint.kep", "a field of 'checkpoint'", "keep")),
+        (
+            {**BASE, "distributed": {"nproc_per_nod": 2}},
+            typo("distributed.nproc_per_nod", "a field of 'distributed'", "nproc_per_node"),
+        ),
+        ({**BASE, "tracking": {"registr": 0}}, typo("tracking.registr", "a field of 'tracking'", "register")),
+        # no likely field (one already given is none): the unknown key first, then a count of the rest
+        ({**BASE, "seed": 1, "seeds": 2}, f"field 'seeds': {UNKNOWN}"),
+        (
+            {**BASE, "tracking": {"register": 0, "register_modl": 1}},
+            f"field 'tracking.register_modl': {UNKNOWN}",
+        ),
+        ({**NO_STEPS, "zzz": 5}, f"field 'zzz': {UNKNOWN} (+1 more)"),
+        ({**BASE, "total_steps": 0, "zzz": 5}, f"field 'zzz': {UNKNOWN} (+1 more)"),
+        (NO_STEPS, "field 'total_steps': Field required - add it to the job file"),
+    ],
+)
+def test_an_unknown_key_comes_first_with_what_it_likely_meant(data: dict[str, object], line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_spec(data, "job.yaml")
+    assert str(e.value) == f"job.yaml: {line}"
+
+
+def test_explain_errors_takes_errors_not_a_validation() -> None:
+    """A pure function of the errors, the model and the data: hand-built errors give the same line."""
+    missing = {"type": "missing", "loc": ("total_steps",), "msg": "Field required", "input": {}}
+    extra = {"type": "extra_forbidden", "loc": ("totalsteps",), "msg": "Extra inputs are not permitted"}
+    errors: list[Any] = [missing, {**extra, "input": 1}]
+    line = explain_errors(errors, JobSpec, {"totalsteps": 1})
+    assert line == typo("totalsteps", "a job field", "total_steps")
+    line = explain_errors(errors[:1], JobSpec, {})
+    assert line == "field 'total_steps': Field required - add it to the job file"
 
 
 def test_not_a_mapping() -> None:

@@ -32,8 +32,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import Any, TypeVar
 
 import torch
@@ -75,16 +76,34 @@ class Parts:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def recipe(*, shape_args: Iterable[str]) -> Callable[[_F], _F]:
+def recipe(*, shape_args: Iterable[str], args: Iterable[str] | None = None) -> Callable[[_F], _F]:
     """Declare which of a recipe's args shape its state (model and optimizer structure): a checkpoint
-    made with other values for them cannot be loaded. Every other arg only changes the trajectory."""
+    made with other values for them cannot be loaded. Every other arg only changes the trajectory.
+    `args`: every arg the recipe takes; then an unknown one in a job file is refused before anything
+    starts (`check_args`: `spotrun run` checks it before a server or a worker), with the one it likely
+    meant."""
     declared = frozenset(shape_args)
+    takes = frozenset(args) if args is not None else None
 
     def mark(fn: _F) -> _F:
         fn.shape_args = declared  # type: ignore[attr-defined]
+        fn.takes = takes  # type: ignore[attr-defined]
         return fn
 
     return mark
+
+
+def check_args(name: str, given: Mapping[str, Any]) -> None:
+    """ConfigError for an arg recipe `name` does not take, when it declares what it takes."""
+    takes: frozenset[str] | None = getattr(resolve(name), "takes", None)
+    unknown = sorted(set(given) - takes) if takes is not None else []
+    if not unknown:
+        return
+    key = unknown[0]
+    close = get_close_matches(key, sorted(takes - set(given)), n=1) if takes is not None else []
+    hint = f"did you mean {close[0]!r}?" if close else f"{name} takes {sorted(takes or ())}"
+    more = f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""
+    raise ConfigError(f"recipe {name!r} has no argument {key!r}{more}: {hint} (fix args in the job file)")
 
 
 _T = TypeVar("_T", int, float, str)
@@ -140,6 +159,7 @@ def build(name: str, args: dict[str, Any], ctx: RecipeContext) -> Parts:
     ConfigError naming the recipe and the error (the trainer exits CONFIG_ERROR, not retried). Any
     other error is the recipe's own bug, or a download that may pass on retry: raised as it is."""
     fn = resolve(name)
+    check_args(name, args)
     try:
         inspect.signature(fn).bind(args, ctx)
     except TypeError as e:

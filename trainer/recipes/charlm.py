@@ -49,10 +49,7 @@ class CharLMConfig:
     """The recipe's args, checked: a bad value fails here with what to change."""
 
     def __init__(self, args: dict[str, Any]) -> None:
-        unknown = set(args) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown argument(s) {sorted(unknown)}; charlm takes {sorted(DEFAULTS)}")
-        a = {**DEFAULTS, **args}
+        a = {**DEFAULTS, **args}  # unknown args: refused by recipes.check_args (@recipe(args=DEFAULTS))
         self.d_model, self.n_layers = arg(a, "d_model", int, 128), arg(a, "n_layers", int, 4)
         self.seq_len = arg(a, "seq_len", int, 128)
         self.n_heads = arg(a, "n_heads", int, 1) if a["n_heads"] is not None else max(1, self.d_model // 64)
@@ -171,7 +168,7 @@ class CorpusWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return w[:-1], w[1:]
 
 
-@recipe(shape_args={"d_model", "n_layers", "n_heads", "seq_len"})
+@recipe(shape_args={"d_model", "n_layers", "n_heads", "seq_len"}, args=DEFAULTS)
 def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     cfg = CharLMConfig(args)
     model = CharLM(cfg).to(ctx.device)

@@ -67,11 +67,8 @@ def load_digits_array() -> np.ndarray:
         return np.loadtxt(f, delimiter=",", dtype=np.float64)
 
 
-@recipe(shape_args={"hidden"})
+@recipe(shape_args={"hidden"}, args=ARGS)
 def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
-    unknown = set(args) - ARGS
-    if unknown:
-        raise ValueError(f"unknown argument(s) {sorted(unknown)}; digits takes {sorted(ARGS)}")
     hidden, dropout, lr = (
         arg(args, "hidden", int, 256),
         arg(args, "dropout", float, 0.1),
