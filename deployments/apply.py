@@ -95,7 +95,7 @@ def api_url() -> str:
     if not url:
         raise DeployError(
             "no Prefect server to deploy to: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), "
-            "or run `spotrun serve`, which starts a local one"
+            "or start one with `spotrun server start`"
         )
     return str(url)
 

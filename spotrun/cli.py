@@ -34,6 +34,8 @@ from trainer.errors import SpotrunError
 
 log = logging.getLogger(__name__)
 
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
+
 
 # ---- history: the attempts in SQL ----
 
@@ -106,11 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SPOTRUN_HOME"] = str(spotrun_home())
     handler: Handler = args.handler
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a reader gone before the last write shows here, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (SpotrunError, OSError) as e:  # expected failures: one line, no traceback
         return error_exit(e)
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`spotrun history | head -1`): end quietly, as Unix tools do."""
+    # Python flushes stdout again at exit; pointed at /dev/null, that flush cannot fail anew.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_STDOUT_CLOSED
 
 
 if __name__ == "__main__":

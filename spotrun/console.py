@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -25,9 +27,15 @@ Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any  # argparse's _SubParsersAction is private
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich's own exits 1 (the code of a failed run); the CLI's main ends quietly with 141."""
+        raise BrokenPipeError
+
+
 def wide_console() -> Console:
     """A rich console that does not fold piped output (logs, CI, tests) to 80 columns."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    return _Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def size_text(n: int) -> str:
@@ -90,3 +98,19 @@ def safe_url(url: str) -> str:
     from tasks.history.engine import normalize_url
 
     return normalize_url(url).render_as_string(hide_password=True)
+
+
+def spotrun_command(cwd: Path | None = None) -> str:
+    """`spotrun` as a shell in `cwd` runs it: the bare name when PATH finds this environment's script,
+    else the script's path (relative under `cwd`: `.venv/bin/spotrun` after `make demo`)."""
+    script = Path(sys.executable).parent.resolve() / "spotrun"
+    if not script.is_file():  # not installed as a script here: the module runs it all the same
+        return f"{shlex.quote(sys.executable)} -m spotrun.cli"
+    found = shutil.which("spotrun")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "spotrun"
+    try:
+        rel = script.relative_to((Path.cwd() if cwd is None else cwd).resolve())
+    except ValueError:
+        return shlex.quote(str(script))
+    return shlex.quote(str(rel) if len(rel.parts) > 1 else f"./{rel}")  # a bare name would search PATH

@@ -36,7 +36,7 @@ import yaml
 from safetensors.torch import load_file
 
 from spotrun import run_cmd
-from spotrun.console import wide_console
+from spotrun.console import spotrun_command, wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.live import metrics_record
 from spotrun.server import PrefectApi, prefect_api, running_server, server_home
@@ -197,7 +197,7 @@ def _run_and_check(
         failures = show_mlflow(result, settings.home / "reference" / "metrics.jsonl", job.total_steps)
     _verdict(job, result, failures)
     _server_note(api)
-    console.print(f"history: {_home_prefix(home)}spotrun history {job.name}", markup=False)
+    console.print(f"history: {_home_prefix(home)}{spotrun_command()} history {job.name}", markup=False)
     return not failures
 
 
@@ -259,13 +259,18 @@ def _verdict(job: JobSpec, result: run_cmd.RunResult, failures: list[str]) -> No
 
 
 def _server_note(api: PrefectApi) -> None:
+    spotrun = spotrun_command()
     if api.server is not None:
         console.print(
-            "the Prefect server has stopped; rerun with --keep-server (or run `spotrun server start` "
-            "first) to browse the flow run in the UI"
+            f"the Prefect server has stopped; rerun with --keep-server (or run `{spotrun} server start` "
+            "first) to browse the flow run in the UI",
+            markup=False,
         )
     else:
-        console.print(f"the Prefect server keeps running at {api.ui_url}; stop it with: spotrun server stop")
+        console.print(
+            f"the Prefect server keeps running at {api.ui_url}; stop it with: {spotrun} server stop",
+            markup=False,
+        )
 
 
 def _home_prefix(home: Path) -> str:

@@ -106,14 +106,18 @@ def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """`spotrun deploy`: apply prefect.yaml's deployments and the alert automations, idempotently."""
-    from deployments.apply import deploy
-    from spotrun.server import PrefectApi
-
-    rules, recovery = alert_rules(args), recovery_rules(args)
-    report = deploy(rules, recovery=recovery)
     from prefect.settings import PREFECT_API_URL
 
-    print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
+    from deployments.apply import deploy
+    from spotrun.server import PrefectApi, prefect_api
+    from tasks.settings import spotrun_home
+
+    rules, recovery = alert_rules(args), recovery_rules(args)
+    # PREFECT_API_URL, else the background server, as `spotrun run` and `serve` find them; never a
+    # temporary server: deployments on a server stopped when this command ends would serve nobody.
+    with prefect_api(spotrun_home(), temporary=False):
+        report = deploy(rules, recovery=recovery)  # neither: a Prefect profile's URL, else DeployError
+        print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
     return EXIT_OK
 
 
@@ -173,7 +177,10 @@ def _alert_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_deploy(sub: Subparsers) -> None:
-    help_ = "apply the deployments (deployments/prefect.yaml) and alert automations to PREFECT_API_URL"
+    help_ = (
+        "apply the deployments (deployments/prefect.yaml) and alert automations to PREFECT_API_URL, "
+        "else the background server (spotrun server start)"
+    )
     p = sub.add_parser("deploy", help=help_, description=help_ + "; running it twice changes nothing")
     _alert_flags(p)
     p.set_defaults(handler=cmd_deploy)

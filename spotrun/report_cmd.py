@@ -53,7 +53,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     # The spec is not in SQL (only its hash): GPUs per worker stays unknown (1, said in the notes).
     info = RunInfo(run.job, run.id, run.status.value, run.ended_at)
     report = compute(rows, info, now=time.time())
-    plot = _plot(rows, report, Path(args.plot)) if args.plot else None
+    try:
+        plot = _plot(rows, report, Path(args.plot)) if args.plot else None
+    except OSError as e:  # only the --plot path is written here: the user's to fix
+        why = e.strerror or str(e)
+        return error_exit(ValueError(f"--plot {args.plot}: cannot write there ({why}); give a writable path"))
     if args.json:
         print(json.dumps({**report.as_dict(), "plot": str(plot) if plot else None}, indent=2))
     else:

@@ -280,12 +280,17 @@ def prefect_api(
     use_env: bool = True,
     keep: bool = False,
     background: Literal["no", "reuse", "start"] = "reuse",
+    temporary: bool = True,
 ) -> Iterator[PrefectApi]:
     """The server PREFECT_API_URL names (when `use_env` and it is set), as is; else the background server
-    as `background` says (choose_api); otherwise a local server under home/"prefect", started now and
-    stopped on exit unless `keep`. The body runs with PREFECT_API_URL pointing at it (trainer
-    subprocesses inherit it through the environment too)."""
+    as `background` says (choose_api); otherwise (when `temporary`) a local server under home/"prefect",
+    started now and stopped on exit unless `keep`. The body runs with PREFECT_API_URL pointing at it
+    (trainer subprocesses inherit it through the environment too). Not `temporary` and neither found:
+    the body runs with `api.url` empty and the settings as they are (a Prefect profile's URL, or none)."""
     api = choose_api(home, use_env=use_env, background=background)
+    if not api.url and not temporary:
+        yield api
+        return
     server = None
     if not api.url:
         server = PrefectServer(server_home(home), die_with_parent=not keep).start()

@@ -19,6 +19,7 @@ import yaml
 from prefect import get_client
 from prefect.states import Cancelling
 
+from spotrun.console import spotrun_command
 from tasks import adoption
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
@@ -97,7 +98,7 @@ def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
         if child.poll() is None:
             child.kill()
     assert child.returncode == 130, f"{masks}; this process: {_signal_masks(os.getpid())}\n{out[-3000:]}"
-    assert "Traceback" not in out and f"resume with: spotrun run {path}" in out, out[-3000:]
+    assert "Traceback" not in out and f"resume with: {spotrun_command()} run {path}" in out, out[-3000:]
     stopped = _assert_cancelled_without_loss(home, "ctrlc", "Ctrl-C")
     assert stopped < spec.total_steps
 

@@ -1,5 +1,6 @@
 """`spotrun checkpoints list/verify` against checkpoints a real trainer wrote, `spotrun history` against a
-SQLite history, `spotrun run`'s input checks, and the demo (the whole flow) end to end."""
+SQLite history, `spotrun run`'s input checks, `spotrun deploy` onto the background Prefect server, and the
+demo (the whole flow) end to end."""
 
 from __future__ import annotations
 
@@ -303,6 +304,31 @@ def test_history_database_unusable_is_one_line_error(
     assert_one_line_error(code, err, fragment)
 
 
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
+def test_a_closed_stdout_ends_quietly(history: tuple[str, str], tmp_path: Path, json_out: bool) -> None:
+    """`spotrun history --json | head -1`: the reader is gone, so stop quietly: 141 (128 + SIGPIPE),
+    for JSON and for a table (rich's console would end it with 1, a failed run's code)."""
+    read, write = os.pipe()
+    os.close(read)  # gone before the first write: every write fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "spotrun.cli", "history", *(["--json"] if json_out else [])]
+    try:
+        r = subprocess.run(cmd, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
+def test_report_plot_to_an_unwritable_path_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], history: tuple[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "afile").write_text("a file, not a directory\n")
+    for path, why in [("/proc/x.png", "No such file or directory"), (str(tmp_path / "afile" / "x.png"), "")]:
+        code, out, err = run(capsys, "report", "digits", "--plot", path)
+        assert_one_line_error(code, err, f"--plot {path}: cannot write there ({why}", "give a writable path")
+        assert out == ""
+
+
 # ---- spotrun run: input errors (the demo below runs the flow) ----
 
 
@@ -403,3 +429,30 @@ def test_prefect_server_dies_with_the_process_that_started_it(tmp_path: Path) ->
     finally:
         if child.poll() is None:
             child.kill()
+
+
+# ---- spotrun deploy ----
+
+
+@pytest.mark.timeout(300)
+def test_deploy_uses_the_background_server(tmp_path: Path) -> None:
+    """PREFECT_API_URL unset: `spotrun deploy` applies to the background server, as `run` and `serve` do."""
+    import urllib.request
+
+    from spotrun.server import server_home, start_background, stop_background
+    from tests.prefect_server import seed
+
+    home = tmp_path / "home"
+    seed(server_home(home))  # migrated tables: the start takes 4 s instead of 12
+    bg, _ = start_background(home, port=0)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env |= {"PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(home)}
+        cmd = [sys.executable, "-m", "spotrun.cli", "deploy", "--json"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        applied = json.loads(r.stdout)["deployments"]
+        with urllib.request.urlopen(f"{bg.api_url}/deployments/name/recover-job/recover-job") as resp:
+            assert json.load(resp)["id"] == applied["recover-job/recover-job"]  # on that server
+    finally:
+        stop_background(home)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -275,11 +276,12 @@ def test_bad_recovery_flags_name_the_flag(overrides: dict[str, Any], fragment: s
 
 
 def test_deploy_without_a_server_is_one_line_error(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path))  # no background server either
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         code = main(["deploy"])
     err = capsys.readouterr().err
