@@ -389,6 +389,9 @@ class JobRunLog:
 
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
         self.store.finish_job_run(self.job_run_id, status, message)  # first: the reports below are views
+        ended = time.time()  # the job run's end as finish_job_run just stored it (to within a query);
+        # not after MLflow's final sync and the timeline's PNG below (2.5 s in one demo run), which
+        # made this summary's goodput lower than `spotrun report`'s for the same run
         tracking = self.tracker.finish(status) if self.tracker is not None else None
         try:
             timeline = self._timeline()
@@ -397,9 +400,10 @@ class JobRunLog:
             timeline = ""
         final = max((r.last_step for r in self.records), default=0)
         checks = self.resume_checks
-        now = time.time()  # the job run's end, as finish_job_run just stored it (to within a query)
-        info = RunInfo(self.job.name, self.job_run_id, status, now, gpus_per_worker=self.job.world_size)
-        figures = goodput.compute(self.records, info, now)  # what `spotrun report` computes from SQL
+        info = RunInfo(self.job.name, self.job_run_id, status, ended, gpus_per_worker=self.job.world_size)
+        figures = goodput.compute(self.records, info, ended)  # what `spotrun report` computes from SQL
+        # the wall time the goodput divides by (first attempt's start to the job's end), as the report's
+        wall_s = figures.wall_s if figures.started_at is not None else wall_s
         summary = Summary(status, message, len(self.records), final, figures.goodput or 0.0,
                           wall_s, timeline, *total_cost(self.records),
                           report.checkpoint_interval(self.records), resume_checks=checks,
