@@ -250,6 +250,9 @@ def run_job(
     )
 
 
+_INTERRUPT_CRASH = "Crash detected! Execution was aborted by an interrupt signal"
+
+
 class _PrefectBelow(logging.Filter):
     """Drops records of Prefect's loggers below a level."""
 
@@ -258,7 +261,11 @@ class _PrefectBelow(logging.Filter):
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level or not record.name.startswith("prefect")
+        if not record.name.startswith("prefect"):
+            return True
+        # a Ctrl-C: Prefect reports every run it aborted as a crash, at ERROR; this command says what
+        # happened in its own lines (print_interrupted), and the runs' pages keep Prefect's
+        return record.levelno >= self.level and not record.getMessage().startswith(_INTERRUPT_CRASH)
 
 
 @contextmanager
