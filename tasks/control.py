@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.checkpoints import check_integrity, completed_at
+from tasks.checkpoints import ResumePoint, check_integrity, completed_at
 from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.prewarm import Prewarm
@@ -150,7 +150,9 @@ def _loop(
             sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
             record, ahead = _attempt(job, provider, sink, runlog, attempt, ahead)
             if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
-                runlog.resumed(sink.step("check-checkpoints", check_integrity, job, runlog.cache, sink))
+                point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
+                if point is not None:
+                    runlog.resumed(point)
             runlog.record(record)
             decision = decide(runlog.records, policy, rng)
             sink.log(
@@ -329,6 +331,17 @@ def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object
         "error": record.error[:300],
         "flow_run_id": runlog.flow_run_id,
     }
+
+
+def _check_checkpoints(job: JobSpec, cache: Path, sink: Sink) -> ResumePoint | None:
+    """check_integrity, or None when the storage cannot be read now: the next trainer validates what
+    it resumes from anyway, and the policy decides on the attempt's own ending (a storage that is down
+    fails the trainer too), rather than this controller crashing on it."""
+    try:
+        return check_integrity(job, cache, sink)
+    except StorageError as e:
+        sink.log(logging.WARNING, f"checkpoints not checked ({e}); the next trainer validates its own")
+        return None
 
 
 def _completed_at(job: JobSpec, sink: Sink) -> int | None:

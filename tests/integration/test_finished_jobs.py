@@ -15,7 +15,7 @@ import pytest
 from tasks.control import PlainSink, run_job
 from tasks.policy import RetryPolicy
 from tasks.settings import Settings
-from tests.fakes.provider import FakeProvider
+from tests.fakes.provider import FakeAttempt, FakeProvider
 from tests.trainer_runs import REPO, trainer, write_spec
 from trainer.ckpt_format import COMPLETED
 from trainer.errors import ConfigError
@@ -126,3 +126,25 @@ def test_the_control_loop_runs_no_attempt_for_a_finished_job(tmp_path: Path) -> 
     assert result.completed, result.message
     assert result.message == f"already completed at step 5 in {job.storage}: nothing to run"
     assert result.summary.attempts == 0 and provider.provisioned == []
+
+
+def test_the_control_loop_outlives_a_storage_that_is_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own reads (COMPLETED.json, the integrity check) fail: each is a warning, and the policy
+    decides on the attempts' endings (the trainers failed on the same storage), with no traceback."""
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    settings = Settings.from_env({"SPOTRUN_HOME": str(tmp_path / "home")})
+    job = settings.resolve(_spec(storage="s3://spotrun-down/job", s3={"endpoint_url": "http://127.0.0.1:9"},
+                                 tracking={"mlflow": False}))  # fmt: skip
+    crash = FakeAttempt(until=3, exit_code=ExitCode.CRASHED, error="TransientStorageError: down")
+    sink = PlainSink()
+    result = run_job(job, FakeProvider([crash, crash]), RetryPolicy(max_errors=2, backoff_base_s=0.0),
+                     sink, settings=settings, sleep=lambda s: None)  # fmt: skip
+    assert not result.completed and result.summary.attempts == 2, result.message
+    assert result.message == "same error at step 3 twice: TransientStorageError: down", result.message
