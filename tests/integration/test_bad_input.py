@@ -63,9 +63,9 @@ def test_recipe_that_cannot_be_built_is_a_config_error_naming_the_args(tmp_path:
     _assert_one_clear_error(r, "recipe 'digits' could not be built with args {")
     assert '"hidden": -4' in r.stderr and "ValueError: hidden -4 must be >= 1" in r.stderr
     assert "fix args in the job file" in r.stderr
-    job = write_spec(tmp_path / "job.yaml", args={"hidden": 8, "hiden": 8})
+    job = write_spec(tmp_path / "job.yaml", args={"hiden": 8})  # beside the spec's own `hidden`
     r = trainer(job, str(tmp_path / "s"), tmp_path)
-    _assert_one_clear_error(r, "recipe 'digits' has no argument 'hiden': did you mean 'hidden'?")
+    _assert_one_clear_error(r, "recipe 'digits' has no argument 'hiden': digits takes ['dropout', ")
 
 
 def test_storage_that_refuses_writes_is_not_retried(tmp_path: Path) -> None:

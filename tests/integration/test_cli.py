@@ -130,7 +130,7 @@ def test_list_builds_no_recipe_and_verify_structure_does(
     assert [r["valid"] for r in rows] == [False, False]
     assert rows[0]["problems"][0]["kind"] == "compat"
     code, _, err = run(capsys, "checkpoints", "verify", str(job[1]), "--spec", str(broken), "--structure")
-    assert_one_line_error(code, err, "recipe 'digits' could not be built", "nonsense", "fix args in the job")
+    assert_one_line_error(code, err, "recipe 'digits' has no argument 'nonsense'", "fix args in the job")
 
 
 def test_corrupt_newest_fails_verify_naming_file(capsys: pytest.CaptureFixture[str], store: Path) -> None:
