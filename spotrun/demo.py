@@ -178,13 +178,16 @@ def _run_and_check(
             # After the flow run, not beside it: two trainers with 2 threads each on 2 cores slow
             # both several-fold, and the reclaims are timed in seconds.
             console.print("reference: an uninterrupted `python -m trainer` run of the same job, now")
-            reference = start_reference(job_file, settings.home / "reference")
+            reference, t_ref = start_reference(job_file, settings.home / "reference"), time.monotonic()
             started.append(reference)
             failures = _plan_failures(result)
             if not failures:  # no storm to wait for when the schedule did not happen
                 failures = show_alert(console, job.name, wait_for_alert(settings.database_url, job.name))
     if not failures:
+        if reference.poll() is None:  # it trains as long as the flow run's attempts did, minus reclaims
+            console.print("waiting for the reference run to finish ...", markup=False)
         code = reference.wait(timeout=REFERENCE_TIMEOUT_S)
+        console.print(f"reference run finished in {time.monotonic() - t_ref:.0f} s", markup=False)
         if code != 0:
             failures = [f"the reference run exited {code}; see {settings.home / 'reference' / 'trainer.log'}"]
     if not failures:
