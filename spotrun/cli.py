@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -111,12 +112,22 @@ def main(argv: list[str] | None = None) -> int:
         code = handler(args)
         sys.stdout.flush()  # a reader gone before the last write shows here, not at exit
         return code
-    except BrokenPipeError:
-        return _stdout_closed()
+    except BrokenPipeError as e:
+        return _stdout_closed() if _stdout_gone() else error_exit(e)  # else a socket's or a child's
     except (SpotrunError, OSError) as e:  # expected failures: one line, no traceback
         return error_exit(e)
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_gone() -> bool:
+    """Is stdout a pipe whose reader has closed it (poll reports POLLERR on its write end)?"""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no descriptor (captured): not a closed pipe
+        return False
 
 
 def _stdout_closed() -> int:

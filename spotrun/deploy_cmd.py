@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import threading
+from contextlib import nullcontext
 from dataclasses import asdict
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -113,10 +114,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from tasks.settings import spotrun_home
 
     rules, recovery = alert_rules(args), recovery_rules(args)
-    # PREFECT_API_URL, else the background server, as `spotrun run` and `serve` find them; never a
-    # temporary server: deployments on a server stopped when this command ends would serve nobody.
-    with prefect_api(spotrun_home(), temporary=False):
-        report = deploy(rules, recovery=recovery)  # neither: a Prefect profile's URL, else DeployError
+    # PREFECT_API_URL (from the environment or a Prefect profile), else the background server; never
+    # a temporary server: deployments on a server stopped when this command ends would serve nobody.
+    with prefect_api(spotrun_home(), temporary=False) if not PREFECT_API_URL.value() else nullcontext():
+        report = deploy(rules, recovery=recovery)  # neither: DeployError, one line
         print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
     return EXIT_OK
 

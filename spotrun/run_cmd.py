@@ -66,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
 
     from spotrun.server import prefect_api
+    from tasks import adoption
     from tasks.checkpoints import completed_at
     from tasks.history.engine import check_database_url  # SQLAlchemy: 0.65 s, after the job file's check
     from tasks.settings import Settings
@@ -76,7 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_local_path(job.storage)
     check_database_url(settings.database_url)
     out = wide_console()
-    done = completed_at(job)  # a storage that refuses or holds another finished job: one line, exit 2
+    # a storage that refuses, cannot be reached or holds another finished job: one line, exit 2; not
+    # when a dead controller's job run waits to be adopted (the flow closes it, finished or not)
+    adopting = adoption.read_controller(settings.job_dir(job.name)) is not None
+    done = None if adopting else completed_at(job)
     if done is not None:  # no server, no flow run, no history row for a run with nothing to do
         out.print(f"job {job.name} already completed at step {done} in {job.storage}: nothing to run "
                   "(a larger --total-steps trains on; a new --storage starts over)",

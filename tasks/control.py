@@ -120,7 +120,9 @@ def run_job(
     runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink, recovers)
     try:
         runlog.stop_leftover(provider)
-        done = _completed_at(job, sink)
+        # A run that adopted a dead controller's attempts goes on through the loop (its last attempt may
+        # have finished the job: the loop's first attempt says so, and the job's events follow).
+        done = _completed_at(job, sink) if not runlog.records else None
         if done is not None:  # no worker, no attempt: its row would say "completed at step 0"
             text = f"already completed at step {done} in {job.storage}: nothing to run"
             sink.log(logging.INFO, f"job {job.name} {text}")

@@ -33,9 +33,9 @@ from tasks.timeline import AttemptTrace, plot_timeline
 from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
 from trainer.catalog import read_latest
 from trainer.ckpt_format import COMPLETED, checkpoint_uri
-from trainer.errors import StorageError
+from trainer.errors import ConfigError, StorageError
 from trainer.heartbeat import read_heartbeat
-from trainer.resume import completed_step
+from trainer.resume import completed_for
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
 
@@ -300,12 +300,14 @@ class JobRunLog:
         return ["--mtbf-s", f"{est.mtbf_s:.0f}"]
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
-        try:
-            done = completed_step(open_storage(self.job.storage, self.job.s3))
+        try:  # this job's marker, not another job's that the trainer refused (exit CONFIG_ERROR)
+            done = completed_for(open_storage(self.job.storage, self.job.s3), self.job)
+        except ConfigError:
+            done = None
         except StorageError as e:  # the storage is down: the attempt is judged on its own ending
             self.sink.log(logging.WARNING, f"{COMPLETED} not read ({e}): the attempt counts as unfinished")
             done = None
-        outcome, cause = classify(result, completed=done is not None and done >= self.job.total_steps)
+        outcome, cause = classify(result, completed=done is not None)
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
         if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
             record.extra["cost"] = dict(result.facts["cost"])

@@ -148,3 +148,16 @@ def test_the_control_loop_outlives_a_storage_that_is_down(
                      sink, settings=settings, sleep=lambda s: None)  # fmt: skip
     assert not result.completed and result.summary.attempts == 2, result.message
     assert result.message == "same error at step 3 twice: TransientStorageError: down", result.message
+
+
+def test_a_flow_on_another_finished_jobs_storage_fails_with_the_trainers_refusal(tmp_path: Path) -> None:
+    """The flow's own check only warns; the trainer refuses (CONFIG_ERROR), and the other job's marker
+    does not make its attempt 'completed'."""
+    settings = Settings.from_env({"SPOTRUN_HOME": str(tmp_path / "home")})
+    job = settings.resolve(_spec())
+    mark_completed(LocalStorage(Path(job.storage)), _spec(args={"hidden": 64}), 5)
+    refusal = "ConfigError: holds job done completed at step 5 with other settings"
+    attempt = FakeAttempt(until=0, exit_code=ExitCode.CONFIG_ERROR, error=refusal)
+    result = run_job(job, FakeProvider([attempt]), RetryPolicy(), PlainSink(), settings=settings)
+    assert not result.completed and result.summary.attempts == 1, result.message
+    assert "holds job done completed at step 5" in result.message
