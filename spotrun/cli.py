@@ -18,6 +18,7 @@ from dataclasses import asdict
 from spotrun.checkpoints_cmd import add_checkpoints
 from spotrun.console import (
     EXIT_OK,
+    EXIT_STDOUT_CLOSED,
     Handler,
     Subparsers,
     attempts_table,
@@ -34,8 +35,6 @@ from tasks.settings import spotrun_home
 from trainer.errors import SpotrunError
 
 log = logging.getLogger(__name__)
-
-EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
 
 
 # ---- history: the attempts in SQL ----

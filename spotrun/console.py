@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQ
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 EXIT_FAILED = 1  # `spotrun run`: the flow run ended Failed
 EXIT_INTERRUPTED = 130  # `spotrun run`: Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
 
 Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any  # argparse's _SubParsersAction is private

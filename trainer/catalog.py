@@ -45,15 +45,23 @@ def list_checkpoints(storage: Storage) -> dict[int, Listed]:
     return found
 
 
-def read_marker_step(storage: Storage, key: str) -> int | None:
-    """The step a JSON marker (`latest`, `COMPLETED.json`) names; None when absent or malformed."""
+def read_marker(storage: Storage, key: str) -> tuple[int, dict[str, Any]] | None:
+    """The step a JSON marker (`latest`, `COMPLETED.json`) names, and the whole marker; None when
+    absent or malformed."""
     try:
-        return int(json.loads(get_bytes(storage, key))["step"])
+        marker = json.loads(get_bytes(storage, key))
+        return int(marker["step"]), marker
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
         log.warning("ignoring a malformed %s marker in %s", key, storage.uri)
         return None
+
+
+def read_marker_step(storage: Storage, key: str) -> int | None:
+    """The step a JSON marker names; None when absent or malformed."""
+    found = read_marker(storage, key)
+    return found[0] if found is not None else None
 
 
 def read_latest(storage: Storage) -> int | None:

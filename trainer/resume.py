@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.catalog import Catalog, Selection, read_marker_step
+from trainer.catalog import Catalog, Selection, read_marker, read_marker_step
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.spec import JobSpec, spec_changes
 from trainer.stateful import Codec, Registry, reconcile
-from trainer.storage import Storage, get_bytes, put_bytes
+from trainer.storage import Storage, put_bytes
 from trainer.validate import Expectation
 
 if TYPE_CHECKING:
@@ -166,16 +166,10 @@ def completed_for(storage: Storage, spec: JobSpec) -> int | None:
     `spec.total_steps` there (a raised total_steps trains on, and its resume checks the model).
     ConfigError when the storage holds another finished job: another name, recipe, args, seed,
     batch size or amp (a marker written before it recorded the spec is trusted)."""
-    try:
-        marker = json.loads(get_bytes(storage, COMPLETED))
-        step = int(marker["step"])
-    except FileNotFoundError:
+    found = read_marker(storage, COMPLETED)
+    if found is None or found[0] < spec.total_steps:
         return None
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a malformed %s marker in %s", COMPLETED, storage.uri)
-        return None
-    if step < spec.total_steps:
-        return None
+    step, marker = found
     old = marker.get("spec")
     if isinstance(old, dict):
         changes = [str(c) for c in spec_changes(old, spec.model_dump(mode="json"))]

@@ -96,12 +96,14 @@ def recipe(*, shape_args: Iterable[str], args: Iterable[str] | None = None) -> C
 def check_args(name: str, given: Mapping[str, Any]) -> None:
     """ConfigError for an arg recipe `name` does not take, when it declares what it takes."""
     takes: frozenset[str] | None = getattr(resolve(name), "takes", None)
-    unknown = sorted(set(given) - takes) if takes is not None else []
+    if takes is None:  # declares nothing: its own checks in build
+        return
+    unknown = sorted(set(given) - takes)
     if not unknown:
         return
     key = unknown[0]
-    close = get_close_matches(key, sorted(takes - set(given)), n=1) if takes is not None else []
-    hint = f"did you mean {close[0]!r}?" if close else f"{name} takes {sorted(takes or ())}"
+    close = get_close_matches(key, sorted(takes - set(given)), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"{name} takes {sorted(takes)}"
     more = f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""
     raise ConfigError(f"recipe {name!r} has no argument {key!r}{more}: {hint} (fix args in the job file)")
 
