@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,19 @@ def default_url(home: Path) -> str:
 
 
 URL_FORMS = "sqlite:///PATH or postgresql://USER@HOST[:PORT]/DB"
+# Every PostgreSQL connection but a migration's: a statement that hangs gives up instead of holding
+# the journal's lock. A URL's own `options=-c statement_timeout=...` wins over it.
+STATEMENT_TIMEOUT_MS = 30_000
+# A half-open connection (the server's host gone, a NAT dropped the flow) is found in about a minute,
+# not TCP's ~15 min of retransmissions: keepalives while waiting for a reply, the user timeout while
+# sent bytes go unacknowledged. A key the URL sets wins.
+TCP_ARGS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # ms
+}
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
@@ -58,7 +72,59 @@ def check_database_url(url: str) -> URL:
                 f"{path} is not a SQLite database; point SPOTRUN_DATABASE_URL at another file "
                 "(a new one is created) or move this one away"
             )
+    if u.get_backend_name() == "postgresql":
+        sslmode(u)
     return u
+
+
+def on_loopback(url: URL) -> bool:
+    """Every host the URL names is loopback or a Unix socket (no host: libpq's default socket)."""
+    hosts = [url.host or ""]
+    for key in ("host", "hostaddr"):
+        value = url.query.get(key)
+        for v in (value,) if isinstance(value, str) else value or ():
+            hosts += v.split(",")
+    return all(_local_host(h.strip()) for h in hosts)
+
+
+def _local_host(host: str) -> bool:
+    if not host or host.startswith("/") or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False
+
+
+def sslmode(url: URL) -> str | None:
+    """The sslmode to connect with: the URL's own on loopback, `verify-full` off it (None: libpq's
+    default). ConfigError, one line, for a weaker mode off loopback."""
+    given = url.query.get("sslmode")
+    mode = given if isinstance(given, str) or given is None else given[-1]
+    if on_loopback(url) or mode == "verify-full":
+        return mode
+    if mode is None:
+        return "verify-full"
+    shown = url.render_as_string(hide_password=True)
+    raise ConfigError(
+        f"SPOTRUN_DATABASE_URL {shown}: sslmode={mode} off loopback lets anyone on the path read or change"
+        " the history; remove sslmode (verify-full is used) or write sslmode=verify-full, with"
+        " sslrootcert=PATH naming the server's CA"
+    )
+
+
+def pg_connect_args(url: URL, connect_timeout_s: float) -> dict[str, Any]:
+    """libpq's settings for every connection: TLS off loopback, the statement and TCP timeouts.
+    What the URL sets itself is left to the URL (these would override it)."""
+    args: dict[str, Any] = {"connect_timeout": max(2, round(connect_timeout_s))}
+    mode = sslmode(url)
+    if mode is not None:
+        args["sslmode"] = mode
+    args |= TCP_ARGS
+    own = url.query.get("options")
+    own_options = " ".join((own,) if isinstance(own, str) else own or ())
+    args["options"] = f"-c statement_timeout={STATEMENT_TIMEOUT_MS} {own_options}".strip()
+    return {k: v for k, v in args.items() if k == "options" or k not in url.query}
 
 
 def _hide_password(url: str) -> str:
@@ -71,9 +137,7 @@ def _hide_password(url: str) -> str:
 
 def make_engine(url: URL, connect_timeout_s: float) -> Engine:
     if url.get_backend_name() == "postgresql":
-        return create_engine(
-            url, pool_pre_ping=True, connect_args={"connect_timeout": max(2, round(connect_timeout_s))}
-        )
+        return create_engine(url, pool_pre_ping=True, connect_args=pg_connect_args(url, connect_timeout_s))
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     # The busy timeout: wait out another process's write (or migration) instead of failing.

@@ -64,4 +64,7 @@ def _lock(conn: Connection) -> None:
         # migrator (the busy timeout) instead of racing it to CREATE TABLE.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
     elif conn.dialect.name == "postgresql":
+        # No statement timeout here alone: a migration's DDL and index builds, and the wait for
+        # another migrator, may take longer than any write (this transaction only).
+        conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK_KEY})
