@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ConfigError
+from trainer.redact import redact_tree
 from trainer.spec_errors import explain_errors
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
@@ -242,6 +244,66 @@ class ResumeOptions(BaseModel):
     )
 
 
+# The controller's secrets: never in a trainer's environment, even when a job names them (the trainer
+# never talks to Prefect, the history database, Slack or MLflow; its AWS access is its own profile or role).
+NEVER_PASSED = frozenset(
+    {"PREFECT_API_AUTH_STRING", "PREFECT_API_KEY", "SPOTRUN_DATABASE_URL", "DATABASE_URL", "PGPASSWORD",
+     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"}
+)  # fmt: skip
+NEVER_PASSED_PREFIXES = ("PREFECT_", "SPOTRUN_SLACK_", "SLACK_")
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+
+def never_passed(name: str) -> bool:
+    """Whether `name` is one of the controller's secrets (or looks like one: *_DATABASE_URL)."""
+    upper = name.upper()
+    return upper in NEVER_PASSED or upper.startswith(NEVER_PASSED_PREFIXES) or upper.endswith("_DATABASE_URL")
+
+
+class EnvOptions(BaseModel):
+    """The trainer's environment beyond spotrun's allow-list (PATH, PYTHONPATH, VIRTUAL_ENV, HF_HOME,
+    CUDA_*, thread settings, ...): names to pass from the environment the worker starts from, and values
+    to set. The controller's secrets never pass, even when named."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    pass_: list[str] = Field(
+        default_factory=list,
+        alias="pass",
+        description="variables passed from the environment a local worker starts from (e.g. HF_TOKEN); "
+        "EC2 workers start from the instance's own environment",
+    )
+    set_: dict[str, str] = Field(
+        default_factory=dict, alias="set", description="variables set in the trainer's environment"
+    )
+
+    @field_validator("pass_")
+    @classmethod
+    def _pass_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            _check_env_name(name)
+        return v
+
+    @field_validator("set_")
+    @classmethod
+    def _set_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            _check_env_name(name)
+            if name.upper().startswith("SPOTRUN_"):
+                raise ValueError(f"{name} is spotrun's own variable; set it where you start spotrun")
+        return v
+
+
+def _check_env_name(name: str) -> None:
+    if not re.match(_ENV_NAME, name):
+        raise ValueError(f"{name!r} is not a variable name: use letters, digits and _")
+    if never_passed(name):
+        raise ValueError(f"{name} is a controller secret, never given to trainers; remove it")
+
+
 class JobSpec(BaseModel):
     """Everything needed to run (and re-run, bit for bit) one training job."""
 
@@ -296,6 +358,10 @@ class JobSpec(BaseModel):
     resume: ResumeOptions = Field(
         default_factory=ResumeOptions, description="which differences from a checkpoint's job to accept"
     )
+    env: EnvOptions = Field(
+        default_factory=EnvOptions,
+        description="the trainer's environment: names to pass beyond the allow-list, values to set",
+    )
 
     @field_validator("recipe")
     @classmethod
@@ -336,6 +402,11 @@ class JobSpec(BaseModel):
     def spec_hash(self) -> str:
         """SHA-256 over the whole spec (canonical JSON)."""
         return _hash(self.model_dump(mode="json"))
+
+    def public_dump(self) -> dict[str, Any]:
+        """The spec as JSON for anywhere but the client calls (the bucket, MLflow, logs): every URL's
+        credentials redacted (`trainer.redact`)."""
+        return dict(redact_tree(self.model_dump(mode="json")))
 
     def shape_hash(self, world_size: int | None = None) -> str:
         """SHA-256 over SHAPE_FIELDS: equal hashes can resume each other's checkpoints; unequal ones
