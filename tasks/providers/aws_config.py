@@ -131,7 +131,9 @@ class AwsProviderConfig(BaseModel):
     )
     python: str = Field(default="python3", description="interpreter on the AMI that runs `-m trainer`")
     workdir: str = Field(
-        default="/opt/spotrun", description="directory on the instance for the job file and local cache"
+        default="/var/lib/spotrun",
+        description="directory on the instance for the job file and local cache, owned by the trainer's "
+        "unprivileged user: keep it apart from where the AMI installs the code",
     )
     tags: dict[str, str] = Field(
         default_factory=dict, description="extra tags on instances and volumes (cost allocation, owner)"

@@ -13,6 +13,11 @@ address in their user data. As with the worker id, an address already set wins (
 node on one host and sets 127.0.0.1). Each node keeps its files under `<workdir>/node<i>`: on EC2 every
 instance has its own disk, so this changes nothing there, while a rehearsal needs the nodes' job files
 and checkpoint caches apart.
+
+On EC2 the user data runs as root; the trainer does not. The script creates an unprivileged system user
+(`spotrun`), gives it SPOTRUN_HOME (mode 0700: the job file and the checkpoint cache) and execs the
+trainer as that user through `setpriv` (no new privileges: no setuid binary gives root back). A
+rehearsal plays the instance as the current user: SPOTRUN_TRAINER_USER, set and empty, skips the switch.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tasks.providers.aws_policy import Market, Placement
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
+TRAINER_USER = "spotrun"  # the unprivileged user the trainer runs as on an instance
 TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (aws_watch.py)
 TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER, TAG_NODE = (
     "spotrun:job",
@@ -68,6 +74,22 @@ def _node_lines(node: NodeRole | None) -> str:
     return f"{addr}export SPOTRUN_NODE_RANK={node.rank} SPOTRUN_MASTER_ADDR\n"
 
 
+def _as_trainer_user() -> str:
+    """Bash: create the trainer's user, hand it SPOTRUN_HOME and set "$@" to the command that switches
+    to it; nothing when SPOTRUN_TRAINER_USER is set and empty (a rehearsal: the current user)."""
+    return f"""SPOTRUN_TRAINER_USER=${{SPOTRUN_TRAINER_USER-{TRAINER_USER}}}
+set --
+if [ -n "$SPOTRUN_TRAINER_USER" ]; then
+  id -u "$SPOTRUN_TRAINER_USER" >/dev/null 2>&1 || useradd --system --user-group --no-create-home \\
+    --home-dir "$SPOTRUN_HOME" --shell /usr/sbin/nologin "$SPOTRUN_TRAINER_USER"
+  chown -R "$SPOTRUN_TRAINER_USER:" "$SPOTRUN_HOME"
+  chmod 0700 "$SPOTRUN_HOME"
+  export HOME="$SPOTRUN_HOME"
+  set -- setpriv --reuid="$SPOTRUN_TRAINER_USER" --regid="$SPOTRUN_TRAINER_USER" --init-groups --no-new-privs
+fi
+"""
+
+
 def node_workdir(workdir: str, node: NodeRole | None) -> str:
     """Where a node keeps its job file and cache: `workdir`, or `workdir/node<i>` for a multi-node attempt."""
     return workdir if node is None else f"{workdir.rstrip('/')}/node{node.rank}"
@@ -83,11 +105,14 @@ def build_user_data(
     attempt: int,
     node: NodeRole | None = None,
 ) -> str:
-    """A bash script that writes the job file to `workdir` and execs the trainer with the worker id
-    (and, on a node of a multi-node attempt, its node rank and node 0's address)."""
+    """A bash script that writes the job file to `workdir` and execs the trainer, as the unprivileged
+    TRAINER_USER, with the worker id (and, on a node of a multi-node attempt, its node rank and node
+    0's address)."""
     spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
     which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
+    trainer = f'exec "$@" {shlex.quote(python)} -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"'
+    trainer += extra  # "$@": the switch to TRAINER_USER
     return f"""#!/bin/bash
 # spotrun worker: job {job}, attempt {attempt}{which}
 set -euo pipefail
@@ -98,7 +123,7 @@ cd "$SPOTRUN_HOME"
 base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
 {spec_b64}
 SPOTRUN_JOB_B64
-exec {shlex.quote(python)} -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"{extra}
+{_as_trainer_user()}{trainer}
 """
 
 

@@ -41,7 +41,9 @@ class LocalInstances:
         home = self.root / instance_id
         home.mkdir(parents=True, exist_ok=True)
         (home / "user-data.sh").write_text(script)
-        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id, "SPOTRUN_MASTER_ADDR": LOOPBACK}
+        # The current user plays the instance: no switch to the instance's trainer user.
+        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id, "SPOTRUN_MASTER_ADDR": LOOPBACK,
+               "SPOTRUN_TRAINER_USER": ""}  # fmt: skip
 
         def start() -> subprocess.Popen[bytes]:
             with open(home / "console.log", "wb") as out:

@@ -366,7 +366,7 @@ json.dump(beat, open(path, "w"))
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def launcher(iid: str, script: str) -> None:
-        env = {**os.environ, "SPOTRUN_WORKER_ID": iid}
+        env = {**os.environ, "SPOTRUN_WORKER_ID": iid, "SPOTRUN_TRAINER_USER": ""}  # as this user
         procs[iid] = subprocess.Popen(["bash", "-c", script], env=env)
 
     def exit_status(iid: str) -> int | None:

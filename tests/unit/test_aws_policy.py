@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -294,7 +295,7 @@ def test_user_data_is_valid_bash_carrying_the_spec() -> None:
     body = script.split("<<'SPOTRUN_JOB_B64'\n")[1].split("\nSPOTRUN_JOB_B64")[0]
     assert base64.b64decode(body).decode() == SPEC
     assert (
-        'exec /opt/venv/bin/python -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        'exec "$@" /opt/venv/bin/python -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
         "--max-steps 5 'it'\"'\"'s'" in script
     )
     assert "SPOTRUN_HOME='/opt/spot run'" in script
@@ -499,7 +500,7 @@ def test_user_data_of_each_node(
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
     assert home in script and all(s in script for s in says) and not any(s in script for s in not_says)
     assert (
-        'exec python3 -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" --lease-takeover i-1'
+        'exec "$@" python3 -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" --lease-takeover i-1'
         in script
     )
 
@@ -508,13 +509,56 @@ def test_node_address_already_set_wins(tmp_path: Any) -> None:
     """Run the node lines of the user data: a rehearsal's 127.0.0.1 wins over the private IP."""
     peer = launch.build_user_data(SPEC, [], python="true", workdir=str(tmp_path), job="d", attempt=1,
                                   node=launch.NodeRole(1, 2, "10.0.1.7"))  # fmt: skip
-    show = peer.replace("exec true -m trainer", 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
-    env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1"}
+    show = peer.replace('exec "$@" true -m trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
+    env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
     assert out.stdout == "1 10.0.1.7\n"
     env["SPOTRUN_MASTER_ADDR"] = "127.0.0.1"
     out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
     assert out.stdout == "1 127.0.0.1\n" and (tmp_path / "node1" / "job.yaml").read_text() == SPEC
+
+
+STUBS = {  # stand-ins that record their arguments: the test must not add a user to this host
+    "id": "exit 1",  # no such user yet
+    "useradd": "",
+    "chown": "",
+    "chmod": "",
+    "setpriv": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+}
+
+
+@pytest.mark.parametrize(
+    ("trainer_user", "calls", "home"),
+    [
+        (None, [
+            "id -u spotrun",
+            "useradd --system --user-group --no-create-home --home-dir {h} --shell /usr/sbin/nologin spotrun",
+            "chown -R spotrun: {h}",
+            "chmod 0700 {h}",
+            "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -m trainer "
+            "--config job.yaml --worker-id i-1",
+        ], "{h}"),
+        ("", [], "/root-home"),  # a rehearsal: the current user runs the trainer
+    ],
+)  # fmt: skip
+def test_user_data_runs_the_trainer_as_an_unprivileged_user(
+    tmp_path: Path, trainer_user: str | None, calls: list[str], home: str
+) -> None:
+    """Run the user data with recording stand-ins for the commands that touch users and modes."""
+    stubs, log, h = tmp_path / "bin", tmp_path / "calls.log", str(tmp_path / "w")
+    stubs.mkdir()
+    for name, body in {**STUBS, "python": 'echo "HOME=$HOME"'}.items():
+        (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n{body}\n')
+        (stubs / name).chmod(0o755)
+    script = launch.build_user_data(SPEC, [], python="python", workdir=h, job="d", attempt=1)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "HOME": "/root-home"}
+    if trainer_user is not None:
+        env["SPOTRUN_TRAINER_USER"] = trainer_user
+    out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env, check=True)
+    recorded = log.read_text().splitlines() if log.exists() else []
+    python = "python -m trainer --config job.yaml --worker-id i-1"
+    assert recorded == [c.format(h=h) for c in [*calls, python]]
+    assert out.stdout == f"HOME={home.format(h=h)}\n"
 
 
 def test_node_tags_and_placement_group_requests() -> None:
