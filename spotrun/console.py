@@ -96,9 +96,9 @@ def missing_sqlite(url: str) -> bool:
 
 def safe_url(url: str) -> str:
     """The database URL as it may be printed (password hidden)."""
-    from tasks.history.engine import normalize_url
+    from tasks.history.engine import normalize_url, shown_url
 
-    return normalize_url(url).render_as_string(hide_password=True)
+    return shown_url(normalize_url(url))
 
 
 def spotrun_command(cwd: Path | None = None) -> str:

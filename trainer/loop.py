@@ -299,7 +299,7 @@ class _Run:
             "step": self.step,
             "position": self.loader.position.state_dict(),
             "best_metric": self.best,
-            "spec": spec.model_dump(mode="json"),
+            "spec": spec.public_dump(),  # in the bucket: no credentials
             "spec_hash": spec.spec_hash(),
             "shape_hash": spec.shape_hash(),
             "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe

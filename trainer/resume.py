@@ -186,7 +186,7 @@ def completed_for(storage: Storage, spec: JobSpec) -> int | None:
 def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
     body = {
         "job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time(),
-        "spec": spec.model_dump(mode="json"),  # what completed_for compares a later run against
+        "spec": spec.public_dump(),  # what completed_for compares a later run against
     }  # fmt: skip
     put_bytes(storage, COMPLETED, json.dumps(body).encode())
     log.info("job %s completed at step %d", spec.name, step)

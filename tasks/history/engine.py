@@ -11,6 +11,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
 from trainer.errors import ConfigError
+from trainer.redact import redact
 
 
 def default_url(home: Path) -> str:
@@ -41,17 +42,22 @@ def normalize_url(url: str) -> URL:
     try:
         u = make_url(url)
     except (sa_exc.ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
-        shown = _hide_password(url)
+        shown = redact(url)
         why = "its port is not a number" if "int()" in str(e) else "it is not a URL"
         raise ConfigError(f"SPOTRUN_DATABASE_URL {shown}: {why}; write {URL_FORMS}") from None
     if u.drivername in ("postgres", "postgresql", "postgresql+asyncpg"):
         u = u.set(drivername="postgresql+psycopg")
     if u.get_backend_name() not in ("sqlite", "postgresql"):
-        shown = u.render_as_string(hide_password=True)
+        shown = shown_url(u)
         raise ConfigError(
             f"SPOTRUN_DATABASE_URL {shown}: {u.get_backend_name()} is not supported; write {URL_FORMS}"
         )
     return u
+
+
+def shown_url(url: URL) -> str:
+    """The URL as logs and messages show it: password (and secret query parameters) hidden."""
+    return redact(url.render_as_string(hide_password=True))
 
 
 def check_database_url(url: str) -> URL:
@@ -105,7 +111,7 @@ def sslmode(url: URL) -> str | None:
         return mode
     if mode is None:
         return "verify-full"
-    shown = url.render_as_string(hide_password=True)
+    shown = shown_url(url)
     raise ConfigError(
         f"SPOTRUN_DATABASE_URL {shown}: sslmode={mode} off loopback lets anyone on the path read or change"
         " the history; remove sslmode (verify-full is used) or write sslmode=verify-full, with"
@@ -125,14 +131,6 @@ def pg_connect_args(url: URL, connect_timeout_s: float) -> dict[str, Any]:
     own_options = " ".join((own,) if isinstance(own, str) else own or ())
     args["options"] = f"-c statement_timeout={STATEMENT_TIMEOUT_MS} {own_options}".strip()
     return {k: v for k, v in args.items() if k == "options" or k not in url.query}
-
-
-def _hide_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not at or ":" not in creds:
-        return url
-    return f"{scheme}{sep}{creds.partition(':')[0]}:***@{host}"
 
 
 def make_engine(url: URL, connect_timeout_s: float) -> Engine:
@@ -163,4 +161,4 @@ def unreachable(e: BaseException) -> bool:
 def one_line(e: BaseException) -> str:
     cause = getattr(e, "orig", None) or e  # the driver's message, without SQLAlchemy's SQL echo
     first = (str(cause).strip().splitlines() or [""])[0]
-    return f"{type(cause).__name__}: {first}"[:300]
+    return redact(f"{type(cause).__name__}: {first}")[:300]

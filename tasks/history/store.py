@@ -28,7 +28,7 @@ from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.history.engine import check_database_url, make_engine, one_line, unreachable
+from tasks.history.engine import check_database_url, make_engine, one_line, shown_url, unreachable
 from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
 from tasks.history.models import AlertStatus, JobRun, JobStatus
@@ -53,7 +53,7 @@ class HistoryStore(HistoryReads):
 
     def __init__(self, engine: Engine, journal: Journal | None = None) -> None:
         self._engine = engine
-        self.url = engine.url.render_as_string(hide_password=True)
+        self.url = shown_url(engine.url)
         self._lock = threading.RLock()
         self._journal: Journal = journal if journal is not None else MemoryJournal()
         self._ready = False  # connected once and migrated

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from tasks.tracking.steps import StepMetrics
+from trainer.redact import redact
 from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,8 @@ class RunRef:
 
     def url(self) -> str:
         """Where people open the run: the server's page, or the page `mlflow ui` serves for a local store."""
-        base = (
-            self.tracking_uri.rstrip("/") if self.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-        )
+        uri = redact(self.tracking_uri)
+        base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
         return f"{base}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
 
@@ -157,7 +157,7 @@ class MlflowRun:
         experiment_id = _experiment(client, mlflow, experiment, artifact_root)
         run = client.create_run(experiment_id, tags=create_tags, run_name=create_tags.get("mlflow.runName"))
         me = cls(client, RunRef(tracking_uri, experiment_id, run.info.run_id), dict(run.data.tags))
-        params = [mlflow.entities.Param(k, v) for k, v in flatten(spec.model_dump(mode="json")).items()]
+        params = [mlflow.entities.Param(k, v) for k, v in flatten(spec.public_dump()).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):
             client.log_batch(run.info.run_id, params=params[i : i + PARAMS_PER_BATCH])
         return me, True
@@ -214,7 +214,7 @@ class MlflowRun:
         with tempfile.TemporaryDirectory(prefix="spotrun-model-") as d:
             out = Path(d)
             shutil.copyfile(weights, out / "model.safetensors")
-            (out / "job.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+            (out / "job.yaml").write_text(yaml.safe_dump(spec.public_dump(), sort_keys=False))
             model = client.create_logged_model(
                 self.ref.experiment_id, name=name, source_run_id=run_id, tags=tags
             )

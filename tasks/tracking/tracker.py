@@ -34,6 +34,7 @@ from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_
 from tasks.tracking.steps import committed_step, read_steps
 from trainer.ckpt_format import MODEL_FILE, checkpoint_uri, step_dir
 from trainer.errors import StorageError
+from trainer.redact import redact
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
 from trainer.storage import Storage, get_bytes, open_storage, put_bytes
@@ -56,6 +57,11 @@ class Where:
     experiment: str
     artifact_root: str | None  # for the embedded store: $SPOTRUN_HOME/mlflow-artifacts
     embedded: Path | None  # the embedded store's file
+
+    @property
+    def shown(self) -> str:
+        """The tracking URI for logs, summaries and the bucket: its credentials redacted."""
+        return redact(self.tracking_uri)
 
     @classmethod
     def of(cls, job: JobSpec, home: Path, environ: dict[str, str]) -> Where:
@@ -105,7 +111,7 @@ class Tracker:
         self.job, self.where, self.job_run_id = job, where, job_run_id
         self.flow_run_id, self.provider, self.known_run_id = flow_run_id, provider, known_run_id
         self.on_attached = on_attached
-        self.info = TrackingInfo(where.tracking_uri, where.experiment)
+        self.info = TrackingInfo(where.shown, where.experiment)
         self.run: MlflowRun | None = None
         self._pending: list[tuple[AttemptRecord | None, ResumeCheck | None]] = []
         self._lock = threading.Lock()
@@ -143,7 +149,7 @@ class Tracker:
                 self.info.pending = True
                 log.warning(
                     "MLflow at %s %s: metrics after step %d wait in %s/metrics/ and are sent when this job "
-                    "runs again", self.where.tracking_uri,
+                    "runs again", self.where.shown,
                     f"unreachable ({self._down_reason})" if down is not None else "too slow",
                     self.info.sent_through, self.job.storage,
                 )  # fmt: skip
@@ -216,7 +222,7 @@ class Tracker:
         if not created:  # a new job run or controller continues it: who is feeding it now
             run.set_tags({k: v for k, v in tags.items() if k != "mlflow.runName"})
         ref = run.ref
-        body = {"tracking_uri": ref.tracking_uri, "experiment_id": ref.experiment_id, "run_id": ref.run_id}
+        body = {"tracking_uri": self.where.shown, "experiment_id": ref.experiment_id, "run_id": ref.run_id}
         put_bytes(storage, TRACKING_FILE, json.dumps(body).encode())
         self.run = run
         self.info.experiment_id, self.info.run_id, self.info.url = ref.experiment_id, ref.run_id, ref.url()
@@ -273,19 +279,19 @@ class Tracker:
                         first, last, self.job.storage)  # fmt: skip
 
     def _down(self, e: Exception) -> None:
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        reason = " ".join(redact(f"{type(e).__name__}: {e}").split())[:300]
         if self._down_since is None:
             self._down_since, self._down_reason = time.monotonic(), reason
             log.warning(
                 "MLflow at %s unavailable (%s): training continues; metrics wait in %s/metrics/ and are sent "
-                "when it answers", self.where.tracking_uri, reason, self.job.storage,
+                "when it answers", self.where.shown, reason, self.job.storage,
             )  # fmt: skip
         else:
             log.debug("MLflow still unavailable: %s", reason)
 
     def _up(self) -> None:
         if self._down_since is not None:
-            log.info("MLflow at %s is back: %d waiting step(s) sent", self.where.tracking_uri, self._sent)
+            log.info("MLflow at %s is back: %d waiting step(s) sent", self.where.shown, self._sent)
         self._down_since, self._sent = None, 0
 
 
@@ -298,7 +304,10 @@ def _stored_run(storage: Storage, tracking_uri: str) -> str | None:
     except ValueError:
         log.warning("ignoring a malformed %s in %s", TRACKING_FILE, storage.uri)
         return None
-    if isinstance(body, dict) and body.get("tracking_uri") == tracking_uri and body.get("run_id"):
+    same = (
+        body.get("tracking_uri") in (redact(tracking_uri), tracking_uri) if isinstance(body, dict) else False
+    )
+    if same and body.get("run_id"):  # written redacted; before that, as given
         return str(body["run_id"])
     return None
 

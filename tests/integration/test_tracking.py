@@ -105,7 +105,9 @@ def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
     tmp_path: Path, mlflow_server: tuple[subprocess.Popen[bytes], int]
 ) -> None:
     """(`mlflow_server` only starts the next test's server now, so that its start overlaps this run.)"""
-    job = _job(tmp_path)
+    job = _job(
+        tmp_path, s3={"endpoint_url": "https://spot:s3cret@127.0.0.1:9"}
+    )  # unused: credentials to hide
     reference = _reference(job, tmp_path)
     settings = _settings(tmp_path)
     sink = PlainSink()
@@ -154,6 +156,24 @@ def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
     registered = load_file(str(Path(version.source.removeprefix("file://")) / "model.safetensors"))
     final = load_file(str(Path(job.storage) / step_dir(600) / MODEL_FILE))
     assert registered.keys() == final.keys() and all(torch.equal(registered[k], final[k]) for k in final)
+
+    # the endpoint's credentials reach none of: the bucket's markers and checkpoint specs, MLflow
+    assert runs[0].data.params["s3.endpoint_url"] == "https://spot:***@127.0.0.1:9"
+    model_yaml = Path(version.source.removeprefix("file://")) / "job.yaml"
+    assert "spot:***@" in model_yaml.read_text()
+    no_secret_in_store(Path(job.storage))
+
+
+def no_secret_in_store(store: Path) -> None:
+    """No file in the job's storage holds "s3cret": COMPLETED.json, tracking.json, the checkpoints'
+    trainer.pt (its spec), manifests, metrics."""
+    files = [f for f in store.rglob("*") if f.is_file()]
+    assert any(f.name == "COMPLETED.json" for f in files) and any(f.name == "trainer.pt" for f in files)
+    for f in files:
+        data = f.read_bytes()
+        if f.name == "trainer.pt":  # its spec, as loaded
+            data = repr(torch.load(f, weights_only=True)).encode()
+        assert b"s3cret" not in data, f
 
 
 class Relay:
@@ -294,7 +314,7 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
     _ready(port)
     relay = Relay(port)
     relay.up()
-    uri = f"http://127.0.0.1:{relay.port}"
+    uri = f"http://spot:s3cret@127.0.0.1:{relay.port}"  # credentials the server ignores, to be hidden
     job = _job(tmp_path, total_steps=400, tracking={"uri": uri, "register": False})
     provider = _provider(tmp_path, (0.3, True))
     try:
@@ -304,13 +324,17 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
         relay.down()
     assert result.completed, result.message
     m = result.summary.mlflow
-    assert m is not None and not m["pending"] and m["url"].startswith(uri)
+    assert (
+        m is not None and not m["pending"] and m["url"].startswith(f"http://spot:***@127.0.0.1:{relay.port}")
+    )
     # every warning but the control loop's own "worker stopping" lines (urllib3's retries, MLflow's, ours)
     warnings = [
         r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name != "spotrun.control"
     ]
     assert len(warnings) == 1 and "unavailable" in warnings[0], warnings  # one line for the outage
     assert any("is back" in r.getMessage() for r in caplog.records)
+    assert "s3cret" not in caplog.text and "s3cret" not in json.dumps(m)
+    no_secret_in_store(Path(job.storage))
 
     client = _client(f"http://127.0.0.1:{port}")  # the server itself, past the relay
     history = client.get_metric_history(m["run_id"], "loss")
@@ -320,6 +344,9 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
     assert {h.step: h.value.hex() for h in history} == {s: v.pop() for s, v in written.items()}
     assert len(client.get_metric_history(m["run_id"], "spotrun/preemptions")) == 1
     assert client.get_run(m["run_id"]).info.status == "FINISHED"
+    assert (
+        client.get_run(m["run_id"]).data.params["tracking.uri"] == f"http://spot:***@127.0.0.1:{relay.port}"
+    )
 
 
 def test_a_recipe_that_breaks_determinism_is_a_mismatch(

@@ -27,6 +27,7 @@ from botocore import exceptions as bce
 from botocore.config import Config
 
 from trainer.errors import PreconditionFailed, StorageError, TransientStorageError
+from trainer.redact import redact
 from trainer.spec import S3Options
 from trainer.storage.base import CHUNK, ObjectInfo
 from trainer.storage.local import TMP_MARK
@@ -124,7 +125,7 @@ def _map_code(code: str, status: int, message: str, bucket: str, where: str) -> 
 
 
 def _one_line(s: str) -> str:
-    return " ".join(s.split())
+    return " ".join(redact(s).split())  # botocore names the endpoint URL, credentials and all
 
 
 @contextmanager
