@@ -190,3 +190,25 @@ def test_storage_defaults_to_one_store_per_job() -> None:
     assert (a.storage, b.storage) == ("checkpoints/a", "checkpoints/b")  # under SPOTRUN_HOME
     assert JobSpec.model_validate({**base, "name": "a", "storage": ""}).storage == "checkpoints/a"
     assert JobSpec.model_validate({**base, "name": "a", "storage": "s3://b/x"}).storage == "s3://b/x"
+
+
+@pytest.mark.parametrize(
+    ("storage", "refused"),
+    [
+        ("s3://b", "'s3://b' is a whole bucket: give the job a prefix of its own, s3://b/JOB"),
+        ("s3://b/", "'s3://b/' is a whole bucket"),
+        ("s3://b//", "'s3://b//' is a whole bucket"),
+        ("s3:///x", "names no bucket"),
+        ("s3://b/x", None),
+        ("s3://b/team/x/", None),
+    ],
+)
+def test_an_s3_storage_needs_a_prefix(storage: str, refused: str | None) -> None:
+    """A whole bucket is refused: cleanup of stale uploads would abort every multipart upload in it."""
+    base = {"name": "a", "recipe": "digits", "total_steps": 5, "storage": storage}
+    if refused is None:
+        assert JobSpec.model_validate(base).storage == storage
+        return
+    with pytest.raises(ConfigError) as e:
+        parse_spec(base, "job.yaml")
+    assert refused in str(e.value) and "\n" not in str(e.value)

@@ -39,6 +39,9 @@ def check_uri(uri: str) -> str:
         raise ValueError(f"unsupported scheme in {uri!r}: use a path, file:///dir or s3://bucket/prefix")
     if uri.startswith("s3://") and not uri[len("s3://") :].partition("/")[0]:
         raise ValueError(f"{uri!r} names no bucket: use s3://bucket/prefix")
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    if uri.startswith("s3://") and not prefix.strip("/"):  # cleanup would abort the bucket's every upload
+        raise ValueError(f"{uri!r} is a whole bucket: give the job a prefix of its own, s3://{bucket}/JOB")
     if not uri.removeprefix("file://"):
         raise ValueError("empty storage path: use a directory, file:///dir or s3://bucket/prefix")
     return uri
