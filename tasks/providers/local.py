@@ -55,6 +55,7 @@ from tasks.providers.processes import (
     on_spawner_thread,
     signal_group,
 )
+from tasks.providers.trainer_env import trainer_env
 from trainer.records import Durable, Record, Started, Step
 from trainer.status import parse_status_line
 from trainer.storage.base import local_dir_name
@@ -125,7 +126,7 @@ class LocalProvider:
             window = f"{self.cfg.notice_s:g}"
             cmd += ["--handover-s", window, "--sigterm-window-s", window]
         work.mkdir(parents=True, exist_ok=True)
-        proc = self._start(cmd, _child_env(self.flow_run_id))
+        proc = self._start(cmd, _child_env(job, self.flow_run_id))
         handle = _Handle(proc, queue.Queue(), [], time.monotonic())
         for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
             t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
@@ -369,14 +370,16 @@ def worker_dir(workdir: Path, job: JobSpec) -> Path:
 OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _child_env(flow_run_id: str | None = None) -> dict[str, str]:
-    """The flow's environment, this project on PYTHONPATH, unbuffered output (lines are heartbeats),
-    OpenMP threads that sleep while they wait (unless the environment says otherwise)."""
+def _child_env(job: JobSpec, flow_run_id: str | None = None) -> dict[str, str]:
+    """The flow's environment as a trainer may see it (allow-list and the job's `env`, trainer_env.py),
+    this project on PYTHONPATH, unbuffered output (lines are heartbeats), OpenMP threads that sleep while
+    they wait (unless the environment says otherwise)."""
     spec = importlib.util.find_spec("trainer")
     root = str(Path(spec.origin).resolve().parents[1]) if spec and spec.origin else os.getcwd()
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = trainer_env(os.environ, job.env)
+    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     run = {"SPOTRUN_FLOW_RUN_ID": flow_run_id} if flow_run_id else {}
-    return {**OMP_WAIT, **os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
+    return {**OMP_WAIT, **env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
 
 
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:

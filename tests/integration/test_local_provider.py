@@ -3,6 +3,7 @@ a hung worker, release, and no trainer outliving the process (or thread) that st
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -307,3 +308,27 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path
     result = worker.result
     assert result is not None and result.kill_reason == "stop-grace" and result.signal == signal.SIGKILL
     assert classify(result, False)[0] is Outcome.CANCELLED
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["fork-server", "fresh-process"])
+def test_the_controllers_secrets_never_reach_a_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
+) -> None:
+    secrets = {
+        "PREFECT_API_AUTH_STRING": "admin:hunter2",
+        "SPOTRUN_SLACK_TOKEN": "xoxb-fake",
+        "SPOTRUN_DATABASE_URL": "postgresql://u:pw@db/spotrun",
+        "AWS_SECRET_ACCESS_KEY": "controller-secret",
+    }
+    for k, v in {**secrets, "PROBE_NAMED": "named", "PROBE_UNNAMED": "unnamed"}.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "env.json"
+    job, spec = _job(tmp_path, recipe="tests.fakes.env_probe_recipe:build", args={"out": str(out)},
+                     env={"pass": ["PROBE_NAMED"], "set": {"PROBE_SET": "by the job"}})  # fmt: skip
+    provider = _provider(tmp_path, fork_server=forked)
+    result, _, _ = _watch(provider, provider.provision(job, 1, spec, []))
+    assert result.trainer_code == "CONFIG_ERROR", result.log_tail
+    seen = json.loads(out.read_text())
+    assert not set(secrets) & set(seen) and "PROBE_UNNAMED" not in seen
+    assert (seen["PROBE_NAMED"], seen["PROBE_SET"]) == ("named", "by the job")
+    assert seen["PATH"] == os.environ["PATH"] and seen["PYTHONUNBUFFERED"] == "1"

@@ -1,0 +1,49 @@
+"""Which of the controller's variables reach a local trainer (tasks/providers/trainer_env.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.providers.trainer_env import passes, trainer_env
+from trainer.spec import EnvOptions
+
+
+@pytest.mark.parametrize(
+    ("name", "named", "expected"),
+    [
+        ("PATH", (), True),
+        ("PYTHONPATH", (), True),
+        ("VIRTUAL_ENV", (), True),
+        ("HF_HOME", (), True),
+        ("HF_HUB_OFFLINE", (), True),
+        ("CUDA_VISIBLE_DEVICES", (), True),
+        ("OMP_NUM_THREADS", (), True),
+        ("LD_LIBRARY_PATH", (), True),
+        ("SPOTRUN_MANIFEST_KEY", (), True),  # the trainer signs
+        ("SPOTRUN_HOME", (), True),
+        ("AWS_PROFILE", (), True),  # a local trainer's S3 access: a profile, not the keys
+        ("HF_TOKEN", (), False),
+        ("HF_TOKEN", ("HF_TOKEN",), True),  # named by the job's env.pass
+        ("WANDB_API_KEY", (), False),
+        ("PREFECT_API_AUTH_STRING", (), False),
+        ("PREFECT_API_AUTH_STRING", ("PREFECT_API_AUTH_STRING",), False),  # never, even when named
+        ("PREFECT_API_URL", (), False),
+        ("SPOTRUN_DATABASE_URL", ("SPOTRUN_DATABASE_URL",), False),
+        ("HISTORY_DATABASE_URL", ("HISTORY_DATABASE_URL",), False),
+        ("SPOTRUN_SLACK_TOKEN", (), False),
+        ("SLACK_BOT_TOKEN", ("SLACK_BOT_TOKEN",), False),
+        ("AWS_ACCESS_KEY_ID", (), False),
+        ("AWS_SECRET_ACCESS_KEY", ("AWS_SECRET_ACCESS_KEY",), False),
+        ("AWS_SESSION_TOKEN", (), False),
+        ("PGPASSWORD", (), False),
+    ],
+)
+def test_what_passes(name: str, named: tuple[str, ...], expected: bool) -> None:
+    assert passes(name, frozenset(named)) is expected
+
+
+def test_set_then_spotruns_own_win() -> None:
+    environ = {"PATH": "/bin", "HF_HOME": "/hf", "SLACK_BOT_TOKEN": "x", "OTHER": "o", "NAMED": "n"}
+    env = EnvOptions.model_validate({"pass": ["NAMED"], "set": {"HF_HOME": "/job/hf", "X": "1"}})
+    got = trainer_env(environ, env, {"X": "2"})
+    assert got == {"PATH": "/bin", "HF_HOME": "/job/hf", "NAMED": "n", "X": "2"}
