@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from prefect import flow
 
+from tasks.providers.aws_installation import installation_id
+from tasks.settings import spotrun_home
 from tasks.sweeping import sweep_instances as sweep_task
 
 
 @flow(name="sweep-instances", description="Terminate EC2 workers whose flow run is no longer live.")
 def sweep_instances(regions: list[str], endpoint_url: str | None = None) -> dict[str, list[str]]:
-    return {region: sweep_task(region, endpoint_url) for region in regions}
+    installation = installation_id(spotrun_home())  # this installation's: never another's workers
+    return {region: sweep_task(region, installation, endpoint_url) for region in regions}

@@ -29,9 +29,10 @@ def flow_run_is_live(flow_run_id: str) -> bool:
 
 
 @task(name="sweep-instances", cache_policy=NO_CACHE)
-def sweep_instances(region: str, endpoint_url: str | None = None) -> list[str]:
-    """Terminate every spotrun instance in `region` whose flow run is not live; return their ids."""
+def sweep_instances(region: str, installation: str, endpoint_url: str | None = None) -> list[str]:
+    """Terminate every instance of this installation in `region` whose flow run is not live; return
+    their ids."""
     ec2 = ec2_client(region, endpoint_url or None)
-    swept = sweep(ec2, flow_run_is_live)
+    swept = sweep(ec2, flow_run_is_live, installation)
     get_run_logger().info("swept %d instance(s) in %s: %s", len(swept), region, ", ".join(swept) or "none")
     return swept

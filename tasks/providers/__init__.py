@@ -20,14 +20,23 @@ ProviderConfig = Annotated[LocalProviderConfig | AwsProviderConfig, Field(discri
 
 def build_provider(cfg: LocalProviderConfig | AwsProviderConfig, workdir: Path, flow_run_id: str) -> Provider:
     """The provider for `cfg`; local workers keep their files under `workdir` unless set."""
-    if isinstance(cfg, AwsProviderConfig) and cfg.rehearse_locally:
-        from tasks.providers.aws_rehearsal import RehearsalProvider
-
-        return RehearsalProvider(cfg, workdir / "instances", flow_run_id or None)
     if isinstance(cfg, AwsProviderConfig):
-        from tasks.providers.aws import AwsProvider  # boto3 loads only when EC2 is used
-
-        return AwsProvider.from_config(cfg, flow_run_id=flow_run_id or None)
+        return _aws_provider(cfg, workdir, flow_run_id or None)
     if cfg.workdir is None:
         cfg = cfg.model_copy(update={"workdir": str(workdir)})
     return LocalProvider(cfg, flow_run_id or None)
+
+
+def _aws_provider(cfg: AwsProviderConfig, workdir: Path, flow_run_id: str | None) -> Provider:
+    """EC2 workers (or their rehearsal) tagged with this installation's id, which its sweeper requires."""
+    from tasks.providers.aws_installation import installation_id
+    from tasks.settings import spotrun_home
+
+    installation = installation_id(spotrun_home())
+    if cfg.rehearse_locally:
+        from tasks.providers.aws_rehearsal import RehearsalProvider
+
+        return RehearsalProvider(cfg, workdir / "instances", flow_run_id, installation)
+    from tasks.providers.aws import AwsProvider  # boto3 loads only when EC2 is used
+
+    return AwsProvider.from_config(cfg, flow_run_id=flow_run_id, installation=installation)

@@ -6,7 +6,8 @@ launches into the best one that has capacity, by RunInstances pool after pool or
 Fleet over all of them; the instance boots a user-data script that writes the job file and execs the
 trainer. watch polls EC2 and the trainer's heartbeat object (aws_watch.py). release terminates the
 instance. Every EC2 error is mapped in aws_errors.py. Instances carry `spotrun:*` tags, so that the
-sweeper (aws_sweeper.py) can terminate those whose flow run has died, and IAM can scope permissions.
+sweeper (aws_sweeper.py) can terminate those of this installation whose flow run has died, and IAM can
+scope permissions (aws_iam.py).
 
 Several nodes: node 0 is launched as above; once it runs, its private IP (where torchrun meets) goes
 into the other nodes' user data and they are launched into node 0's pool, its subnet (one zone: no
@@ -135,6 +136,7 @@ class AwsProvider:
         ec2: EC2Client,
         *,
         flow_run_id: str | None = None,
+        installation: str | None = None,
         launcher: Launcher | None = None,
         exit_status: ExitStatus | None = None,
         history: list[PlacementEvent] | None = None,
@@ -142,6 +144,7 @@ class AwsProvider:
     ) -> None:
         self.prewarm = cfg.prewarm
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
+        self.installation = installation  # None: untagged, so no sweeper or adopting controller ends them
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store
         self.history: list[PlacementEvent] = list(history or [])  # this provider's launches and ends
         self._azs: dict[str, str] | None = None
@@ -183,7 +186,7 @@ class AwsProvider:
         market = choose_market(self.cfg, self.history, time.time())
         pools = rank_placements(self.cfg, self.history, azs, market)
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
-        tags = launch.launch_tags(self.cfg, job.name, attempt, launch_id, self.flow_run_id)
+        tags = launch.launch_tags(self.cfg, job.name, attempt, launch_id, self.flow_run_id, self.installation)
         plan = _Plan(script, nnodes, tags, launch_id, root, self.cfg.placement_group and nnodes > 1)
         store = self.open_store(job)
         if self.cfg.allocation == "fleet":
@@ -278,10 +281,12 @@ class AwsProvider:
             raise RuntimeError(f"could not terminate {', '.join(ids)}: {e}; terminate it by hand") from e
 
     def stop_leftovers(self, flow_run_id: str) -> list[str]:
-        """Terminate the instances a dead controller's flow run left (found by its tag, from any host);
+        """Terminate the instances a dead controller's flow run left (found by its tags, from any host);
         their trainers get the OS's SIGTERM at shutdown. Returns their ids (the newest last)."""
+        if self.installation is None:
+            return []  # launched untagged: nothing to find them by
         try:
-            return sweep_flow_run(self.ec2, flow_run_id)
+            return sweep_flow_run(self.ec2, flow_run_id, self.installation)
         except BOTO_ERRORS as e:  # the sweeper deployment is the backstop; the new trainer's lease waits
             log.warning("could not look for instances of flow run %s: %s", flow_run_id, e)
             return []

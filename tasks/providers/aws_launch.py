@@ -35,6 +35,7 @@ USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
 TRAINER_USER = "spotrun"  # the unprivileged user the trainer runs as on an instance
 TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (aws_watch.py)
+TAG_INSTALLATION = "spotrun:installation"  # which spotrun installation launched it (aws_installation.py)
 TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER, TAG_NODE = (
     "spotrun:job",
     "spotrun:attempt",
@@ -136,15 +137,22 @@ def check_user_data(script: str) -> str | None:
 
 
 def launch_tags(
-    cfg: AwsProviderConfig, job: str, attempt: int, launch_id: str, flow_run_id: str | None
+    cfg: AwsProviderConfig,
+    job: str,
+    attempt: int,
+    launch_id: str,
+    flow_run_id: str | None,
+    installation: str | None = None,
 ) -> dict[str, str]:
-    """Tags on every resource of the launch. Without a flow run id there is no `spotrun:flow-run` tag,
-    and the sweeper never touches the instance."""
+    """Tags on every resource of the launch. Without a flow run id or an installation id there is no
+    `spotrun:flow-run` or `spotrun:installation` tag, and the sweeper never touches the instance."""
     tags = {**cfg.tags, "Name": f"spotrun-{job}-a{attempt}", TAG_JOB: job, TAG_ATTEMPT: str(attempt)}
     tags[TAG_WORKER] = launch_id
     tags[TAG_LEASE] = lease_value(cfg.lease_s)
     if flow_run_id:
         tags[TAG_FLOW_RUN] = flow_run_id
+    if installation:
+        tags[TAG_INSTALLATION] = installation
     return tags
 
 

@@ -76,11 +76,13 @@ class RehearsalProvider:
 
     name = "aws"
 
-    def __init__(self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None) -> None:
+    def __init__(
+        self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None, installation: str | None = None
+    ) -> None:
         self.prewarm = cfg.prewarm
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
-            cfg, flow_run_id=flow_run_id, launcher=self.instances.launch,
+            cfg, flow_run_id=flow_run_id, installation=installation, launcher=self.instances.launch,
             exit_status=self.instances.exit_status,
         )  # fmt: skip
 

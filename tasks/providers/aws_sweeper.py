@@ -1,7 +1,10 @@
 """Terminate workers whose flow run is gone: the backstop for a flow process that died (SIGKILL, a lost
 machine) between launching an instance and releasing it.
 
-Only instances tagged `spotrun:flow-run` are considered; `is_live(flow_run_id)` is given (the caller asks
+Only this installation's instances are considered: those tagged `spotrun:flow-run` and with its id in
+`spotrun:installation` (aws_installation.py). Another spotrun installation in the same account has its
+own server, which knows nothing of this one's flow runs: their instances would all look dead here.
+`is_live(flow_run_id)` is given (the caller asks
 Prefect), so this module knows nothing of Prefect. A flow process killed outright leaves its run
 "Running" in Prefect for good, so liveness alone is not enough: the watching flow renews each
 instance's `spotrun:lease-until` tag, and an instance whose lease ran out is swept whatever its run's
@@ -16,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.providers.aws_launch import TAG_FLOW_RUN, TAG_LEASE
+from tasks.providers.aws_launch import TAG_FLOW_RUN, TAG_INSTALLATION, TAG_LEASE
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -39,14 +42,15 @@ def lease_expired(tags: dict[str, str], now: float) -> bool:
 
 
 def orphans(
-    ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = None
+    ec2: EC2Client, is_live: Callable[[str], bool], installation: str, now: float | None = None
 ) -> list[tuple[str, str]]:
-    """(instance id, flow run id) of every spotrun instance whose flow run is not live, or whose lease
-    ran out."""
+    """(instance id, flow run id) of every instance of this installation whose flow run is not live, or
+    whose lease ran out."""
     now = time.time() if now is None else now
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[
             {"Name": "tag-key", "Values": [TAG_FLOW_RUN]},
+            {"Name": f"tag:{TAG_INSTALLATION}", "Values": [installation]},
             {"Name": "instance-state-name", "Values": SWEPT_STATES},
         ]
     )
@@ -64,10 +68,12 @@ def orphans(
     return found
 
 
-def sweep(ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = None) -> list[str]:
-    """Terminate the instances of flow runs that are finished, cancelled, crashed or unknown, and those
-    whose lease ran out; return their ids."""
-    doomed = orphans(ec2, is_live, now)
+def sweep(
+    ec2: EC2Client, is_live: Callable[[str], bool], installation: str, now: float | None = None
+) -> list[str]:
+    """Terminate this installation's instances of flow runs that are finished, cancelled, crashed or
+    unknown, and those whose lease ran out; return their ids."""
+    doomed = orphans(ec2, is_live, installation, now)
     ids = [iid for iid, _ in doomed]
     for iid, run in doomed:
         log.warning("sweeping %s: its flow run %s is not live or its lease ran out", iid, run or "(none)")
@@ -76,12 +82,14 @@ def sweep(ec2: EC2Client, is_live: Callable[[str], bool], now: float | None = No
     return ids
 
 
-def sweep_flow_run(ec2: EC2Client, flow_run_id: str) -> list[str]:
-    """Terminate every instance a (dead) flow run launched: a new controller adopting its job calls this
-    before it starts a worker, whatever host the dead one ran on (the tag is the only trace)."""
+def sweep_flow_run(ec2: EC2Client, flow_run_id: str, installation: str) -> list[str]:
+    """Terminate every instance a (dead) flow run of this installation launched: a new controller
+    adopting its job calls this before it starts a worker, whatever host the dead one ran on (the tags
+    are the only trace)."""
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[
             {"Name": f"tag:{TAG_FLOW_RUN}", "Values": [flow_run_id]},
+            {"Name": f"tag:{TAG_INSTALLATION}", "Values": [installation]},
             {"Name": "instance-state-name", "Values": SWEPT_STATES},
         ]
     )

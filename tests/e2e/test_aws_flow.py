@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws_installation import installation_id
 from tasks.providers.aws_sweeper import sweep
 from tasks.sweeping import flow_run_is_live
 from tests.aws_backdoor import spot_interrupt
@@ -171,9 +172,10 @@ def test_sweeper_terminates_the_worker_of_a_killed_flow_process(
     assert inst["State"]["Name"] == "running"
     run_id = {t["Key"]: t["Value"] for t in inst["Tags"]}["spotrun:flow-run"]
     assert flow_run_is_live(run_id)  # Prefect still says Running: a killed process reports nothing
-    assert sweep(ec2_world.ec2, flow_run_is_live) == []  # the lease still runs: the sweeper waits
+    installation = installation_id(home)  # the flow's, kept under its SPOTRUN_HOME
+    assert sweep(ec2_world.ec2, flow_run_is_live, installation) == []  # the lease still runs: it waits
     later = time.time() + cfg.lease_s + 1  # once the lease is past, nobody renewed it
-    assert sweep(ec2_world.ec2, flow_run_is_live, now=later) == [iid]
+    assert sweep(ec2_world.ec2, flow_run_is_live, installation, now=later) == [iid]
     assert [i["State"]["Name"] for i in instances(ec2_world, spec.name)] == ["terminated"]
 
 

@@ -25,12 +25,14 @@ from tasks.outcome import classify
 from tasks.providers.aws import AwsProvider, make_ec2_client
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_errors import NO_CREDENTIALS
+from tasks.providers.aws_installation import INSTALLATION_FILE, installation_id
 from tasks.providers.aws_policy import Placement, PlacementEvent, PlacementOutcome
 from tasks.providers.aws_sweeper import sweep
 from tasks.providers.aws_watch import SPOT_INTERRUPTION
 from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResult, Worker
 from tests import aws_backdoor
 from tests.conftest import Ec2World
+from trainer.errors import ConfigError
 from trainer.heartbeat import heartbeat_key
 from trainer.records import Record
 from trainer.spec import JobSpec, load_spec
@@ -51,7 +53,7 @@ def job(tmp_path: Path) -> tuple[JobSpec, Path]:
 def make_provider(
     world: Ec2World, session: boto3.session.Session | None = None, **over: Any
 ) -> tuple[AwsProvider, AwsProviderConfig]:
-    seams = {k: over.pop(k) for k in ("launcher", "exit_status", "history") if k in over}
+    seams = {k: over.pop(k) for k in ("launcher", "exit_status", "history", "installation") if k in over}
     cfg = AwsProviderConfig.model_validate(
         {
             "region": world.region,
@@ -435,37 +437,79 @@ def test_no_credentials_is_one_clear_line(
     assert (str(e.value), e.value.retryable) == (NO_CREDENTIALS, False)
 
 
-def test_sweeper_terminates_workers_of_dead_flow_runs(
+ME, OTHER = "0123456789abcdef", "fedcba9876543210"  # two installations' ids, one account
+
+
+def run_tagged(ec2: Any, tags: dict[str, str]) -> str:
+    spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+    out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, TagSpecifications=spec)
+    return str(out["Instances"][0]["InstanceId"])
+
+
+def states(ec2: Any) -> dict[str, str]:
+    return {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"]
+            for i in r["Instances"]}  # fmt: skip
+
+
+def test_sweeper_terminates_its_own_workers_of_dead_flow_runs(
     moto_server: str, boto_session: boto3.session.Session
 ) -> None:
+    """Another installation's flow runs are unknown to this one's server: their workers look dead from
+    here, and are left alone all the same."""
     ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="eu-west-3")  # a region of its own
 
-    def launch(tags: dict[str, str]) -> str:
-        spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
-        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, TagSpecifications=spec)
-        return str(out["Instances"][0]["InstanceId"])
+    def launch(run: str | None, installation: str | None = ME) -> str:
+        tags = {"spotrun:job": "j", "spotrun:flow-run": run, "spotrun:installation": installation}
+        return run_tagged(ec2, {k: v for k, v in tags.items() if v is not None})
 
-    live = launch({"spotrun:job": "a", "spotrun:flow-run": "run-live"})
-    dead = [launch({"spotrun:job": "b", "spotrun:flow-run": "run-dead"}) for _ in range(2)]
-    unknown = launch({"spotrun:job": "c", "spotrun:flow-run": "run-unknown"})
-    untagged = launch({"spotrun:job": "d"})  # no flow run: never swept
+    live = launch("run-live")
+    dead = [launch("run-dead") for _ in range(2)]
+    unknown = launch("run-unknown")
+    untagged = launch(None)  # no flow run: never swept
+    unowned = launch("run-dead", installation=None)  # no installation: never swept
+    theirs = [launch("run-theirs", OTHER), launch("run-dead", OTHER)]
     asked: list[str] = []
 
     def is_live(run: str) -> bool:
         asked.append(run)
         return run == "run-live"
 
-    assert sorted(sweep(ec2, is_live)) == sorted([*dead, unknown])
-    assert sorted(asked) == ["run-dead", "run-live", "run-unknown"]  # once per flow run
-    states = {
-        i["InstanceId"]: i["State"]["Name"]
-        for r in ec2.describe_instances()["Reservations"]
-        for i in r["Instances"]
-    }
-    assert states[live] == states[untagged] == "running"
-    assert {states[i] for i in [*dead, unknown]} == {"terminated"}
-    assert sweep(ec2, is_live) == []  # idempotent
-    ec2.terminate_instances(InstanceIds=[live, untagged])
+    assert sorted(sweep(ec2, is_live, ME)) == sorted([*dead, unknown])
+    assert sorted(asked) == ["run-dead", "run-live", "run-unknown"]  # once per flow run, its own only
+    now = states(ec2)
+    assert {now[i] for i in [live, untagged, unowned, *theirs]} == {"running"}
+    assert {now[i] for i in [*dead, unknown]} == {"terminated"}
+    assert sweep(ec2, is_live, ME) == []  # idempotent
+    assert sweep(ec2, lambda run: run == "run-theirs", OTHER) == [theirs[1]]  # the other one's sweeper
+    ec2.terminate_instances(InstanceIds=[live, untagged, unowned, theirs[0]])
+
+
+def test_two_installations_launch_and_sweep_apart(
+    ec2_world: Ec2World, job: tuple[JobSpec, Path], tmp_path: Path
+) -> None:
+    """Each installation's id is made once under its home; its provider tags with it, its sweeper
+    ends its own workers only."""
+    ids = [installation_id(tmp_path / "home-a"), installation_id(tmp_path / "home-b")]
+    assert ids[0] != ids[1] and installation_id(tmp_path / "home-a") == ids[0]
+    assert stat.S_IMODE((tmp_path / "home-a" / INSTALLATION_FILE).stat().st_mode) == 0o600
+    providers = [make_provider(ec2_world, installation=i)[0] for i in ids]
+    workers = [p.provision(job[0], 1, job[1], []) for p in providers]
+    try:
+        tags = [{t["Key"]: t["Value"] for t in instance(ec2_world, w.id)["Tags"]} for w in workers]
+        assert [t["spotrun:installation"] for t in tags] == ids
+        assert sweep(ec2_world.ec2, lambda run: False, ids[0]) == [workers[0].id]
+        assert [instance(ec2_world, w.id)["State"]["Name"] for w in workers] == ["terminated", "running"]
+        assert providers[1].stop_leftovers("flow-1") == [workers[1].id]  # adoption: its own only
+        assert providers[0].stop_leftovers("flow-1") == []
+    finally:
+        for p, w in zip(providers, workers, strict=True):
+            p.release(w)
+
+
+def test_a_malformed_installation_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / INSTALLATION_FILE).write_text("somebody else's\n")
+    with pytest.raises(ConfigError, match="does not hold an installation id"):
+        installation_id(tmp_path)
 
 
 def test_sweeper_terminates_a_live_runs_worker_once_its_lease_ran_out(
@@ -476,38 +520,34 @@ def test_sweeper_terminates_a_live_runs_worker_once_its_lease_ran_out(
     now = time.time()
 
     def launch(lease: str) -> str:
-        tags = {"spotrun:job": "l", "spotrun:flow-run": "run-zombie", "spotrun:lease-until": lease}
-        spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
-        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, TagSpecifications=spec)
-        return str(out["Instances"][0]["InstanceId"])
+        return run_tagged(ec2, {"spotrun:job": "l", "spotrun:flow-run": "run-zombie",
+                                "spotrun:installation": ME, "spotrun:lease-until": lease})  # fmt: skip
 
     fresh, expired, garbled = launch(str(int(now + 600))), launch(str(int(now - 1))), launch("soon")
-    assert sorted(sweep(ec2, lambda run: True, now=now)) == sorted([expired, garbled])
-    assert sweep(ec2, lambda run: True, now=now + 601) == [fresh]
+    assert sorted(sweep(ec2, lambda run: True, ME, now=now)) == sorted([expired, garbled])
+    assert sweep(ec2, lambda run: True, ME, now=now + 601) == [fresh]
 
 
 def test_an_adopting_controller_terminates_the_dead_runs_instances_by_tag(
     moto_server: str, boto_session: boto3.session.Session
 ) -> None:
     """Host loss on EC2: the new controller runs elsewhere and has no file of the dead one's worker;
-    the flow-run tag finds it."""
+    the flow-run tag finds it (and the installation tag keeps another installation's apart)."""
     from tasks.providers.aws_sweeper import sweep_flow_run
 
     ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="ap-south-1")
 
-    def launch(run: str) -> str:
-        tags = [{"Key": "spotrun:job", "Value": "j"}, {"Key": "spotrun:flow-run", "Value": run}]
-        out = ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1,
-                                TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])  # fmt: skip
-        return str(out["Instances"][0]["InstanceId"])
+    def launch(run: str, installation: str = ME) -> str:
+        return run_tagged(
+            ec2, {"spotrun:job": "j", "spotrun:flow-run": run, "spotrun:installation": installation}
+        )
 
-    dead, other = launch("run-dead"), launch("run-other")
-    assert sweep_flow_run(ec2, "run-dead") == [dead]
-    states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"]
-              for i in r["Instances"]}  # fmt: skip
-    assert (states[dead], states[other]) == ("terminated", "running")
-    assert sweep_flow_run(ec2, "run-dead") == []  # idempotent
-    ec2.terminate_instances(InstanceIds=[other])
+    dead, other, theirs = launch("run-dead"), launch("run-other"), launch("run-dead", OTHER)
+    assert sweep_flow_run(ec2, "run-dead", ME) == [dead]
+    now = states(ec2)
+    assert (now[dead], now[other], now[theirs]) == ("terminated", "running", "running")
+    assert sweep_flow_run(ec2, "run-dead", ME) == []  # idempotent
+    ec2.terminate_instances(InstanceIds=[other, theirs])
 
 
 # -- multi-node attempts -------------------------------------------------------------------------------
