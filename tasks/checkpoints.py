@@ -13,29 +13,44 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from trainer.catalog import Catalog, select_newest_valid
 from trainer.ckpt_format import checkpoint_uri
 from trainer.errors import ConfigError, StorageError, TransientStorageError
 from trainer.resume import completed_for
+from trainer.signing import KEY_ENV
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
 from trainer.validate import Problem
 
+# a checkpoint whose signature the controller cannot check (trainer/signing.py): kept, not resumed from
+CHECKPOINT_UNVERIFIED = "spotrun.checkpoint.unverified"
+
 
 class LogSink(Protocol):
     def log(self, level: int, msg: str) -> None: ...
+
+    def event(
+        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
 class CheckpointReport:
     step: int
     problems: tuple[str, ...]  # empty: intact
+    # its signature cannot be checked with the keys held here (trainer/signing.py): not a candidate,
+    # but never quarantined (a worker without the key, or an edited manifest, is no proof of damage)
+    unverified: bool = False
 
     @property
     def valid(self) -> bool:
         return not self.problems
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.problems) and not self.unverified
 
 
 @dataclass(frozen=True)
@@ -61,7 +76,11 @@ def validate_newest(job: JobSpec, cache: Path) -> list[CheckpointReport]:
             _, problems = catalog.validate(step, None, integrity_only=True, entry=entry)
         except FileNotFoundError:
             continue  # deleted by retention since the listing: not a candidate either
-        reports.append(CheckpointReport(step, tuple(str(p) for p in problems)))
+        unverified = any(p.kind == "unverified" for p in problems)
+        damage = [p for p in problems if p.kind != "unverified"]
+        if unverified and damage:  # damage as well: the unkeyed digests failed, a quarantine is due
+            unverified, problems = False, damage
+        reports.append(CheckpointReport(step, tuple(str(p) for p in problems), unverified))
         if not problems:
             break
     return reports
@@ -81,11 +100,19 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
     way, estimate the next resume point."""
     reports = validate_newest(job, cache)
     catalog = Catalog(open_storage(job.storage, job.s3))
-    damaged = [r for r in reports if not r.valid]
+    damaged = [r for r in reports if r.damaged]
     for r in damaged:  # the trainer must not resume from a local copy of what storage lost
         reason = "; ".join(r.problems[:3])
         sink.log(logging.WARNING, f"checkpoint step {r.step} is damaged in storage, quarantined: {reason}")
         catalog.quarantine(r.step, reason)
+    for r in reports:
+        if r.unverified:
+            sink.log(
+                logging.ERROR,
+                f"checkpoint step {r.step} {r.problems[0]}: kept, not resumed from; give the workers and "
+                f"this controller the same {KEY_ENV} (docs/security.md, Signing)",
+            )
+            sink.event(CHECKPOINT_UNVERIFIED, job.name, {"step": r.step, "problem": r.problems[0]})
     point = choose(reports, job.storage)
     sink.log(logging.INFO, f"{len(damaged)} damaged checkpoint(s) quarantined; "
                            f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip

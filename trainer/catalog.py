@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.ckpt_format import LATEST, MANIFEST, Manifest, checkpoint_uri, parse_step_dir, step_dir
+from trainer.ckpt_format import (
+    LATEST,
+    MANIFEST,
+    REJECTED,
+    Manifest,
+    checkpoint_uri,
+    parse_step_dir,
+    step_dir,
+)
+from trainer.safe_names import contained
+from trainer.signing import marker_problem, sign_marker
 from trainer.storage import Storage, get_bytes, put_bytes
 from trainer.validate import Expectation, Problem, validate_dir
 
@@ -27,6 +37,7 @@ log = logging.getLogger(__name__)
 class Listed:
     step: int
     files: dict[str, int] = field(default_factory=dict)  # name -> size
+    newest_mtime: float = 0.0  # the newest file's time, as the store reports it
 
     @property
     def committed(self) -> bool:
@@ -39,23 +50,30 @@ def list_checkpoints(storage: Storage) -> dict[int, Listed]:
     for obj in storage.list(""):
         head, _, name = obj.key.partition("/")
         step = parse_step_dir(head)
-        if step is None or not name or "/" in name:
+        if step is None or not name:
             continue
-        found.setdefault(step, Listed(step)).files[name] = obj.size
+        entry = found.setdefault(step, Listed(step))
+        entry.files[name] = obj.size
+        entry.newest_mtime = max(entry.newest_mtime, obj.mtime)
     return found
 
 
 def read_marker(storage: Storage, key: str) -> tuple[int, dict[str, Any]] | None:
     """The step a JSON marker (`latest`, `COMPLETED.json`) names, and the whole marker; None when
-    absent or malformed."""
+    absent, malformed, or (with SPOTRUN_MANIFEST_KEY) not signed by a key held here."""
     try:
         marker = json.loads(get_bytes(storage, key))
-        return int(marker["step"]), marker
+        step = int(marker["step"])
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
         log.warning("ignoring a malformed %s marker in %s", key, storage.uri)
         return None
+    problem = marker_problem(marker)
+    if problem is not None:
+        log.warning("ignoring the %s marker in %s: %s", key, storage.uri, problem)
+        return None
+    return step, marker
 
 
 def read_marker_step(storage: Storage, key: str) -> int | None:
@@ -64,13 +82,18 @@ def read_marker_step(storage: Storage, key: str) -> int | None:
     return found[0] if found is not None else None
 
 
+def write_marker(storage: Storage, key: str, body: dict[str, Any]) -> None:
+    """A JSON marker, signed when SPOTRUN_MANIFEST_KEY is set."""
+    put_bytes(storage, key, json.dumps(sign_marker(body)).encode())
+
+
 def read_latest(storage: Storage) -> int | None:
     """The step `latest` names: only a hint, never trusted over validation."""
     return read_marker_step(storage, LATEST)
 
 
 def write_latest(storage: Storage, step: int) -> None:
-    put_bytes(storage, LATEST, json.dumps({"step": step, "dir": step_dir(step)}).encode())
+    write_marker(storage, LATEST, {"step": step, "dir": step_dir(step)})
 
 
 def fetch(storage: Storage, step: int, cache: Path | None) -> Path:
@@ -93,13 +116,13 @@ def fetch(storage: Storage, step: int, cache: Path | None) -> Path:
     tmp = cache / f".fetch-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    try:
-        listed = Manifest.from_json(remote_manifest).files
+    try:  # names and step first (trainer/safe_names.py): a refused manifest fetches nothing else
+        listed = Manifest.from_json(remote_manifest, step).files
     except ValueError:
-        listed = {}
+        listed = {}  # validation reports why
     for fname in listed:
         try:
-            storage.get(f"{name}/{fname}", tmp / fname)
+            storage.get(f"{name}/{fname}", contained(tmp, fname))
         except FileNotFoundError:
             continue  # validation reports it as missing
     (tmp / MANIFEST).write_bytes(remote_manifest)
@@ -157,9 +180,6 @@ def select_newest_valid(
             return Selection(step, path, rejected)
         rejected.append(Rejection(step, tuple(problems)))
     return Selection(None, None, rejected)
-
-
-REJECTED = "REJECTED.json"
 
 
 class Catalog:
@@ -237,18 +257,31 @@ class Catalog:
         """Delete what plan_retention says, manifest first (so a half-deleted one is never a checkpoint)."""
         listed = self.list()
         committed = [s for s, c in listed.items() if c.committed]
-        incomplete = [s for s, c in listed.items() if not c.committed]
+        # an incomplete directory only once it is old: a listing that lags a write may not show a
+        # manifest that exists (and a partial write younger than that may still be committing)
+        cutoff = time.time() - orphan_age_s
+        incomplete = [s for s, c in listed.items() if not c.committed and c.newest_mtime <= cutoff]
         doomed = plan_retention(committed, incomplete, verified, keep)
-        for step in doomed:
+        for step in list(doomed):
             files = listed[step].files
             name = step_dir(step)
             if MANIFEST in files:
                 self.storage.delete([f"{name}/{MANIFEST}"])
+            elif self._has_manifest(name):  # the listing missed it: committed after all
+                doomed.remove(step)
+                continue
             self.storage.delete([f"{name}/{f}" for f in files if f != MANIFEST])
         if doomed:
             log.info("retention: deleted steps %s from %s", doomed, self.storage.uri)
         self.storage.cleanup_incomplete(orphan_age_s)
         return doomed
+
+    def _has_manifest(self, name: str) -> bool:
+        try:
+            get_bytes(self.storage, f"{name}/{MANIFEST}")
+        except FileNotFoundError:
+            return False
+        return True
 
     def _uncommitted(self, entry: Listed) -> Problem:
         """Why a directory without a manifest is no checkpoint: quarantined (with the reasons), or partial."""

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.digests import DIGEST, DIGESTS, digest_file, new_hasher
+from trainer.digests import DIGEST, DIGESTS, digest_file, digest_files, new_hasher
 from trainer.direct_io import DirectFile
-from trainer.signing import check, manifest_key, signature
+from trainer.safe_names import name_problem
+from trainer.signing import KEYED_DIGEST, Key, Keyring, Verdict, keyring, signing_block, verify
 from trainer.stateful import STANDARD, Codec, spec_of, table
 from trainer.storage.local import fsync_dir
 
@@ -63,6 +64,8 @@ FORMAT_TAG = "spotrun/1"  # in model.safetensors' metadata: the model file itsel
 MANIFEST = "manifest.json"
 LATEST = "latest"
 COMPLETED = "COMPLETED.json"
+REJECTED = "REJECTED.json"
+RESERVED_NAMES = (MANIFEST, REJECTED)  # a manifest lists neither: they are the commit and its undoing
 MODEL_FILE = spec_of("model").file
 REQUIRED_FILES = tuple(p.file for p in STANDARD if p.required)
 
@@ -102,9 +105,23 @@ class FileEntry:
     # are the ones it checked, so validation then reads shapes and dtypes only (`finite` absent, as in
     # manifests written before it or by hand: every tensor is scanned at validation).
     finite: bool = False
+    # With SPOTRUN_MANIFEST_KEY: the keyed BLAKE3 digest (trainer/signing.py), beside the unkeyed one
+    keyed: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return {"size": self.size, self.algo: self.digest, **({"finite": True} if self.finite else {})}
+        return {
+            "size": self.size,
+            self.algo: self.digest,
+            **({KEYED_DIGEST: self.keyed} if self.keyed else {}),
+            **({"finite": True} if self.finite else {}),
+        }
+
+
+def file_entry(path: Path, finite: bool = False, key: Key | None = None) -> FileEntry:
+    """A file's manifest entry, hashed from disk: its unkeyed digest, and the keyed one with `key`."""
+    hashers = [new_hasher()] + ([key.file_hasher()] if key else [])
+    digest, *keyed = digest_files(path, hashers)
+    return FileEntry(path.stat().st_size, digest, finite=finite, keyed=keyed[0] if keyed else None)
 
 
 @dataclass
@@ -121,6 +138,7 @@ class Manifest:
     layout: str = "single"  # single: one process (model.safetensors, ...); sharded: DCP, one shard per rank
     strategy: str | None = None  # sharded: ddp | fsdp
     signature: str | None = None  # HMAC-SHA256 of the rest, with SPOTRUN_MANIFEST_KEY (trainer/signing.py)
+    signing: dict[str, str] | None = None  # what signed it: algorithms and key id, inside the signed body
 
     @property
     def sharded(self) -> bool:
@@ -140,6 +158,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "metrics": self.metrics,
             **({"strategy": self.strategy} if self.strategy else {}),
+            **({"signing": self.signing} if self.signing else {}),
             "files": {k: v.body() for k, v in sorted(self.files.items())},
         }
 
@@ -147,21 +166,33 @@ class Manifest:
         d = self.body() | ({"signature": self.signature} if self.signature else {})
         return json.dumps(d, indent=2).encode()
 
-    def signed(self) -> Manifest:
+    def signed(self, ring: Keyring | None = None) -> Manifest:
         """This manifest with its HMAC, when SPOTRUN_MANIFEST_KEY is set (trainer/signing.py)."""
-        key = manifest_key()
+        key = (keyring() if ring is None else ring).signing
         if key is not None:
-            self.signature = signature(self.body(), key)
+            self.signing = signing_block(key)
+            self.signature = key.mac(self.body())
         return self
 
-    def signature_problem(self) -> str | None:
-        return check(self.body(), self.signature, manifest_key())
+    def verdict(self, ring: Keyring | None = None) -> Verdict:
+        """Whether the keys held here verify this manifest (and so its keyed file digests)."""
+        ring = keyring() if ring is None else ring
+        verdict = verify(self.body(), self.signature, ring)
+        if verdict.key is not None and self.signing:
+            unkeyed = sorted(n for n, e in self.files.items() if not e.keyed)
+            if unkeyed:
+                return Verdict(problem=f"cannot verify: signed, but {unkeyed[0]} has no keyed digest")
+        return verdict
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        """Parse a manifest; ValueError (with the reason) when it is not one we can read."""
+    def from_json(cls, data: bytes, dir_step: int | None = None) -> Manifest:
+        """Parse a manifest read from a store; ValueError (with the reason) when it is not one we can
+        read or not one to trust with local paths: every file name plain and relative
+        (trainer/safe_names.py), no duplicate keys, and the step its directory names (`dir_step`)."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
         try:
-            d = json.loads(data)
+            d = json.loads(data, object_pairs_hook=_unique_keys)
             version = int(d["format_version"])
             if version > FORMAT_VERSION:
                 raise ValueError(
@@ -170,12 +201,12 @@ class Manifest:
             layout = str(d.get("layout", "single"))
             if layout not in LAYOUTS:
                 raise ValueError(f"unknown layout {layout!r}")
-            return cls(
+            parsed = cls(
                 step=int(d["step"]),
                 spec_hash=str(d["spec_hash"]),
                 shape_hash=str(d["shape_hash"]),
                 world_size=int(d["world_size"]),
-                files={k: _entry(v) for k, v in d["files"].items()},
+                files={k: _entry(v) for k, v in _files(d).items()},
                 metrics={k: float(v) for k, v in d.get("metrics", {}).items()},
                 format_version=version,
                 created_at=float(d.get("created_at", 0.0)),
@@ -183,17 +214,53 @@ class Manifest:
                 layout=layout,
                 strategy=d.get("strategy"),
                 signature=d.get("signature"),
+                signing=d.get("signing"),
             )
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"malformed manifest: {type(e).__name__}: {e}"[:300]) from None
+        for name in parsed.files:
+            problem = name_problem(name)
+            if problem is None and name in RESERVED_NAMES:
+                problem = f"file name {name!r} is reserved"
+            if problem is not None:
+                raise ValueError(f"unsafe manifest: {problem}")
+        if dir_step is not None and parsed.step != dir_step:
+            raise ValueError(f"manifest says step {parsed.step}, but its directory is {step_dir(dir_step)}")
+        return parsed
+
+
+MAX_MANIFEST_BYTES = 16 << 20  # ~100,000 files; a larger one is not ours
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup[:60]!r}")
+    return d
+
+
+def _files(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    files = d["files"]
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise TypeError("files must map each name to its size and digest")
+    return files
 
 
 def _entry(v: dict[str, Any]) -> FileEntry:
     algos = [a for a in DIGESTS if a in v]
     if len(algos) != 1:
-        found = sorted(set(v) - {"size", "finite"})
+        found = sorted(set(v) - {"size", "finite", KEYED_DIGEST})
         raise KeyError(f"one digest of {sorted(DIGESTS)} per file, found {found}")
-    return FileEntry(int(v["size"]), str(v[algos[0]]), algos[0], v.get("finite") is True)
+    keyed = v.get(KEYED_DIGEST)
+    return FileEntry(
+        size=int(v["size"]),
+        digest=str(v[algos[0]]),
+        algo=algos[0],
+        finite=v.get("finite") is True,
+        keyed=str(keyed) if keyed is not None else None,
+    )
 
 
 def sha256_file(path: Path) -> str:
@@ -215,10 +282,14 @@ class _HashingWriter:
     def __init__(self, path: Path, direct: bool = False) -> None:
         self._f: Any = DirectFile(path) if direct else open(path, "wb")  # noqa: SIM115 (closed in close())
         self._h = new_hasher()
+        key = keyring().signing
+        self._keyed = key.file_hasher() if key else None
         self.size = 0
 
     def write(self, data: Any) -> int:
         self._h.update(data)
+        if self._keyed is not None:
+            self._keyed.update(data)
         self.size += len(memoryview(data).cast("B"))
         return int(self._f.write(data))
 
@@ -232,7 +303,8 @@ class _HashingWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
-        return FileEntry(self.size, str(self._h.hexdigest()), finite=finite)
+        keyed = str(self._keyed.hexdigest()) if self._keyed is not None else None
+        return FileEntry(self.size, str(self._h.hexdigest()), finite=finite, keyed=keyed)
 
 
 def model_metadata(step: int) -> dict[str, str]:

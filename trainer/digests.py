@@ -35,6 +35,16 @@ def digest_chunks(chunks: Iterable[bytes], algo: str = DIGEST) -> tuple[str, int
     return str(h.hexdigest()), n
 
 
+def digest_files(path: Path, hashers: list[Any]) -> list[str]:
+    """One mapped pass over a file into several hashers (the unkeyed digest and the keyed one)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                for h in hashers:
+                    h.update(m)
+    return [str(h.hexdigest()) for h in hashers]
+
+
 def digest_file(path: Path, algo: str = DIGEST) -> str:
     """The file's digest, hashed straight from the page cache through a read-only mapping. read()
     copied every byte first, and the copy cost 4x the hash: 100 MB in 17 ms read in 4 MiB chunks, 4.3 ms

@@ -6,19 +6,19 @@ reports its selection, with every checkpoint it passed over, in its `started` st
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.catalog import Catalog, Selection, read_marker, read_marker_step
+from trainer.catalog import Catalog, Selection, read_marker, read_marker_step, write_marker
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
 from trainer.errors import ConfigError, ResumeIncompatible
+from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 from trainer.spec import JobSpec, spec_changes
 from trainer.stateful import Codec, Registry, reconcile
-from trainer.storage import Storage, put_bytes
+from trainer.storage import Storage
 from trainer.validate import Expectation
 
 if TYPE_CHECKING:
@@ -55,6 +55,13 @@ def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource
                 else "; use a new storage URI for a changed model, or restore the original settings"
             )
             raise ResumeIncompatible(f"checkpoint step {r.step} in {source.uri} {detail}{fix}")
+    unverified = [r for r in selection.rejected if any(p.kind == "unverified" for p in r.problems)]
+    if selection.step is None and unverified:  # never train from scratch over checkpoints we cannot check
+        r = unverified[0]
+        raise ConfigError(
+            f"checkpoint step {r.step} in {source.uri} {r.reason()}; give this worker the key that "
+            f"signed it ({KEY_ENV}, or {OLD_KEYS_ENV} for a retired one), or use a new storage URI"
+        )
     if src is not None:
         _check_explicit_source(storage, source, src.step, selection)
     latest = Catalog(storage).latest()
@@ -188,5 +195,5 @@ def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
         "job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time(),
         "spec": spec.public_dump(),  # what completed_for compares a later run against
     }  # fmt: skip
-    put_bytes(storage, COMPLETED, json.dumps(body).encode())
+    write_marker(storage, COMPLETED, body)
     log.info("job %s completed at step %d", spec.name, step)

@@ -52,13 +52,15 @@ from trainer.ckpt_format import (
     SHARDED,
     FileEntry,
     Manifest,
+    file_entry,
     fsync_file,
     step_dir,
     write_part,
 )
-from trainer.digests import digest_file
 from trainer.distributed import Ranks
 from trainer.errors import CheckpointError, LeaseLost, StorageError
+from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from trainer.signing import keyring
 from trainer.state import (
     LaterCopies,
     Snapshotter,
@@ -86,7 +88,14 @@ def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
     """Load model and optimizer from a sharded checkpoint directory into this rank's shards. DCP reshards when
     the checkpoint's world size differs (each rank reads the pieces it now owns from any shard)."""
     state = dcp_state(registry)  # a fresh optimizer gets its state allocated (a zero-lr step) to load into
-    dcp.load(state, checkpoint_id=str(path), process_group=ranks.ckpt_group)
+    listed = Manifest.from_json((path / MANIFEST).read_bytes()).files  # validated before this load
+    dcp.load(
+        state,
+        checkpoint_id=str(path),
+        storage_reader=SafeFileSystemReader(path, listed),
+        planner=SafeLoadPlanner(),
+        process_group=ranks.ckpt_group,
+    )
     set_state_dict(
         registry["model"], registry["optimizer"],  # type: ignore[arg-type]
         model_state_dict=state["model"], optim_state_dict=state["optimizer"],
@@ -398,8 +407,9 @@ class ShardedCheckpointer(BackgroundSaver):
             fname = spec.file_for(rank)
             files[fname] = write_part(tmp / fname, spec.codec, state, step)
         own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA] if rank == 0 else [])
+        key = keyring().signing
         for p in own:  # DCP fsyncs what it writes (FileSystemWriter sync_files)
-            files[p.name] = FileEntry(p.stat().st_size, digest_file(p))
+            files[p.name] = file_entry(p, key=key)
         return files
 
     def _publish(

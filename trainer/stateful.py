@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from trainer.ckpt_format import Manifest
     from trainer.spec import JobSpec
 
-Kind = Literal["integrity", "structure", "content", "compat"]
+Kind = Literal["integrity", "unverified", "structure", "content", "compat"]
 Finding = tuple[Kind, str]
 
 

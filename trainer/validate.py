@@ -14,6 +14,7 @@ controller checks integrity alone (`check_integrity`) or the shape hash (`Expect
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,8 +24,18 @@ from typing import Any
 
 from safetensors import safe_open
 
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, metadata_step, required_files
-from trainer.digests import digest_file
+from trainer.ckpt_format import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    load_part,
+    metadata_step,
+    parse_step_dir,
+    required_files,
+)
+from trainer.digests import digest_file, digest_files
+from trainer.safe_names import contained
+from trainer.signing import KEYED_DIGEST, Key
 from trainer.stateful import (
     DCP_METADATA,
     Codec,
@@ -51,14 +62,17 @@ class Problem:
 
 
 def read_manifest(d: Path) -> tuple[Manifest | None, list[Problem]]:
+    """The directory's manifest, parsed by the strict rules (safe names, the directory's step) and
+    checked against the keys held here. A manifest that cannot be verified comes back with an
+    `unverified` problem: its unkeyed digests may still be checked, its files are never loaded."""
     try:
-        manifest = Manifest.from_json((d / MANIFEST).read_bytes())
+        manifest = Manifest.from_json((d / MANIFEST).read_bytes(), parse_step_dir(d.name))
     except FileNotFoundError:
         return None, [Problem("integrity", MANIFEST, "missing manifest (incomplete or interrupted write)")]
     except ValueError as e:
         return None, [Problem("integrity", MANIFEST, str(e))]
-    wrong = manifest.signature_problem()
-    return (None, [Problem("integrity", MANIFEST, wrong)]) if wrong else (manifest, [])
+    problem = manifest.verdict().problem
+    return manifest, [Problem("unverified", MANIFEST, problem)] if problem else []
 
 
 def check_integrity(d: Path) -> list[Problem]:
@@ -67,29 +81,42 @@ def check_integrity(d: Path) -> list[Problem]:
 
 
 def validate_dir(d: Path, expect: Expectation | None = None, integrity_only: bool = False) -> list[Problem]:
-    """Validate one local checkpoint directory; an empty list means it is safe to resume from."""
+    """Validate one local checkpoint directory; an empty list means it is safe to resume from.
+
+    Every file is hashed before it is deserialized (pipelined: file k loads, from the bytes just
+    verified, while file k+1 hashes), with the keyed digest when the manifest verifies under a key
+    held here. An unverifiable manifest gets its unkeyed digests checked (damage is still damage)
+    and nothing loaded."""
     manifest, problems = read_manifest(d)
     if manifest is None:
         return problems
+    key = manifest.verdict().key
     with ThreadPoolExecutor(max_workers=2) as pool:
-        hashes = {name: pool.submit(_check_file, d / name, e) for name, e in manifest.files.items()}
+        files = sorted(manifest.files.items())
+        hashes = {name: pool.submit(_check_file, d, name, e, key) for name, e in files}
         missing = [f for f in required_files(manifest.layout) if f not in manifest.files]
         problems += [Problem("integrity", f, "file not listed in manifest") for f in missing]
         loaded: list[Problem] = []
-        if not missing and not integrity_only:
-            loaded = _check_contents(d, manifest, expect)
+        if not missing and not integrity_only and not problems:
+            loaded = _check_contents(d, manifest, expect, hashes)
         problems += _collect(hashes)
     # A file that fails its hash explains any load error it caused: report integrity alone then.
     return problems if problems else loaded
 
 
-def _check_file(p: Path, e: FileEntry) -> str | None:
+def _check_file(d: Path, name: str, e: FileEntry, key: Key | None) -> str | None:
     try:
+        p = contained(d, name)
         actual = p.stat().st_size
     except FileNotFoundError:
         return "file missing"
+    except ValueError as err:
+        return str(err)
     if actual != e.size:
         return f"size {actual} != manifest {e.size} (truncated or overwritten)"
+    if key is not None and e.keyed is not None:
+        (keyed,) = digest_files(p, [key.file_hasher()])
+        return None if hmac.compare_digest(keyed, e.keyed) else f"{KEYED_DIGEST} mismatch (tampered with)"
     if digest_file(p, e.algo) != e.digest:
         return f"{e.algo} mismatch"
     return None
@@ -99,7 +126,9 @@ def _collect(futures: dict[str, Future[str | None]]) -> list[Problem]:
     return [Problem("integrity", name, msg) for name, f in sorted(futures.items()) if (msg := f.result())]
 
 
-def _check_contents(d: Path, m: Manifest, expect: Expectation | None) -> list[Problem]:
+def _check_contents(
+    d: Path, m: Manifest, expect: Expectation | None, hashes: Mapping[str, Future[str | None]]
+) -> list[Problem]:
     problems = _check_registry(m, expect)
     if problems and problems[0].detail.startswith("written by"):
         return problems  # the other format: its parts would only repeat that
@@ -107,7 +136,7 @@ def _check_contents(d: Path, m: Manifest, expect: Expectation | None) -> list[Pr
         spec = spec_of_file(fname, m.sharded)
         # a file no part writes: refused above when the job's registry is known; a DCP shard: its
         # hash is the check (`.metadata`, checked once, says what the shards hold)
-        if spec is not None and fname == spec.file:
+        if spec is not None and fname == spec.file and hashes[fname].result() is None:
             problems += _check_part(d / fname, spec, m, expect)
     return problems
 
@@ -154,9 +183,9 @@ def _open_part(path: Path, codec: Codec, scan: bool = True) -> Iterator[tuple[in
         yield int(obj["step"]), obj["state"]
         return
     if codec is Codec.DCP:
-        from torch.distributed.checkpoint import FileSystemReader
+        from trainer.safe_load import read_dcp_metadata
 
-        yield None, FileSystemReader(str(path.parent)).read_metadata()
+        yield None, read_dcp_metadata(path.parent)
         return
     with safe_open(str(path), framework="pt") as f:
         yield metadata_step(f.metadata()), _LazyTensors(f, scan)

@@ -10,7 +10,7 @@ import pytest
 
 from trainer.catalog import Catalog
 from trainer.ckpt_format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
-from trainer.storage import LocalStorage, put_bytes
+from trainer.storage import LocalStorage, ObjectInfo, put_bytes
 
 
 def _write(store: LocalStorage, step: int, state: str) -> None:
@@ -82,8 +82,23 @@ def test_quarantine_keeps_the_evidence_and_retention_removes_it(tmp_path: Path) 
     catalog = Catalog(store)
     listed = catalog.list()
     assert not listed[30].committed and "REJECTED.json" in listed[30].files
-    assert catalog.retain(verified=40, keep=2) == [10, 30]
+    assert catalog.retain(verified=40, keep=2) == [10]  # a young incomplete directory stays
+    assert catalog.retain(verified=40, keep=2, orphan_age_s=0) == [30]
     assert sorted(catalog.list()) == [20, 40]
+
+
+def test_retention_keeps_an_incomplete_directory_whose_manifest_the_listing_missed(tmp_path: Path) -> None:
+    """A lagging listing (an S3-compatible store) shows a committed checkpoint without its manifest."""
+
+    class Lagging(LocalStorage):
+        def list(self, prefix: str = "") -> list[ObjectInfo]:
+            return [o for o in super().list(prefix) if o.key != f"{step_dir(30)}/{MANIFEST}"]
+
+    store = Lagging(tmp_path / "store")
+    for step in (10, 20, 30, 40):
+        _write(store, step, "ok")
+    assert Catalog(store).retain(verified=40, keep=2, orphan_age_s=0) == [10]
+    assert (store.root / step_dir(30) / MANIFEST).is_file()
 
 
 class NotLocal(LocalStorage):
@@ -137,3 +152,29 @@ def test_the_controller_hashes_down_to_the_newest_intact_checkpoint(
     assert [s for s in uncommitted if dirs[s] != "partial"] == quarantined
     intact = [s for s in checked if dirs[s] == "ok"]
     assert point.step == (intact[0] if intact else None)
+
+
+def test_the_controller_never_quarantines_what_it_cannot_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker without SPOTRUN_MANIFEST_KEY wrote these: the controller with the key alerts and keeps
+    them (retention would otherwise delete every quarantined one)."""
+    from tasks.checkpoints import CHECKPOINT_UNVERIFIED, check_integrity
+    from tasks.control import PlainSink
+    from trainer.spec import JobSpec
+
+    class Recording(PlainSink):
+        events: list[tuple[str, dict[str, object]]] = []
+
+        def event(self, name: str, job: str, payload: dict, labels: dict | None = None) -> None:  # type: ignore[type-arg]
+            self.events.append((name, payload))
+
+    store = LocalStorage(tmp_path / "store")
+    for step in (10, 20):
+        _write(store, step, "ok")
+    monkeypatch.setenv("SPOTRUN_MANIFEST_KEY", "k")
+    job = JobSpec(name="j", recipe="digits", total_steps=100, storage=str(store.root))
+    sink = Recording()
+    point = check_integrity(job, tmp_path / "cache", sink)
+    assert point.step is None and all(e.committed for e in Catalog(store).list().values())
+    assert [(n, p["step"]) for n, p in sink.events] == [(CHECKPOINT_UNVERIFIED, s) for s in (20, 10)]

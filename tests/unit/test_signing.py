@@ -1,14 +1,16 @@
-"""SPOTRUN_MANIFEST_KEY: manifests signed with an HMAC; a rewritten file with a rewritten digest is caught."""
+"""SPOTRUN_MANIFEST_KEY: keyed file digests, signed manifests and markers, rotation, "cannot verify"."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import xxhash
 
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest
-from trainer.digests import digest_file
-from trainer.signing import KEY_ENV
+from trainer.catalog import read_latest, write_latest
+from trainer.ckpt_format import LATEST, MANIFEST, FileEntry, Manifest, file_entry
+from trainer.signing import KEY_ENV, OLD_KEYS_ENV, Key, Keyring, keyring, marker_problem, sign_marker
+from trainer.storage import LocalStorage, get_bytes, put_bytes
 from trainer.validate import check_integrity
 
 FILES = {"model.safetensors": b"weights", "optimizer.pt": b"o", "scheduler.pt": b"s", "trainer.pt": b"t"}
@@ -18,45 +20,115 @@ def _checkpoint(d: Path) -> Manifest:
     d.mkdir()
     for name, data in FILES.items():
         (d / name).write_bytes(data)
-    files = {n: FileEntry(len(b), digest_file(d / n)) for n, b in FILES.items()}
+    key = keyring().signing
+    files = {n: file_entry(d / n, key=key) for n in FILES}
     m = Manifest(step=5, spec_hash="a", shape_hash="b", world_size=1, files=files).signed()
     (d / MANIFEST).write_bytes(m.to_json())
     return m
 
 
-def _tamper(d: Path, m: Manifest) -> None:
-    """What someone with write access to the bucket can do: new weights, and the digest to match."""
-    (d / "model.safetensors").write_bytes(b"evil!!!")
-    m.files["model.safetensors"] = FileEntry(7, digest_file(d / "model.safetensors"))
-    (d / MANIFEST).write_bytes(m.to_json())
+def _kinds(d: Path) -> list[tuple[str, str]]:
+    return [(p.kind, p.detail) for p in check_integrity(d)]
 
 
-def test_a_signed_manifest_catches_a_rewritten_file_and_digest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(KEY_ENV, "s3cret")
+    monkeypatch.delenv(OLD_KEYS_ENV, raising=False)
+    return "s3cret"
+
+
+def test_a_signed_checkpoint_names_its_algorithms_and_key_and_verifies(key: str, tmp_path: Path) -> None:
     d = tmp_path / "step_000000005"
     m = _checkpoint(d)
-    assert m.signature and check_integrity(d) == []
-    _tamper(d, m)
-    (problem,) = check_integrity(d)
-    assert "signature does not match" in str(problem)
-    monkeypatch.setenv(KEY_ENV, "another")  # signed with another key: refused as well
-    d2 = tmp_path / "other"
-    monkeypatch.setenv(KEY_ENV, "s3cret")
-    _checkpoint(d2)
-    monkeypatch.setenv(KEY_ENV, "another")
-    assert "signature does not match" in str(check_integrity(d2)[0])
+    assert m.signing == {"algo": "hmac-sha256", "files": "blake3_keyed", "key_id": Key(b"s3cret").id}
+    assert all(e.keyed for e in m.files.values())
+    assert check_integrity(d) == []
 
 
-def test_without_a_key_nothing_is_signed_and_with_one_unsigned_is_refused(
+def test_a_forged_file_whose_xxh3_matches_is_caught_by_the_keyed_digest(key: str, tmp_path: Path) -> None:
+    """xxh3 is not collision-resistant: model a forged same-size file whose unkeyed digest matches the
+    manifest's (what a collision gives an attacker) under a valid signature."""
+    d = tmp_path / "step_000000005"
+    m = _checkpoint(d)
+    forged = b"evilwts"  # same size as b"weights"
+    (d / "model.safetensors").write_bytes(forged)
+    old = m.files["model.safetensors"]
+    collided = xxhash.xxh3_128(forged).hexdigest()
+    m.files["model.safetensors"] = FileEntry(len(forged), collided, keyed=old.keyed)
+    m.signed()  # the signature holds: only the file differs from what the key saw
+    (d / MANIFEST).write_bytes(m.to_json())
+    assert _kinds(d) == [("integrity", "blake3_keyed mismatch (tampered with)")]
+
+
+def test_a_rewritten_file_and_digest_cannot_be_verified_and_is_not_damage(key: str, tmp_path: Path) -> None:
+    d = tmp_path / "step_000000005"
+    m = _checkpoint(d)
+    (d / "model.safetensors").write_bytes(b"evil!!!")
+    m.files["model.safetensors"] = FileEntry(7, xxhash.xxh3_128(b"evil!!!").hexdigest())
+    (d / MANIFEST).write_bytes(m.to_json())  # the old signature over a new body
+    ((kind, detail),) = _kinds(d)
+    assert kind == "unverified" and "signature does not match" in detail
+
+
+def test_without_a_key_nothing_is_signed_and_digests_catch_damage_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
     d = tmp_path / "step_000000005"
     m = _checkpoint(d)
-    assert m.signature is None and check_integrity(d) == []
-    _tamper(d, m)
+    assert m.signature is None and m.signing is None and check_integrity(d) == []
+    (d / "model.safetensors").write_bytes(b"evil!!!")
+    assert _kinds(d) == [("integrity", "xxh3_128 mismatch")]
+    m.files["model.safetensors"] = FileEntry(7, xxhash.xxh3_128(b"evil!!!").hexdigest())
+    (d / MANIFEST).write_bytes(m.to_json())
     assert check_integrity(d) == []  # an unkeyed digest detects damage, not tampering
+
+
+def test_with_a_key_an_unsigned_checkpoint_cannot_be_verified_and_damage_still_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    d = tmp_path / "step_000000005"
+    _checkpoint(d)  # a worker without the key
     monkeypatch.setenv(KEY_ENV, "s3cret")
-    assert "manifest is not signed" in str(check_integrity(d)[0])
+    assert _kinds(d) == [("unverified", "cannot verify: not signed (SPOTRUN_MANIFEST_KEY is set here)")]
+    (d / "optimizer.pt").write_bytes(b"x")  # same size, other bytes: damage, found without the key
+    assert [k for k, _ in _kinds(d)] == ["unverified", "integrity"]
+
+
+def test_rotation_old_keys_verify_by_key_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "old-key")
+    d = tmp_path / "step_000000005"
+    _checkpoint(d)
+    monkeypatch.setenv(KEY_ENV, "new-key")
+    monkeypatch.delenv(OLD_KEYS_ENV, raising=False)
+    ((kind, detail),) = _kinds(d)
+    assert kind == "unverified" and Key(b"old-key").id in detail and OLD_KEYS_ENV in detail
+    monkeypatch.setenv(OLD_KEYS_ENV, "other, old-key")
+    assert check_integrity(d) == []
+
+
+@pytest.mark.parametrize(
+    ("signer", "reader", "problem"),
+    [
+        (None, None, None),
+        ("k", None, None),  # nothing to verify with: markers are hints, read as before
+        ("k", "k", None),
+        (None, "k", "not signed"),
+        ("k", "j", "not held here"),
+    ],
+)
+def test_markers(signer: str | None, reader: str | None, problem: str | None) -> None:
+    ring = lambda k: Keyring(Key(k.encode())) if k else Keyring()  # noqa: E731
+    marker = sign_marker({"step": 7, "dir": "step_000000007"}, ring(signer))
+    found = marker_problem(marker, ring(reader))
+    assert (found is None) if problem is None else (problem in str(found))
+
+
+def test_a_tampered_latest_is_ignored_with_a_key(key: str, tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    write_latest(storage, 7)
+    assert read_latest(storage) == 7 and b"signature" in get_bytes(storage, LATEST)
+    put_bytes(storage, LATEST, get_bytes(storage, LATEST).replace(b'"step": 7', b'"step": 999'))
+    assert read_latest(storage) is None
