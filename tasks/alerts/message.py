@@ -8,12 +8,13 @@ header, 50 blocks) however long the log or the restart list is.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from tasks.history import AttemptRow
+from trainer.redact import redact
 
 
 class AlertKind(StrEnum):
@@ -85,6 +86,7 @@ _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
 def build_message(ctx: AlertContext) -> SlackMessage:
     """The alert as a Slack Block Kit message with a plain-text fallback."""
+    ctx = redacted(ctx)
     header = f"{_EMOJI[ctx.kind]} {title(ctx)}"
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": _clip(header, HEADER_MAX_CHARS)}},
@@ -110,6 +112,7 @@ def build_message(ctx: AlertContext) -> SlackMessage:
 
 def to_markdown(ctx: AlertContext) -> str:
     """The alert as Markdown: for the flow run's log and an artifact (when Slack is not configured)."""
+    ctx = redacted(ctx)
     lines = [f"### {title(ctx)}", ""]
     lines += [f"- **{k}:** {v}" for k, v in _plain_facts(ctx)]
     if ctx.flow_run_url:
@@ -132,6 +135,26 @@ def to_markdown(ctx: AlertContext) -> str:
         fence = "`" * max(3, _longest_backtick_run(tail) + 1)
         lines += ["", f"#### Last log lines (attempt {attempt})", "", f"{fence}text", tail, fence]
     return "\n".join(lines) + "\n"
+
+
+def redacted(ctx: AlertContext) -> AlertContext:
+    """`ctx` with the credentials in its URLs hidden (`trainer.redact`): before any text is cut to
+    length, so that a cut never leaves half a password unredacted."""
+    restarts = [
+        replace(r, cause=redact(r.cause), error=redact(r.error), log_tail=redact(r.log_tail))
+        for r in ctx.restarts
+    ]
+    r = ctx.resume
+    resume = r and replace(r, diff=redact(r.diff), detail=redact(r.detail))
+    return replace(
+        ctx,
+        restarts=restarts,
+        reason=redact(ctx.reason),
+        note=redact(ctx.note),
+        checkpoint=ctx.checkpoint and redact(ctx.checkpoint),
+        flow_run_url=ctx.flow_run_url and redact(ctx.flow_run_url),
+        resume=resume,
+    )
 
 
 def title(ctx: AlertContext) -> str:

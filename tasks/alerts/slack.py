@@ -7,6 +7,7 @@ no repr and no error message (`SlackTarget.describe()` is the safe name).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import re
@@ -34,6 +35,7 @@ from slack_sdk.webhook import WebhookClient
 
 from tasks.alerts.message import SlackMessage
 from trainer.errors import ConfigError
+from trainer.redact import redact
 
 WEBHOOK_SETTING = "SPOTRUN_SLACK_WEBHOOK_URL"
 TOKEN_SETTING = "SPOTRUN_SLACK_TOKEN"
@@ -94,16 +96,19 @@ class SlackTarget:
 
     def __post_init__(self) -> None:
         if self.webhook_url:
-            if not _is_http_url(self.webhook_url):
-                raise SlackConfigError(f"{WEBHOOK_SETTING} is not an http(s) URL: copy it again from Slack")
+            if not _secure_url(self.webhook_url):
+                raise SlackConfigError(
+                    f"{WEBHOOK_SETTING} is not an https URL (plain http only to loopback): copy it again"
+                    " from Slack"
+                )
         elif not (self.token and self.channel):
             raise SlackConfigError(
                 f"a Slack target needs {WEBHOOK_SETTING}, or both {TOKEN_SETTING} and {CHANNEL_SETTING}"
             )
-        if not (self.api_url.endswith("/") and _is_http_url(self.api_url)):
+        if not (self.api_url.endswith("/") and _secure_url(self.api_url)):
             raise SlackConfigError(
-                f"{API_URL_SETTING}={self.api_url!r} must be an http(s) URL ending in '/',"
-                f" e.g. {DEFAULT_API_URL}"
+                f"{API_URL_SETTING}={redact(self.api_url)!r} must be an https URL ending in '/' (plain http"
+                f" only to loopback), e.g. {DEFAULT_API_URL}"
             )
 
     @property
@@ -200,7 +205,7 @@ def _post_webhook(
     try:
         resp = client.send(text=message.text, blocks=message.blocks)
     except Exception as e:  # the boundary: any transport failure becomes a failed Delivery to record
-        error = f"no answer from {_host(url)}: {_one_line(e)}".replace(url, f"{_host(url)}/…")
+        error = f"no answer from {_host(url)}: {_one_line(e, hide=(url, urlsplit(url).path))}"
         return Delivery(False, None, tally.requests, error, WEBHOOK_CHANNEL)
     if resp.status_code == 200:
         return Delivery(True, 200, tally.requests, "", WEBHOOK_CHANNEL)
@@ -232,7 +237,7 @@ def _post_api(
         error = f"Slack API error {code} (HTTP {status})" + (f": {fix}" if fix else "")
         return Delivery(False, status, tally.requests, error, API_CHANNEL)
     except Exception as e:  # the boundary: any transport failure becomes a failed Delivery to record
-        error = f"no answer from {_host(target.api_url)}: {_one_line(e)}"
+        error = f"no answer from {_host(target.api_url)}: {_one_line(e, hide=(target.token or '',))}"
         return Delivery(False, None, tally.requests, error, API_CHANNEL)
     return Delivery(True, resp.status_code, tally.requests, "", API_CHANNEL)
 
@@ -283,9 +288,21 @@ def _sdk_logger() -> logging.Logger:
     return sdk_log
 
 
-def _is_http_url(url: str) -> bool:
+def _secure_url(url: str) -> bool:
+    """https, or plain http to a loopback address (tests post to 127.0.0.1)."""
     parts = urlsplit(url)
-    return parts.scheme in ("http", "https") and bool(parts.netloc)
+    if not parts.netloc:
+        return False
+    return parts.scheme == "https" or (parts.scheme == "http" and _loopback(parts.hostname or ""))
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _host(url: str) -> str:
@@ -293,6 +310,10 @@ def _host(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{parts.port}" if parts.port else "")
 
 
-def _one_line(e: object) -> str:
-    text = " ".join(str(e).split())
+def _one_line(e: object, hide: tuple[str, ...] = ()) -> str:
+    """`e` on one line, its secrets (`hide`, URL credentials) replaced before it is cut to length."""
+    text = str(e)
+    for secret in sorted((h for h in hide if len(h) > 1), key=len, reverse=True):  # the URL before its path
+        text = text.replace(secret, "…")
+    text = " ".join(redact(text).split())
     return f"{type(e).__name__}: {text}"[:300] if isinstance(e, BaseException) else text

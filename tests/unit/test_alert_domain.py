@@ -512,7 +512,11 @@ def test_secret_blocks_fill_what_the_environment_leaves_unset() -> None:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        (dict(webhook_url="hooks.slack.com/services/T/B/s3cretPath"), "not an http"),
+        (dict(webhook_url="hooks.slack.com/services/T/B/s3cretPath"), "not an https URL"),
+        (dict(webhook_url="http://hooks.slack.com/services/T/B/s3cretPath"), "plain http only to loopback"),
+        (dict(webhook_url="http://10.0.0.1/services/T/B/s3cretPath"), "not an https URL"),
+        (dict(token="xoxb-1", channel="#c", api_url="http://slack.example/api/"), "must be an https URL"),
+        (dict(token="xoxb-1", channel="#c", api_url="https://u:s3cret@slack.example/api"), "u:\\*\\*\\*@"),
         (dict(token="xoxb-1"), "both"),
         (dict(token="xoxb-1", channel="#c", api_url="https://slack.com/api"), "ending in '/'"),
     ],
@@ -530,3 +534,28 @@ def test_the_alert_domain_does_not_import_prefect() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(webhook_url="https://hooks.slack.com/services/T/B/x"),
+        dict(webhook_url="http://127.0.0.1:8123/services/T/B/x"),  # loopback: tests
+        dict(webhook_url="http://localhost:8123/x"),
+        dict(webhook_url="http://[::1]:8123/x"),
+        dict(token="xoxb-1", channel="#c", api_url="http://127.0.0.1:8123/api/"),
+    ],
+)
+def test_https_or_loopback_targets_are_accepted(kw: dict[str, str]) -> None:
+    assert SlackTarget(**kw).channel_kind in ("slack-webhook", "slack-api")
+
+
+def test_credentials_are_hidden_before_any_text_is_cut() -> None:
+    """A cut inside a password would leave no "@" for redaction to find: redaction comes first."""
+    leak = "x" * 140 + " http://spot:" + "s" * 60 + "@db.example/h"  # CAUSE_MAX_CHARS (160) cuts its password
+    ctx = storm(
+        reason=leak, note=leak, restarts=[attempt_row(1, NOW - 60, cause=leak, log_tail=leak, error=leak)]
+    )
+    shown = [t for _, t in texts(build_message(ctx).blocks)] + [build_message(ctx).text, to_markdown(ctx)]
+    assert all("sssss" not in t for t in shown), [t for t in shown if "sssss" in t]
+    assert any("spot:***@" in t for t in shown)
