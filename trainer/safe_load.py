@@ -132,14 +132,16 @@ class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
         _load_bytes_safely(self, read_item, value)
 
 
-def load_full_state(checkpoint: Path, listed: Collection[str] | None = None) -> dict[str, Any]:
-    """Everything a DCP checkpoint holds, as one nested dict on CPU, in this process (no process group):
-    what `dcp_to_torch_save` does, with the safe reader and planner."""
+def load_full_state(
+    checkpoint: Path, listed: Collection[str] | None = None, keys: Collection[str] | None = None
+) -> dict[str, Any]:
+    """What a DCP checkpoint holds (only the top-level `keys`, when given), as one nested dict on CPU,
+    in this process (no process group): what `dcp_to_torch_save` does, with the safe reader and planner."""
     state: dict[str, Any] = {}
     _load_state_dict(
         state,
         storage_reader=SafeFileSystemReader(checkpoint, listed),
-        planner=SafeFullLoadPlanner(),
+        planner=SafeFullLoadPlanner(keys=set(keys) if keys is not None else None),
         no_dist=True,
     )
     return state

@@ -22,7 +22,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +32,13 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
 from tasks.tracking.steps import committed_step, read_steps
-from trainer.ckpt_format import MODEL_FILE, checkpoint_uri, step_dir
+from trainer.catalog import Catalog
+from trainer.ckpt_format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
 from trainer.errors import StorageError
 from trainer.redact import redact
 from trainer.resume import completed_step
 from trainer.spec import JobSpec
+from trainer.stateful import DCP_METADATA
 from trainer.storage import Storage, get_bytes, open_storage, put_bytes
 
 log = logging.getLogger(__name__)
@@ -321,38 +323,37 @@ def _capacity(record: AttemptRecord, provider: str) -> str:
 
 @contextmanager
 def _final_weights(storage: Storage, step: int) -> Iterator[Path | None]:
-    """The final checkpoint's weights as one local safetensors file (downloaded; a sharded checkpoint's
-    DCP shards merged into one), removed on exit; None when the checkpoint has no model."""
-    name = step_dir(step)
+    """The final checkpoint's weights as one local safetensors file, removed on exit; None when the
+    checkpoint has no model or fails its checks. The checkpoint is fetched and checked like any
+    resume (safe names, digests, and with SPOTRUN_MANIFEST_KEY its signature) before a byte of it is
+    loaded; a sharded one's model is merged from its DCP shards without unpickling (trainer/safe_load.py)."""
     with tempfile.TemporaryDirectory(prefix="spotrun-weights-") as d:
         out = Path(d)
-        files = sorted({o.key.rsplit("/", 1)[-1] for o in storage.list(name + "/")})
         weights: Path | None = None
         try:
-            if MODEL_FILE in files:
-                storage.get(f"{name}/{MODEL_FILE}", out / MODEL_FILE)
-                weights = out / MODEL_FILE
-            elif ".metadata" in files:
-                weights = _gather_dcp(storage, name, files, out)
-        except (OSError, StorageError) as e:
+            path, problems = Catalog(storage, out / "cache").validate(step, None, integrity_only=True)
+            if problems or path is None:
+                why = "; ".join(str(p) for p in problems[:3])
+                log.warning("final checkpoint step %d fails its checks, no model registered: %s", step, why)
+            else:
+                files = Manifest.from_json((path / MANIFEST).read_bytes(), step).files
+                if MODEL_FILE in files:
+                    weights = path / MODEL_FILE
+                elif DCP_METADATA in files:
+                    weights = _gather_dcp(path, files, out)
+        except (OSError, StorageError, ValueError) as e:
             log.warning("final weights of step %d not read: %s", step, e)
         yield weights
 
 
-def _gather_dcp(storage: Storage, name: str, files: list[str], out: Path) -> Path:
-    """A sharded checkpoint's model as one safetensors file: its DCP folder fetched and merged
-    (torch's dcp_to_torch_save; no process group needed)."""
+def _gather_dcp(checkpoint: Path, listed: Collection[str], out: Path) -> Path:
+    """A sharded checkpoint's model as one safetensors file, merged from its DCP shards in this process."""
     import torch
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    local = out / name
-    local.mkdir()
-    for f in files:
-        if f == ".metadata" or f.endswith(".distcp"):
-            storage.get(f"{name}/{f}", local / f)
-    dcp_to_torch_save(str(local), str(out / "full.pt"))
-    state = torch.load(out / "full.pt", weights_only=True)
+    from trainer.safe_load import load_full_state
+
+    state = load_full_state(checkpoint, listed, keys=("model",))
     model = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     save_file(model, str(out / MODEL_FILE))
     return out / MODEL_FILE
