@@ -4,7 +4,8 @@ The loop (tasks/control.py `run_job`) provisions, trains, releases, checks, reco
 flow gives it a Prefect sink (task runs, events, artifacts, the run's log), one slot per job (a second
 run of the same job waits or is refused), and hooks that close the job run's SQL row if the flow is
 cancelled or crashes before the loop could. When the job is tracked in MLflow, the flow run links to
-its MLflow run (an artifact).
+its MLflow run (an artifact). A deployment run (the UI's form, the API, an automation) whose parameters
+name what this worker host does not allow (tasks/trust.py) fails at once, before any of that.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tasks.providers.local import LocalProviderConfig
 from tasks.recovery import recovered_run
 from tasks.reporting import artifact_key
 from tasks.settings import Settings
+from tasks.trust import refuse_untrusted_parameters
 from trainer.spec import JobSpec
 
 
@@ -37,6 +39,7 @@ from trainer.spec import JobSpec
     on_cancellation=[record_ending],  # backups: run_job records the ending first
     on_crashed=[record_ending],
 )
+@refuse_untrusted_parameters  # a deployment run may name only what this host's settings allow
 @one_run_per_job  # a second run of a running job waits or is refused (policy.duplicate_runs)
 def resilient_training(
     job: JobSpec,

@@ -1,0 +1,156 @@
+"""What a deployment run's parameters may name on a worker host (tasks/trust.py): the decision, table by
+table, and the host's settings file."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.local_config import LocalProviderConfig
+from tasks.trust import Allowed, named, read_allowed, refusal, run_refusal, settings_path, write_allowed
+from trainer.errors import ConfigError
+from trainer.spec import JobSpec
+
+OWN = "/venv/bin/python"  # the flow's own interpreter
+FILE = "/home/op/.spotrun/allowed.yaml"
+MOTO = "http://127.0.0.1:5000"
+
+
+def job(**fields: Any) -> JobSpec:
+    return JobSpec.model_validate({"name": "j", "recipe": "digits", "total_steps": 10, **fields})
+
+
+def aws(**fields: Any) -> AwsProviderConfig:
+    return AwsProviderConfig.model_validate(
+        {"region": "us-east-1", "instance_types": ["g5.xlarge"], "image_id": "ami-1", **fields}
+    )
+
+
+LOCAL = LocalProviderConfig()
+ALLOWED = Allowed(
+    python=frozenset({"/opt/team/bin/python"}),
+    recipes=frozenset({"team.models:build"}),
+    env=frozenset({"HF_TOKEN", "WANDB_PROJECT"}),
+    endpoints=frozenset({"http://minio.internal:9000"}),
+    tracking=frozenset({"https://mlflow.internal"}),
+)
+
+# (case, job, provider, allowed, the refusal's start or None)
+CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
+    ("defaults", job(), LOCAL, Allowed(), None),
+    ("the flow's own interpreter", job(), LocalProviderConfig(python=OWN), Allowed(), None),
+    ("interpreter not allowed", job(), LocalProviderConfig(python="/tmp/x/python"), Allowed(),
+     "provider.python: '/tmp/x/python' is not an interpreter"),
+    ("interpreter allowed", job(), LocalProviderConfig(python="/opt/team/bin/python"), ALLOWED, None),
+    ("the AMI's default interpreter", job(), aws(), Allowed(), None),
+    ("another interpreter on the AMI", job(), aws(python="/bin/sh"), Allowed(), "provider.python: '/bin/sh'"),
+    ("a built-in recipe", job(recipe="charlm"), LOCAL, Allowed(), None),
+    ("an unknown name imports nothing", job(recipe="nosuch"), LOCAL, Allowed(), None),
+    ("recipe import string not allowed", job(recipe="os:system"), LOCAL, ALLOWED,
+     "recipe: 'os:system' is a module this host does not let a deployment run import"),
+    ("recipe import string allowed", job(recipe="team.models:build"), LOCAL, ALLOWED, None),
+    ("env.pass of a name that passes anyway", job(env={"pass": ["HF_HOME"]}), LOCAL, Allowed(), None),
+    ("env.pass not allowed", job(env={"pass": ["GITHUB_TOKEN"]}), LOCAL, ALLOWED,
+     "env.pass: GITHUB_TOKEN is not a variable"),
+    ("env.pass allowed", job(env={"pass": ["HF_TOKEN"]}), LOCAL, ALLOWED, None),
+    ("env.set of a default name", job(env={"set": {"PATH": "/tmp/evil"}}), LOCAL, ALLOWED,
+     "env.set: PATH is not a variable"),
+    ("env.set allowed", job(env={"set": {"WANDB_PROJECT": "x"}}), LOCAL, ALLOWED, None),
+    ("https endpoint", job(s3={"endpoint_url": "https://s3.example.com"}), LOCAL, Allowed(), None),
+    ("http endpoint refused", job(s3={"endpoint_url": "http://s3.example.com"}), LOCAL, Allowed(),
+     "s3.endpoint_url: 'http://s3.example.com' is not https"),
+    ("http endpoint listed", job(s3={"endpoint_url": "http://minio.internal:9000/"}), LOCAL, ALLOWED, None),
+    ("loopback without the setting", job(s3={"endpoint_url": MOTO}), LOCAL, Allowed(),
+     "s3.endpoint_url: 'http://127.0.0.1:5000' is not https"),
+    ("loopback with the setting", job(s3={"endpoint_url": MOTO}), LOCAL, Allowed(loopback=True), None),
+    ("EC2 endpoint over http", job(), aws(endpoint_url="http://ec2.example.com"), Allowed(),
+     "provider.endpoint_url: 'http://ec2.example.com' is not https"),
+    ("rehearse_locally against AWS", job(), aws(rehearse_locally=True), Allowed(),
+     "provider.rehearse_locally: only against a loopback test endpoint"),
+    ("rehearse_locally against a remote https endpoint", job(),
+     aws(rehearse_locally=True, endpoint_url="https://ec2.example.com"), Allowed(),
+     "provider.rehearse_locally: only against a loopback test endpoint"),
+    ("rehearse_locally against moto", job(), aws(rehearse_locally=True, endpoint_url=MOTO),
+     Allowed(loopback=True), None),
+    ("tracking URI not allowed", job(tracking={"uri": "https://evil.example.com"}), LOCAL, ALLOWED,
+     "tracking.uri: 'https://evil.example.com' is not a tracking URI"),
+    ("tracking URI allowed", job(tracking={"uri": "https://mlflow.internal"}), LOCAL, ALLOWED, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "spec", "provider", "allowed", "expected"), CASES, ids=[c[0] for c in CASES]
+)
+def test_refusal(case: str, spec: JobSpec, provider: Any, allowed: Allowed, expected: str | None) -> None:
+    why = refusal(spec, provider, allowed, OWN, FILE)
+    if expected is None:
+        assert why is None
+        return
+    assert why is not None and why.startswith(expected) and "\n" not in why
+    assert FILE in why or "rehearse_locally" in why  # the fix: where to allow it
+
+
+def test_what_a_deployments_defaults_name() -> None:
+    params = {
+        "job": {"name": "j", "recipe": "team.models:build", "env": {"pass": ["HF_TOKEN"], "set": {"A": "1"}},
+                "s3": {"endpoint_url": "http://minio:9000"}, "tracking": {"uri": "sqlite:///t.db"}},
+        "provider": {"kind": "aws", "python": "/opt/py", "endpoint_url": "https://ec2.example.com"},
+    }  # fmt: skip
+    assert named(params) == Allowed(
+        python=frozenset({"/opt/py"}),
+        recipes=frozenset({"team.models:build"}),
+        env=frozenset({"HF_TOKEN", "A"}),
+        endpoints=frozenset({"http://minio:9000"}),  # https needs no listing
+        tracking=frozenset({"sqlite:///t.db"}),
+    )
+    assert named({"job": {"recipe": "digits"}}) == Allowed()  # built-ins need no listing
+
+
+def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert read_allowed(home) == Allowed()  # no file: the defaults only
+    write_allowed(home, Allowed(recipes=frozenset({"a.b:c"})))
+    path = settings_path(home)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    text = path.read_text().replace("python: []", "python: [/opt/team/bin/python]", 1)  # the operator's
+    assert text.index("/opt/team/bin/python") < text.index("\ndeployments:")
+    path.write_text(text)
+    write_allowed(home, Allowed(recipes=frozenset({"d.e:f"})))  # a later deploy: new defaults, same own
+    assert read_allowed(home) == Allowed(
+        python=frozenset({"/opt/team/bin/python"}), recipes=frozenset({"d.e:f"})
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "message"),
+    [
+        ("allow: {python: [/x]}\n", 0o620, "is writable by others, so it cannot be trusted: chmod 600"),
+        ("allow: {pythons: [/x]}\n", 0o600, "allow: unknown key 'pythons'; use endpoints, env, loopback"),
+        ("allow: {python: /x}\n", 0o600, "allow.python: use a list of strings"),
+        ("allow: [\n", 0o600, "is not valid YAML"),
+    ],
+)
+def test_a_bad_settings_file_is_one_line(tmp_path: Path, text: str, mode: int, message: str) -> None:
+    path = settings_path(tmp_path)
+    path.write_text(text)
+    os.chmod(path, mode)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        read_allowed(tmp_path)
+
+
+def test_the_operators_own_file_is_trusted_as_written(tmp_path: Path) -> None:
+    """A run with no deployment (spotrun run, in-process) names what it likes; the same parameters in a
+    deployment run are refused, and a bad settings file refuses every deployment run beyond nothing."""
+    spec = job(recipe="team.models:build", s3={"endpoint_url": "http://s3.example.com"})
+    provider = LocalProviderConfig(python="/tmp/x/python")
+    assert run_refusal(None, spec, provider, tmp_path, OWN) is None
+    why = run_refusal("7f0c...", spec, provider, tmp_path, OWN)
+    assert why is not None and why.startswith("provider.python: '/tmp/x/python'")
+    settings_path(tmp_path).write_text("allow: [\n")
+    why = run_refusal("7f0c...", job(), LOCAL, tmp_path, OWN)
+    assert why is not None and "is not valid YAML" in why
