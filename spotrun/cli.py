@@ -33,6 +33,7 @@ from spotrun.run_cmd import add_run
 from spotrun.server_cmd import add_server
 from tasks.settings import spotrun_home
 from trainer.errors import SpotrunError
+from trainer.locks import private_home
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     # One home for this command and every process it starts (flows, trainers, workers): a relative
     # or unset SPOTRUN_HOME is fixed here, before anything changes directory.
     os.environ["SPOTRUN_HOME"] = str(spotrun_home())
+    private_home(spotrun_home())  # 0700 home, 0600 files (a store elsewhere keeps its own mode)
     handler: Handler = args.handler
     try:
         code = handler(args)

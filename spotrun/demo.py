@@ -48,6 +48,7 @@ from tasks.settings import Settings, spotrun_home
 from trainer.catalog import fetch
 from trainer.ckpt_format import MODEL_FILE, load_part
 from trainer.errors import SpotrunError
+from trainer.locks import private_home
 from trainer.spec import JobSpec, load_spec
 from trainer.state import iter_tensors
 from trainer.storage import open_storage
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     home = spotrun_home()
+    private_home(home)  # 0700 home, 0600 files
     t0 = time.monotonic()
     try:
         ok = run_demo(home, args.keep_server)

@@ -6,36 +6,54 @@ SQLite under its PREFECT_HOME; it is ready when /api/health answers (7-14 s on a
 2 cores, 3-5 s on an existing one) and stops on SIGTERM to the group. The background server is the
 same process started without a parent-death signal, recorded in `<home>/prefect/server.json`; every
 command finds it there and checks it (the pid is a Prefect server, /api/health answers) before use.
+
+Every server is private to its home: it answers only requests carrying the auth string in
+`<server home>/auth_string` (0600, made on first start), admits browsers only from its own origin
+(CORS) and wants a CSRF token for every change; the key that encrypts its Secret blocks comes from
+`<server home>/encryption_key` (0600), not from its database. Clients spotrun starts get the auth
+string through PREFECT_API_AUTH_STRING (`client_env`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import fcntl
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from trainer.errors import SpotrunError
+from trainer.errors import ConfigError, SpotrunError
+from trainer.locks import flock_within
 
 
 class ServerStartError(SpotrunError):
     """The local Prefect server did not come up; the message names its log."""
 
 
+class BindRefused(ConfigError):
+    """A bind off loopback without TLS in front: clients would send the auth string in clear."""
+
+
 DEFAULT_PORT = 4200  # Prefect's own default: the UI address a user already knows, when it is free
 STATE_FILE = "server.json"  # in the background server's PREFECT_HOME: pid, API URL, start time
 LOCK_FILE = "server.lock"  # held while one command checks for, or starts, the background server
+LOCK_WAIT_S = 150.0  # longer than one start (90 s at most): a holder past it is stuck, not busy
+AUTH_FILE = "auth_string"  # in the server's PREFECT_HOME, 0600: `spotrun:<random>`, sent as Basic auth
+KEY_FILE = "encryption_key"  # in the server's PREFECT_HOME, 0600: the Fernet key of its Secret blocks
+DATABASE = "prefect.db"
 
 
 def free_port() -> int:
@@ -44,26 +62,164 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class PrefectServer:
-    """`prefect server start` on 127.0.0.1, SQLite under `home`; its output goes to home/server.log."""
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost); a hostname is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, home: Path, port: int | None = None, die_with_parent: bool = True) -> None:
+
+def check_bind(host: str, public_url: str | None) -> None:
+    """Refuse a bind off loopback unless a TLS proxy serves the API (`public_url`, https): clients
+    send the auth string with every request, in clear over plain http."""
+    if is_loopback(host):
+        return
+    if public_url and public_url.startswith("https://"):
+        return
+    raise BindRefused(
+        f"--host {host} is not a loopback address: clients would send the auth string over the network "
+        "in clear; bind 127.0.0.1, or put a TLS proxy in front and give its address with "
+        "--public-url https://HOST[:PORT]"
+    )
+
+
+def private_file(path: Path, make: Callable[[], str]) -> str:
+    """The secret in `path`; on first use `make()`'s, written 0600. Two starts at once agree (the
+    first link wins); a file that others can read is made 0600 again."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another start made it first: use theirs
+        finally:
+            tmp.unlink()
+        text = path.read_text().strip()
+    if not text:
+        raise ServerStartError(f"{path} is empty: delete it and start again (a new one is made)")
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    return text
+
+
+def auth_string(server_home: Path) -> str:
+    """The server's auth string (`spotrun:<random>`), made on first use."""
+    return private_file(server_home / AUTH_FILE, lambda: f"spotrun:{secrets.token_urlsafe(32)}")
+
+
+def encryption_key(server_home: Path) -> str:
+    """The Fernet key of the server's Secret blocks, made on first use: Prefect's own key copied out
+    of an existing prefect.db (and removed from it), else a new one. Without the copy, every Secret
+    block saved before (a Slack webhook) would stop decrypting."""
+    path = server_home / KEY_FILE
+    if path.exists():
+        return private_file(path, str)
+    db = server_home / DATABASE
+    key = private_file(path, lambda: _key_in_database(db) or _new_fernet_key())
+    _forget_key_in_database(db, key)
+    return key
+
+
+def _new_fernet_key() -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
+
+
+def _key_in_database(db: Path) -> str | None:
+    """The key Prefect generated into `db` (its `configuration` table), if it has one."""
+    if not db.is_file():
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as con:
+            row = con.execute("SELECT value FROM configuration WHERE key = 'ENCRYPTION_KEY'").fetchone()
+    except sqlite3.Error:  # no such table (never migrated): no Secret block was ever saved in it
+        return None
+    if row is None:
+        return None
+    value = json.loads(row[0]) if isinstance(row[0], str | bytes) else row[0]
+    return str(value["fernet_key"])
+
+
+def _forget_key_in_database(db: Path, key: str) -> None:
+    """Delete the key from `db` once the key file holds the same key: it lives in the file alone."""
+    if _key_in_database(db) != key:
+        return
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as con, con:
+        con.execute("DELETE FROM configuration WHERE key = 'ENCRYPTION_KEY'")
+
+
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1 (or `host`, behind a TLS proxy at `public_url`), SQLite
+    under `home`, private (auth string, CORS, CSRF, key file); its output goes to home/server.log."""
+
+    def __init__(
+        self,
+        home: Path,
+        port: int | None = None,
+        die_with_parent: bool = True,
+        host: str = "127.0.0.1",
+        public_url: str | None = None,
+    ) -> None:
+        check_bind(host, public_url)
         self.home, self.port = home, port or free_port()
+        self.host, self.public_url = host, public_url.rstrip("/") if public_url else None
         self.die_with_parent = die_with_parent  # False: it may outlive this process (--keep-server)
-        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        local = "127.0.0.1" if host in ("0.0.0.0", "::") or is_loopback(host) else host
+        self.api_url = f"http://{local}:{self.port}/api"  # what clients on this host use
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "server.log"
 
+    @property
+    def auth(self) -> str:
+        self.home.mkdir(parents=True, exist_ok=True)
+        return auth_string(self.home)
+
+    def origins(self) -> list[str]:
+        """The browser origins the UI is served from: the only ones CORS admits."""
+        if self.public_url is not None:
+            return [self.public_url]
+        return [f"http://127.0.0.1:{self.port}", f"http://localhost:{self.port}"]
+
+    def client_env(self) -> dict[str, str]:
+        """What a Prefect client needs to use this server (a child process inherits it)."""
+        return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth}
+
     def env(self) -> dict[str, str]:
+        ui_api = f"{self.public_url}/api" if self.public_url else self.api_url
         return {
             "PREFECT_HOME": str(self.home),
-            "PREFECT_API_URL": self.api_url,
+            **self.client_env(),
             # The UI asks this for its API; the default (port 4200) is wrong on a free port.
-            "PREFECT_SERVER_UI_API_URL": self.api_url,
+            "PREFECT_SERVER_UI_API_URL": ui_api,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",  # nor the client's telemetry (read when prefect is first imported)
             "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
         }
+
+    def server_env(self) -> dict[str, str]:
+        """env() plus what only the server reads: its auth string, CORS, CSRF and its secrets' key."""
+        return {
+            **self.env(),
+            "PREFECT_SERVER_API_AUTH_STRING": self.auth,
+            "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": ",".join(self.origins()),
+            "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+            "PREFECT_SERVER_ENCRYPTION_KEY": encryption_key(self.home),
+        }
+
+    @contextmanager
+    def clients(self) -> Iterator[None]:
+        """Prefect clients in this process, and the processes it starts, use this server."""
+        with using_api(self.api_url, self.auth):
+            yield
 
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start `prefect server start` (not waiting for it). Unless told otherwise it dies with this
@@ -71,9 +227,9 @@ class PrefectServer:
         from tasks.providers.processes import die_with_parent, on_spawner_thread
 
         self.home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host]
         cmd += ["--port", str(self.port)]
-        env = {**os.environ, **self.env()}
+        env = {**os.environ, **self.server_env()}
         env.pop("PREFECT_API_URL", None)  # the server itself must not talk to another server
         preexec = die_with_parent() if self.die_with_parent else None
 
@@ -142,10 +298,11 @@ class Background:
     api_url: str
     started_at: float
     log: str
+    public_url: str | None = None  # the TLS proxy's address, when it listens off loopback
 
     @property
     def ui_url(self) -> str:
-        return self.api_url.removesuffix("/api")
+        return self.public_url or self.api_url.removesuffix("/api")
 
 
 def server_home(home: Path) -> Path:
@@ -156,7 +313,8 @@ def server_home(home: Path) -> Path:
 def _read_state(home: Path) -> Background | None:
     try:
         d = json.loads((server_home(home) / STATE_FILE).read_text())
-        return Background(int(d["pid"]), str(d["api_url"]), float(d["started_at"]), str(d["log"]))
+        public = str(d["public_url"]) if d.get("public_url") else None
+        return Background(int(d["pid"]), str(d["api_url"]), float(d["started_at"]), str(d["log"]), public)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -181,17 +339,24 @@ def running_server(home: Path) -> Background | None:
 
 @contextmanager
 def _server_lock(home: Path) -> Iterator[None]:
-    """One command at a time checks for or starts the background server (two would share one SQLite)."""
+    """One command at a time checks for or starts the background server (two would share one SQLite);
+    LockTimeout after LOCK_WAIT_S."""
     server_home(home).mkdir(parents=True, exist_ok=True)
-    with open(server_home(home) / LOCK_FILE, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with flock_within(server_home(home) / LOCK_FILE, LOCK_WAIT_S, "the background Prefect server"):
         yield
 
 
-def start_background(home: Path, port: int | None = None, timeout_s: float = 90) -> tuple[Background, bool]:
+def start_background(
+    home: Path,
+    port: int | None = None,
+    timeout_s: float = 90,
+    host: str = "127.0.0.1",
+    public_url: str | None = None,
+) -> tuple[Background, bool]:
     """The background server, started now unless it already runs; (server, started now). `port`: None
-    takes 4200 when free, else a free one; 0 always a free one. ServerStartError if it does not come up
-    or the asked-for port is taken."""
+    takes 4200 when free, else a free one; 0 always a free one. BindRefused for `host` off loopback
+    without an https `public_url`; ServerStartError if it does not come up or the port is taken."""
+    check_bind(host, public_url)
     with _server_lock(home):
         found = running_server(home)
         if found is not None:
@@ -205,9 +370,9 @@ def start_background(home: Path, port: int | None = None, timeout_s: float = 90)
         if port and not port_free(port):
             raise ServerStartError(f"port {port} on 127.0.0.1 is in use; pick another with --port")
         chosen = port or (DEFAULT_PORT if port is None and port_free(DEFAULT_PORT) else free_port())
-        server = PrefectServer(server_home(home), chosen, die_with_parent=False).start(timeout_s)
+        server = PrefectServer(server_home(home), chosen, False, host, public_url).start(timeout_s)
         assert server.proc is not None
-        bg = Background(server.proc.pid, server.api_url, time.time(), str(server.log))
+        bg = Background(server.proc.pid, server.api_url, time.time(), str(server.log), server.public_url)
         tmp = server_home(home) / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(bg.__dict__) + "\n")
         os.replace(tmp, server_home(home) / STATE_FILE)
@@ -295,19 +460,32 @@ def prefect_api(
     if not api.url:
         server = PrefectServer(server_home(home), die_with_parent=not keep).start()
         api = PrefectApi(server.api_url, server)
-    client_env = server.env() if server is not None else {"PREFECT_API_URL": api.url}
+    # PREFECT_API_URL's server: the auth string the environment (or profile) gives, as is; ours: its file
+    auth = None if api.source == "env" else auth_string(server_home(home))
     try:
-        with patched_environ(**client_env):
-            from prefect.settings import PREFECT_API_URL, temporary_settings
-
-            with temporary_settings({PREFECT_API_URL: api.url}):
-                try:
-                    yield api
-                finally:
-                    flush_to_api()
+        with using_api(api.url, auth, server.env() if server is not None else {}):
+            try:
+                yield api
+            finally:
+                flush_to_api()
     finally:
         if server is not None and not keep:
             server.stop()
+
+
+@contextmanager
+def using_api(url: str, auth: str | None, extra_env: dict[str, str] | None = None) -> Iterator[None]:
+    """Prefect clients in this process, and the processes it starts (they inherit the environment),
+    talk to `url`, sending `auth` (None: whatever auth string the settings already hold)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    env = {**(extra_env or {}), "PREFECT_API_URL": url}
+    updates: dict[Any, Any] = {PREFECT_API_URL: url}
+    if auth is not None:
+        env["PREFECT_API_AUTH_STRING"] = auth
+        updates[PREFECT_API_AUTH_STRING] = auth
+    with patched_environ(**env), temporary_settings(updates):
+        yield
 
 
 @contextmanager

@@ -6,6 +6,7 @@ pay a server start (7-14 s on 2 cores) and its flow-run link still opens after t
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 
 from spotrun.console import EXIT_FINDINGS, EXIT_OK, Subparsers
@@ -15,18 +16,22 @@ STATUS_NOT_RUNNING = EXIT_FINDINGS  # `status`: 0 running, 1 not running (script
 
 def cmd_start(args: argparse.Namespace) -> int:
     """Start the background server unless it runs; print its UI address and how to point tools at it."""
-    from spotrun.server import running_server, server_home, start_background
+    from spotrun.server import AUTH_FILE, check_bind, running_server, server_home, start_background
     from tasks.settings import spotrun_home
 
+    check_bind(args.host, args.public_url)  # before anything is started or written
     home = spotrun_home()
     if running_server(home) is None:
         print(f"starting a Prefect server under {server_home(home)} (SQLite) ...", flush=True)
     t0 = time.monotonic()
-    bg, started = start_background(home, args.port, timeout_s=args.timeout)
+    bg, started = start_background(home, args.port, args.timeout, args.host, args.public_url)
     how = f"started in {time.monotonic() - t0:.0f} s" if started else "already running"
     print(f"Prefect server {how}: {bg.ui_url} (pid {bg.pid}, log {bg.log})")
+    auth = shlex.quote(str(server_home(home) / AUTH_FILE))
+    print(f"The UI asks for its auth string: the contents of {auth}")
     print("spotrun run uses it while PREFECT_API_URL is unset; other Prefect tools need:")
     print(f"  export PREFECT_API_URL={bg.api_url}")
+    print(f'  export PREFECT_API_AUTH_STRING="$(cat {auth})"')
     return EXIT_OK
 
 
@@ -64,7 +69,8 @@ def add_server(sub: Subparsers) -> None:
     help_ = "start, stop or check a local Prefect server kept running in the background"
     epilog = (
         "The server listens on 127.0.0.1 (port 4200 when free), keeps its SQLite database under "
-        "$SPOTRUN_HOME/prefect and survives the terminal. spotrun run, serve and deploy use it while "
+        "$SPOTRUN_HOME/prefect and survives the terminal. It answers only requests that carry the auth "
+        "string in $SPOTRUN_HOME/prefect/auth_string (0600). spotrun run, serve and deploy use it while "
         "PREFECT_API_URL is unset (spotrun run starts it when it is not running). status exits 0 when "
         "it runs and answers, 1 when not."
     )
@@ -74,6 +80,14 @@ def add_server(sub: Subparsers) -> None:
     start.add_argument(
         "--port", type=int, metavar="N", help="port on 127.0.0.1 (default 4200 when free; 0: any free port)"
     )
+    start.add_argument(
+        "--host", default="127.0.0.1", metavar="ADDR",
+        help="listen here (default 127.0.0.1); off loopback only with --public-url (else exit 2)",
+    )  # fmt: skip
+    start.add_argument(
+        "--public-url", metavar="URL",
+        help="the https address of the TLS proxy in front of it (needed for a --host off loopback)",
+    )  # fmt: skip
     start.add_argument("--timeout", type=float, default=90, metavar="S", help="wait this long for it")
     start.set_defaults(handler=cmd_start)
     stop = actions.add_parser("stop", help="stop it (SIGTERM, then SIGKILL); its database stays")

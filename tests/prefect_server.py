@@ -9,7 +9,6 @@ fresh machine; only the schema and the block types it registers at start are alr
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import sqlite3
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from spotrun import server as _server
 from spotrun.server import free_port  # noqa: F401 (re-exported for the tests)
+from trainer.locks import flock_within
 
 DATABASE = "prefect.db"
 MEMO = "memo_store.toml"  # the block types' registration hash: without it the server registers again
@@ -33,8 +33,7 @@ def template() -> Path:
     """The migrated template's directory (made now by the first caller; others wait on a lock)."""
     root = _template_root()
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with flock_within(root / "lock", 300, "the test servers' template database"):
         if not (root / DATABASE).is_file():
             work = Path(tempfile.mkdtemp(dir=root))
             server = _server.PrefectServer(work)
@@ -53,13 +52,17 @@ def template() -> Path:
 
 
 def seed(prefect_home: Path) -> Path:
-    """Give a server home that has no database yet a copy of the template; `prefect_home` returned."""
+    """Give a server home that has no database yet a copy of the template; `prefect_home` returned.
+    Private, as spotrun makes its own: the directory 0700, the copies 0600 (its auth string and key
+    files are the server's own, made when it starts)."""
     prefect_home.mkdir(parents=True, exist_ok=True)
+    prefect_home.chmod(0o700)
     if not (prefect_home / DATABASE).exists():
         root = template()
-        shutil.copyfile(root / DATABASE, prefect_home / DATABASE)
-        if (root / MEMO).is_file():
-            shutil.copyfile(root / MEMO, prefect_home / MEMO)
+        for name in (DATABASE, MEMO):
+            if (root / name).is_file():
+                shutil.copyfile(root / name, prefect_home / name)
+                (prefect_home / name).chmod(0o600)
     return prefect_home
 
 

@@ -41,6 +41,7 @@ from trainer.launch import (
     write_rank_exit,
 )
 from trainer.lease import DEFAULT_TTL_S, Holder, held
+from trainer.locks import private_home
 from trainer.loop import AttemptOptions, ResumeSource, _device, run_attempt
 from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     env = Environ.read(args)  # the process edge: nothing below reads os.environ
+    private_home(env.home)  # 0700 home, 0600 files (a store elsewhere keeps its own mode)
     if env.ranks is not None:
         die_with_agent()
     who = f"rank {env.rank} " if env.ranks is not None else ""

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trainer.errors import ConfigError, PreconditionFailed, StorageError
+from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.storage.base import CHUNK, ObjectInfo
 
 TMP_MARK = ".spotrun-tmp-"
@@ -22,6 +22,7 @@ STAGING = f"{TMP_MARK}staging"
 # `<key>.spotrun-lock`: the flock that makes put_if's compare and replace one step. Never deleted
 # (unlinking a lock file someone holds would let a third writer lock a fresh inode), never listed.
 LOCK_SUFFIX = ".spotrun-lock"
+LOCK_WAIT_S = 30.0
 # Errors no retry fixes: the user must remount, grant or free space first.
 UNWRITABLE = {
     errno.EROFS: "the file system is read-only; remount it writable or choose another storage",
@@ -74,13 +75,17 @@ class LocalStorage:
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"storage {self.root} is a file, not a directory: point storage at a directory")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _mkdirs(self.root)
         except (FileExistsError, NotADirectoryError):
             raise ConfigError(
                 f"storage {self.root}: a part of the path is a file, not a directory; fix storage"
             ) from None
         except OSError as e:
             raise StorageError(f"cannot create storage directory {self.root}: {e.strerror}") from None
+        # What the store creates takes the root's mode, not the process's umask (077 under SPOTRUN_HOME):
+        # a team's shared directory stays shared, a private one stays private.
+        self._dir_mode = self.root.stat().st_mode & 0o2777
+        self._file_mode = self._dir_mode & 0o666
 
     @contextlib.contextmanager
     def _writing(self, what: str) -> Iterator[None]:
@@ -100,7 +105,10 @@ class LocalStorage:
 
     def put(self, key: str, src: Path) -> None:
         with self._writing(f"write {key}"):
-            copy_durable(Path(src), self._path(key))
+            dst = self._path(key)
+            _mkdirs(dst.parent, self._dir_mode)
+            copy_durable(Path(src), dst)
+            dst.chmod(self._file_mode)
 
     def local_path(self, key: str) -> Path:
         return self._path(key)
@@ -112,7 +120,9 @@ class LocalStorage:
         on another host of a shared volume) never touches another's files before their adopt."""
         d = self.root / STAGING / uuid.uuid4().hex[:16]
         with self._writing("create a staging directory"):
-            d.mkdir(parents=True)
+            _mkdirs(d.parent, self._dir_mode)
+            d.mkdir()
+            d.chmod(self._dir_mode)
         return d
 
     def adopt(self, files: Sequence[tuple[str, Path]]) -> None:
@@ -130,8 +140,9 @@ class LocalStorage:
         with self._writing(f"write {files[0][0]}"):
             for dst, src in moves:
                 if not dst.parent.is_dir():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    _mkdirs(dst.parent, self._dir_mode)
                     changed.update(p for p in dst.parent.parents if p.is_relative_to(self.root))
+                src.chmod(self._file_mode)  # the writer made it under the process's umask
                 os.replace(src, dst)
                 changed.add(dst.parent)
             for d in sorted(changed, key=lambda p: len(p.parts), reverse=True):  # entries, then their dirs
@@ -231,11 +242,12 @@ class LocalStorage:
 
     def _put_if(self, key: str, data: bytes, if_version: str | None) -> str:
         dst = self._path(key)
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        _mkdirs(dst.parent, self._dir_mode)
         tmp = dst.with_name(f"{TMP_MARK}{dst.name}.{uuid.uuid4().hex[:8]}")
         try:
             _write_durable(tmp, data)
-            with _locked(dst.with_name(dst.name + LOCK_SUFFIX)):
+            tmp.chmod(self._file_mode)
+            with _locked(dst.with_name(dst.name + LOCK_SUFFIX), self._file_mode):
                 try:
                     current: str | None = _version(dst.read_bytes())
                 except FileNotFoundError:
@@ -262,14 +274,45 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    """An exclusive flock on `lock`: released by the kernel when the holder dies, so no stale locks."""
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+def _locked(lock: Path, mode: int) -> Iterator[None]:
+    """An exclusive flock on `lock`: released by the kernel when the holder dies, so no stale locks.
+    Its holder only compares and renames, in milliseconds: a wait past LOCK_WAIT_S is a stuck holder
+    (a hung network volume), and the put fails as retryable rather than hang the trainer."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, mode)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, mode)  # O_CREAT's mode passed through the umask
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TransientStorageError(
+                        f"{lock} has been locked by another writer for {LOCK_WAIT_S:.0f} s; will retry"
+                    ) from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)
+
+
+def _mkdirs(path: Path, mode: int | None = None) -> None:
+    """mkdir -p `path`; the directories it creates get `mode`, or else that of the nearest one that
+    existed (without its sticky bit or write for others): not the process's umask."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    if not missing:
+        return
+    mode = p.stat().st_mode & 0o2775 if mode is None else mode
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it first
+            d.mkdir()
+            d.chmod(mode)
 
 
 def _iter_file(p: Path) -> Iterator[bytes]:
