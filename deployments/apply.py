@@ -1,5 +1,8 @@
 """Apply spotrun to a Prefect server: the work pool, the deployments of prefect.yaml, the automations.
 
+Also writes this host's trust settings ($SPOTRUN_HOME/allowed.yaml, tasks/trust.py): what the
+deployments' defaults name, which a deployment run may name too.
+
 Idempotent: the pool is created only when missing, `prefect deploy` updates deployments in place by
 name (and the nightly schedule by its slug), automations are matched by name. Applying twice leaves
 the same ids and nothing new.
@@ -31,6 +34,7 @@ from deployments.automations import (
     build_automations,
     build_recovery_automations,
 )
+from tasks.trust import Allowed, named, write_allowed
 from trainer.errors import SpotrunError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +75,7 @@ class DeployReport:
     pools_created: list[str]
     automations: list[Applied]
     recovery: RecoveryRules = field(default_factory=RecoveryRules)
+    allowed: Path | None = None  # the trust settings written (what deployment runs may name here)
 
 
 def ensure_work_pool(client: SyncPrefectClient, name: str) -> bool:
@@ -181,10 +186,23 @@ def run_prefect_deploy(
         raise DeployError(f"`prefect deploy` failed ({done.returncode}) for {prefect_file}: {tail}")
 
 
+def allowed_by_defaults(doc: dict[str, Any]) -> Allowed:
+    """What the deployments' own default parameters name (interpreters, recipe modules, ...), pure: a
+    deployment run may name these on this host (tasks/trust.py)."""
+    allowed = Allowed()
+    for d in doc.get("deployments", []):
+        allowed |= named(d.get("parameters") or {})
+    return allowed
+
+
 def deploy(
-    rules: AlertRules, prefect_file: Path = PREFECT_FILE, recovery: RecoveryRules | None = None
+    rules: AlertRules,
+    prefect_file: Path = PREFECT_FILE,
+    recovery: RecoveryRules | None = None,
+    home: Path | None = None,
 ) -> DeployReport:
-    """Apply pools, deployments and automations to the server PREFECT_API_URL names."""
+    """Apply pools, deployments and automations to the server PREFECT_API_URL names; with `home`, write
+    what their defaults name to this host's trust settings (`home`/allowed.yaml) once they are applied."""
     recovery = recovery or RecoveryRules()
     url = api_url()
     names = DeployedNames.read(prefect_file)
@@ -198,4 +216,7 @@ def deploy(
         wanted = build_automations(rules, ids[ALERT_DEPLOYMENT])
         wanted += build_recovery_automations(recovery, ids[RECOVER_DEPLOYMENT])
         applied = apply_automations(client, wanted)
-    return DeployReport(ids, created, applied, recovery)
+    allowed = None
+    if home is not None:
+        allowed = write_allowed(home, allowed_by_defaults(yaml.safe_load(prefect_file.read_text())))
+    return DeployReport(ids, created, applied, recovery, allowed)

@@ -82,6 +82,7 @@ def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
             "pools_created": report.pools_created,
             "automations": [asdict(a) for a in report.automations],
             "recovery": report.recovery.model_dump(),
+            "allowed": str(report.allowed) if report.allowed else None,
         }
         print(json.dumps(doc, default=str, indent=2))
         return
@@ -103,6 +104,10 @@ def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
     r = report.recovery
     out.print(f"a training run silent for {r.zombie_after_s:g} s is marked Crashed and rerun, at most "
               f"{r.controller_restarts} times per job within {r.restart_window_s:g} s")  # fmt: skip
+    if report.allowed is not None:
+        out.print(f"deployment runs on this host may name what {report.allowed} allows "
+                  "(built-in recipes, the deployments' defaults and your own additions)",
+                  markup=False, soft_wrap=True)  # fmt: skip
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -117,7 +122,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     # PREFECT_API_URL (from the environment or a Prefect profile), else the background server; never
     # a temporary server: deployments on a server stopped when this command ends would serve nobody.
     with prefect_api(spotrun_home(), temporary=False) if not PREFECT_API_URL.value() else nullcontext():
-        report = deploy(rules, recovery=recovery)  # neither: DeployError, one line
+        report = deploy(rules, recovery=recovery, home=spotrun_home())  # neither: DeployError, one line
         print_report(report, PrefectApi(str(PREFECT_API_URL.value()), None).ui_url, args.json)
     return EXIT_OK
 
@@ -141,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with prefect_api(settings.home, keep=False) as api:
         if api.server is not None:
             out.print(f"started a Prefect server: {api.ui_url}", markup=False)
-        print_report(deploy(rules, recovery=recovery), api.ui_url, args.json)
+        print_report(deploy(rules, recovery=recovery, home=settings.home), api.ui_url, args.json)
         worker = LocalWorker(settings.home / "worker.log", query_s=args.poll).start()
         try:
             pid = worker.proc.pid if worker.proc else "?"

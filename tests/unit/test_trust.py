@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local_config import LocalProviderConfig
@@ -154,3 +155,15 @@ def test_the_operators_own_file_is_trusted_as_written(tmp_path: Path) -> None:
     settings_path(tmp_path).write_text("allow: [\n")
     why = run_refusal("7f0c...", job(), LOCAL, tmp_path, OWN)
     assert why is not None and "is not valid YAML" in why
+
+
+def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
+    from deployments.apply import PREFECT_FILE, allowed_by_defaults
+
+    shipped = yaml.safe_load(PREFECT_FILE.read_text())
+    assert allowed_by_defaults(shipped) == Allowed()  # built-in recipes only: nothing beyond the defaults
+    job, provider = {"job": {"recipe": "team.models:build"}}, {"provider": {"python": "/opt/py"}}
+    team = {"deployments": [{"parameters": job}, {"parameters": provider}, {"name": "sweep"}]}
+    assert allowed_by_defaults(team) == Allowed(
+        recipes=frozenset({"team.models:build"}), python=frozenset({"/opt/py"})
+    )
