@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import shlex
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,11 @@ fi
 """
 
 
+def _env_lines(env: Mapping[str, str] | None) -> str:
+    """Bash: export the job's `env.set` (names checked by the job spec, values quoted)."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in (env or {}).items())
+
+
 def node_workdir(workdir: str, node: NodeRole | None) -> str:
     """Where a node keeps its job file and cache: `workdir`, or `workdir/node<i>` for a multi-node attempt."""
     return workdir if node is None else f"{workdir.rstrip('/')}/node{node.rank}"
@@ -105,10 +111,12 @@ def build_user_data(
     job: str,
     attempt: int,
     node: NodeRole | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> str:
     """A bash script that writes the job file to `workdir` and execs the trainer, as the unprivileged
     TRAINER_USER, with the worker id (and, on a node of a multi-node attempt, its node rank and node
-    0's address)."""
+    0's address) and the job's `env.set` exported. Nothing of the controller's environment is in it:
+    the trainer starts from the instance's own boot environment."""
     spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
     which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
@@ -124,7 +132,7 @@ cd "$SPOTRUN_HOME"
 base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
 {spec_b64}
 SPOTRUN_JOB_B64
-{_as_trainer_user()}{trainer}
+{_env_lines(env)}{_as_trainer_user()}{trainer}
 """
 
 

@@ -23,11 +23,13 @@ from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.aws_watch import AwsWorkerState
 from tasks.providers.base import LogCallback, StatusCallback, StopCause, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
-from trainer.spec import JobSpec
+from tasks.providers.trainer_env import trainer_env
+from trainer.spec import EnvOptions, JobSpec
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"  # node 0's address as the other nodes reach it: every node plays on this host
+INSTANCE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 class LocalInstances:
@@ -41,9 +43,12 @@ class LocalInstances:
         home = self.root / instance_id
         home.mkdir(parents=True, exist_ok=True)
         (home / "user-data.sh").write_text(script)
-        # The current user plays the instance: no switch to the instance's trainer user.
-        env = {**os.environ, "SPOTRUN_WORKER_ID": instance_id, "SPOTRUN_MASTER_ADDR": LOOPBACK,
-               "SPOTRUN_TRAINER_USER": ""}  # fmt: skip
+        # The current user plays the instance: no switch to the instance's trainer user. It boots with
+        # what a local trainer may see of this environment, and the test endpoint's AWS keys in place of
+        # the instance profile a real instance has (a rehearsal runs against a loopback endpoint).
+        stand_in = {k: os.environ[k] for k in INSTANCE_CREDENTIALS if k in os.environ}
+        env = {**trainer_env(os.environ, EnvOptions()), **stand_in, "SPOTRUN_WORKER_ID": instance_id,
+               "SPOTRUN_MASTER_ADDR": LOOPBACK, "SPOTRUN_TRAINER_USER": ""}  # fmt: skip
 
         def start() -> subprocess.Popen[bytes]:
             with open(home / "console.log", "wb") as out:

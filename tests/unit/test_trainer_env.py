@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
+from tasks.providers.aws_launch import build_user_data
 from tasks.providers.trainer_env import passes, trainer_env
 from trainer.spec import EnvOptions
 
@@ -47,3 +51,19 @@ def test_set_then_spotruns_own_win() -> None:
     env = EnvOptions.model_validate({"pass": ["NAMED"], "set": {"HF_HOME": "/job/hf", "X": "1"}})
     got = trainer_env(environ, env, {"X": "2"})
     assert got == {"PATH": "/bin", "HF_HOME": "/job/hf", "NAMED": "n", "X": "2"}
+
+
+def test_ec2_user_data_exports_the_jobs_env_set_quoted(tmp_path: Path) -> None:
+    """The user data run by bash with a stand-in `python` that prints what it was given."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python").write_text('#!/bin/bash\necho "WANDB_PROJECT=$WANDB_PROJECT"\necho "ODD=$ODD"\n')
+    (stubs / "python").chmod(0o755)
+    spec = "name: d\nrecipe: digits\ntotal_steps: 1\n"
+    env = {"WANDB_PROJECT": "nightly", "ODD": "it's $HOME; `x`"}
+    script = build_user_data(
+        spec, [], python="python", workdir=str(tmp_path / "w"), job="d", attempt=1, env=env
+    )
+    boot = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
+    out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=boot, check=True)
+    assert out.stdout == "WANDB_PROJECT=nightly\nODD=it's $HOME; `x`\n"
