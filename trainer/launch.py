@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,8 @@ LAUNCHER_ID = "SPOTRUN_LAUNCHER_ID"  # the worker's identity, for rank 0's stora
 NODE_RANK = "SPOTRUN_NODE_RANK"  # multi-node: this machine's index (the provider sets it)
 MASTER_ADDR = "SPOTRUN_MASTER_ADDR"  # multi-node: the first machine's address
 RANK_START = "SPOTRUN_RANK_START"  # "exec": fresh rank processes even on CPU (what CUDA jobs get)
+STORE_FD = "SPOTRUN_STORE_FD"  # one node: the loopback socket torchrun's store serves on (trainer/agent.py)
+LOOPBACK = "127.0.0.1"
 
 # A rank's own verdict outranks a peer's crash: a rank that cannot load the checkpoint, or finds the
 # lease held, ends the attempt with that reason, while its peers only see their collectives break.
@@ -138,20 +141,34 @@ def node_rank(env: Mapping[str, str]) -> int:
     return int(env.get(NODE_RANK, "0"))
 
 
-def torchrun_args(opts: DistributedOptions, nproc: int, env: Mapping[str, str]) -> list[str]:
-    """torchrun's arguments for this machine: standalone on one node; for several, a static rendezvous
-    at the first machine's address with this machine's `--node_rank`. Static, not c10d: c10d orders
-    machines by host name and pid, so global rank 0 (the one that holds the lease and speaks) landed on
-    the second machine in 3 of 6 rehearsals (measured); static pins rank = node x nproc + local rank,
-    and each rank's data shard and RNG file follow its global rank across attempts."""
+def torchrun_args(
+    opts: DistributedOptions, nproc: int, env: Mapping[str, str], store_port: int = 0
+) -> list[str]:
+    """torchrun's arguments for this machine: a static rendezvous at the first machine's address with
+    this machine's `--node_rank`. Static, not c10d: c10d orders machines by host name and pid, so global
+    rank 0 (the one that holds the lease and speaks) landed on the second machine in 3 of 6 rehearsals
+    (measured); static pins rank = node x nproc + local rank, and each rank's data shard and RNG file
+    follow its global rank across attempts. One node: the store on 127.0.0.1:`store_port`, served from
+    a socket bound there (`loopback_listener`): torchrun's `--standalone` store listens on every
+    interface, where anyone on the network could write the job's rendezvous keys."""
     args = [f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.5"]
     if opts.nnodes == 1:
-        return [*args, "--standalone"]
-    addr = env.get(MASTER_ADDR, "127.0.0.1")
+        addr, port, rank = LOOPBACK, store_port, 0
+    else:
+        addr, port, rank = env.get(MASTER_ADDR, LOOPBACK), opts.port, node_rank(env)
     return [
-        *args, f"--nnodes={opts.nnodes}", f"--node_rank={node_rank(env)}", "--rdzv_backend=static",
-        f"--master_addr={addr}", f"--master_port={opts.port}",
+        *args, f"--nnodes={opts.nnodes}", f"--node_rank={rank}", "--rdzv_backend=static",
+        f"--master_addr={addr}", f"--master_port={port}",
     ]  # fmt: skip
+
+
+def loopback_listener() -> socket.socket:
+    """A listening socket on 127.0.0.1 and a free port, for a one-node job's store (trainer/agent.py
+    serves it: a TCPStore of its own would bind every interface)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((LOOPBACK, 0))
+    s.listen(128)
+    return s
 
 
 def fork_ranks(on_cpu: bool, env: Mapping[str, str], threads: Sequence[str]) -> tuple[bool, str]:
@@ -198,7 +215,12 @@ def start_ranks(
     # torchrun pins OMP_NUM_THREADS=1 unless it is set; the thread count is part of exactness
     env |= {RANK_EXITS: str(exits), LAUNCHER_ID: launcher_id, "OMP_NUM_THREADS": str(threads or 1)}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    torchrun = torchrun_args(opts, nproc, os.environ)
+    listener = loopback_listener() if opts.nnodes == 1 else None
+    if listener is not None:  # one node: the store and the collectives' sockets on loopback only
+        env[STORE_FD] = str(listener.fileno())
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    torchrun = torchrun_args(opts, nproc, os.environ, listener.getsockname()[1] if listener else 0)
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     forked, why = fork_ranks(fork, os.environ, others)
     if why:
@@ -206,14 +228,18 @@ def start_ranks(
     how = "forked" if forked else "fresh"
     log.info("launching %d %s rank(s) on this machine (world size %d)", nproc, how, world)
     proc: subprocess.Popen[str] | ForkedAgent
-    if forked:
-        proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env, private)
-    else:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.agent", *torchrun, "-m", "trainer", *argv],
-            stdout=subprocess.PIPE, text=True, errors="replace", env=env,
-            process_group=0, preexec_fn=arm_pdeathsig,
-        )  # fmt: skip
+    try:
+        if forked:
+            proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env, private)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.agent", *torchrun, "-m", "trainer", *argv],
+                stdout=subprocess.PIPE, text=True, errors="replace", env=env, process_group=0,
+                preexec_fn=arm_pdeathsig, pass_fds=(listener.fileno(),) if listener else (),
+            )  # fmt: skip
+    finally:
+        if listener is not None:
+            listener.close()  # the agent holds its own copy
     return Launched(proc, exits, mine, _forward_signals(proc.pid, stop))
 
 

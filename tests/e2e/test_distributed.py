@@ -21,6 +21,7 @@ from tasks.history import HistoryStore
 from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
+from tests.integration.test_loopback_store import LOOPBACK, listeners_of
 from tests.procs import descendants, wait_gone
 from tests.trainer_runs import REPO, Trainer, assert_sharded_equal, losses, trainer
 from trainer.catalog import list_checkpoints, read_latest
@@ -247,6 +248,8 @@ def test_ranks_die_with_their_worker(tmp_path: Path, start: str) -> None:
         time.sleep(0.05)
     below = descendants(worker.pid)
     assert len(below) >= 3, below  # torchrun and two ranks
+    listening = listeners_of([worker.pid, *below])  # one node: the store and gloo on loopback only
+    assert listening and all(a.split(":")[0] in LOOPBACK for a in listening), listening
     os.kill(worker.pid, signal.SIGKILL)
     assert [pid for pid in below if not wait_gone(pid)] == []
     err = worker.result([], timeout=30).stderr

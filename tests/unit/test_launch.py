@@ -60,9 +60,10 @@ def test_rank_exit_files_round_trip(tmp_path: object) -> None:
     assert read_rank_exits(d) == {1: RankExit(1, ExitCode.PREEMPTED, "", 40, 40)}
 
 
-def test_torchrun_args_one_node_is_standalone_several_meet_at_the_first() -> None:
-    one = torchrun_args(DistributedOptions(nproc_per_node=2), 2, {})
-    assert "--standalone" in one and "--nproc_per_node=2" in one and "--max_restarts=0" in one
+def test_torchrun_args_one_node_meets_on_loopback_several_meet_at_the_first() -> None:
+    one = torchrun_args(DistributedOptions(nproc_per_node=2), 2, {"SPOTRUN_MASTER_ADDR": "10.0.0.5"}, 41000)
+    assert "--nproc_per_node=2" in one and "--max_restarts=0" in one and "--standalone" not in one
+    assert "--master_addr=127.0.0.1" in one and "--master_port=41000" in one and "--nnodes=1" in one
     two = DistributedOptions(nproc_per_node=4, nnodes=2, port=29600)
     first = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "0", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
     second = torchrun_args(two, 4, {"SPOTRUN_NODE_RANK": "1", "SPOTRUN_MASTER_ADDR": "10.0.0.5"})
