@@ -187,8 +187,8 @@ def run_flow(
 ) -> FlowRun:
     """One flow run of `job` with its own SPOTRUN_HOME and SQL history under `root`; timed around the call."""
     db = f"sqlite:///{root / 'history.db'}"
-    env = {"SPOTRUN_HOME": str(root / "home"), "SPOTRUN_DATABASE_URL": db}
-    api = {PREFECT_API_URL: server.api_url, PREFECT_HOME: str(server.home)}
+    env = {"SPOTRUN_HOME": str(root / "home"), "SPOTRUN_DATABASE_URL": db, **server.client_env()}
+    api = {PREFECT_API_URL: server.api_url, PREFECT_HOME: str(server.home)}  # the auth string: from env
     with (
         patched_environ(**env),
         temporary_settings(updates=api),

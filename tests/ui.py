@@ -3,6 +3,8 @@ the deployment's parameter form and of a flow run's attempts table, with the tex
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,9 +32,12 @@ class Shot:
     image_loaded: bool = False  # an <img> on the page was decoded (naturalWidth > 0)
 
 
-def screenshots(ui_url: str, deployment_id: str, flow_run_id: str, out: Path) -> dict[str, Shot]:
+def screenshots(
+    ui_url: str, deployment_id: str, flow_run_id: str, out: Path, auth: str | None = None
+) -> dict[str, Shot]:
     """The deployment's run form (and its provider's form), the flow run's Artifacts tab, its attempts
-    table and the summary's timeline image."""
+    table and the summary's timeline image. `auth`: the server's auth string, given to the UI as its
+    login page would store it (base64, localStorage `prefect-password`)."""
     from playwright.sync_api import sync_playwright
 
     out.mkdir(parents=True, exist_ok=True)
@@ -41,6 +46,9 @@ def screenshots(ui_url: str, deployment_id: str, flow_run_id: str, out: Path) ->
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_page(viewport=VIEWPORT)  # type: ignore[arg-type]
+            if auth is not None:
+                token = base64.b64encode(auth.encode()).decode()
+                page.add_init_script(f"localStorage.setItem('prefect-password', {json.dumps(token)})")
 
             def shoot(name: str, full_page: bool = False) -> None:
                 page.wait_for_load_state("networkidle")

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.prefect_server import PrefectServer
 
@@ -24,7 +23,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = PrefectServer(tmp_path_factory.mktemp("prefect")).start()
     try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
+        with server.clients():  # its URL and auth string, here and in the processes tests start
             yield server.api_url
             from prefect.logging.handlers import APILogHandler
 

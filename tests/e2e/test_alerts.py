@@ -308,7 +308,7 @@ def test_ui_shows_the_job_form_and_the_attempts_table(
     out = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
     dep_id = stack.report.deployments["resilient-training/resilient-training"]
     ui = stack.server.api_url.removesuffix("/api")
-    shots = screenshots(ui, str(dep_id), str(state.state_details.flow_run_id), out)
+    shots = screenshots(ui, str(dep_id), str(state.state_details.flow_run_id), out, stack.server.auth)
     form = shots["deployment-form"].text
     for field in ("Name", "Recipe", "Total Steps", "Batch Size", "Checkpoint", "Storage", "Every Steps"):
         assert field in form, f"the deployment form shows no {field!r} field"

@@ -46,6 +46,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert (demo / "checkpoints" / "reports" / "timeline.png").is_file()
     assert (tmp_path / "history.db").is_file() and (tmp_path / "prefect" / "server.log").is_file()
     assert not (demo / "history.db").exists()  # one history per SPOTRUN_HOME: the demo's run is in it
+    made = [tmp_path, *tmp_path.rglob("*")]  # SPOTRUN_HOME: 0700, everything in it 0600/0700
+    assert [p for p in made if p.stat().st_mode & 0o077] == []
     assert "/runs/flow-run/" in r.stdout and "the Prefect server has stopped" in r.stdout
     # the three restarts raised one restart-storm alert through the deployed path (no Slack set here)
     assert "restart-storm alert for digits: no Slack configured" in r.stdout

@@ -26,7 +26,6 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tasks.history import HistoryStore
 from tasks.recovery import JOB_CRASHED, RESTART_TAG, job_tag
@@ -97,7 +96,7 @@ def wait_for(what: str, probe: Any, timeout_s: float = PATIENCE_S) -> Any:
 def server(tmp_path: Path) -> Iterator[PrefectServer]:
     server = PrefectServer(tmp_path / "prefect").start()
     try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
+        with server.clients():
             yield server
     finally:
         server.stop()

@@ -20,7 +20,6 @@ import pytest
 from prefect import get_client
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import State, WorkerStatus
-from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
 from deployments.worker import POOL
@@ -67,7 +66,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Serve, PrefectServer]]:
     env = {**os.environ, **server.env(), "SPOTRUN_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
     env.pop("SPOTRUN_DATABASE_URL", None)
     try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
+        with server.clients():
             serve = Serve(env)
             try:
                 yield serve, server

@@ -437,9 +437,10 @@ def test_prefect_server_dies_with_the_process_that_started_it(tmp_path: Path) ->
 @pytest.mark.timeout(300)
 def test_deploy_uses_the_background_server(tmp_path: Path) -> None:
     """PREFECT_API_URL unset: `spotrun deploy` applies to the background server, as `run` and `serve` do."""
+    import base64
     import urllib.request
 
-    from spotrun.server import server_home, start_background, stop_background
+    from spotrun.server import auth_string, server_home, start_background, stop_background
     from tests.prefect_server import seed
 
     home = tmp_path / "home"
@@ -452,7 +453,10 @@ def test_deploy_uses_the_background_server(tmp_path: Path) -> None:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stdout + r.stderr
         applied = json.loads(r.stdout)["deployments"]
-        with urllib.request.urlopen(f"{bg.api_url}/deployments/name/recover-job/recover-job") as resp:
+        basic = base64.b64encode(auth_string(server_home(home)).encode()).decode()
+        url = f"{bg.api_url}/deployments/name/recover-job/recover-job"  # with the server's auth string
+        req = urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"})
+        with urllib.request.urlopen(req) as resp:
             assert json.load(resp)["id"] == applied["recover-job/recover-job"]  # on that server
     finally:
         stop_background(home)

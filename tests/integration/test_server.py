@@ -35,6 +35,10 @@ def test_background_server_start_status_reuse_stop(tmp_path: Path) -> None:
         state = json.loads((server_home(home) / "server.json").read_text())
         assert "Prefect server started" in started.stdout and state["api_url"] in started.stdout
         assert healthy(state["api_url"])
+        assert "export PREFECT_API_AUTH_STRING=" in started.stdout and "auth_string" in started.stdout
+        made = [home, *home.rglob("*")]  # the home and the server's files: nothing for others
+        assert {"auth_string", "encryption_key", "server.json"} <= {p.name for p in made}
+        assert [p for p in made if p.stat().st_mode & 0o077] == []
 
         again = spotrun(home, "server", "start")  # nothing to do: the same server, at once
         assert again.returncode == 0 and "already running" in again.stdout
