@@ -4,7 +4,9 @@ Each automation runs the `restart-alert` deployment with parameters rendered fro
 it (the server renders the Jinja strings; a string that is one `{{ expression }}` keeps its value's
 type). Restart storms are counted per job (`for_each` on the job's
 resource id): a reactive trigger fires once when a job reaches the threshold and then not again for the
-rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL.
+rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL. A
+checkpoint the controller cannot verify alerts the same way, with a threshold of 1: the first such event
+of a job starts an alert run, and its others in the window (one per checkpoint, per check) start none.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.alerts.message import ResumeFacts
+from tasks.alerts.message import AlertKind, ResumeFacts
+from tasks.checkpoints import CHECKPOINT_UNVERIFIED
 from tasks.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
@@ -38,6 +41,7 @@ RECOVERED = f"{NAME_PREFIX}: job recovered"
 ZOMBIE = f"{NAME_PREFIX}: zombie training run"
 CRASHED = f"{NAME_PREFIX}: restart crashed training"
 MISMATCH = f"{NAME_PREFIX}: resume mismatch"
+UNVERIFIED = f"{NAME_PREFIX}: checkpoint cannot be verified"
 ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
 TRAINING_FLOW = "resilient-training"
 HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
@@ -162,7 +166,38 @@ def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[Auto
             _alert_parameters("resume-mismatch", rules, resume=_resume_check()),
         )
     )
+    out.append(_unverified(rules, alert_deployment_id))
     return out
+
+
+def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
+    """A checkpoint whose signature the controller cannot check (tasks/checkpoints.py): once a window
+    per job. The event carries no flow run id; `flow_run` is the run it was emitted in (the server
+    reads it from the event's related resources; '' when there is none)."""
+    once_a_window = EventTrigger(
+        expect={CHECKPOINT_UNVERIFIED},
+        match=ANY_JOB,
+        for_each={"prefect.resource.id"},
+        posture=Posture.Reactive,
+        threshold=1,
+        within=timedelta(seconds=rules.restart_window_s),
+    )
+    parameters = _alert_parameters(
+        AlertKind.CANNOT_VERIFY.value,
+        rules,
+        checkpoint="step {{ event.payload.step | default('?') }}",
+        reason="{{ event.payload.problem | default('') }}",
+        # one expression renders through `tojson`, which refuses a UUID: `string` first
+        training_flow_run_id="{{ flow_run.id | default('') | string }}",
+    )
+    return _automation(
+        UNVERIFIED,
+        f"a checkpoint's signature cannot be checked with the controller's keys (at most one alert per job"
+        f" within {rules.restart_window_s:g} s); it is kept, never quarantined",
+        once_a_window,
+        alert_deployment_id,
+        parameters,
+    )
 
 
 def _training_runs() -> list[dict[str, str | list[str]]]:

@@ -16,6 +16,9 @@ Dedup keys (stable: they are stored, and people search for them):
   reached people since that job run started: a job that restarted quietly recovers quietly.
 - ``resume-mismatch:{job}:{job_run_id}:{attempt}``: once per resumed attempt whose check said
   `mismatch` (a recovery note does not follow it: the job did not fail, its results are in doubt).
+- ``cannot-verify:{job}:{opened}``: like a storm, once per window per job, however many checkpoints
+  the controller cannot verify and however many checks between attempts find them (a worker without
+  the key leaves every checkpoint it writes unsigned: one alert says it). No recovery note follows.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ def decide(
     """Send or suppress an alert of `kind` about `job`, given the alerts already recorded for it
     (`attempt`: the resumed attempt a RESUME_MISMATCH is about)."""
     mine = [a for a in previous if a.job == job]
-    if kind is AlertKind.RESTART_STORM:
-        return _storm(job, mine, window_s, now)
+    if kind in _PER_WINDOW:
+        return _per_window(kind, job, mine, window_s, now)
     run = job_run_id or _stamp(now)
     key = f"{kind}:{job}:{run}"
     if kind is AlertKind.RESUME_MISMATCH:
@@ -83,16 +86,21 @@ def decide(
     return Decision(Action.SEND, key, f"recovers from {earlier[-1].dedup_key}")
 
 
-def _storm(job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:
-    recent = [a for a in mine if a.kind == AlertKind.RESTART_STORM and a.created_at >= now - window_s]
+# Announced at most once a window per job, under a key opened by the first try: what each is called.
+_PER_WINDOW = {AlertKind.RESTART_STORM: "storm", AlertKind.CANNOT_VERIFY: "unverifiable checkpoint"}
+
+
+def _per_window(kind: AlertKind, job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:
+    what = _PER_WINDOW[kind]
+    recent = [a for a in mine if a.kind == kind and a.created_at >= now - window_s]
     announced = [a for a in recent if a.status in ANNOUNCED]
     if announced:
         last = announced[-1]
-        reason = f"storm already announced at {utc(last.created_at)} (within {window_s:g} s)"
+        reason = f"{what} already announced at {utc(last.created_at)} (within {window_s:g} s)"
         return Decision(Action.SUPPRESS, last.dedup_key, reason)
     if recent:  # earlier tries failed: the retry keeps their key
         return Decision(Action.SEND, recent[-1].dedup_key, "earlier tries were not delivered")
-    return Decision(Action.SEND, f"{AlertKind.RESTART_STORM}:{job}:{_stamp(now)}", "new storm")
+    return Decision(Action.SEND, f"{kind}:{job}:{_stamp(now)}", f"new {what}")
 
 
 def _stamp(ts: float) -> str:

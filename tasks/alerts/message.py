@@ -15,6 +15,7 @@ from typing import Any
 
 from tasks.history import AttemptRow
 from trainer.redact import redact
+from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 
 
 class AlertKind(StrEnum):
@@ -22,6 +23,11 @@ class AlertKind(StrEnum):
     GAVE_UP = "gave-up"  # the job run stopped retrying
     RECOVERED = "recovered"  # the job completed after an alert about it
     RESUME_MISMATCH = "resume-mismatch"  # a resumed attempt did not continue the lost one's training
+    CANNOT_VERIFY = "cannot-verify"  # a checkpoint's signature cannot be checked with the keys held here
+
+
+# Kinds about something other than restarts: the restart list and the last log lines are left out.
+_NOT_ABOUT_RESTARTS = frozenset({AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +54,9 @@ class AlertContext:
     restarts: list[AttemptRow]
     window_s: float
     threshold: int
-    checkpoint: str | None  # what the job resumes from
+    checkpoint: str | None  # what the job resumes from (CANNOT_VERIFY: the checkpoint it is about)
     flow_run_url: str | None  # the training flow run in the Prefect UI
-    reason: str = ""  # why it gave up
+    reason: str = ""  # why it gave up (CANNOT_VERIFY: the verifier's problem)
     now: float  # epoch seconds
     run_attempts: int | None = None  # attempts of the job's latest job run (None: not known)
     note: str = ""  # a caveat shown with the message, e.g. "restart history unavailable"
@@ -80,6 +86,7 @@ _EMOJI = {
     AlertKind.GAVE_UP: ":x:",
     AlertKind.RECOVERED: ":white_check_mark:",
     AlertKind.RESUME_MISMATCH: ":warning:",
+    AlertKind.CANNOT_VERIFY: ":lock:",
 }
 _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
@@ -95,7 +102,7 @@ def build_message(ctx: AlertContext) -> SlackMessage:
             "fields": [_mrkdwn(f"*{k}*\n{v}", FIELD_MAX_CHARS) for k, v in _slack_facts(ctx)],
         },
     ]
-    if ctx.restarts and ctx.kind is not AlertKind.RESUME_MISMATCH:
+    if ctx.restarts and ctx.kind not in _NOT_ABOUT_RESTARTS:
         blocks.append(_section(_slack_restarts(ctx)))
     log = _log_excerpt(ctx)
     if log:
@@ -119,7 +126,7 @@ def to_markdown(ctx: AlertContext) -> str:
         lines.append(f"- **Flow run:** {ctx.flow_run_url}")
     if ctx.note:
         lines += ["", f"_{_md_cell(ctx.note)}_"]
-    if ctx.restarts and ctx.kind is not AlertKind.RESUME_MISMATCH:
+    if ctx.restarts and ctx.kind not in _NOT_ABOUT_RESTARTS:
         lines += ["", f"#### Restarts in the last {human_duration(ctx.window_s)}", ""]
         lines += ["| # | ended (UTC) | outcome | cause | lost steps |", "|---|---|---|---|---|"]
         shown, hidden = _newest(ctx.restarts)
@@ -169,6 +176,9 @@ def title(ctx: AlertContext) -> str:
     if ctx.kind is AlertKind.RESUME_MISMATCH:
         attempt = f" attempt {ctx.resume.attempt}" if ctx.resume is not None else ""
         return f"spotrun: {job}{attempt} resumed with different results (resume check: mismatch)"
+    if ctx.kind is AlertKind.CANNOT_VERIFY:
+        which = f" ({_clip(_one_line(ctx.checkpoint), 40)})" if ctx.checkpoint else ""
+        return f"spotrun: {job} has a checkpoint it cannot verify{which}: kept, not quarantined"
     count = _times(len(ctx.restarts), "time") if ctx.restarts else f"at least {ctx.threshold} times"
     return f"spotrun: {job} restarted {count} in {human_duration(ctx.window_s)}"
 
@@ -180,6 +190,8 @@ def fallback_text(ctx: AlertContext) -> str:
         r = ctx.resume
         what = (r.diff or r.detail) if r is not None else ""
         return f"{text}: {_clip(_one_line(what), CAUSE_MAX_CHARS * 2)}" if what else text
+    if ctx.kind is AlertKind.CANNOT_VERIFY:
+        return f"{text}: {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}" if ctx.reason else text
     if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
         text += f": {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}"
     if ctx.restarts:
@@ -213,6 +225,8 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
     """(label, value) pairs, unescaped: the message's fields."""
     if ctx.kind is AlertKind.RESUME_MISMATCH:
         return _resume_facts(ctx)
+    if ctx.kind is AlertKind.CANNOT_VERIFY:
+        return _unverified_facts(ctx)
     facts = [("Job", ctx.job)]
     window = human_duration(ctx.window_s)
     facts.append(("Restarts in window", f"{len(ctx.restarts)} in {window} (threshold {ctx.threshold})"))
@@ -242,6 +256,25 @@ def _resume_facts(ctx: AlertContext) -> list[tuple[str, str]]:
         ("First difference", _clip(_one_line(first), CAUSE_MAX_CHARS * 2)),
         ("Largest relative difference", f"{r.max_rel:.3g}"),
         ("Check", _clip(_one_line(r.detail), CAUSE_MAX_CHARS * 2) or "mismatch"),
+    ]
+
+
+def _unverified_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    """A signature the controller cannot check: which checkpoint, why, what was done, the fix."""
+    return [
+        ("Job", ctx.job),
+        ("Checkpoint", _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else "not known"),
+        ("Problem", _clip(_one_line(ctx.reason), CAUSE_MAX_CHARS * 2) or "not known"),
+        (
+            "Done",
+            "nothing quarantined or deleted: the checkpoint is kept as it is, but not resumed from while"
+            " its signature cannot be checked",
+        ),
+        (
+            "Fix",
+            f"give the workers and the controller the same {KEY_ENV}; if it was signed with a retired"
+            f" key, add that key to {OLD_KEYS_ENV} (comma-separated) where the controller runs",
+        ),
     ]
 
 
@@ -278,7 +311,7 @@ def _log_excerpt(ctx: AlertContext) -> tuple[int, str] | None:
 
     Not for a recovery: the job is fine now, and the failure's log was in the alert it recovers from.
     """
-    if not ctx.restarts or ctx.kind in (AlertKind.RECOVERED, AlertKind.RESUME_MISMATCH):
+    if not ctx.restarts or ctx.kind is AlertKind.RECOVERED or ctx.kind in _NOT_ABOUT_RESTARTS:
         return None
     last = ctx.restarts[-1]
     text = last.log_tail.strip() or last.error.strip()

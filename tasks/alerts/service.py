@@ -118,7 +118,7 @@ def raise_alert(
         reason=request.reason,
         now=now,
         run_attempts=seen.run_attempts,
-        note="restart history unavailable: counts may be incomplete" if seen.unavailable else "",
+        note=_unavailable_note(request.kind) if seen.unavailable else "",
         resume=request.resume,
     )
     message = build_message(ctx)
@@ -147,6 +147,13 @@ def raise_alert(
         created_at=datetime.fromtimestamp(now, UTC),
     )
     return AlertResult(status, decision.key, reason, message, to_markdown(ctx), delivery)
+
+
+def _unavailable_note(kind: AlertKind) -> str:
+    """The caveat an alert sent without the history carries."""
+    if kind in (AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY):  # they show no restart counts
+        return "alert history unavailable: this may repeat an earlier alert"
+    return "restart history unavailable: counts may be incomplete"
 
 
 def _read_history(store: HistoryStore, request: AlertRequest, now: float) -> _Seen:

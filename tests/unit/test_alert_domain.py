@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +25,9 @@ from tasks.alerts import (
     to_markdown,
 )
 from tasks.alerts.message import human_duration
+from tasks.alerts.service import AlertRequest, raise_alert
 from tasks.attempts import Outcome
-from tasks.history import AlertRow, AlertStatus, AttemptRow
+from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore
 from trainer.errors import ConfigError
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
@@ -32,7 +35,7 @@ NOW = T0 + 10_000
 RUN_START = NOW - 5000
 HOUR = 3600.0
 STORM, GAVE_UP, RECOVERED = AlertKind.RESTART_STORM, AlertKind.GAVE_UP, AlertKind.RECOVERED
-MISMATCH = AlertKind.RESUME_MISMATCH
+MISMATCH, UNVERIFIED = AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY
 SENT, FAILED, LOGGED, SUPPRESSED = (
     AlertStatus.SENT,
     AlertStatus.FAILED,
@@ -67,6 +70,8 @@ GAVE_UP_1, RECOVERED_1 = "gave-up:digits:run-1", "recovered:digits:run-1"
 SEND, SUPPRESS = Action.SEND, Action.SUPPRESS
 CHARLM_STORM = alert(STORM, "restart-storm:charlm:x", SENT, 60, job="charlm")
 RUN_0_GAVE_UP = alert(GAVE_UP, "gave-up:digits:run-0", SENT, 30)
+NEW_UNVERIFIED_KEY = "cannot-verify:digits:20231115T010000Z"  # opened at NOW
+OLD_UNVERIFIED = "cannot-verify:digits:20231115T003000Z"
 
 DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, str]] = [
     # (case, kind, job_run_id, previous alerts, action, key, the reason contains)
@@ -107,6 +112,28 @@ DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, s
         "already",
     ),
     ("another job's storm ended", RECOVERED, "run-1", [CHARLM_STORM], SUPPRESS, RECOVERED_1, "no alert"),
+    # cannot verify: once a window per job, whichever job run, checkpoint or check asks
+    ("first unverified", UNVERIFIED, "run-1", [], SEND, NEW_UNVERIFIED_KEY, "new unverifiable checkpoint"),
+    ("unverified sent 10 min ago", UNVERIFIED, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 600)],
+     SUPPRESS, OLD_UNVERIFIED, "already"),
+    ("unverified logged 10 min ago", UNVERIFIED, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, LOGGED, 600)],
+     SUPPRESS, OLD_UNVERIFIED, "already"),
+    ("unverified, another job run", UNVERIFIED, "run-2", [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 600)],
+     SUPPRESS, OLD_UNVERIFIED, "already"),
+    ("unverified, run unknown", UNVERIFIED, None, [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 600)],
+     SUPPRESS, OLD_UNVERIFIED, "already"),
+    ("unverified sent 2 h ago", UNVERIFIED, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 7200)],
+     SEND, NEW_UNVERIFIED_KEY, "new"),
+    ("unverified failed: keeps key", UNVERIFIED, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, FAILED, 60)],
+     SEND, OLD_UNVERIFIED, "not delivered"),
+    ("a storm is no unverified", UNVERIFIED, "run-1", [alert(STORM, OLD, SENT, 60)], SEND, NEW_UNVERIFIED_KEY,
+     "new"),
+    ("another job's unverified", UNVERIFIED, "run-1",
+     [alert(UNVERIFIED, "cannot-verify:charlm:x", SENT, 60, job="charlm")], SEND, NEW_UNVERIFIED_KEY, "new"),
+    ("unverified is no storm", STORM, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 60)], SEND,
+     NEW_STORM_KEY, "new storm"),
+    ("nothing to recover from but unverified", RECOVERED, "run-1",
+     [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 60)], SUPPRESS, RECOVERED_1, "no alert to recover from"),
 ]  # fmt: skip
 
 
@@ -306,7 +333,7 @@ def test_every_text_stays_within_slacks_limits() -> None:
         assert len(msg.blocks[0]["text"]["text"]) <= 150
         assert len(msg.text) < 3000
         log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
-        if kind is MISMATCH:  # about the resumed attempt's numbers: no restarts, no log
+        if kind in (MISMATCH, UNVERIFIED):  # not about restarts: no restarts, no log
             assert not log_section and "earlier not shown" not in str(msg.blocks)
             continue
         if kind is not RECOVERED:  # a recovery shows no log
@@ -427,6 +454,76 @@ def test_replay_verdict_names_the_span_and_the_first_differing_values() -> None:
     v = replay_verdict(lost, {**lost, 52: Value(0.3), 53: Value(0.2)}, rtol=1e-3)
     assert v is not None and (v.verdict, v.span) == ("mismatch", "steps 51-53")
     assert v.diff == "step 52: loss 0.25 before the reclaim, 0.3 after"
+
+
+PROBLEM = "cannot verify: not signed (SPOTRUN_MANIFEST_KEY is set here)"
+UNVERIFIED_TITLE = "spotrun: digits has a checkpoint it cannot verify (step 20): kept, not quarantined"
+
+
+def unverified(**kw: Any) -> AlertContext:
+    return storm(**({"kind": UNVERIFIED, "checkpoint": "step 20", "reason": PROBLEM} | kw))
+
+
+def test_cannot_verify_says_nothing_was_quarantined_and_how_to_fix_it() -> None:
+    msg = build_message(unverified())
+    assert msg.blocks[0]["text"]["text"] == f":lock: {UNVERIFIED_TITLE}"
+    assert msg.text == f"{UNVERIFIED_TITLE}: {PROBLEM}"
+    f = fields(msg.blocks)
+    assert (f["*Job*"], f["*Checkpoint*"], f["*Problem*"]) == ("digits", "step 20", PROBLEM)
+    assert f["*Done*"].startswith("nothing quarantined or deleted")
+    assert "the same SPOTRUN_MANIFEST_KEY" in f["*Fix*"] and "SPOTRUN_MANIFEST_KEYS_OLD" in f["*Fix*"]
+    # the window's restarts are another story: neither they nor the last log are shown
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]
+    md = to_markdown(unverified())
+    assert md.startswith(f"### {UNVERIFIED_TITLE}\n")
+    for part in (f"- **Problem:** {PROBLEM}", "- **Done:** nothing quarantined or deleted",
+                 "- **Fix:** give the workers and the controller the same SPOTRUN_MANIFEST_KEY"):  # fmt: skip
+        assert part in md
+    assert "Restarts in the last" not in md and "Last log lines" not in md
+
+
+def test_cannot_verify_is_told_once_a_window_and_recorded(tmp_path: Path) -> None:
+    """Through raise_alert and a real SQLite history: two checkpoints, ten minutes apart, one alert."""
+    request = AlertRequest(kind=UNVERIFIED, job="digits", window_s=HOUR, threshold=3, reason=PROBLEM,
+                           checkpoint="step 20")  # fmt: skip
+    with HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}") as store:
+        first = raise_alert(store, request, None, now=NOW)
+        second = raise_alert(store, replace(request, checkpoint="step 10"), None, now=NOW + 600)
+        rows = [(r.kind, r.status, r.dedup_key) for r in store.alerts(job="digits")]
+    assert (first.status, second.status) == (LOGGED, SUPPRESSED)
+    assert first.markdown.startswith(f"### {UNVERIFIED_TITLE}\n")
+    assert rows == [
+        ("cannot-verify", LOGGED, NEW_UNVERIFIED_KEY),
+        ("cannot-verify", SUPPRESSED, NEW_UNVERIFIED_KEY),
+    ]
+
+    blocker = tmp_path / "blocker"  # a file where the database's directory must go: the history is down
+    blocker.write_text("")
+    down = raise_alert(HistoryStore.open(f"sqlite:///{blocker / 'history.db'}"), request, None, now=NOW)
+    assert down.status is LOGGED and "without the history" in down.reason
+    assert "_alert history unavailable: this may repeat an earlier alert_" in down.markdown  # no counts
+
+
+UNVERIFIED_GAPS: list[tuple[str, dict[str, Any], str, dict[str, str]]] = [
+    # (case, context changes, the fallback text, fields expected)
+    ("no step", {"checkpoint": None}, f"spotrun: digits has a checkpoint it cannot verify: kept, not "
+     f"quarantined: {PROBLEM}", {"*Checkpoint*": "not known"}),
+    ("no problem", {"reason": ""}, UNVERIFIED_TITLE, {"*Problem*": "not known"}),
+    ("a problem over lines", {"reason": "cannot verify:\n  signed with key id 'ab'"},
+     f"{UNVERIFIED_TITLE}: cannot verify: signed with key id 'ab'",
+     {"*Problem*": "cannot verify: signed with key id 'ab'"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "text", "expected"), [pytest.param(*c[1:], id=c[0]) for c in UNVERIFIED_GAPS]
+)
+def test_cannot_verify_with_what_the_event_left_out(
+    changes: dict[str, Any], text: str, expected: dict[str, str]
+) -> None:
+    msg = build_message(unverified(**changes))
+    assert msg.text == text
+    assert expected.items() <= fields(msg.blocks).items()
 
 
 @pytest.mark.parametrize(

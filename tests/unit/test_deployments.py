@@ -12,6 +12,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -28,6 +29,7 @@ from deployments.automations import (
     RECOVERED,
     STORM,
     TRAINING_FLOW,
+    UNVERIFIED,
     ZOMBIE,
     AlertRules,
     RecoveryRules,
@@ -37,7 +39,8 @@ from deployments.automations import (
 )
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
-from tasks.alerts.message import ResumeFacts
+from tasks.alerts.message import AlertKind, ResumeFacts
+from tasks.checkpoints import CHECKPOINT_UNVERIFIED
 from tasks.policy import RetryPolicy
 from tasks.recovery import (
     RecoveryError,
@@ -52,6 +55,7 @@ from tasks.reporting import (
     RESTARTED_LABEL,
     RESUME_CHECKED,
     VERDICT_LABEL,
+    job_resource,
 )
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec
@@ -129,7 +133,7 @@ def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
 
 
 def test_recovery_note_can_be_switched_off() -> None:
-    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH}
+    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH, UNVERIFIED}
 
 
 def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
@@ -144,6 +148,51 @@ def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
     assert resume["attempt"] == "{{ event.payload.attempt | default(0) }}"
     assert resume["diff"] == "{{ event.payload.diff | default('') }}"
     assert params["job"] == "{{ event.payload.job }}"
+
+
+def test_a_checkpoint_that_cannot_be_verified_alerts_once_a_window_per_job() -> None:
+    auto = _by_name(AlertRules(restart_window_s=1800))[UNVERIFIED]
+    t = auto.trigger
+    assert (t.expect, t.for_each, t.posture, t.threshold, t.within) == (
+        {CHECKPOINT_UNVERIFIED}, {"prefect.resource.id"}, "Reactive", 1, timedelta(seconds=1800),
+    )  # fmt: skip
+    assert t.match.root == {"prefect.resource.id": "spotrun.job.*"}  # PrefectSink.event's resource
+    assert auto.actions[0].parameters["kind"] == AlertKind.CANNOT_VERIFY == "cannot-verify"
+
+
+def _rendered(parameters: dict[str, Any], event: dict[str, Any], flow_run: Any) -> dict[str, Any]:
+    """The parameters as the server renders a RunDeployment's (its own v1 upgrade and hydration), with
+    `flow_run` standing for the run the server reads from the event's related resources."""
+    from prefect.server.events.actions import RunDeployment as ServerRunDeployment
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    params = json.loads(json.dumps(parameters))
+    ServerRunDeployment._upgrade_v1_templates(params)
+    received = ReceivedEvent.model_validate({"occurred": datetime.now(UTC), "id": uuid4(), **event})
+    context = {"event": received, "flow_run": flow_run}
+    return hydrate(params, HydrationContext(raise_on_error=True, render_jinja=True, jinja_context=context))
+
+
+@pytest.mark.parametrize("in_a_run", [True, False], ids=["emitted-in-a-flow-run", "no-flow-run"])
+def test_the_unverified_event_renders_into_the_alert_flows_parameters(in_a_run: bool) -> None:
+    """The event as PrefectSink.event emits it (tasks/reporting.py: the job's resource, the job in the
+    payload) renders into parameters the restart-alert flow accepts: its step and problem, its run."""
+    from flows.restart_alert import restart_alert
+
+    problem = "cannot verify: signed with key id 'ab12', not held here & <not> in SPOTRUN_MANIFEST_KEYS_OLD"
+    event = {
+        "event": CHECKPOINT_UNVERIFIED,
+        "resource": job_resource("digits"),
+        "payload": {"job": "digits", "step": 20, "problem": problem},
+    }
+    run = SimpleNamespace(id=uuid4()) if in_a_run else None
+    auto = _by_name(AlertRules())[UNVERIFIED]
+    params = restart_alert.validate_parameters(_rendered(auto.actions[0].parameters, event, run))
+    assert (params["kind"], params["job"]) == (AlertKind.CANNOT_VERIFY, "digits")
+    assert (params["checkpoint"], params["reason"]) == ("step 20", problem)
+    assert params["training_flow_run_id"] == (str(run.id) if run else "")
+    assert params["trigger"].startswith(CHECKPOINT_UNVERIFIED + " ")
 
 
 def _recovery(rules: RecoveryRules) -> dict[str, Any]:
