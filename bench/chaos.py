@@ -26,9 +26,12 @@ controller episode: one job run, completed, controller_restarts and `lost (contr
 matching the kills (`bad_adoptions`).
 Lost steps per preemption: the last step the killed attempt reported minus where the next resumed.
 
-    .venv/bin/python bench/chaos.py [--faults 1000] [--seed 0] [--minutes 30]
+    .venv/bin/python bench/chaos.py [--faults 1000] [--seed 0] [--minutes 30] [--episode N ...]
 
-Prints progress and a per-kind table; the last line is one JSON object.
+Every episode draws from its own RNG, seeded by (seed, episode), and every attempt's S3 faults from
+another (their thread draws while the attempt runs): `--seed S --episode N` replays episode N of seed
+S alone, with the same choices (the timings of real processes still vary). Episodes 2, 6, 10, ... are
+controller episodes. Prints progress and a per-kind table; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -47,6 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,22 +198,44 @@ class Database:
         engine.dispose()
 
 
+def episode_rng(seed: int, n: int, *tag: object) -> random.Random:
+    """The RNG of episode `n` of campaign `seed` (or of one of its parts, `tag`): the same draws
+    whichever episodes ran before it."""
+    return random.Random("/".join(map(str, ("chaos", seed, n, *tag))))
+
+
 @dataclass
 class Campaign:
     root: Path
-    rng: random.Random
+    seed: int
     proxy: FaultProxy
     moto: str
     bucket: str
     db: Database | None
     target: int  # faults: the episode in progress ends (with its checks) once they are reached
+    keep: Path | None = None  # where the directory of an episode that broke an invariant is kept
     tally: Tally = field(default_factory=Tally)
+    rng: random.Random = field(init=False)
+    n: int = 0  # the episode in progress
+    _parts: int = 0  # S3 fault threads the episode has started
 
     def __post_init__(self) -> None:
+        self.begin(0)
         self.python = install(self.root)
         self.plan = self.root / "plan.json"
         os.environ[PLAN_ENV] = str(self.plan)
         self.direct = make_s3_client(S3Options(endpoint_url=self.moto))
+
+    def begin(self, n: int) -> None:
+        """Start episode `n`: its own RNG, so it can be replayed alone (`--episode`)."""
+        self.n, self.rng = n, episode_rng(self.seed, n)
+        self._parts = 0
+
+    def s3_chaos(self) -> S3Chaos:
+        """The S3 faults of one attempt (or controller), from their own RNG: their thread draws while
+        the episode's own draws go on, in an order that timing decides."""
+        self._parts += 1
+        return S3Chaos(self.proxy, episode_rng(self.seed, self.n, "s3", self._parts), self.tally)
 
     def job(self, n: int) -> tuple[JobSpec, Path]:
         spec = {
@@ -293,7 +320,7 @@ class Campaign:
                 on_status = self._second(provider, job, attempt, spec_path, workers, watch, late)
             results[i] = provider.watch(w, on_status)
 
-        with S3Chaos(self.proxy, self.rng, self.tally):
+        with self.s3_chaos():
             threads = [threading.Thread(target=watch, args=(i, w)) for i, w in enumerate(workers)]
             for t in threads:
                 t.start()
@@ -357,9 +384,13 @@ class Campaign:
             self.tally.faults["db-down"] += 1
 
     def finish(self, n: int, ep: Path, history: HistoryStore | None, run_id: str, written: list[int]) -> None:
-        if (dup := checks.interleaved_writers(checks.publog_pids(ep / "writes.jsonl"))) > 0:
+        problems = len(self.tally.problems)
+        writes = checks.publog(ep / "writes.jsonl")
+        if (dup := checks.interleaved_writers(int(w["pid"]) for w in writes)) > 0:
             self.tally.duplicate_writers += dup
             self.tally.bad(f"episode {n}: {dup} writer(s) wrote to the storage after another one had")
+            for line in checks.writer_runs(writes):
+                say(f"    {line}")
         if history is not None and self.db is not None:
             if self.rng.random() < 0.5:
                 self.db.set_up(True)
@@ -379,6 +410,8 @@ class Campaign:
             for pid in left:
                 _signal(pid, signal.SIGKILL)
         self.tally.episodes += 1
+        if self.keep is not None and len(self.tally.problems) > problems:
+            shutil.copytree(ep, self.keep / ep.name, dirs_exist_ok=True)
         shutil.rmtree(ep, ignore_errors=True)
 
 
@@ -421,16 +454,27 @@ def table(tally: Tally) -> list[str]:
     return lines
 
 
-def run(faults: int, seed: int, minutes: float, root: Path) -> Tally:
+def run(
+    faults: int,
+    seed: int,
+    minutes: float,
+    root: Path,
+    episodes: Sequence[int] | None = None,
+    keep: Path | None = None,
+) -> Tally:
+    """A campaign until `faults` took effect (or `minutes` passed); or only the `episodes` named, each
+    to its end. `keep`: where to copy the directory (logs, write log) of an episode with a violation."""
     saved = dict(os.environ)
     try:
-        return _run(faults, seed, minutes, root)
+        return _run(faults, seed, minutes, root, episodes, keep)
     finally:  # the trainers inherit these; a caller's own (a test session's) come back afterwards
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _run(faults: int, seed: int, minutes: float, root: Path) -> Tally:
+def _run(
+    faults: int, seed: int, minutes: float, root: Path, episodes: Sequence[int] | None, keep: Path | None
+) -> Tally:
     from moto.server import ThreadedMotoServer
 
     for k, v in FAKE_AWS_ENV.items():
@@ -446,12 +490,17 @@ def _run(faults: int, seed: int, minutes: float, root: Path) -> Tally:
     db = Database.try_open()
     bucket = "spotrun-chaos"
     boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    camp = Campaign(root, random.Random(seed), proxy, endpoint, bucket, db, faults)
+    # named episodes run to their end; a campaign ends the episode that reaches its target early
+    camp = Campaign(root, seed, proxy, endpoint, bucket, db, sys.maxsize if episodes else faults, keep)
     t0 = time.monotonic()
+    numbers = iter(episodes) if episodes else itertools.count(1)
     try:
-        n = 0
-        while sum(camp.tally.faults.values()) < faults and time.monotonic() - t0 < minutes * 60:
-            n += 1
+        for n in numbers:
+            if not episodes and (
+                sum(camp.tally.faults.values()) >= faults or time.monotonic() - t0 >= minutes * 60
+            ):
+                break
+            camp.begin(n)
             if n % CONTROLLER_EVERY == 2:
                 chaos_controller.episode(camp, n)
             else:
@@ -472,10 +521,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", type=int, default=1000, help="stop once this many faults took effect")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=30.0, help="stop after this long regardless")
+    episode = "run only episode N of this seed, to its end (repeatable); --faults is ignored"
+    p.add_argument("--episode", type=int, action="append", metavar="N", help=episode)
+    keep = "copy the directory of every episode that broke an invariant here"
+    p.add_argument("--keep", type=Path, metavar="DIR", help=keep)
     args = p.parse_args(argv)
+    if args.episode and min(args.episode) < 1:
+        p.error("--episode: episodes are numbered from 1")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="spotrun-chaos-") as d:
-        tally = run(args.faults, args.seed, args.minutes, Path(d))
+        tally = run(args.faults, args.seed, args.minutes, Path(d), args.episode, args.keep)
     for line in table(tally):
         say(line)
     say(f"{tally.episodes} episodes, {tally.attempts} attempts in {time.monotonic() - t0:.0f} s")

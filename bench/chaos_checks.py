@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from trainer.catalog import Catalog
 from trainer.storage import Storage
@@ -34,11 +35,23 @@ def interleaved_writers(pids: Iterable[int]) -> int:
     return len(bad)
 
 
-def publog_pids(publog: Path) -> list[int]:
-    """The writer pid of every logged put/delete, in the order they were sent."""
-    if not publog.exists():
+def publog(path: Path) -> list[dict[str, Any]]:
+    """Every logged put/delete ({"pid", "op", "key"}), in the order they were sent."""
+    if not path.exists():
         return []
-    return [int(json.loads(line)["pid"]) for line in publog.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def writer_runs(writes: Sequence[dict[str, Any]]) -> list[str]:
+    """The write log as runs of one writer each: who wrote what, in order (for a violation's report)."""
+    runs: list[list[dict[str, Any]]] = []
+    for w in writes:
+        if runs and runs[-1][0]["pid"] == w["pid"]:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return [f"pid {r[0]['pid']}: {len(r)} writes, {r[0]['op']} {r[0]['key']} .. {r[-1]['op']} {r[-1]['key']}"
+            for r in runs]  # fmt: skip
 
 
 def history_gaps(written: Iterable[int], present: Iterable[int]) -> int:

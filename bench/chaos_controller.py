@@ -118,8 +118,6 @@ def _controller(
     camp: Campaign, n: int, k: int, where: str, spec_path: Path, ep: Path
 ) -> tuple[int, list[str]]:
     """Run one controller until it exits or is killed at `where`; its return code and last lines."""
-    from bench.chaos import S3Chaos
-
     plan: dict[str, Any] = {"publog": str(ep / "writes.jsonl"), "resumes": {
         "log": str(ep / "resumes.jsonl"), "endpoint": camp.moto, "bucket": camp.bucket,
         "prefix": f"ep{n}", "cache": str(ep / "resume-cache")}}  # fmt: skip
@@ -147,8 +145,9 @@ def _controller(
     if where == "start":
         kill_in(camp.rng.uniform(0.3, 5.0))
     tail: deque[str] = deque(maxlen=6)
-    reader = threading.Thread(target=_read, args=(proc, where, camp, kill_in, tail), daemon=True)
-    with S3Chaos(camp.proxy, camp.rng, camp.tally):
+    log = ep / f"controller-{k}.log"  # its whole log, the trainers' lines included (kept by --keep)
+    reader = threading.Thread(target=_read, args=(proc, where, camp, kill_in, tail, log), daemon=True)
+    with camp.s3_chaos():
         reader.start()
         try:
             rc = proc.wait(timeout=CONTROLLER_TIMEOUT_S)
@@ -164,22 +163,27 @@ def _controller(
     return rc, list(tail)
 
 
-def _read(proc: subprocess.Popen[str], where: str, camp: Campaign, kill_in: Any, tail: deque[str]) -> None:
-    """Follow the controller's log; arm the kill once its line comes (one kill per controller)."""
+def _read(
+    proc: subprocess.Popen[str], where: str, camp: Campaign, kill_in: Any, tail: deque[str], log: Path
+) -> None:
+    """Follow the controller's log (copied to `log`); arm the kill once its line comes (one kill per
+    controller)."""
     armed = False
     assert proc.stderr is not None
-    for line in proc.stderr:
-        line = line.rstrip()
-        if not line.startswith("["):  # the trainer's own lines are echoed as `[worker] ...`
-            tail.append(line[:300])
-        if armed:
-            continue
-        if where == "train" and line.startswith("training from"):
-            armed = True
-            kill_in(camp.rng.uniform(0.0, 1.5))
-        elif where == "between" and RETRY.match(line):
-            armed = True
-            kill_in(camp.rng.uniform(0.0, 0.5))
+    with log.open("a") as out:
+        for line in proc.stderr:
+            out.write(line)
+            line = line.rstrip()
+            if not line.startswith("["):  # the trainer's own lines are echoed as `[worker] ...`
+                tail.append(line[:300])
+            if armed:
+                continue
+            if where == "train" and line.startswith("training from"):
+                armed = True
+                kill_in(camp.rng.uniform(0.0, 1.5))
+            elif where == "between" and RETRY.match(line):
+                armed = True
+                kill_in(camp.rng.uniform(0.0, 0.5))
 
 
 def _sigkill(proc: subprocess.Popen[str]) -> None:
