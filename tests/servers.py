@@ -22,6 +22,9 @@ SLOW_DOWN = (
 )
 
 
+CONDITIONS = frozenset({"if-match", "if-none-match"})
+
+
 class FaultProxy:
     """HTTP reverse proxy on 127.0.0.1 that answers the next N requests with a fault, then forwards.
 
@@ -35,6 +38,7 @@ class FaultProxy:
         self.injected = 0
         self.requests = 0
         self.put_delay_s = 0.0  # every PUT waits this long before it is forwarded: a slow upload
+        self.drop_conditions = False  # forward without If-Match/If-None-Match: a store that ignores them
         self._pending: list[Fault] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -125,6 +129,8 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
             try:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                if proxy.drop_conditions:
+                    headers = {k: v for k, v in headers.items() if k.lower() not in CONDITIONS}
                 headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()

@@ -5,23 +5,35 @@ a read-back finds the other's bytes). So a trainer takes `_lease.json` at the st
 publishes anything, renews it while it trains, and gives it back when it exits. The object:
 
     {"holder": {"worker_id", "flow_run_id", "host", "pid", "pid_ns"},
-     "token": int,           fencing token: +1 at every takeover, never reset (release keeps it)
-     "acquired_at", "renewed_at", "expires_at": epoch seconds, "ttl_s": float,
-     "released": bool}       the holder gave it back (an expired lease, as far as takeover goes)
+     "epoch": str, "token": int,   the fencing token: `token` +1 at every takeover within an epoch; a
+                                   new epoch (the store's time and 64 random bits) only when no lease
+                                   can be read (deleted, malformed), so a token is never issued twice
+     "acquired_at", "renewed_at", "expires_at": the holder's wall clock, for people: never decided by
+     "mono_expires_at": the holder's CLOCK_MONOTONIC deadline, for its own processes (same boot)
+     "ttl_s": float,
+     "released": bool}             the holder gave it back (an expired lease, as far as takeover goes)
 
 Every change is a compare-and-swap (`Storage.put_if` against the version read), so of two trainers
-racing for it exactly one wins. Who may take a lease is `decide_takeover`, a pure function. Recovery
-never waits on a dead holder: same pid namespace with the pid gone, or a worker the controller says it
-released (`--lease-takeover`), is taken at once; only a live holder elsewhere is refused until expiry.
-A storage that fails transiently while the lease is taken is retried for one TTL (`Lease.acquire`).
+racing for it exactly one wins; an S3-compatible store that ignores the conditions is refused
+(`S3Storage.require_conditional_puts`). Who may take a lease is `decide_takeover`, a pure function.
+Recovery never waits on a dead holder: same pid namespace with the pid gone, or a worker the controller
+says it released (`--lease-takeover`), is taken at once; only a live holder elsewhere is refused until
+expiry. A storage that fails transiently while the lease is taken is retried for one TTL.
+
+Clocks: no decision compares two machines' clocks. The holder counts its TTL on its own monotonic
+clock from the moment it sent the renewal; a taker judges the lease's age by the store's clock (S3's
+`Date` minus `Last-Modified`, a file's mtime against a touched file's: `Storage.read_stamped`), and
+takes an unreleased holder elsewhere only once that age passes `ttl_s` plus the store clock's
+one-second granularity. The store wrote the renewal after the holder sent it, so the holder's
+deadline (less a margin of `ttl_s / 10`) comes before any taker's, whatever either machine's clock
+says.
 
 Fencing: `FencedStorage` wraps the storage the trainer writes through. Every write first checks that
-the lease is still ours by the local clock (renewed within its TTL, no takeover seen); the commit
-points (a manifest, `latest`, COMPLETED.json) also re-read the lease object. A check that passes just
-before the holder stalls (or before a slow multipart put) lets that one write land after a takeover:
-fencing by a token only the storage could enforce, which S3 cannot do for ordinary puts. The stale
-writer stops at its next check. Clocks of the machines sharing a storage must agree to well within
-`ttl_s / 10`.
+the lease is still ours (within its TTL by the monotonic clock, no takeover seen); the commit points (a
+manifest, `latest`, COMPLETED.json) also re-read the lease object. A check that passes just before the
+holder stalls for longer than the margin (or before a slow multipart put) lets that one write land
+after a takeover: fencing by a token only the storage could enforce, which S3 cannot do for ordinary
+puts. The stale writer stops at its next check.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import threading
 import time
@@ -51,6 +64,7 @@ from trainer.errors import (
 )
 from trainer.handover import write_standby
 from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
+from trainer.storage.base import Stamped
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +80,8 @@ MIN_TTL_S = 3.0
 ACQUIRE_TRIES = 5  # each lost race re-reads; the winner of a race is live, so the next read refuses
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # between acquire tries the storage failed transiently
 COMMIT_NAMES = (MANIFEST, LATEST, COMPLETED)
+# S3's Date and Last-Modified are whole seconds: an age read from them may be up to 1 s short (or long)
+STORE_CLOCK_SLACK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,17 @@ class LeaseDoc:
     expires_at: float
     ttl_s: float
     released: bool = False
+    epoch: str = ""  # "" in a lease written before epochs: it orders before every other
+    mono_expires_at: float = 0.0
+
+    @property
+    def fence(self) -> tuple[str, int]:
+        """The fencing token: equal only for the same holding; later holdings order after."""
+        return self.epoch, self.token
+
+    @property
+    def fence_text(self) -> str:
+        return f"{self.epoch}/{self.token}" if self.epoch else str(self.token)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -104,9 +131,28 @@ class LeaseDoc:
         """Parse a lease object; ValueError when it is not one."""
         try:
             d = json.loads(data)
-            return cls(**{**d, "holder": Holder(**d["holder"])})
+            doc = cls(**{**d, "holder": Holder(**d["holder"])})
         except (TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"not a lease object: {e}") from None
+        if not isinstance(doc.token, int) or not isinstance(doc.epoch, str):
+            raise ValueError(f"not a lease object: token {doc.token!r}, epoch {doc.epoch!r}")
+        return doc
+
+
+def new_epoch(now: float, seen: str = "") -> str:
+    """An epoch for a lease started afresh: a time in seconds, after `now` and after the epoch `seen`
+    (the newest this process has read), so epochs order as long as clocks roughly agree; and 64
+    random bits, so that no two are ever equal, whatever the clocks say."""
+    seen_t = int(seen.partition("-")[0]) if seen[:10].isdigit() else 0
+    return f"{max(int(now), seen_t + 1):010d}-{secrets.token_hex(8)}"
+
+
+def next_fence(current: LeaseDoc | None, now: float, seen: str = "") -> tuple[str, int]:
+    """The fencing token of the next holding: the counter goes on within the epoch read; with no lease
+    to read (none yet, deleted, malformed) a new epoch starts, so no token is ever issued twice."""
+    if current is None:
+        return new_epoch(now, seen), 1
+    return current.epoch, current.token + 1
 
 
 @dataclass(frozen=True)
@@ -115,22 +161,30 @@ class Takeover:
     reason: str
 
 
+def expires_in(doc: LeaseDoc, age_s: float) -> float:
+    """Seconds until a taker may count the lease as expired, by the store's clock (<= 0: it may)."""
+    return doc.ttl_s + STORE_CLOCK_SLACK_S - age_s
+
+
 def decide_takeover(
     current: LeaseDoc | None,
     me: Holder,
-    now: float,
+    age_s: float,
     released: Collection[str],
     pid_alive: Callable[[int], bool],
     uri: str,
+    now: float,
 ) -> Takeover:
-    """May `me` take the lease `current`? Refusals carry the one line a person reads."""
+    """May `me` take the lease `current`, last written `age_s` ago by the store's clock? `now` (this
+    machine's clock) only dates the refusal, the one line a person reads."""
     if current is None:
         return Takeover(True, "no lease")
     h = current.holder
     if current.released:
         return Takeover(True, f"released by {h.worker_id}")
-    if now >= current.expires_at:
-        return Takeover(True, f"lease of {h.worker_id} expired {now - current.expires_at:.0f} s ago")
+    if (left := expires_in(current, age_s)) <= 0:
+        ago = max(0.0, -left)
+        return Takeover(True, f"lease of {h.worker_id} expired {ago:.0f} s ago by the store's clock")
     if me.same_process(h):
         return Takeover(True, "held by this process")
     if h.worker_id in released:
@@ -140,15 +194,15 @@ def decide_takeover(
             return Takeover(True, f"holder {h.worker_id} (pid {h.pid}) is gone")
     elif h.worker_id == me.worker_id:
         return Takeover(True, f"an earlier trainer of this worker ({h.worker_id})")
-    return Takeover(False, held_message(current, now, uri))
+    return Takeover(False, held_message(current, left, now, uri))
 
 
-def held_message(doc: LeaseDoc, now: float, uri: str) -> str:
+def held_message(doc: LeaseDoc, left: float, now: float, uri: str) -> str:
     h = doc.holder
-    until = datetime.fromtimestamp(doc.expires_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    until = datetime.fromtimestamp(now + left, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (
         f"storage {uri} is held by worker {h.worker_id} (flow run {h.flow_run_id or '-'}, host {h.host}, "
-        f"pid {h.pid}) until {until} (in {max(0, round(doc.expires_at - now))} s); "
+        f"pid {h.pid}) until {until} (in {max(0, round(left))} s); "
         "stop that run or wait for the lease to expire"
     )
 
@@ -179,21 +233,46 @@ def read_lease(storage: Storage) -> tuple[LeaseDoc | None, str | None]:
         data, version = storage.read_versioned(LEASE_KEY)
     except FileNotFoundError:
         return None, None
+    return _parse(storage, data), version
+
+
+def read_lease_stamped(storage: Storage) -> tuple[LeaseDoc | None, Stamped | None]:
+    """The lease, with its version and age by the store's clock; (None, None) if absent."""
     try:
-        return LeaseDoc.from_json(data), version
+        stamped = storage.read_stamped(LEASE_KEY)
+    except FileNotFoundError:
+        return None, None
+    return _parse(storage, stamped.data), stamped
+
+
+def _parse(storage: Storage, data: bytes) -> LeaseDoc | None:
+    try:
+        doc = LeaseDoc.from_json(data)
     except ValueError as e:
         log.warning("ignoring a malformed lease %s/%s (%s): taking it over", storage.uri, LEASE_KEY, e)
-        return None, version
+        return None
+    _saw(doc.epoch)
+    return doc
 
 
 class Lease:
-    """A held lease: `acquire` it, `start` renewing, `check` before publishing, `release` at exit."""
+    """A held lease: `acquire` it, `start` renewing, `check` before publishing, `release` at exit.
+
+    `clock` is monotonic (time.monotonic): the TTL and every deadline are counted on it. `wall` only
+    fills the object's dates, which people read and no decision uses."""
 
     def __init__(
-        self, storage: Storage, doc: LeaseDoc, version: str, clock: Callable[[], float] = time.time
+        self,
+        storage: Storage,
+        doc: LeaseDoc,
+        version: str,
+        valid_until: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
-        self.storage, self.doc, self.version, self.clock = storage, doc, version, clock
-        self.valid_until = doc.expires_at  # by our clock: the time of the last successful renew's send
+        self.storage, self.doc, self.version = storage, doc, version
+        self.clock, self.wall = clock, wall
+        self.valid_until = valid_until  # by `clock`: when the last successful renewal was sent, + ttl
         self.lost: LeaseLost | None = None
         self._lock = threading.Lock()  # guards doc, version, valid_until, lost
         self._stop = threading.Event()
@@ -210,9 +289,10 @@ class Lease:
         me: Holder,
         ttl_s: float = DEFAULT_TTL_S,
         released: Collection[str] = (),
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         wait_s: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        wall: Callable[[], float] = time.time,
     ) -> Lease:
         """Take the lease or raise LeaseHeld naming the live holder.
 
@@ -227,7 +307,7 @@ class Lease:
         races, backoff = 0, FIRST_BACKOFF_S
         while True:
             try:
-                return cls._try_acquire(storage, me, ttl_s, released, clock)
+                return cls._try_acquire(storage, me, ttl_s, released, clock, wall)
             except PreconditionFailed:  # someone else wrote it meanwhile: read again and decide again
                 races += 1
                 if races >= ACQUIRE_TRIES:
@@ -252,18 +332,24 @@ class Lease:
         ttl_s: float,
         released: Collection[str],
         clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> Lease:
         """One read, decide, conditional put; PreconditionFailed when another write came between."""
-        current, version = read_lease(storage)
-        now = clock()
-        verdict = decide_takeover(current, me, now, released, pid_alive, storage.uri)
+        current, stamped = read_lease_stamped(storage)
+        now = wall()
+        age = stamped.age_s if stamped is not None else 0.0
+        verdict = decide_takeover(current, me, age, released, pid_alive, storage.uri, now)
         if not verdict.take:
             raise LeaseHeld(verdict.reason)
-        token = current.token + 1 if current is not None else 1
-        doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s)
-        new_version = storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
-        log.info("lease of %s taken (token %d): %s", storage.uri, token, verdict.reason)
-        return cls(storage, doc, new_version, clock)
+        epoch, token = next_fence(current, now, _newest_epoch_seen)
+        sent = clock()
+        doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s, epoch=epoch, mono_expires_at=sent + ttl_s)
+        new_version = storage.put_if(
+            LEASE_KEY, doc.to_json(), if_version=stamped.version if stamped is not None else None
+        )
+        _saw(epoch)
+        log.info("lease of %s taken (token %s): %s", storage.uri, doc.fence_text, verdict.reason)
+        return cls(storage, doc, new_version, sent + ttl_s, clock, wall)
 
     def start(self) -> Lease:
         """Renew in a daemon thread every ttl/3."""
@@ -278,10 +364,10 @@ class Lease:
                 self.lost = LeaseLost(f"the lease of {self.storage.uri} ran out without a renewal")
             if self.lost is not None:
                 raise self.lost
-            token = self.doc.token
+            fence = self.doc.fence
         if remote:
             current, _ = read_lease(self.storage)
-            if current is None or current.token != token or current.released:
+            if current is None or current.fence != fence or current.released:
                 raise self._lose(current)
 
     def renew(self) -> None:
@@ -289,8 +375,9 @@ class Lease:
         with self._lock:
             if self.lost is not None:
                 return
-            sent = self.clock()
-            doc = replace(self.doc, renewed_at=sent, expires_at=sent + self.doc.ttl_s)
+            sent, now = self.clock(), self.wall()
+            ttl = self.doc.ttl_s
+            doc = replace(self.doc, renewed_at=now, expires_at=now + ttl, mono_expires_at=sent + ttl)
             version = self.version
         try:
             new_version = self.storage.put_if(LEASE_KEY, doc.to_json(), if_version=version)
@@ -301,7 +388,7 @@ class Lease:
                 return
             new_version = current_version
         with self._lock:
-            self.doc, self.version, self.valid_until = doc, new_version, sent + doc.ttl_s
+            self.doc, self.version, self.valid_until = doc, new_version, sent + ttl
 
     def release(self) -> None:
         """Stop renewing and give the lease back (marked released, token kept for the next holder)."""
@@ -311,8 +398,8 @@ class Lease:
         with self._lock:
             if self.lost is not None:
                 return
-            now = self.clock()
-            doc = replace(self.doc, renewed_at=now, expires_at=now, released=True)
+            now = self.wall()
+            doc = replace(self.doc, renewed_at=now, expires_at=now, mono_expires_at=0.0, released=True)
             version = self.version
             # fenced from here on: a write still in flight (an upload thread on an error path) must not
             # land after the next holder may have taken over
@@ -335,7 +422,7 @@ class Lease:
                 h = current.holder
                 self.lost = LeaseLost(
                     f"the lease of {self.storage.uri} was taken over by worker {h.worker_id} (flow run "
-                    f"{h.flow_run_id or '-'}, host {h.host}, pid {h.pid}, token {current.token}); "
+                    f"{h.flow_run_id or '-'}, host {h.host}, pid {h.pid}, token {current.fence_text}); "
                     "this trainer stopped without publishing more",
                     taken_by=h.worker_id,
                 )
@@ -355,25 +442,36 @@ class Lease:
                 return
 
 
+_newest_epoch_seen = ""  # of the leases this process took: a new epoch starts after it
+
+
+def _saw(epoch: str) -> None:
+    global _newest_epoch_seen
+    _newest_epoch_seen = max(_newest_epoch_seen, epoch)
+
+
 class LeaseView:
     """A lease held by another process of this trainer (the checkpoint writer's view of its parent's
     lease, trainer/writer_proc.py): it cannot see the parent's renewals, so every `check` reads the
-    lease object. Ours while the token is ours, not released, and not within the margin of expiry
-    by our clock: the same tests a takeover decides by (`decide_takeover`)."""
+    lease object. Ours while the fencing token is ours, not released, and not within the margin of
+    the parent's own deadline: `mono_expires_at`, on CLOCK_MONOTONIC, which the processes of one
+    boot share."""
 
-    def __init__(self, storage: Storage, token: int, clock: Callable[[], float] = time.time) -> None:
-        self.storage, self.token, self.clock = storage, token, clock
+    def __init__(
+        self, storage: Storage, fence: tuple[str, int], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.storage, self.fence, self.clock = storage, fence, clock
 
     def check(self, remote: bool = False) -> None:
         current, _ = read_lease(self.storage)
-        if current is None or current.released or current.token != self.token:
+        if current is None or current.released or current.fence != self.fence:
             who = "removed or released" if current is None or current.released else "taken over"
             raise LeaseLost(
-                f"the lease of {self.storage.uri} was {who} (token {self.token} was ours); "
-                "the checkpoint writer stopped without publishing more",
+                f"the lease of {self.storage.uri} was {who} (token {'/'.join(map(str, self.fence))} was "
+                "ours); the checkpoint writer stopped without publishing more",
                 taken_by=None if current is None or current.released else current.holder.worker_id,
             )
-        if self.clock() >= current.expires_at - current.ttl_s / 10:
+        if self.clock() >= current.mono_expires_at - current.ttl_s / 10:
             raise LeaseLost(f"the lease of {self.storage.uri} ran out without a renewal")
 
 
@@ -424,6 +522,9 @@ class FencedStorage:
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         return self.inner.read_versioned(key)
 
+    def read_stamped(self, key: str) -> Stamped:
+        return self.inner.read_stamped(key)
+
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
         self.lease.check()
         return self.inner.put_if(key, data, if_version=if_version)
@@ -472,7 +573,7 @@ def wait_for_lease(
     ttl_s: float,
     released: Collection[str],
     wait_s: float,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Lease:
     """A prewarmed trainer's acquire: the recipe is built and the data loaded; the worker it replaces

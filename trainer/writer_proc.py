@@ -52,7 +52,7 @@ Opener = Callable[[], Storage]
 @dataclass(frozen=True)
 class Init:
     opener: Opener
-    lease_token: int | None  # the parent's lease: writes are fenced on it
+    lease_fence: tuple[str, int] | None  # the parent's lease (its fencing token): writes are fenced on it
     cache: Path
     keep: int
     log_level: int
@@ -87,23 +87,24 @@ class Failed:
         return CheckpointError(self.message)
 
 
-def opener_of(storage: Any) -> tuple[Opener, int | None] | None:
-    """A picklable way to open `storage` again in another process, and the lease token that fences
-    it; None for a storage that cannot be reopened (a test double): its checkpoints stay in a thread."""
+def opener_of(storage: Any) -> tuple[Opener, tuple[str, int] | None] | None:
+    """A picklable way to open `storage` again in another process, and the lease's fencing token that
+    fences it; None for a storage that cannot be reopened (a test double): its checkpoints stay in a
+    thread."""
     from trainer.lease import FencedStorage, Lease
 
-    token = None
+    fence = None
     if isinstance(storage, FencedStorage):
         if not isinstance(storage.lease, Lease):
             return None
-        token, storage = storage.lease.doc.token, storage.inner
+        fence, storage = storage.lease.doc.fence, storage.inner
     if type(storage) is LocalStorage:
-        return partial(LocalStorage, storage.root), token
+        return partial(LocalStorage, storage.root), fence
     opts = getattr(storage, "opts", None)
     if type(storage).__name__ == "S3Storage" and opts is not None:
         from trainer.storage import open_storage
 
-        return partial(open_storage, storage.uri, opts), token
+        return partial(open_storage, storage.uri, opts), fence
     return None
 
 
@@ -111,7 +112,7 @@ class WriterProcess:
     """The parent's handle on one writer process. `persist` sends a job and waits for its answer (from
     the checkpointer's background thread, which thus holds the GIL only to send and receive)."""
 
-    def __init__(self, opener: Opener, lease_token: int | None, cache: Path, keep: int) -> None:
+    def __init__(self, opener: Opener, lease_fence: tuple[str, int] | None, cache: Path, keep: int) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.writer_proc", str(theirs.fileno()), str(os.getpid())],
@@ -121,7 +122,7 @@ class WriterProcess:
         self.conn = Connection(ours.detach())
         self.generation = 0
         level = logging.getLogger().getEffectiveLevel()
-        self.conn.send(Init(opener, lease_token, cache, keep, level))
+        self.conn.send(Init(opener, lease_fence, cache, keep, level))
 
     def persist(
         self, structure: Any, arena_fd: int, generation: int, base: dict[str, Any], sidecars: dict[str, bytes]
@@ -173,8 +174,8 @@ class _Writer:
         from trainer.lease import FencedStorage, LeaseView
 
         storage = init.opener()
-        if init.lease_token is not None:
-            storage = FencedStorage(storage, LeaseView(storage, init.lease_token))
+        if init.lease_fence is not None:
+            storage = FencedStorage(storage, LeaseView(storage, init.lease_fence))
         self.storage, self.cache, self.keep = storage, init.cache, init.keep
         self.buf: mmap.mmap | None = None
 

@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.servers import FaultProxy
 from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
 from trainer.catalog import list_checkpoints, read_latest
 from trainer.ckpt_format import step_dir
+from trainer.errors import ConfigError, LeaseHeld
 from trainer.exitcodes import ExitCode
 from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.spec import S3Options
@@ -175,3 +178,35 @@ def start_with_stdout(config: Path, storage: str, work: Path, *extra: str) -> su
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(work / "stderr", "wb") as err:
         return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=err)
+
+
+def test_s3_lease_age_comes_from_the_stores_clock(s3_bucket: tuple[str, str]) -> None:
+    endpoint, bucket = s3_bucket
+    store = open_storage(f"s3://{bucket}/age", S3Options(endpoint_url=endpoint))
+    holder = Lease.acquire(store, Holder("i-0abc", None, "ip-10-0-0-7", 1, "b:pid:[1]"), ttl_s=30)
+    stamped = store.read_stamped(LEASE_KEY)
+    assert stamped.version == holder.version and 0.0 <= stamped.age_s <= 2.0  # Date - Last-Modified
+    # the holder wrote a wall clock an hour ahead into the object: a taker does not read it
+    skewed = dataclasses.replace(holder.doc, expires_at=holder.doc.expires_at - 3600)
+    store.put_if(LEASE_KEY, skewed.to_json(), if_version=holder.version)
+    with pytest.raises(LeaseHeld, match=r"held by worker i-0abc .* \(in 3[01] s\)"):
+        Lease.acquire(store, Holder("i-0def", None, "ip-10-0-0-8", 1, "c:pid:[1]"), ttl_s=30)
+
+
+def test_a_store_that_ignores_conditional_puts_is_refused(
+    tmp_path: Path, s3_bucket: tuple[str, str], fault_proxy: FaultProxy
+) -> None:
+    _, bucket = s3_bucket
+    fault_proxy.drop_conditions = True  # as an S3-compatible store without conditional writes
+    uri = f"s3://{bucket}/unconditional"
+    store = open_storage(uri, S3Options(endpoint_url=fault_proxy.endpoint))
+    with pytest.raises(ConfigError, match="ignored If-None-Match: \\* on PutObject"):
+        Lease.acquire(store, Holder("w", None, "h", 1, "b:pid:[1]"))
+    assert store.list() == []  # the probe cleaned up after itself; no lease was written
+    spec = write_spec(tmp_path / "job.yaml", total_steps=14, s3={"endpoint_url": fault_proxy.endpoint})
+    result = trainer(spec, uri, _mk(tmp_path / "t"))
+    assert result.returncode == ExitCode.CONFIG_ERROR, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert "two trainers could both take the storage lease" in line, line
+    assert list_checkpoints(store) == {}

@@ -13,6 +13,7 @@ import pytest
 from trainer.errors import LeaseHeld, PreconditionFailed, TransientStorageError
 from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.storage import LocalStorage
+from trainer.storage.base import Stamped
 
 ME = Holder("w-me", "run-2", "host-a", 200, "boot-a:pid:[1]")
 
@@ -31,20 +32,20 @@ class FakeClock:
 
 
 class FlakyStorage(LocalStorage):
-    """Fails the first `reads` read_versioned calls and the first `puts` put_if calls transiently;
-    `land` makes a failing put_if write first (the request landed, its answer was lost)."""
+    """Fails the first `reads` read_stamped calls (acquire's read) and the first `puts` put_if calls
+    transiently; `land` makes a failing put_if write first (the request landed, its answer was lost)."""
 
     def __init__(self, root: Path, reads: int = 0, puts: int = 0, land: bool = False) -> None:
         super().__init__(root)
         self.reads, self.puts, self.land = reads, puts, land
         self.calls = 0
 
-    def read_versioned(self, key: str) -> tuple[bytes, str]:
+    def read_stamped(self, key: str) -> Stamped:
         self.calls += 1
         if self.reads > 0:
             self.reads -= 1
             raise TransientStorageError(f"{key}: 503 SlowDown, still failing after botocore's retries")
-        return super().read_versioned(key)
+        return super().read_stamped(key)
 
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
         if self.puts > 0:

@@ -7,7 +7,9 @@ not the backend's.
 
 `read_versioned` and `put_if` are a compare-and-swap on one small object (the storage lease,
 trainer/lease.py): a version is an opaque string (S3's ETag, a content hash locally) and a put
-whose precondition no longer holds raises `PreconditionFailed` and changes nothing.
+whose precondition no longer holds raises `PreconditionFailed` and changes nothing. `read_stamped`
+adds the object's age by the store's own clock, so that a machine judging another's lease never
+compares two machines' clocks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Stamped:
+    """A small object with its version and its age, read in one request."""
+
+    data: bytes
+    version: str
+    age_s: float  # the store's now minus the store's time of the last write (S3: whole seconds)
 
 
 @runtime_checkable
@@ -63,6 +74,12 @@ class Storage(Protocol):
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         """A small object's bytes and its version. FileNotFoundError if absent."""
+        ...
+
+    def read_stamped(self, key: str) -> Stamped:
+        """`read_versioned` plus the object's age by the store's clock: S3's `Date` minus its
+        `Last-Modified`; a directory's file: a freshly touched file's mtime minus its own (on a
+        network volume both come from the server). FileNotFoundError if absent."""
         ...
 
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:

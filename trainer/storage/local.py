@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.storage.base import CHUNK, ObjectInfo
+from trainer.storage.base import CHUNK, ObjectInfo, Stamped
 
 TMP_MARK = ".spotrun-tmp-"
 # Under the root: checkpoints written in place by the writer, then renamed into their keys (adopt).
@@ -235,6 +235,24 @@ class LocalStorage:
         except (FileNotFoundError, IsADirectoryError):
             raise FileNotFoundError(f"{self.uri}/{key}") from None
         return data, _version(data)
+
+    def read_stamped(self, key: str) -> Stamped:
+        """The file's mtime against a touched file's: both set by the file system's clock (a network
+        volume's server), never by this machine's idea of the time."""
+        p = self._path(key)
+        try:
+            with open(p, "rb") as f:  # the mtime of the inode read: a rename may replace the name meanwhile
+                data, written = f.read(), os.fstat(f.fileno()).st_mtime
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"{self.uri}/{key}") from None
+        with self._writing(f"read the clock of {key}"):
+            fd = os.open(p.with_name(p.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.utime(fd)
+                now = os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+        return Stamped(data, _version(data), now - written)
 
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
         with self._writing(f"write {key}"):

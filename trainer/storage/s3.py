@@ -13,10 +13,12 @@ import functools
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,10 +28,10 @@ from boto3.s3.transfer import TransferConfig
 from botocore import exceptions as bce
 from botocore.config import Config
 
-from trainer.errors import PreconditionFailed, StorageError, TransientStorageError
+from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.redact import redact
 from trainer.spec import S3Options
-from trainer.storage.base import CHUNK, ObjectInfo
+from trainer.storage.base import CHUNK, ObjectInfo, Stamped
 from trainer.storage.local import TMP_MARK
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ TRANSIENT_EXCEPTIONS = (
     ConnectionError,
     TimeoutError,
 )
+# (endpoint, bucket) -> None when the store honours If-None-Match/If-Match on PutObject, else why not
+_PROBED: dict[tuple[str | None, str], str | None] = {}
+_PROBE_LOCK = threading.Lock()
 NO_CREDENTIALS_FIX = (
     "no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
     "or run on an instance with an instance profile"
@@ -324,10 +329,65 @@ class S3Storage:
 
         return self._retry(get)
 
+    def read_stamped(self, key: str) -> Stamped:
+        """One GET: the body, its ETag, and its age as S3 tells it (`Date` minus `Last-Modified`, both
+        whole seconds by S3's clock)."""
+        full = self._key(key)
+
+        def get() -> Stamped:
+            resp = self._get_object(full)
+            with s3_errors(self.bucket, full), contextlib.closing(resp["Body"]) as body:
+                data = body.read()
+            date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            if not date:
+                raise StorageError(f"s3://{self.bucket}/{full}: the store sent no Date header")
+            age = parsedate_to_datetime(date).timestamp() - resp["LastModified"].timestamp()
+            return Stamped(data, resp["ETag"], age)
+
+        return self._retry(get)
+
     def put_if(self, key: str, data: bytes, *, if_version: str | None) -> str:
         """A conditional PutObject (If-None-Match: * or If-Match: ETag). A retried request whose first
-        try did land answers 412: callers re-read and recognise their own write."""
-        full = self._key(key)
+        try did land answers 412: callers re-read and recognise their own write. The first in this
+        process on a bucket probes that the store honours the conditions (`require_conditional_puts`)."""
+        self.require_conditional_puts()
+        return self._put_if(self._key(key), data, if_version)
+
+    def require_conditional_puts(self) -> None:
+        """ConfigError unless the store refuses a PutObject whose If-None-Match or If-Match does not
+        hold: one that ignores them (some S3-compatible stores do) would let two trainers each win
+        the storage lease. Probed once per process and bucket, on a scratch key beside the lease."""
+        where = (self.opts.endpoint_url, self.bucket)
+        with _PROBE_LOCK:
+            if where not in _PROBED:
+                _PROBED[where] = self._probe_conditional_puts()
+        if (refusal := _PROBED[where]) is not None:
+            raise ConfigError(refusal)
+
+    def _probe_conditional_puts(self) -> str | None:
+        """Why the store cannot serve as a lease's store; None when it honours both conditions."""
+        full = self._key(f"_lease.json.probe-{uuid.uuid4().hex[:12]}")
+        endpoint = redact(self.opts.endpoint_url) if self.opts.endpoint_url else "AWS S3"
+        fix = "point storage: at a store that supports conditional writes (AWS S3 does)"
+        try:
+            self._put_if(full, b"1", None)
+            for header, if_version in (("If-None-Match: *", None), ("If-Match", f'"{"0" * 32}"')):
+                try:
+                    self._put_if(full, b"2", if_version)
+                except PreconditionFailed:
+                    continue
+                return (f"storage {self.uri}: the store at {endpoint} ignored {header} on PutObject, so "
+                        f"two trainers could both take the storage lease; {fix}")  # fmt: skip
+        except TransientStorageError:
+            raise  # not an answer: probed again at the next put_if
+        except StorageError as e:
+            return f"storage {self.uri}: the store at {endpoint} refused a conditional PutObject ({e}); {fix}"
+        finally:
+            with contextlib.suppress(StorageError, FileNotFoundError):
+                self._retry(functools.partial(self._delete_batch, [full]))
+        return None
+
+    def _put_if(self, full: str, data: bytes, if_version: str | None) -> str:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": data, **self.extra_args}
         kwargs.update({"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version})
 
