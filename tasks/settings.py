@@ -13,18 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.home import spotrun_home  # shared with `python -m trainer`
+
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
-
-HOME_SETTING = "SPOTRUN_HOME"
-DEFAULT_HOME = "~/.spotrun"
-
-
-def spotrun_home(environ: Mapping[str, str] | None = None) -> Path:
-    """SPOTRUN_HOME as an absolute path (a relative value is taken from the current directory once,
-    here); default ~/.spotrun, one per user, whatever the directory a command runs in."""
-    env = os.environ if environ is None else environ
-    return Path(env.get(HOME_SETTING, "").strip() or DEFAULT_HOME).expanduser().resolve()
 
 
 @dataclass(frozen=True)

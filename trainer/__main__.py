@@ -30,6 +30,7 @@ from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.handover import ANNOUNCE_S
 from trainer.heartbeat import HeartbeatWriter
+from trainer.home import spotrun_home
 from trainer.launch import (
     LAUNCHER_ID,
     RANK_EXITS,
@@ -47,7 +48,7 @@ from trainer.notices import Notice, make_watcher
 from trainer.preemption import StopRequest, install_signal_handlers
 from trainer.spec import JobSpec, load_spec, parse_spec
 from trainer.status import StatusReporter, open_status
-from trainer.storage import open_storage
+from trainer.storage import open_storage, resolve_uri
 from trainer.storage.base import local_dir_name
 
 log = logging.getLogger("trainer")
@@ -156,7 +157,7 @@ class Environ:
         env = os.environ
         rank = under_torchrun(env)
         return cls(
-            home=Path(env.get("SPOTRUN_HOME", ".spotrun")),
+            home=spotrun_home(env),
             worker_id=None if rank else (args.worker_id or env.get("SPOTRUN_WORKER_ID") or None),
             flow_run_id=env.get("SPOTRUN_FLOW_RUN_ID") or None,
             metadata_endpoint=env.get("SPOTRUN_IMDS_ENDPOINT") or None,
@@ -250,6 +251,14 @@ def _exit_code(e: Exception) -> tuple[ExitCode, BaseException | None]:
     return ExitCode.CRASHED, None
 
 
+def job_storage(spec: JobSpec, override: str | None, home: Path) -> JobSpec:
+    """The spec with its storage (or `--storage`, validated like the job file's own field) made absolute:
+    a relative one under SPOTRUN_HOME, as `spotrun run` resolves it, never under the current directory."""
+    if override:
+        spec = parse_spec({**spec.model_dump(mode="json"), "storage": override}, "--storage")
+    return spec.model_copy(update={"storage": resolve_uri(spec.storage, home)})
+
+
 def _run(
     args: argparse.Namespace,
     argv: list[str],
@@ -258,10 +267,8 @@ def _run(
     reporter: StatusReporter,
     cleanup: contextlib.ExitStack,
 ) -> tuple[ExitCode, str]:
-    spec = load_spec(args.config)
-    uri = args.storage or spec.storage
-    if args.storage:  # validated like the job file's own field
-        spec = parse_spec({**spec.model_dump(mode="json"), "storage": args.storage}, "--storage")
+    spec = job_storage(load_spec(args.config), args.storage, env.home)
+    uri = spec.storage
     if args.allow_changes:
         spec = spec.model_copy(update={"resume": spec.resume.model_copy(update={"allow_changes": True})})
     opts = AttemptOptions(

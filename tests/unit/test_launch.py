@@ -142,3 +142,27 @@ def test_fault_with_a_bad_rank_is_refused() -> None:
 )
 def test_fork_ranks(on_cpu: bool, env: dict[str, str], threads: list[str], forked: bool, why: str) -> None:
     assert fork_ranks(on_cpu, env, threads) == (forked, why)
+
+
+@pytest.mark.parametrize(
+    ("storage", "override", "resolved"),
+    [
+        ("ckpt/rel", None, "{home}/ckpt/rel"),  # the job file's relative storage: under SPOTRUN_HOME
+        ("file://ckpt/rel", None, "{home}/ckpt/rel"),
+        ("/abs/ckpt", None, "/abs/ckpt"),
+        ("s3://b/x", None, "s3://b/x"),
+        ("/abs/ckpt", "other", "{home}/other"),  # --storage: the same rule
+        ("ckpt/rel", "s3://b/y", "s3://b/y"),
+    ],
+)
+def test_the_trainer_resolves_storage_as_spotrun_run_does(
+    storage: str, override: str | None, resolved: str, tmp_path: object
+) -> None:
+    from pathlib import Path
+
+    from trainer.__main__ import job_storage
+    from trainer.spec import JobSpec
+
+    home = Path(str(tmp_path))
+    spec = JobSpec.model_validate({**BASE, "storage": storage})
+    assert job_storage(spec, override, home).storage == resolved.format(home=home)
