@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect import get_client
+from prefect import flow, get_client
 from prefect.blocks.system import Secret
 from prefect.client.schemas.filters import (
     ArtifactFilter,
@@ -39,7 +39,9 @@ from deployments.worker import LocalWorker
 from spotrun.server import flush_to_api, free_port, patched_environ
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.checkpoints import CHECKPOINT_UNVERIFIED
 from tasks.history import AlertStatus, HistoryStore
+from tasks.prefect_sink import PrefectSink
 from tests.e2e.test_flow import job, run_flow, schedule
 from tests.prefect_server import PrefectServer
 from tests.servers import SlackFake
@@ -146,7 +148,8 @@ def test_deploy_twice_changes_nothing(stack: Stack) -> None:
     assert {a.change for a in again.automations} == {"unchanged"}
     assert [a.id for a in again.automations] == [a.id for a in stack.report.automations]
     with get_client(sync_client=True) as client:
-        assert len(spotrun_automations(client)) == 6  # storm, gave up, recovered, mismatch, zombie, crashed
+        # storm, gave up, recovered, mismatch, unverified, zombie, crashed
+        assert len(spotrun_automations(client)) == 7
         names = _deployment_names(client)
         nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
     assert names == set(stack.report.deployments) and len(names) == 5  # + recover-job
@@ -259,6 +262,40 @@ def test_a_resume_mismatch_alerts_once_naming_the_attempt_and_the_difference(sta
         sent = store.alerts(job=name)
     assert [(r.kind, r.status) for r in sent] == [("resume-mismatch", AlertStatus.SENT)]
     assert sent[0].dedup_key.startswith(f"resume-mismatch:{name}:") and sent[0].dedup_key.endswith(":2")
+
+
+UNSIGNED = "cannot verify: not signed (SPOTRUN_MANIFEST_KEY is set here)"
+
+
+def _check(job_name: str, sink: PrefectSink) -> None:
+    for step in (20, 10):  # newest first, as tasks/checkpoints.py reports them
+        sink.event(CHECKPOINT_UNVERIFIED, job_name, {"step": step, "problem": UNSIGNED})
+
+
+@flow(name="integrity-check-stand-in")
+def _unverified_checkpoints(job_name: str) -> None:
+    """Two checkpoints the controller cannot verify, reported as the training flow's check-checkpoints
+    step reports them: PrefectSink.event inside that step's task run."""
+    sink = PrefectSink()
+    sink.step("check-checkpoints", _check, job_name, sink)
+
+
+def test_checkpoints_that_cannot_be_verified_alert_once_with_the_fix(stack: Stack) -> None:
+    name = f"unverified-{uuid.uuid4().hex[:6]}"
+    state = _unverified_checkpoints(name, return_state=True)
+    flush_to_api()
+    runs = alert_runs(name)
+    assert [(r.parameters["kind"], r.state_name) for r in runs] == [("cannot-verify", "Completed")]
+    (message,) = messages_about(stack, name)  # two checkpoints, one alert
+    assert f"{name} has a checkpoint it cannot verify (step " in message["text"], message["text"]
+    body = json.dumps(message)
+    reporter = f"/runs/flow-run/{state.state_details.flow_run_id}"  # the run whose check found them
+    for expected in (UNSIGNED, "nothing quarantined or deleted", "the same SPOTRUN_MANIFEST_KEY",
+                     "SPOTRUN_MANIFEST_KEYS_OLD", reporter):  # fmt: skip
+        assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
+    with stack.store() as store:
+        sent = store.alerts(job=name)
+    assert [(r.kind, r.status) for r in sent] == [("cannot-verify", AlertStatus.SENT)]
 
 
 @pytest.fixture(scope="module")
