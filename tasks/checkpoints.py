@@ -6,16 +6,22 @@ built and reports its choice in its `started` record); the flow builds no recipe
 code. What it still does, through storage only: hash every committed checkpoint against its manifest,
 quarantine the damaged ones (so no trainer resumes from an intact local copy of what storage lost),
 and estimate the step the next attempt will start from, for lost-steps accounting.
+
+The flow cache holds the copies an S3 store's checkpoints are hashed in. After each check it keeps
+only the one found intact (the next check reuses it when no newer one came), so between checks it
+holds at most one checkpoint's files; a full disk there is an alert and a skipped check, not a crash.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.catalog import Catalog, select_newest_valid
+from trainer.catalog import Catalog, prune_local, select_newest_valid
 from trainer.ckpt_format import checkpoint_uri
 from trainer.errors import ConfigError, StorageError, TransientStorageError
 from trainer.resume import completed_for
@@ -26,6 +32,8 @@ from trainer.validate import Problem
 
 # a checkpoint whose signature the controller cannot check (trainer/signing.py): kept, not resumed from
 CHECKPOINT_UNVERIFIED = "spotrun.checkpoint.unverified"
+# the controller's disk filled up during the check: the check was skipped, its flow cache emptied
+CONTROLLER_DISK_FULL = "spotrun.controller.disk-full"
 
 
 class LogSink(Protocol):
@@ -114,9 +122,20 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
             )
             sink.event(CHECKPOINT_UNVERIFIED, job.name, {"step": r.step, "problem": r.problems[0]})
     point = choose(reports, job.storage)
+    prune_local(cache, set() if point.step is None else {point.step})  # what the next check may reuse
     sink.log(logging.INFO, f"{len(damaged)} damaged checkpoint(s) quarantined; "
                            f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip
     return point
+
+
+def disk_full(e: OSError) -> bool:
+    """No space (or no quota) left where the flow cache is."""
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def empty_cache(cache: Path) -> None:
+    """Remove every copy in the flow cache, a partial download's too: the next check fetches again."""
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 def completed_at(job: JobSpec) -> int | None:

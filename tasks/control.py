@@ -24,7 +24,14 @@ from typing import Any, Protocol, TypeVar
 
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
-from tasks.checkpoints import ResumePoint, check_integrity, completed_at
+from tasks.checkpoints import (
+    CONTROLLER_DISK_FULL,
+    ResumePoint,
+    check_integrity,
+    completed_at,
+    disk_full,
+    empty_cache,
+)
 from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.prewarm import Prewarm
@@ -335,14 +342,29 @@ def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object
     }
 
 
-def _check_checkpoints(job: JobSpec, cache: Path, sink: Sink) -> ResumePoint | None:
-    """check_integrity, or None when the storage cannot be read now: the next trainer validates what
-    it resumes from anyway, and the policy decides on the attempt's own ending (a storage that is down
-    fails the trainer too), rather than this controller crashing on it."""
+Check = Callable[[JobSpec, Path, Sink], ResumePoint]  # the integrity check (a seam for tests)
+
+
+def _check_checkpoints(
+    job: JobSpec, cache: Path, sink: Sink, check: Check = check_integrity
+) -> ResumePoint | None:
+    """check_integrity, or None when it cannot be done now: the next trainer validates what it resumes
+    from anyway, and the policy decides on the attempt's own ending, rather than this controller
+    crashing. A storage that cannot be read is a warning (it fails the trainer too); a full disk under
+    the flow cache is an alert, and the cache is emptied so that the next check can run."""
     try:
-        return check_integrity(job, cache, sink)
+        return check(job, cache, sink)
     except StorageError as e:
         sink.log(logging.WARNING, f"checkpoints not checked ({e}); the next trainer validates its own")
+        return None
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        empty_cache(cache)
+        problem = f"{e.strerror or e} under {cache}"
+        sink.log(logging.ERROR, f"checkpoints not checked: the controller's disk is full ({problem}); "
+                                "emptied its flow cache, the next check tries again")  # fmt: skip
+        sink.event(CONTROLLER_DISK_FULL, job.name, {"problem": problem})
         return None
 
 
@@ -357,6 +379,7 @@ def _completed_at(job: JobSpec, sink: Sink) -> int | None:
 
 
 def _finish(runlog: JobRunLog, status: str, message: str, started: float) -> JobResult:
+    empty_cache(runlog.cache)  # a job run that ended checks nothing more
     summary = runlog.finish(status, message, time.time() - started)
     text = message or f"completed in {len(runlog.records)} attempt(s), goodput {summary.goodput:.1%}"
     return JobResult(status == "completed", text, summary)
