@@ -20,6 +20,20 @@ Then once:
       the common way: the full state dict gathered to rank 0 (cpu_offload) and torch.save + fsync
       there, the other rank at a barrier. Stall (the slowest rank's) ratio baseline/spotrun, goal
       >= 50; time-to-durable ratio spotrun/baseline, goal <= 0.7. Medians of interleaved runs.
+And for the largest state, in the same run:
+  (f) signing: what `SPOTRUN_MANIFEST_KEY` costs. With a key, the writer also computes a keyed BLAKE3
+      digest of every file as it writes it and signs the manifest, and validation checks the keyed
+      digest instead of xxh3. Two writer-process checkpointers, one started with the key in its
+      environment and one without, take turns (medians of a few interleaved (b)-style runs each).
+      `signed_overhead_pct` is the extra loop time of one async checkpoint with the key, as a
+      percentage of the same without it: the loop's cost is the honest "overhead", as in (b), since
+      it is what training pays. The hash runs in the writer, off the loop; the loop pays for it
+      through the CPU the writer takes beside the steps and a longer save. Time to durable (save
+      call to `on_durable`) is what the key adds to the window a preemption can lose, printed with
+      the writer's CPU seconds per save and kept as `signed_durable_pct`; it is the smaller figure
+      (the same seconds over a longer base), so it is not the one reported as the overhead. Then
+      validate_dir with the key (keyed digests) vs without it (xxh3), page cache warm, as
+      `signed_validate_ratio`. Goal: a few percent.
 
 Prints human-readable lines; the last line is one JSON object holding the worst case of each ratio.
 The full results also go to bench/out/checkpoint.json. Run from the repo root:
@@ -58,6 +72,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +85,18 @@ from trainer import recipes
 from trainer.checkpointer import Checkpointer
 from trainer.ckpt_format import MODEL_FILE, sha256_file
 from trainer.recipes.charlm import state_bytes
+from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 from trainer.spec import JobSpec, S3Options
 from trainer.state import capture_rng, update_only_views
 from trainer.storage import LocalStorage, Storage
 from trainer.storage.s3 import S3Storage, make_s3_client
-from trainer.validate import Expectation, validate_dir
+from trainer.validate import Expectation, read_manifest, validate_dir
 
 MB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "spotrun-bench"
 CHECKPOINT_EVERY_S = 60.0
+SIGNED_REPS = {"quick": 3, "full": 5}  # (f): interleaved runs with and without the key, each
 OUT = Path(__file__).resolve().parent / "out" / "checkpoint.json"
 
 
@@ -253,6 +270,7 @@ class Run:
     overlapped_s: list[float] = field(default_factory=list)  # steps that began while a save was running
     stall_s: float = 0.0  # the loop blocked in Checkpointer.save
     tail_s: float = 0.0  # waiting at the end for a background save still running
+    saved_at: float = 0.0  # perf_counter() when the checkpoint's save was called
 
     def extra_s(self) -> float:
         """Loop time the checkpoint cost, against this run's own undisturbed steps: the noise of
@@ -273,6 +291,7 @@ def run_steps(
     i = 0
     while i < n or (ckpt is not None and ckpt.in_flight and time.perf_counter() - w0 < limit_s):
         if ckpt is not None and i == at:
+            run.saved_at = time.perf_counter()
             run.stall_s = t.save(ckpt)
         overlapped = ckpt is not None and ckpt.in_flight
         s0 = time.perf_counter()
@@ -386,6 +405,176 @@ def measure_validate(t: Trainee, remote_dir: Path, reps: int = 3) -> dict[str, A
         "sha256_s": sha_s, "sha256_mb_s": nbytes / MB / sha_s, "validate_ratio": validate_s / plain_s,
         "hot_spots": hot_spots(lambda: validate_dir(d, expect)),
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------- (f) signing
+
+
+@contextmanager
+def manifest_key(key: str | None) -> Iterator[None]:
+    """`SPOTRUN_MANIFEST_KEY` set to `key` (None: unset) for what runs inside. A writer process keeps
+    the environment it was started in, so a checkpointer's first save decides whether it signs."""
+    before = os.environ.pop(KEY_ENV, None)
+    if key is not None:
+        os.environ[KEY_ENV] = key
+    try:
+        yield
+    finally:
+        os.environ.pop(KEY_ENV, None)
+        if before is not None:
+            os.environ[KEY_ENV] = before
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads) so far; None where /proc has no answer."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+@dataclass
+class Side:
+    """One side of (f): a writer-process checkpointer started with or without the key."""
+
+    key: str | None
+    ckpt: Checkpointer
+    durable_at: list[float] = field(default_factory=list)
+    extra_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)
+    writer_cpu_s: list[float] = field(default_factory=list)
+
+    def run(self, t: Trainee, n: int) -> None:
+        pid = self.ckpt._proc.proc.pid if self.ckpt._proc is not None else None
+        cpu0 = cpu_seconds(pid) if pid else None
+        with manifest_key(self.key):
+            r = run_steps(t, n, self.ckpt)
+        cpu1 = cpu_seconds(pid) if pid else None
+        self.extra_s.append(r.extra_s())
+        self.durable_s.append(self.durable_at[-1] - r.saved_at)
+        if cpu0 is not None and cpu1 is not None:
+            self.writer_cpu_s.append(cpu1 - cpu0)
+
+    def summary(self) -> dict[str, Any]:
+        cpu = statistics.median(self.writer_cpu_s) if self.writer_cpu_s else None
+        extra = statistics.median(self.extra_s)
+        return {
+            "extra_s": extra, "extra_s_each": self.extra_s, "writer_cpu_s": cpu,
+            "durable_s": statistics.median(self.durable_s), "durable_s_each": self.durable_s,
+            "overhead_pct": 100 * max(extra, 0.0) / CHECKPOINT_EVERY_S,
+        }  # fmt: skip
+
+
+def measure_signed(t: Trainee, work: Path, reps: int) -> dict[str, Any]:
+    """(f): one async checkpoint's loop overhead and time to durable with the key vs without, then
+    validation with vs without it (see the module's docstring)."""
+    sides: dict[str, Side] = {}
+    try:
+        for name, key in (("plain", None), ("keyed", os.urandom(16).hex())):
+            stamps: list[float] = []
+            with manifest_key(key):
+                ckpt = t.checkpointer(
+                    LocalStorage(work / f"remote-f-{name}"), work / f"cache-f-{name}", writer="process",
+                    on_durable=lambda _step, _sidecars, s=stamps: s.append(time.perf_counter()),
+                )  # fmt: skip
+                sides[name] = Side(key, ckpt, stamps)
+                t.train_step()
+                t.save(ckpt)  # starts its writer process, in this environment, and allocates the buffers
+                ckpt.wait()
+        n = 12  # as in (b)
+        for i in range(reps):  # interleaved, each side first in turn, so load changes hit both alike
+            for name in ("plain", "keyed") if i % 2 == 0 else ("keyed", "plain"):
+                sides[name].run(t, n)
+        plain, keyed = sides["plain"].summary(), sides["keyed"].summary()
+        validate = measure_signed_validate(t, work, sides)
+    finally:
+        for side in sides.values():
+            side.ckpt.close()
+    rmtree(*(work / f"{kind}-f-{name}" for kind in ("remote", "cache") for name in sides))
+    return {
+        "reps": reps, "plain": plain, "keyed": keyed, **validate,
+        "signed_overhead_pct": pct_more(keyed["extra_s"], plain["extra_s"]),
+        "signed_durable_pct": pct_more(keyed["durable_s"], plain["durable_s"]),
+        "signed_writer_cpu_pct": pct_more(keyed["writer_cpu_s"], plain["writer_cpu_s"])
+        if keyed["writer_cpu_s"] is not None and plain["writer_cpu_s"] is not None
+        else None,
+    }  # fmt: skip
+
+
+def pct_more(x: float, base: float) -> float | None:
+    return 100 * (x - base) / base if base > 0 else None
+
+
+def measure_signed_validate(t: Trainee, work: Path, sides: dict[str, Side], reps: int = 3) -> dict[str, Any]:
+    """validate_dir of each side's newest checkpoint in its own environment, fastest of `reps`
+    interleaved; the keyed one must verify under the key, or this would time the xxh3 path twice."""
+    expect = Expectation.from_parts(t.parts.model, t.parts.optimizer, t.spec.shape_hash())
+    dirs = {name: max((work / f"remote-f-{name}").glob("step_*")) for name in sides}
+    for name, side in sides.items():
+        with manifest_key(side.key):
+            manifest, problems = read_manifest(dirs[name])
+            problems += validate_dir(dirs[name], expect)  # also warms the page cache
+            signed = manifest is not None and manifest.verdict().key is not None
+        if problems or signed != (side.key is not None):
+            why = [str(p) for p in problems] or [f"signed: {signed}"]
+            raise SystemExit(f"(f) {name} checkpoint {dirs[name]} is not what (f) measures: {why}")
+    times: dict[str, list[float]] = {name: [] for name in (*sides, "load")}
+    for _ in range(reps):
+        for name, side in sides.items():
+            with manifest_key(side.key):
+                times[name].append(best_of(partial(validate_dir, dirs[name], expect), 1))
+        times["load"].append(best_of(partial(plain_load, dirs["keyed"]), 1))
+    best = {name: min(ts) for name, ts in times.items()}
+    nbytes = sum(p.stat().st_size for p in dirs["keyed"].iterdir() if p.is_file())
+    return {
+        "validate_s": best, "bytes": nbytes, "signed_validate_ratio": best["keyed"] / best["plain"],
+        "keyed_vs_plain_load": best["keyed"] / best["load"],  # (c)'s ratio, with the key
+    }  # fmt: skip
+
+
+def report_signed(label: str, f: dict[str, Any]) -> None:
+    p, k = f["plain"], f["keyed"]
+    over, durable, ratio = f["signed_overhead_pct"], f["signed_durable_pct"], f["signed_validate_ratio"]
+
+    def each(xs: list[float]) -> str:
+        return ", ".join(f"{x:.2f}" for x in xs)
+
+    say(
+        f"[{label}] (f) with {KEY_ENV} (keyed BLAKE3 digests, signed manifest) vs without, writer process, "
+        f"median of {f['reps']} interleaved runs each:"
+    )
+    more = f"{over:+.1f}% {verdict(over <= 5)} (<= 5%)" if over is not None else "no unkeyed cost to compare"
+    say(
+        f"[{label}]     loop overhead of one async checkpoint {k['extra_s']:.2f}s "
+        f"({each(k['extra_s_each'])}) vs {p['extra_s']:.2f}s ({each(p['extra_s_each'])}) -> {more}"
+    )
+    cpu = (
+        f"; the writer's CPU per save {k['writer_cpu_s']:.2f}s vs {p['writer_cpu_s']:.2f}s "
+        f"({f['signed_writer_cpu_pct']:+.1f}%)"
+        if f["signed_writer_cpu_pct"] is not None
+        else ""
+    )
+    say(
+        f"[{label}]     save -> durable {k['durable_s']:.2f}s vs {p['durable_s']:.2f}s"
+        + (f" ({durable:+.1f}%)" if durable is not None else "")
+        + cpu
+    )
+    say(
+        f"[{label}]     amortized over one checkpoint per {CHECKPOINT_EVERY_S:.0f}s of training: "
+        f"{k['overhead_pct']:.2f}% with the key vs {p['overhead_pct']:.2f}% without"
+    )
+    v = f["validate_s"]
+    say(
+        f"[{label}]     validate_dir {f['bytes'] / 1e6:.0f} MB with the key (keyed digests) "
+        f"{v['keyed']:.3f}s vs without (xxh3) {v['plain']:.3f}s -> {ratio:.2f}x; fastest of 3, "
+        "page cache warm"
+    )
+    load = f["keyed_vs_plain_load"]
+    say(
+        f"[{label}]     with the key vs a plain load of the same files {v['load']:.3f}s: {load:.2f}x "
+        f"{verdict(load <= 1.5)} (<= 1.5x, as (c))"
+    )
 
 
 # ---------------------------------------------------------------- (d) transfer
@@ -561,7 +750,8 @@ def moto_endpoint() -> Iterator[str]:
         server.wait(timeout=10)
 
 
-def bench_size(size: Size, s3: S3, work: Path, budget_s: float) -> dict[str, Any]:
+def bench_size(size: Size, s3: S3, work: Path, budget_s: float, signed_reps: int = 0) -> dict[str, Any]:
+    """(a)-(c) for one size, and (f) with `signed_reps` runs a side (0: not for this size)."""
     t0 = time.perf_counter()
     t = Trainee.build(size)
     t.train_step()
@@ -585,12 +775,16 @@ def bench_size(size: Size, s3: S3, work: Path, budget_s: float) -> dict[str, Any
     c = measure_validate(t, Path(b.pop("remote_dir")))
     report_validate(size.label, c)
     rmtree(work / "remote-b-process", work / "cache-b-process")
+    f = measure_signed(t, work, signed_reps) if signed_reps else None
+    if f is not None:
+        report_signed(size.label, f)
     a = measure_stall(t, s3, f"ckpt-{size.label}", work, size.stall_reps)
     report_stall(size.label, a)
     rmtree(work / "cache-a")
     delete_prefix(s3.plain, f"ckpt-{size.label}")  # moto holds objects in memory and temp files
     say(f"[{size.label}] done in {time.perf_counter() - t0:.0f}s")
-    return {"state_bytes": actual, "estimate_bytes": est, "stall": a, "overhead": b, "validate": c}
+    out = {"state_bytes": actual, "estimate_bytes": est, "stall": a, "overhead": b, "validate": c}
+    return out | ({"signed": f} if f is not None else {})
 
 
 def delete_prefix(client: Any, prefix: str) -> None:
@@ -682,9 +876,9 @@ def verdict(ok: bool) -> str:
 
 def summarize(
     sizes: dict[str, Any], transfer: dict[str, Any] | None, fsdp: dict[str, Any] | None
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Worst case of each ratio over the sizes; the cases not run (`--only`) are left out."""
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     if sizes:
         out |= {
             "stall_ratio": round(min(s["stall"]["stall_ratio"] for s in sizes.values()), 1),
@@ -694,8 +888,12 @@ def summarize(
                 max(s["overhead"]["thread"]["overhead_pct"] for s in sizes.values()), 2
             ),
         }
-        largest = max(sizes.values(), key=lambda s: s["state_bytes"])["stall"]
-        out["durable_after_notice_s"] = round(largest["durable_after_notice_s"], 2)
+        largest = max(sizes.values(), key=lambda s: s["state_bytes"])
+        out["durable_after_notice_s"] = round(largest["stall"]["durable_after_notice_s"], 2)
+        if (f := largest.get("signed")) is not None:
+            for k in ("signed_overhead_pct", "signed_durable_pct"):
+                out[k] = round(f[k], 1) if f[k] is not None else None
+            out["signed_validate_ratio"] = round(f["signed_validate_ratio"], 2)
     if transfer is not None:
         out |= {
             "upload_ratio": round(transfer["upload_ratio"], 2),
@@ -732,6 +930,9 @@ def main() -> None:
     if cli.threads:
         torch.set_num_threads(cli.threads)
     logging.basicConfig(level=logging.WARNING)
+    # every case but (f) measures checkpoints without a key, whatever this shell holds
+    for k in (KEY_ENV, OLD_KEYS_ENV):
+        os.environ.pop(k, None)
     t0 = time.perf_counter()
     say(
         f"checkpoint benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -742,8 +943,10 @@ def main() -> None:
     if cli.only != "fsdp":
         with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="spotrun-bench-") as tmp:
             s3 = S3.connect(endpoint)
-            for size in QUICK if quick else FULL:
-                sizes[size.label] = bench_size(size, s3, Path(tmp), budget_s=15 if quick else 60)
+            plan = QUICK if quick else FULL
+            for size in plan:
+                signed_reps = SIGNED_REPS["quick" if quick else "full"] if size is plan[-1] else 0
+                sizes[size.label] = bench_size(size, s3, Path(tmp), 15 if quick else 60, signed_reps)
                 gc.collect()
             mb = 10 if quick else 100
             say(
