@@ -11,6 +11,7 @@ the same `log_batch` call (one transaction on a SQL store, one request to a serv
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -59,12 +60,29 @@ def import_mlflow() -> Any:
     return mlflow
 
 
-def embedded_store(path: Path) -> None:
+def embedded_store(path: Path, artifact_root: str) -> None:
     """Create the embedded SQLite store from a migrated empty copy kept per MLflow version in the user's
     cache: a new store migrates ~100 revisions (1-3 s measured); a copy opens in 0.05 s. Best effort:
-    without a template MLflow creates the store itself."""
-    if path.exists():
-        return
+    without a template MLflow creates the store itself. Either way its Default experiment keeps its
+    artifacts under `artifact_root` ($SPOTRUN_HOME): MLflow puts them in `./mlruns` of whatever
+    directory first opened the store (the template's is the one that made it)."""
+    if not path.exists():
+        _from_template(path)
+    _pin_default_experiment(path, artifact_root)
+
+
+def _pin_default_experiment(path: Path, artifact_root: str) -> None:
+    if not path.is_file():
+        return  # MLflow creates it on first use; the next attach pins it
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=30)) as db, db:
+            where = f"{artifact_root.rstrip('/')}/0"
+            db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (where,))
+    except sqlite3.Error as e:  # another MLflow schema, a locked file: MLflow's default stays
+        log.debug("Default experiment of %s not moved under %s: %s", path, artifact_root, e)
+
+
+def _from_template(path: Path) -> None:
     mlflow = import_mlflow()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spotrun"
     template = cache / f"mlflow-{mlflow.__version__}-empty.db"

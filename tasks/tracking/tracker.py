@@ -205,8 +205,8 @@ class Tracker:
         return True
 
     def _attach(self, storage: Storage) -> MlflowRun:
-        if self.where.embedded is not None:
-            embedded_store(self.where.embedded)
+        if self.where.embedded is not None and self.where.artifact_root is not None:
+            embedded_store(self.where.embedded, self.where.artifact_root)
         known = [k for k in (_stored_run(storage, self.where.tracking_uri), self.known_run_id) if k]
         job = self.job
         tags = {

@@ -412,3 +412,32 @@ def test_the_next_controller_reattaches_and_sends_each_step_once(
     assert run.info.status == "FINISHED" and run.data.tags["spotrun.flow_run_id"] == "flow-two"
     gaps = [r.getMessage() for r in caplog.records if "no per-step metrics" in r.getMessage()]
     assert len(gaps) == 1 and "steps 21-30" in gaps[0]
+
+
+def test_the_embedded_store_writes_nothing_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registration from another directory: the model's files land under SPOTRUN_HOME, and no
+    experiment of the store (MLflow's Default included) points at `./mlruns` of any directory."""
+    import sqlite3
+
+    from safetensors.torch import save_file
+
+    from tasks.tracking.mlflow_run import MlflowRun, embedded_store
+
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    job = _job(tmp_path, name="cwdjob")
+    where = Where.of(job, home, {})
+    assert where.embedded is not None and where.artifact_root is not None
+    embedded_store(where.embedded, where.artifact_root)
+    run, _ = MlflowRun.attach(where.tracking_uri, where.experiment, where.artifact_root, [], {}, job)
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    version = run.register("cwdjob", tmp_path / "model.safetensors", job, {"spotrun.checkpoint": "x"})
+    assert version == "cwdjob/1"
+    assert list(cwd.iterdir()) == []
+    assert list((home / "mlflow-artifacts" / "cwdjob").rglob("model.safetensors"))
+    with sqlite3.connect(where.embedded) as db:
+        locations = [r[0] for r in db.execute("SELECT artifact_location FROM experiments")]
+    assert len(locations) == 2 and all(loc.startswith(where.artifact_root) for loc in locations), locations
