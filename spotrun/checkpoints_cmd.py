@@ -123,6 +123,9 @@ def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> tuple[Pat
     """Fetch one committed checkpoint (into the catalog's cache; a directory store's is read in place)
     and validate it: where it is, and what is wrong with it."""
     path = catalog.fetch(step)
+    _, problems = catalog.validate(step, None, integrity_only=True)  # hashed before anything is loaded
+    if problems:
+        return path, problems
     _, problems = catalog.validate(step, expect.for_dir(path))
     return path, problems
 
@@ -228,7 +231,7 @@ def _summary(problems: list[Problem], most: int = 3) -> str:
 
 def ranked(problems: list[Problem]) -> list[Problem]:
     """Problems in the order that explains them: a different job's checkpoint first, then damage."""
-    order = {"compat": 0, "integrity": 1, "structure": 2, "content": 3}
+    order = {"compat": 0, "integrity": 1, "unverified": 2, "structure": 3, "content": 4}
     return sorted(problems, key=lambda p: order[p.kind])
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -138,10 +139,14 @@ def load_full_state(
     """What a DCP checkpoint holds (only the top-level `keys`, when given), as one nested dict on CPU,
     in this process (no process group): what `dcp_to_torch_save` does, with the safe reader and planner."""
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=SafeFileSystemReader(checkpoint, listed),
-        planner=SafeFullLoadPlanner(keys=set(keys) if keys is not None else None),
-        no_dist=True,
-    )
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=SafeFileSystemReader(checkpoint, listed),
+            planner=SafeFullLoadPlanner(keys=set(keys) if keys is not None else None),
+            no_dist=True,
+        )
+    except CheckpointException as e:  # a BaseException: one line, for callers that catch ValueError
+        causes = [str(f[0] if isinstance(f, tuple) else f) for f in e.failures.values()]
+        raise ValueError(f"{checkpoint.name} not loadable: {'; '.join(causes)}"[:300]) from None
     return state

@@ -15,7 +15,7 @@ controller checks integrity alone (`check_integrity`) or the shape hash (`Expect
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,7 +162,7 @@ def _check_part(path: Path, spec: PartSpec, m: Manifest, expect: Expectation | N
     # plain load at 100 MB: validation 1.91x; the resume's own load reads the values once).
     scan = not m.files[path.name].finite
     try:
-        with _open_part(path, spec.codec, scan) as (step, state):
+        with _open_part(path, spec.codec, scan, listed=m.files) as (step, state):
             step = m.step if spec.codec is Codec.DCP else step  # DCP files carry no step of ours
             found: list[Finding] = (
                 [] if step == m.step else [("content", f"step {step} != manifest step {m.step}")]
@@ -175,7 +175,9 @@ def _check_part(path: Path, spec: PartSpec, m: Manifest, expect: Expectation | N
 
 
 @contextmanager
-def _open_part(path: Path, codec: Codec, scan: bool = True) -> Iterator[tuple[int | None, Any]]:
+def _open_part(
+    path: Path, codec: Codec, scan: bool = True, listed: Collection[str] | None = None
+) -> Iterator[tuple[int | None, Any]]:
     """(the step the part carries, its state); a model's tensors are read one at a time, or (not
     `scan`) described by their header entries alone."""
     if codec is Codec.TORCH:
@@ -185,7 +187,7 @@ def _open_part(path: Path, codec: Codec, scan: bool = True) -> Iterator[tuple[in
     if codec is Codec.DCP:
         from trainer.safe_load import read_dcp_metadata
 
-        yield None, read_dcp_metadata(path.parent)
+        yield None, read_dcp_metadata(path.parent, listed)
         return
     with safe_open(str(path), framework="pt") as f:
         yield metadata_step(f.metadata()), _LazyTensors(f, scan)
