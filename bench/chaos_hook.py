@@ -12,9 +12,10 @@ in SPOTRUN_CHAOS_PLAN, read once at start: the campaign rewrites it before each 
   disk     {"disk": {"errno": "ENOSPC"|"EIO", "nth": n}}: the n-th local checkpoint write fails the
            way a full or failing disk does: ENOSPC from the first optimizer.pt write (the weights
            already on disk), EIO from the manifest's fsync; a partial .tmp directory stays behind
-  writes   every S3 put and delete (but the lease's and heartbeats') is appended to the plan's
-           `publog` as {"pid", "op", "key"} before it is sent: the campaign finds two writers of
-           one storage by interleaving in this log
+  writes   every S3 put and delete of what only the lease's holder may write (`lease.needs_lease`:
+           not the lease, the handoff, a replacement's standby or heartbeats, which other processes
+           write by design) is appended to the plan's `publog` as {"pid", "op", "key"} before it is
+           sent: the campaign finds two writers of one storage by interleaving in this log
 
 Trainer code is not edited: the wrappers replace module attributes in this process only.
 """
@@ -126,8 +127,10 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
 
 def _log_writes(cls: Any, publog: Path) -> None:
+    from trainer.lease import needs_lease
+
     def note(op: str, key: str) -> None:
-        if key.startswith(("_lease", "_workers/")):
+        if not needs_lease(key):
             return
         line = json.dumps({"pid": os.getpid(), "op": op, "key": key}) + "\n"
         fd = os.open(publog, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

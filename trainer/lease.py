@@ -62,7 +62,8 @@ from trainer.errors import (
     StorageError,
     TransientStorageError,
 )
-from trainer.handover import write_standby
+from trainer.handover import STANDBY_KEY, write_standby
+from trainer.heartbeat import WORKERS_DIR
 from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
 from trainer.storage.base import Stamped
 
@@ -74,6 +75,10 @@ LEASE_KEY = "_lease.json"
 # holder named here, as `--lease-takeover` would have let it had the release come before its start.
 HANDOFF_KEY = "_handoff.json"
 HANDOFF_KEEP = 16
+# Written without the lease, each by a protocol of its own: the lease (and its lock and probe objects),
+# the controller's handoff, the standby a replacement writes *while it waits* for the lease
+# (trainer/handover.py), workers' heartbeats. Everything else under the root only the holder writes.
+UNLEASED = (LEASE_KEY, HANDOFF_KEY, STANDBY_KEY, f"{WORKERS_DIR}/")
 PREWARM_POLL_S = 0.1  # a GET per poll while a notice runs out: cheap; each 0.1 s is 0.05 s of idle job
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 3.0
@@ -82,6 +87,11 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # between acquire tries the storage f
 COMMIT_NAMES = (MANIFEST, LATEST, COMPLETED)
 # S3's Date and Last-Modified are whole seconds: an age read from them may be up to 1 s short (or long)
 STORE_CLOCK_SLACK_S = 1.0
+
+
+def needs_lease(key: str) -> bool:
+    """Whether only the lease's holder may write `key` (a checkpoint's files, `latest`, COMPLETED.json)."""
+    return not key.startswith(UNLEASED)
 
 
 @dataclass(frozen=True)

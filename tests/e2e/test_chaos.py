@@ -63,6 +63,14 @@ def test_bad_adoptions(kills: list[str], runs: list[tuple[str, int]], lost: list
     assert bad_adoptions(kills, runs, lost) == bad
 
 
+def test_an_episode_draws_the_same_whatever_ran_before() -> None:
+    """`--episode N` replays episode N alone: its draws depend on (seed, N) only."""
+    draws = [chaos.episode_rng(23, 42).random() for _ in range(2)]
+    assert draws[0] == draws[1]
+    assert chaos.episode_rng(23, 43).random() != draws[0] != chaos.episode_rng(24, 42).random()
+    assert chaos.episode_rng(23, 42, "s3", 1).random() != draws[0]  # the S3 faults' own stream
+
+
 @pytest.mark.slow
 def test_fifty_faults_break_no_invariant(tmp_path: Path) -> None:
     tally = chaos.run(faults=50, seed=11, minutes=4, root=tmp_path)

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos_checks import interleaved_writers, publog
+from bench.chaos_hook import PLAN_ENV, install
 from tests.servers import FaultProxy
 from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
 from trainer.catalog import list_checkpoints, read_latest
 from trainer.ckpt_format import step_dir
 from trainer.errors import ConfigError, LeaseHeld
 from trainer.exitcodes import ExitCode
+from trainer.handover import read_standby
 from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.spec import S3Options
 from trainer.storage import LocalStorage, Storage, open_storage
@@ -27,13 +30,17 @@ from trainer.storage import LocalStorage, Storage, open_storage
 WAIT_S = 120  # generous: two cores shared with other test runs
 
 
-def start(config: Path, storage: str, work: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start(
+    config: Path, storage: str, work: Path, *extra: str, python: Path | None = None, stdout: int | None = None
+) -> subprocess.Popen[bytes]:
+    """A trainer with its stderr in work/stderr; `python`: another interpreter (the chaos hook's)."""
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd = [str(python or sys.executable), "-m", "trainer", "--config", str(config), "--storage", storage]
     cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache"), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(work / "stderr", "wb") as err:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        out = subprocess.DEVNULL if stdout is None else stdout
+        return subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=err)
 
 
 def wait_for_latest(store: Storage, proc: subprocess.Popen[bytes], at_least: int) -> int:
@@ -131,20 +138,30 @@ def _mk(p: Path) -> Path:
 
 
 def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
-    tmp_path: Path, s3_bucket: tuple[str, str], fault_proxy: FaultProxy
+    tmp_path: Path, s3_bucket: tuple[str, str], fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The replacement started at the notice builds its recipe, then waits on the lease; the old trainer's
     emergency checkpoint uploads slowly (every PUT delayed 1 s); the replacement resumes from exactly that
-    checkpoint, and only after it was durable."""
+    checkpoint, and only after it was durable.
+
+    Both run under the chaos campaign's hook, which logs every write only a lease holder may make: the
+    log shows one writer after the other. This is the handover of `bench/chaos.py --seed 23`'s episode
+    42 (a controller episode whose trainer was stopped by SIGTERM): the replacement wrote its standby
+    while the old trainer still held the lease, and a log that counted that write found the old trainer
+    and then the replacement each writing "after another writer had" (duplicate_writers: 2)."""
     _, bucket = s3_bucket
     spec = write_spec(tmp_path / "job.yaml", total_steps=100_000, s3={"endpoint_url": fault_proxy.endpoint})
     uri = f"s3://{bucket}/prewarm"
     store = open_storage(uri, S3Options(endpoint_url=fault_proxy.endpoint))
-    old = start(spec, uri, tmp_path / "old")
+    hooked = install(tmp_path)
+    (tmp_path / "plan.json").write_text(json.dumps({"publog": str(tmp_path / "writes.jsonl")}))
+    monkeypatch.setenv(PLAN_ENV, str(tmp_path / "plan.json"))
+    old = start(spec, uri, tmp_path / "old", python=hooked)
     new: subprocess.Popen[bytes] | None = None
     try:
         wait_for_latest(store, old, 7)
-        new = start_with_stdout(spec, uri, tmp_path / "new", "--prewarm-wait", "120", "--max-steps", "5")
+        new = start(spec, uri, tmp_path / "new", "--prewarm-wait", "120", "--max-steps", "5", python=hooked,
+                    stdout=subprocess.PIPE)  # fmt: skip
         deadline = time.monotonic() + WAIT_S
         while "prewarmed: waiting" not in (tmp_path / "new" / "stderr").read_text():
             assert new.poll() is None and time.monotonic() < deadline, (
@@ -169,15 +186,10 @@ def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
     assert new.returncode == ExitCode.STOPPED, (tmp_path / "new" / "stderr").read_text()[-3000:]
     assert started[0]["resumed_from"] == stopped  # the emergency checkpoint, not an older one
     assert started[0]["t"] >= durable_at - 1.0  # it waited for it (the old one exited once durable)
-
-
-def start_with_stdout(config: Path, storage: str, work: Path, *extra: str) -> subprocess.Popen[bytes]:
-    work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(config), "--storage", storage]
-    cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache"), *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(work / "stderr", "wb") as err:
-        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=err)
+    standby = read_standby(store)  # the replacement stood by; the old trainer's last save came after
+    assert standby is not None and (standby.replacing, standby.state) == (f"local-{old.pid}", "waiting")
+    pids = [int(w["pid"]) for w in publog(tmp_path / "writes.jsonl")]
+    assert pids[0] == old.pid and pids[-1] == new.pid and interleaved_writers(pids) == 0
 
 
 def test_s3_lease_age_comes_from_the_stores_clock(s3_bucket: tuple[str, str]) -> None:

@@ -19,6 +19,7 @@ from trainer.lease import (
     LeaseDoc,
     LeaseView,
     decide_takeover,
+    needs_lease,
     new_epoch,
     next_fence,
     read_lease,
@@ -298,3 +299,21 @@ def test_renewal_thread_renews_until_released(tmp_path: Path) -> None:
     lease.check(remote=True)
     lease.release()
     assert read_lease(store)[0].released  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("key", "needs"),
+    [
+        ("step_000000007/manifest.json", True),
+        ("step_000000007/model.safetensors", True),
+        ("latest", True),
+        ("COMPLETED.json", True),
+        (LEASE_KEY, False),
+        ("_lease.json.probe-0123abcd", False),  # the conditional-put probe (S3)
+        ("_handoff.json", False),  # the controller's
+        ("_standby.json", False),  # a replacement's, written while it waits for the lease
+        ("_workers/i-0abc/heartbeat.json", False),
+    ],
+)
+def test_what_only_the_holder_writes(key: str, needs: bool) -> None:
+    assert needs_lease(key) == needs
