@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import time
@@ -146,6 +147,10 @@ def run_inputs(
         )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
     check_recipe(spec.recipe, spec.args, local=provider.kind == "local")
+    from tasks.trust import signing_refusal
+
+    if (why := signing_refusal(spec, provider, os.environ)) is not None:
+        raise ConfigError(why)
     return spec, provider, _validated(RetryPolicy, budgets)
 
 

@@ -30,8 +30,9 @@ import yaml
 
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local_config import LocalProviderConfig
-from tasks.providers.trainer_env import passes
+from tasks.providers.trainer_env import passes, trainer_env
 from trainer.errors import ConfigError
+from trainer.signing import KEY_ENV, OLD_KEYS_ENV, keyring
 from trainer.spec import JobSpec
 
 ALLOWED_FILE = "allowed.yaml"
@@ -224,6 +225,28 @@ def _load(path: Path) -> dict[str, Any]:
     return doc
 
 
+# ---- keys: the controller verifies only what its workers sign ----
+
+
+def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str, str]) -> str | None:
+    """Why a run must not start because the controller holds manifest keys (and so quarantines nothing
+    but alerts on every checkpoint it cannot verify) while its workers would not sign; None when the
+    workers sign with the controller's key, or nobody verifies."""
+    ring = keyring(environ)
+    if not ring.verifying:
+        return None
+    if ring.signing is None:
+        return f"{OLD_KEYS_ENV} is set but {KEY_ENV} is not: workers would not sign; set {KEY_ENV} too"
+    if provider.kind != "local":
+        return (
+            f"{KEY_ENV} is set here, but EC2 workers do not get it (spotrun puts no secret in user data): "
+            f"they would write checkpoints this controller cannot verify; unset {KEY_ENV} for this run"
+        )
+    if trainer_env(environ, job.env).get(KEY_ENV) != environ.get(KEY_ENV):
+        return f"{KEY_ENV} is set here but would not reach the trainers; leave it out of the job's env"
+    return None
+
+
 # ---- at a flow's start ----
 
 
@@ -261,6 +284,7 @@ def refuse_untrusted_parameters(fn: Callable[..., Any]) -> Callable[..., Any]:
         run = ctx.flow_run if ctx is not None else None
         deployment_id = str(run.deployment_id) if run is not None and run.deployment_id else None
         why = run_refusal(deployment_id, job, provider, spotrun_home(), sys.executable)
+        why = why or signing_refusal(job, provider, os.environ)
         if why is not None:
             get_run_logger().error("refused: %s", why)
             return Failed(message=f"refused: {why}")

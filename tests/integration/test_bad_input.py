@@ -114,6 +114,8 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
      "its port is not a number"),
     ("report with a bad port", ["report", "bad"], {"SPOTRUN_DATABASE_URL": "postgresql://u@h:notaport/db"},
      "its port is not a number"),
+    ("old keys without a signing key", ["run", "{t}/job.yaml"], {"SPOTRUN_MANIFEST_KEYS_OLD": "k"},
+     "SPOTRUN_MANIFEST_KEYS_OLD is set but SPOTRUN_MANIFEST_KEY is not"),
     ("list a file", ["checkpoints", "list", "{t}/afile"], {}, "{t}/afile is a file"),
     ("verify a missing directory", ["checkpoints", "verify", "{t}/missing"], {},
      "storage directory {t}/missing does not exist"),

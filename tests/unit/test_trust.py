@@ -13,7 +13,16 @@ import yaml
 
 from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local_config import LocalProviderConfig
-from tasks.trust import Allowed, named, read_allowed, refusal, run_refusal, settings_path, write_allowed
+from tasks.trust import (
+    Allowed,
+    named,
+    read_allowed,
+    refusal,
+    run_refusal,
+    settings_path,
+    signing_refusal,
+    write_allowed,
+)
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec
 
@@ -167,3 +176,23 @@ def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
     assert allowed_by_defaults(team) == Allowed(
         recipes=frozenset({"team.models:build"}), python=frozenset({"/opt/py"})
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "kind", "says"),
+    [
+        ({}, "local", None),
+        ({}, "aws", None),
+        ({"SPOTRUN_MANIFEST_KEY": "k"}, "local", None),  # the allow-list hands the key to local trainers
+        ({"SPOTRUN_MANIFEST_KEY": "k", "SPOTRUN_MANIFEST_KEYS_OLD": "j"}, "local", None),
+        ({"SPOTRUN_MANIFEST_KEY": "k"}, "aws", "EC2 workers do not get it"),
+        ({"SPOTRUN_MANIFEST_KEYS_OLD": "j"}, "local", "SPOTRUN_MANIFEST_KEY is not"),
+    ],
+)
+def test_a_controller_that_verifies_needs_workers_that_sign(
+    env: dict[str, str], kind: str, says: str | None
+) -> None:
+    provider = LocalProviderConfig() if kind == "local" else aws()
+    job = JobSpec(name="j", recipe="digits", total_steps=10, storage="s3://b/j")
+    why = signing_refusal(job, provider, {"PATH": "/usr/bin", **env})
+    assert (why is None) if says is None else (says in str(why))
