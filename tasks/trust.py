@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import urlsplit
 
 import yaml
@@ -225,6 +225,10 @@ def _load(path: Path) -> dict[str, Any]:
     return doc
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 # ---- keys: the controller verifies only what its workers sign ----
 
 
@@ -263,7 +267,7 @@ def run_refusal(
         return str(e)
 
 
-def refuse_untrusted_parameters(fn: Callable[..., Any]) -> Callable[..., Any]:
+def refuse_untrusted_parameters(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorate a flow function taking `job` and `provider`: a deployment run whose parameters name what
     this host does not allow ends Failed with the refusal's line, before the function runs (no slot, no
     worker, no history row); any other run (`spotrun run`'s, in-process) runs as written."""
@@ -276,7 +280,7 @@ def refuse_untrusted_parameters(fn: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         job, provider = bound.arguments["job"], bound.arguments["provider"]
@@ -287,7 +291,7 @@ def refuse_untrusted_parameters(fn: Callable[..., Any]) -> Callable[..., Any]:
         why = why or signing_refusal(job, provider, os.environ)
         if why is not None:
             get_run_logger().error("refused: %s", why)
-            return Failed(message=f"refused: {why}")
+            return cast(R, Failed(message=f"refused: {why}"))
         return fn(*args, **kwargs)
 
     checked.__signature__ = signature  # type: ignore[attr-defined]
