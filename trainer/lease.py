@@ -9,7 +9,7 @@ publishes anything, renews it while it trains, and gives it back when it exits. 
                                    new epoch (the store's time and 64 random bits) only when no lease
                                    can be read (deleted, malformed), so a token is never issued twice
      "acquired_at", "renewed_at", "expires_at": the holder's wall clock, for people: never decided by
-     "mono_expires_at": the holder's CLOCK_MONOTONIC deadline, for its own processes (same boot)
+     "mono_expires_at": the holder's deadline on `monotonic()`, for its own processes (same boot)
      "ttl_s": float,
      "released": bool}             the holder gave it back (an expired lease, as far as takeover goes)
 
@@ -64,6 +64,7 @@ from trainer.errors import (
 )
 from trainer.handover import STANDBY_KEY, write_standby
 from trainer.heartbeat import WORKERS_DIR
+from trainer.signing import marker_problem, sign_marker
 from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
 from trainer.storage.base import Stamped
 
@@ -87,6 +88,15 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # between acquire tries the storage f
 COMMIT_NAMES = (MANIFEST, LATEST, COMPLETED)
 # S3's Date and Last-Modified are whole seconds: an age read from them may be up to 1 s short (or long)
 STORE_CLOCK_SLACK_S = 1.0
+
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def monotonic() -> float:
+    """The holder's clock: never set or stepped, and on Linux (CLOCK_BOOTTIME) it also counts a
+    suspend, so a holder that slept through its TTL knows it. One clock for all processes of a boot."""
+    return time.clock_gettime(_CLOCK)
 
 
 def needs_lease(key: str) -> bool:
@@ -268,7 +278,7 @@ def _parse(storage: Storage, data: bytes) -> LeaseDoc | None:
 class Lease:
     """A held lease: `acquire` it, `start` renewing, `check` before publishing, `release` at exit.
 
-    `clock` is monotonic (time.monotonic): the TTL and every deadline are counted on it. `wall` only
+    `clock` is monotonic (`monotonic()`): the TTL and every deadline are counted on it. `wall` only
     fills the object's dates, which people read and no decision uses."""
 
     def __init__(
@@ -277,7 +287,7 @@ class Lease:
         doc: LeaseDoc,
         version: str,
         valid_until: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.storage, self.doc, self.version = storage, doc, version
@@ -299,7 +309,7 @@ class Lease:
         me: Holder,
         ttl_s: float = DEFAULT_TTL_S,
         released: Collection[str] = (),
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
         wait_s: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
         wall: Callable[[], float] = time.time,
@@ -464,11 +474,11 @@ class LeaseView:
     """A lease held by another process of this trainer (the checkpoint writer's view of its parent's
     lease, trainer/writer_proc.py): it cannot see the parent's renewals, so every `check` reads the
     lease object. Ours while the fencing token is ours, not released, and not within the margin of
-    the parent's own deadline: `mono_expires_at`, on CLOCK_MONOTONIC, which the processes of one
-    boot share."""
+    the parent's own deadline: `mono_expires_at`, on `monotonic()`, which the processes of one boot
+    share."""
 
     def __init__(
-        self, storage: Storage, fence: tuple[str, int], clock: Callable[[], float] = time.monotonic
+        self, storage: Storage, fence: tuple[str, int], clock: Callable[[], float] = monotonic
     ) -> None:
         self.storage, self.fence, self.clock = storage, fence, clock
 
@@ -562,19 +572,25 @@ def read_handoff(storage: Storage) -> list[str]:
     """The workers the controller says it has released (newest last); [] if none or unreadable."""
     try:
         body = json.loads(get_bytes(storage, HANDOFF_KEY))
-        return [str(w) for w in body.get("released", [])]
+        released = [str(w) for w in body.get("released", [])]
     except FileNotFoundError:
         return []
     except (ValueError, TypeError, AttributeError):
         log.warning("ignoring a malformed %s/%s", storage.uri, HANDOFF_KEY)
         return []
+    problem = marker_problem(body)  # with SPOTRUN_MANIFEST_KEY, only the controller's signed word counts
+    if problem is not None:
+        log.warning("ignoring %s/%s: %s", storage.uri, HANDOFF_KEY, problem)
+        return []
+    return released
 
 
 def write_handoff(storage: Storage, worker_id: str) -> None:
     """The controller's word that `worker_id` is gone: a waiting trainer may take its lease now."""
     earlier = [w for w in read_handoff(storage) if w != worker_id][-(HANDOFF_KEEP - 1) :]
     ids = [*earlier, worker_id]
-    put_bytes(storage, HANDOFF_KEY, json.dumps({"released": ids, "at": time.time()}).encode())
+    body = sign_marker({"released": ids, "at": time.time()})
+    put_bytes(storage, HANDOFF_KEY, json.dumps(body).encode())
 
 
 def wait_for_lease(
@@ -583,7 +599,7 @@ def wait_for_lease(
     ttl_s: float,
     released: Collection[str],
     wait_s: float,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Lease:
     """A prewarmed trainer's acquire: the recipe is built and the data loaded; the worker it replaces

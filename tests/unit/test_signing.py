@@ -132,3 +132,16 @@ def test_a_tampered_latest_is_ignored_with_a_key(key: str, tmp_path: Path) -> No
     assert read_latest(storage) == 7 and b"signature" in get_bytes(storage, LATEST)
     put_bytes(storage, LATEST, get_bytes(storage, LATEST).replace(b'"step": 7', b'"step": 999'))
     assert read_latest(storage) is None
+
+
+def test_a_forged_handoff_does_not_release_a_live_holder(key: str, tmp_path: Path) -> None:
+    """`_handoff.json` lets a waiting trainer take a lease at once: only the controller's signed word counts."""
+    import json
+
+    from trainer.lease import HANDOFF_KEY, read_handoff, write_handoff
+
+    storage = LocalStorage(tmp_path)
+    write_handoff(storage, "w1")
+    assert read_handoff(storage) == ["w1"]
+    put_bytes(storage, HANDOFF_KEY, json.dumps({"released": ["w2"], "at": 0}).encode())
+    assert read_handoff(storage) == []
