@@ -135,7 +135,7 @@ def test_a_tampered_latest_is_ignored_with_a_key(key: str, tmp_path: Path) -> No
 
 
 def test_a_forged_handoff_does_not_release_a_live_holder(key: str, tmp_path: Path) -> None:
-    """`_handoff.json` lets a waiting trainer take a lease at once: only the controller's signed word counts."""
+    """`_handoff.json` lets a waiting trainer take a lease at once: only the controller's signed word."""
     import json
 
     from trainer.lease import HANDOFF_KEY, read_handoff, write_handoff
