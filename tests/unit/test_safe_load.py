@@ -38,7 +38,8 @@ def test_the_private_names_it_overrides_are_still_there() -> None:
     assert callable(state_dict_loader._load_state_dict)
     assert issubclass(default_planner._EmptyStateDictLoadPlanner, default_planner.DefaultLoadPlanner)
     assert "set_element" in vars(default_planner)  # what DefaultLoadPlanner.load_bytes calls
-    for base, method in ((FileSystemReader, "read_metadata"), (default_planner.DefaultLoadPlanner, "load_bytes")):
+    overridden = ((FileSystemReader, "read_metadata"), (default_planner.DefaultLoadPlanner, "load_bytes"))
+    for base, method in overridden:
         assert method in vars(base), f"torch moved {base.__name__}.{method}"
     assert "weights_only=False" in inspect.getsource(default_planner.DefaultLoadPlanner.load_bytes)
     assert "pickle.load" in inspect.getsource(FileSystemReader.read_metadata)
