@@ -223,6 +223,17 @@ def test_put_if_version_on_a_missing_key_fails(backend: Backend) -> None:
     assert backend.storage.list() == []
 
 
+def test_read_stamped_gives_the_age_by_the_stores_clock(backend: Backend) -> None:
+    store = backend.storage
+    v1 = store.put_if("_lease.json", b"one", if_version=None)
+    stamped = store.read_stamped("_lease.json")
+    assert (stamped.data, stamped.version) == (b"one", v1)
+    assert -1.0 <= stamped.age_s <= 2.0  # just written; S3's dates are whole seconds
+    with pytest.raises(FileNotFoundError):
+        store.read_stamped("nothing-here")
+    assert [o.key for o in store.list()] == ["_lease.json"]  # reading the clock left nothing to list
+
+
 def test_put_if_one_of_racing_writers_wins(backend: Backend) -> None:
     if isinstance(backend.storage, S3Storage):
         pytest.skip("moto checks If-Match and then writes without a lock (AWS S3 is atomic): it races")

@@ -370,7 +370,8 @@ class S3Storage:
         endpoint = redact(self.opts.endpoint_url) if self.opts.endpoint_url else "AWS S3"
         fix = "point storage: at a store that supports conditional writes (AWS S3 does)"
         try:
-            self._put_if(full, b"1", None)
+            with contextlib.suppress(PreconditionFailed):  # a retry of a create that had landed
+                self._put_if(full, b"1", None)
             for header, if_version in (("If-None-Match: *", None), ("If-Match", f'"{"0" * 32}"')):
                 try:
                     self._put_if(full, b"2", if_version)
@@ -378,11 +379,7 @@ class S3Storage:
                     continue
                 return (f"storage {self.uri}: the store at {endpoint} ignored {header} on PutObject, so "
                         f"two trainers could both take the storage lease; {fix}")  # fmt: skip
-        except TransientStorageError:
-            raise  # not an answer: probed again at the next put_if
-        except StorageError as e:
-            return f"storage {self.uri}: the store at {endpoint} refused a conditional PutObject ({e}); {fix}"
-        finally:
+        finally:  # an error (access denied, the store down) is no answer: raised, probed again next time
             with contextlib.suppress(StorageError, FileNotFoundError):
                 self._retry(functools.partial(self._delete_batch, [full]))
         return None
