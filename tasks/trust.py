@@ -242,9 +242,12 @@ def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str
     if ring.signing is None:
         return f"{OLD_KEYS_ENV} is set but {KEY_ENV} is not: workers would not sign; set {KEY_ENV} too"
     if provider.kind != "local":
+        if isinstance(provider, AwsProviderConfig) and provider.manifest_key_file:
+            return None  # the instance reads it from its own file (the operator's word that it is there)
         return (
             f"{KEY_ENV} is set here, but EC2 workers do not get it (spotrun puts no secret in user data): "
-            f"they would write checkpoints this controller cannot verify; unset {KEY_ENV} for this run"
+            f"they would write checkpoints this controller cannot verify; set provider.manifest_key_file "
+            f"to a file on the instance that holds it, or unset {KEY_ENV}"
         )
     if trainer_env(environ, job.env).get(KEY_ENV) != environ.get(KEY_ENV):
         return f"{KEY_ENV} is set here but would not reach the trainers; leave it out of the job's env"

@@ -174,7 +174,7 @@ class AwsProvider:
         def script(node: launch.NodeRole | None) -> str:
             s = launch.build_user_data(
                 text, extra_args, python=self.cfg.python, workdir=self.cfg.workdir, job=job.name,
-                attempt=attempt, node=node, env=job.env.set_,
+                attempt=attempt, node=node, env=job.env.set_, manifest_key_file=self.cfg.manifest_key_file,
             )  # fmt: skip
             if problem := launch.check_user_data(s):
                 raise ProvisionError(problem, retryable=False)

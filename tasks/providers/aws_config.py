@@ -130,6 +130,12 @@ class AwsProviderConfig(BaseModel):
         "process, since such an endpoint starts nothing; never set it against AWS",
     )
     python: str = Field(default="python3", description="interpreter on the AMI that runs `-m trainer`")
+    manifest_key_file: str | None = Field(
+        default=None,
+        description="a root-readable file on the instance (baked into the AMI, or written by its own boot "
+        "from a secrets service) holding SPOTRUN_MANIFEST_KEY; the user data exports it for the trainer. "
+        "Required when the controller has the key (spotrun puts no secret in user data)",
+    )
     workdir: str = Field(
         default="/var/lib/spotrun",
         description="directory on the instance for the job file and local cache, owned by the trainer's "

@@ -112,6 +112,7 @@ def build_user_data(
     attempt: int,
     node: NodeRole | None = None,
     env: Mapping[str, str] | None = None,
+    manifest_key_file: str | None = None,
 ) -> str:
     """A bash script that writes the job file to `workdir` and execs the trainer, as the unprivileged
     TRAINER_USER, with the worker id (and, on a node of a multi-node attempt, its node rank and node
@@ -132,8 +133,16 @@ cd "$SPOTRUN_HOME"
 base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
 {spec_b64}
 SPOTRUN_JOB_B64
-{_env_lines(env)}{_as_trainer_user()}{trainer}
+{_env_lines(env)}{_key_lines(manifest_key_file)}{_as_trainer_user()}{trainer}
 """
+
+
+def _key_lines(path: str | None) -> str:
+    """Bash: SPOTRUN_MANIFEST_KEY from a file on the instance (read as root, before the switch to the
+    trainer's user); the key itself never travels in user data, which the account can read back."""
+    if not path:
+        return ""
+    return f"SPOTRUN_MANIFEST_KEY=$(cat {shlex.quote(path)})\nexport SPOTRUN_MANIFEST_KEY\n"
 
 
 def check_user_data(script: str) -> str | None:

@@ -67,3 +67,20 @@ def test_ec2_user_data_exports_the_jobs_env_set_quoted(tmp_path: Path) -> None:
     boot = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=boot, check=True)
     assert out.stdout == "WANDB_PROJECT=nightly\nODD=it's $HOME; `x`\n"
+
+
+def test_ec2_user_data_reads_the_manifest_key_from_the_instances_file(tmp_path: Path) -> None:
+    """The key is read on the instance, before the switch to the trainer's user; never in user data."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python").write_text('#!/bin/bash\necho "KEY=$SPOTRUN_MANIFEST_KEY"\n')
+    (stubs / "python").chmod(0o755)
+    (tmp_path / "key").write_text("s3cret\n")
+    script = build_user_data(
+        "name: d\n", [], python="python", workdir=str(tmp_path / "w"), job="d", attempt=1,
+        manifest_key_file=str(tmp_path / "key"),
+    )  # fmt: skip
+    assert "s3cret" not in script
+    boot = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
+    out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=boot, check=True)
+    assert out.stdout == "KEY=s3cret\n"

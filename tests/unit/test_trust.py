@@ -186,13 +186,19 @@ def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
         ({"SPOTRUN_MANIFEST_KEY": "k"}, "local", None),  # the allow-list hands the key to local trainers
         ({"SPOTRUN_MANIFEST_KEY": "k", "SPOTRUN_MANIFEST_KEYS_OLD": "j"}, "local", None),
         ({"SPOTRUN_MANIFEST_KEY": "k"}, "aws", "EC2 workers do not get it"),
+        ({"SPOTRUN_MANIFEST_KEY": "k"}, "aws-keyfile", None),  # the instance reads it from its own file
         ({"SPOTRUN_MANIFEST_KEYS_OLD": "j"}, "local", "SPOTRUN_MANIFEST_KEY is not"),
     ],
 )
 def test_a_controller_that_verifies_needs_workers_that_sign(
     env: dict[str, str], kind: str, says: str | None
 ) -> None:
-    provider = LocalProviderConfig() if kind == "local" else aws()
+    providers: dict[str, LocalProviderConfig | AwsProviderConfig] = {
+        "local": LocalProviderConfig(),
+        "aws": aws(),
+        "aws-keyfile": aws(manifest_key_file="/etc/spotrun/key"),
+    }
+    provider = providers[kind]
     job = JobSpec(name="j", recipe="digits", total_steps=10, storage="s3://b/j")
     why = signing_refusal(job, provider, {"PATH": "/usr/bin", **env})
     assert (why is None) if says is None else (says in str(why))
