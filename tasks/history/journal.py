@@ -10,7 +10,6 @@ starts on a new line, and reading skips it with a warning.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -19,6 +18,9 @@ from pathlib import Path
 from typing import Protocol
 
 from tasks.history.ops import Op
+from trainer.locks import flock_within
+
+LOCK_WAIT_S = 60.0  # an append is a write and an fsync: a minute is a hung holder, not a slow one
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +114,11 @@ class FileJournal:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """The journal's lock, released by close (also when the process dies); a holder that hangs (a
+        stopped process) makes this raise LockTimeout after LOCK_WAIT_S instead of waiting forever."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also when the process dies
+        with flock_within(self._lock_path, LOCK_WAIT_S, "history journal"):
             yield
-        finally:
-            os.close(fd)
 
     def _read(self) -> tuple[list[Op], int]:
         """The operations in order, and how many lines were skipped (cut short, or not ours)."""

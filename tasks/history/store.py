@@ -34,6 +34,7 @@ from tasks.history.migrations import upgrade_to_head
 from tasks.history.models import AlertStatus, JobRun, JobStatus
 from tasks.history.ops import OPS, Op, stamp
 from tasks.history.queries import HistoryReads
+from trainer.locks import LockTimeout
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class HistoryStore(HistoryReads):
         """Journal `op` (it may have landed before the connection broke: replays check)."""
         try:
             self._journal.append(op)
-        except OSError as e:  # a full or read-only disk must not stop training either: memory it is
+        except (OSError, LockTimeout) as e:  # a full disk or a hung holder must not stop training either
             log.error(
                 "history journal %s cannot be written (%s): waiting records kept in memory only",
                 self._journal.where,
@@ -258,7 +259,12 @@ class HistoryStore(HistoryReads):
             written += 1
             return True
 
-        if not self._journal.replay(replay):
+        try:
+            drained = self._journal.replay(replay)
+        except LockTimeout as e:  # another process hangs holding the journal: its records wait
+            log.warning("history journal not replayed now: %s", e)
+            return False
+        if not drained:
             return False
         if self._down or written:
             self._down = False

@@ -381,3 +381,25 @@ def test_a_journal_that_cannot_be_written_falls_back_to_memory(
     assert store.flush(timeout_s=10)
     assert [r.attempt for r in store.attempts(job_run_id=run)] == [1]
     store.close()
+
+
+def test_a_hung_journal_holder_never_blocks_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process stopped while it holds the journal's lock: the append gives up after the bounded
+    wait, naming the holder, and the history store keeps the record in memory instead."""
+    import fcntl
+
+    from tasks.history import journal as journal_module
+    from trainer.locks import LockTimeout
+
+    monkeypatch.setattr(journal_module, "LOCK_WAIT_S", 0.2)
+    journal = FileJournal(tmp_path / "j.jsonl")
+    journal.append(START)
+    held = os.open(journal.path.with_name("j.jsonl.lock"), os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a second open file description: as another process's lock
+    try:
+        with pytest.raises(LockTimeout, match="history journal"):
+            journal.append(ALERT)
+    finally:
+        os.close(held)
+    journal.append(ALERT)
+    assert len(journal) == 2
