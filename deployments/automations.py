@@ -5,8 +5,9 @@ it (the server renders the Jinja strings; a string that is one `{{ expression }}
 type). Restart storms are counted per job (`for_each` on the job's
 resource id): a reactive trigger fires once when a job reaches the threshold and then not again for the
 rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL. A
-checkpoint the controller cannot verify alerts the same way, with a threshold of 1: the first such event
-of a job starts an alert run, and its others in the window (one per checkpoint, per check) start none.
+checkpoint the controller cannot verify, and a controller whose disk filled up during its check, alert
+the same way with a threshold of 1: the first such event of a job starts an alert run, and its others in
+the window (one per checkpoint, per check) start none.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.alerts.message import AlertKind, ResumeFacts
-from tasks.checkpoints import CHECKPOINT_UNVERIFIED
+from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
 from tasks.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
@@ -42,6 +43,7 @@ ZOMBIE = f"{NAME_PREFIX}: zombie training run"
 CRASHED = f"{NAME_PREFIX}: restart crashed training"
 MISMATCH = f"{NAME_PREFIX}: resume mismatch"
 UNVERIFIED = f"{NAME_PREFIX}: checkpoint cannot be verified"
+DISK_FULL = f"{NAME_PREFIX}: controller disk full"
 ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
 TRAINING_FLOW = "resilient-training"
 HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
@@ -167,34 +169,66 @@ def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[Auto
         )
     )
     out.append(_unverified(rules, alert_deployment_id))
+    out.append(_disk_full(rules, alert_deployment_id))
     return out
 
 
-def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
-    """A checkpoint whose signature the controller cannot check (tasks/checkpoints.py): once a window
-    per job. The event carries no flow run id; `flow_run` is the run it was emitted in (the server
-    reads it from the event's related resources; '' when there is none)."""
-    once_a_window = EventTrigger(
-        expect={CHECKPOINT_UNVERIFIED},
+def _once_a_window(event: str, rules: AlertRules) -> EventTrigger:
+    """Fires on a job's first such event, then not again for the rest of the window (per job)."""
+    return EventTrigger(
+        expect={event},
         match=ANY_JOB,
         for_each={"prefect.resource.id"},
         posture=Posture.Reactive,
         threshold=1,
         within=timedelta(seconds=rules.restart_window_s),
     )
+
+
+# The events from the check between attempts carry no flow run id; `flow_run` is the run one was
+# emitted in (the server reads it from the event's related resources; '' when there is none). One
+# expression renders through `tojson`, which refuses a UUID: `string` first.
+_EMITTING_RUN = "{{ flow_run.id | default('') | string }}"
+
+
+def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
+    """A checkpoint whose signature the controller cannot check (tasks/checkpoints.py)."""
     parameters = _alert_parameters(
         AlertKind.CANNOT_VERIFY.value,
         rules,
         checkpoint="step {{ event.payload.step | default('?') }}",
         reason="{{ event.payload.problem | default('') }}",
-        # one expression renders through `tojson`, which refuses a UUID: `string` first
-        training_flow_run_id="{{ flow_run.id | default('') | string }}",
+        training_flow_run_id=_EMITTING_RUN,
     )
     return _automation(
         UNVERIFIED,
         f"a checkpoint's signature cannot be checked with the controller's keys (at most one alert per job"
         f" within {rules.restart_window_s:g} s); it is kept, never quarantined",
-        once_a_window,
+        _once_a_window(CHECKPOINT_UNVERIFIED, rules),
+        alert_deployment_id,
+        parameters,
+    )
+
+
+def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
+    """The controller's disk filled up during its check (tasks/control.py): `checkpoint` says where,
+    the flow cache and its host (an older event without them: what it has)."""
+    where = (
+        "{{ event.payload.cache | default('') }}"
+        "{% if event.payload.host is defined %} on {{ event.payload.host }}{% endif %}"
+    )
+    parameters = _alert_parameters(
+        AlertKind.DISK_FULL.value,
+        rules,
+        checkpoint=where,
+        reason="{{ event.payload.problem | default('') }}",
+        training_flow_run_id=_EMITTING_RUN,
+    )
+    return _automation(
+        DISK_FULL,
+        f"the controller's disk filled up during its checkpoint check (at most one alert per job within"
+        f" {rules.restart_window_s:g} s); the check was skipped and the next one retries",
+        _once_a_window(CONTROLLER_DISK_FULL, rules),
         alert_deployment_id,
         parameters,
     )

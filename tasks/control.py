@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -364,7 +365,8 @@ def _check_checkpoints(
         problem = f"{e.strerror or e} under {cache}"
         sink.log(logging.ERROR, f"checkpoints not checked: the controller's disk is full ({problem}); "
                                 "emptied its flow cache, the next check tries again")  # fmt: skip
-        sink.event(CONTROLLER_DISK_FULL, job.name, {"problem": problem})
+        where = {"cache": str(cache), "host": socket.gethostname()}  # the alert names the disk to free
+        sink.event(CONTROLLER_DISK_FULL, job.name, {"problem": problem, **where})
         return None
 
 

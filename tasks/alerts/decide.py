@@ -19,6 +19,8 @@ Dedup keys (stable: they are stored, and people search for them):
 - ``cannot-verify:{job}:{opened}``: like a storm, once per window per job, however many checkpoints
   the controller cannot verify and however many checks between attempts find them (a worker without
   the key leaves every checkpoint it writes unsigned: one alert says it). No recovery note follows.
+- ``disk-full:{job}:{opened}``: the same, once per window per job, however many checks between
+  attempts find the controller's disk full. No recovery note follows.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def decide(
 
 
 # Announced at most once a window per job, under a key opened by the first try: what each is called.
-_PER_WINDOW = {AlertKind.RESTART_STORM: "storm", AlertKind.CANNOT_VERIFY: "unverifiable checkpoint"}
+_PER_WINDOW = {
+    AlertKind.RESTART_STORM: "storm",
+    AlertKind.CANNOT_VERIFY: "unverifiable checkpoint",
+    AlertKind.DISK_FULL: "full disk",
+}
 
 
 def _per_window(kind: AlertKind, job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:

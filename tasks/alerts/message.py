@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from tasks.history import AttemptRow
+from trainer.home import HOME_SETTING
 from trainer.redact import redact
 from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 
@@ -24,10 +25,11 @@ class AlertKind(StrEnum):
     RECOVERED = "recovered"  # the job completed after an alert about it
     RESUME_MISMATCH = "resume-mismatch"  # a resumed attempt did not continue the lost one's training
     CANNOT_VERIFY = "cannot-verify"  # a checkpoint's signature cannot be checked with the keys held here
+    DISK_FULL = "disk-full"  # the controller's disk filled up during a check: the check was skipped
 
 
 # Kinds about something other than restarts: the restart list and the last log lines are left out.
-_NOT_ABOUT_RESTARTS = frozenset({AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY})
+_NOT_ABOUT_RESTARTS = frozenset({AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +56,10 @@ class AlertContext:
     restarts: list[AttemptRow]
     window_s: float
     threshold: int
-    checkpoint: str | None  # what the job resumes from (CANNOT_VERIFY: the checkpoint it is about)
+    checkpoint: str | None  # what the job resumes from (CANNOT_VERIFY: the checkpoint it is about;
+    # DISK_FULL: where, the controller's flow cache and host)
     flow_run_url: str | None  # the training flow run in the Prefect UI
-    reason: str = ""  # why it gave up (CANNOT_VERIFY: the verifier's problem)
+    reason: str = ""  # why it gave up (CANNOT_VERIFY: the verifier's problem; DISK_FULL: the OS error)
     now: float  # epoch seconds
     run_attempts: int | None = None  # attempts of the job's latest job run (None: not known)
     note: str = ""  # a caveat shown with the message, e.g. "restart history unavailable"
@@ -87,6 +90,7 @@ _EMOJI = {
     AlertKind.RECOVERED: ":white_check_mark:",
     AlertKind.RESUME_MISMATCH: ":warning:",
     AlertKind.CANNOT_VERIFY: ":lock:",
+    AlertKind.DISK_FULL: ":floppy_disk:",
 }
 _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
@@ -179,6 +183,8 @@ def title(ctx: AlertContext) -> str:
     if ctx.kind is AlertKind.CANNOT_VERIFY:
         which = f" ({_clip(_one_line(ctx.checkpoint), 40)})" if ctx.checkpoint else ""
         return f"spotrun: {job} has a checkpoint it cannot verify{which}: kept, not quarantined"
+    if ctx.kind is AlertKind.DISK_FULL:
+        return f"spotrun: {job}: controller disk full, checkpoint check skipped (the next one retries)"
     count = _times(len(ctx.restarts), "time") if ctx.restarts else f"at least {ctx.threshold} times"
     return f"spotrun: {job} restarted {count} in {human_duration(ctx.window_s)}"
 
@@ -190,7 +196,7 @@ def fallback_text(ctx: AlertContext) -> str:
         r = ctx.resume
         what = (r.diff or r.detail) if r is not None else ""
         return f"{text}: {_clip(_one_line(what), CAUSE_MAX_CHARS * 2)}" if what else text
-    if ctx.kind is AlertKind.CANNOT_VERIFY:
+    if ctx.kind in (AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL):
         return f"{text}: {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}" if ctx.reason else text
     if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
         text += f": {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}"
@@ -227,6 +233,8 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
         return _resume_facts(ctx)
     if ctx.kind is AlertKind.CANNOT_VERIFY:
         return _unverified_facts(ctx)
+    if ctx.kind is AlertKind.DISK_FULL:
+        return _disk_full_facts(ctx)
     facts = [("Job", ctx.job)]
     window = human_duration(ctx.window_s)
     facts.append(("Restarts in window", f"{len(ctx.restarts)} in {window} (threshold {ctx.threshold})"))
@@ -274,6 +282,26 @@ def _unverified_facts(ctx: AlertContext) -> list[tuple[str, str]]:
             "Fix",
             f"give the workers and the controller the same {KEY_ENV}; if it was signed with a retired"
             f" key, add that key to {OLD_KEYS_ENV} (comma-separated) where the controller runs",
+        ),
+    ]
+
+
+def _disk_full_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    """The controller's disk filled up during a check: where, the error, what was done, the fix."""
+    return [
+        ("Job", ctx.job),
+        ("Where", _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else "not known"),
+        ("Problem", _clip(_one_line(ctx.reason), CAUSE_MAX_CHARS * 2) or "not known"),
+        (
+            "Done",
+            "the check of the job's checkpoints between attempts was skipped and the controller's flow"
+            " cache emptied; training goes on (the next trainer validates what it resumes from) and the"
+            " next check tries again",
+        ),
+        (
+            "Fix",
+            f"free disk space on the controller's host, or point {HOME_SETTING} at a larger disk where the"
+            " controller runs (the flow cache is under it)",
         ),
     ]
 

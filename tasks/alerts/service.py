@@ -151,7 +151,7 @@ def raise_alert(
 
 def _unavailable_note(kind: AlertKind) -> str:
     """The caveat an alert sent without the history carries."""
-    if kind in (AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY):  # they show no restart counts
+    if kind in (AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL):  # no restart counts
         return "alert history unavailable: this may repeat an earlier alert"
     return "restart history unavailable: counts may be incomplete"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -74,5 +75,6 @@ def test_a_full_disk_skips_the_check_with_an_alert(
         assert _check_checkpoints(job, cache, sink, filling) is None
     assert not cache.exists()
     problem = f"No space left on device under {cache}"
-    assert sink.events == [(CONTROLLER_DISK_FULL, {"job": "j", "problem": problem})]
+    where = {"cache": str(cache), "host": socket.gethostname()}
+    assert sink.events == [(CONTROLLER_DISK_FULL, {"job": "j", "problem": problem, **where})]
     assert "the controller's disk is full" in caplog.text and "the next check tries again" in caplog.text

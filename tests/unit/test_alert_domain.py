@@ -35,7 +35,7 @@ NOW = T0 + 10_000
 RUN_START = NOW - 5000
 HOUR = 3600.0
 STORM, GAVE_UP, RECOVERED = AlertKind.RESTART_STORM, AlertKind.GAVE_UP, AlertKind.RECOVERED
-MISMATCH, UNVERIFIED = AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY
+MISMATCH, UNVERIFIED, DISK = AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL
 SENT, FAILED, LOGGED, SUPPRESSED = (
     AlertStatus.SENT,
     AlertStatus.FAILED,
@@ -72,6 +72,8 @@ CHARLM_STORM = alert(STORM, "restart-storm:charlm:x", SENT, 60, job="charlm")
 RUN_0_GAVE_UP = alert(GAVE_UP, "gave-up:digits:run-0", SENT, 30)
 NEW_UNVERIFIED_KEY = "cannot-verify:digits:20231115T010000Z"  # opened at NOW
 OLD_UNVERIFIED = "cannot-verify:digits:20231115T003000Z"
+NEW_DISK_KEY = "disk-full:digits:20231115T010000Z"  # opened at NOW
+OLD_DISK = "disk-full:digits:20231115T003000Z"
 
 DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, str]] = [
     # (case, kind, job_run_id, previous alerts, action, key, the reason contains)
@@ -134,6 +136,25 @@ DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, s
      NEW_STORM_KEY, "new storm"),
     ("nothing to recover from but unverified", RECOVERED, "run-1",
      [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 60)], SUPPRESS, RECOVERED_1, "no alert to recover from"),
+    # disk full: once a window per job, however many checks find it
+    ("first full disk", DISK, "run-1", [], SEND, NEW_DISK_KEY, "new full disk"),
+    ("full disk sent 10 min ago", DISK, "run-1", [alert(DISK, OLD_DISK, SENT, 600)], SUPPRESS, OLD_DISK,
+     "full disk already announced"),
+    ("full disk logged 10 min ago", DISK, "run-1", [alert(DISK, OLD_DISK, LOGGED, 600)], SUPPRESS, OLD_DISK,
+     "already"),
+    ("full disk, another job run", DISK, "run-2", [alert(DISK, OLD_DISK, SENT, 600)], SUPPRESS, OLD_DISK,
+     "already"),
+    ("full disk sent 2 h ago", DISK, "run-1", [alert(DISK, OLD_DISK, SENT, 7200)], SEND, NEW_DISK_KEY, "new"),
+    ("full disk failed: keeps key", DISK, "run-1", [alert(DISK, OLD_DISK, FAILED, 60)], SEND, OLD_DISK,
+     "not delivered"),
+    ("unverified is no full disk", DISK, "run-1", [alert(UNVERIFIED, OLD_UNVERIFIED, SENT, 60)], SEND,
+     NEW_DISK_KEY, "new"),
+    ("another job's full disk", DISK, "run-1", [alert(DISK, "disk-full:charlm:x", SENT, 60, job="charlm")],
+     SEND, NEW_DISK_KEY, "new"),
+    ("full disk is no unverified", UNVERIFIED, "run-1", [alert(DISK, OLD_DISK, SENT, 60)], SEND,
+     NEW_UNVERIFIED_KEY, "new"),
+    ("nothing to recover from but a full disk", RECOVERED, "run-1", [alert(DISK, OLD_DISK, SENT, 60)],
+     SUPPRESS, RECOVERED_1, "no alert to recover from"),
 ]  # fmt: skip
 
 
@@ -333,7 +354,7 @@ def test_every_text_stays_within_slacks_limits() -> None:
         assert len(msg.blocks[0]["text"]["text"]) <= 150
         assert len(msg.text) < 3000
         log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
-        if kind in (MISMATCH, UNVERIFIED):  # not about restarts: no restarts, no log
+        if kind in (MISMATCH, UNVERIFIED, DISK):  # not about restarts: no restarts, no log
             assert not log_section and "earlier not shown" not in str(msg.blocks)
             continue
         if kind is not RECOVERED:  # a recovery shows no log
@@ -522,6 +543,69 @@ def test_cannot_verify_with_what_the_event_left_out(
     changes: dict[str, Any], text: str, expected: dict[str, str]
 ) -> None:
     msg = build_message(unverified(**changes))
+    assert msg.text == text
+    assert expected.items() <= fields(msg.blocks).items()
+
+
+CACHE = "/home/ops/.spotrun/jobs/digits/flow-cache"
+NO_SPACE = f"No space left on device under {CACHE}"
+WHERE = f"{CACHE} on ctl-1"
+DISK_TITLE = "spotrun: digits: controller disk full, checkpoint check skipped (the next one retries)"
+
+
+def disk_full(**kw: Any) -> AlertContext:
+    return storm(**({"kind": DISK, "checkpoint": WHERE, "reason": NO_SPACE} | kw))
+
+
+def test_disk_full_says_where_that_the_check_retries_and_how_to_fix_it() -> None:
+    msg = build_message(disk_full())
+    assert msg.blocks[0]["text"]["text"] == f":floppy_disk: {DISK_TITLE}"
+    assert msg.text == f"{DISK_TITLE}: {NO_SPACE}"
+    f = fields(msg.blocks)
+    assert (f["*Job*"], f["*Where*"], f["*Problem*"]) == ("digits", WHERE, NO_SPACE)
+    assert "was skipped" in f["*Done*"] and "the next check tries again" in f["*Done*"]
+    assert f["*Fix*"].startswith("free disk space on the controller's host, or point SPOTRUN_HOME at")
+    # the window's restarts are another story: neither they nor the last log are shown
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]
+    md = to_markdown(disk_full())
+    assert md.startswith(f"### {DISK_TITLE}\n")
+    for part in (f"- **Where:** {WHERE}", f"- **Problem:** {NO_SPACE}", "- **Fix:** free disk space"):
+        assert part in md
+    assert "Restarts in the last" not in md and "Last log lines" not in md
+
+
+def test_disk_full_is_told_once_a_window_and_recorded(tmp_path: Path) -> None:
+    """Through raise_alert and a real SQLite history: the checks after two attempts, one alert."""
+    request = AlertRequest(
+        kind=DISK, job="digits", window_s=HOUR, threshold=3, reason=NO_SPACE, checkpoint=WHERE
+    )
+    with HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}") as store:
+        first = raise_alert(store, request, None, now=NOW)
+        second = raise_alert(store, request, None, now=NOW + 600)
+        rows = [(r.kind, r.status, r.dedup_key) for r in store.alerts(job="digits")]
+    assert (first.status, second.status) == (LOGGED, SUPPRESSED)
+    assert first.markdown.startswith(f"### {DISK_TITLE}\n")
+    assert rows == [("disk-full", LOGGED, NEW_DISK_KEY), ("disk-full", SUPPRESSED, NEW_DISK_KEY)]
+
+    blocker = tmp_path / "blocker"  # a file where the database's directory must go: the history is down
+    blocker.write_text("")
+    down = raise_alert(HistoryStore.open(f"sqlite:///{blocker / 'history.db'}"), request, None, now=NOW)
+    assert down.status is LOGGED and "without the history" in down.reason
+    assert "_alert history unavailable: this may repeat an earlier alert_" in down.markdown  # no counts
+
+
+DISK_GAPS: list[tuple[str, dict[str, Any], str, dict[str, str]]] = [
+    # (case, context changes, the fallback text, fields expected)
+    ("an older event: no where", {"checkpoint": None}, f"{DISK_TITLE}: {NO_SPACE}", {"*Where*": "not known"}),
+    ("no problem", {"reason": ""}, DISK_TITLE, {"*Problem*": "not known", "*Where*": WHERE}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "text", "expected"), [pytest.param(*c[1:], id=c[0]) for c in DISK_GAPS])
+def test_disk_full_with_what_the_event_left_out(
+    changes: dict[str, Any], text: str, expected: dict[str, str]
+) -> None:
+    msg = build_message(disk_full(**changes))
     assert msg.text == text
     assert expected.items() <= fields(msg.blocks).items()
 

@@ -22,6 +22,7 @@ import yaml
 from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
 from deployments.automations import (
     CRASHED,
+    DISK_FULL,
     GAVE_UP,
     HEARTBEAT_S,
     HEARTBEAT_TAG,
@@ -40,7 +41,7 @@ from deployments.automations import (
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
 from tasks.alerts.message import AlertKind, ResumeFacts
-from tasks.checkpoints import CHECKPOINT_UNVERIFIED
+from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
 from tasks.policy import RetryPolicy
 from tasks.recovery import (
     RecoveryError,
@@ -133,7 +134,7 @@ def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
 
 
 def test_recovery_note_can_be_switched_off() -> None:
-    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH, UNVERIFIED}
+    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH, UNVERIFIED, DISK_FULL}
 
 
 def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
@@ -150,14 +151,19 @@ def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
     assert params["job"] == "{{ event.payload.job }}"
 
 
-def test_a_checkpoint_that_cannot_be_verified_alerts_once_a_window_per_job() -> None:
-    auto = _by_name(AlertRules(restart_window_s=1800))[UNVERIFIED]
+@pytest.mark.parametrize("name", [UNVERIFIED, DISK_FULL])
+def test_what_the_check_between_attempts_finds_alerts_once_a_window_per_job(name: str) -> None:
+    auto = _by_name(AlertRules(restart_window_s=1800))[name]
     t = auto.trigger
+    event, kind = {
+        UNVERIFIED: (CHECKPOINT_UNVERIFIED, "cannot-verify"),
+        DISK_FULL: (CONTROLLER_DISK_FULL, "disk-full"),
+    }[name]
     assert (t.expect, t.for_each, t.posture, t.threshold, t.within) == (
-        {CHECKPOINT_UNVERIFIED}, {"prefect.resource.id"}, "Reactive", 1, timedelta(seconds=1800),
+        {event}, {"prefect.resource.id"}, "Reactive", 1, timedelta(seconds=1800),
     )  # fmt: skip
     assert t.match.root == {"prefect.resource.id": "spotrun.job.*"}  # PrefectSink.event's resource
-    assert auto.actions[0].parameters["kind"] == AlertKind.CANNOT_VERIFY == "cannot-verify"
+    assert auto.actions[0].parameters["kind"] == kind  # stored in the history, searched for
 
 
 def _rendered(parameters: dict[str, Any], event: dict[str, Any], flow_run: Any) -> dict[str, Any]:
@@ -193,6 +199,39 @@ def test_the_unverified_event_renders_into_the_alert_flows_parameters(in_a_run: 
     assert (params["checkpoint"], params["reason"]) == ("step 20", problem)
     assert params["training_flow_run_id"] == (str(run.id) if run else "")
     assert params["trigger"].startswith(CHECKPOINT_UNVERIFIED + " ")
+
+
+CACHE = "/home/ops/.spotrun/jobs/digits/flow-cache"
+DISK_FULL_EVENTS: list[tuple[str, dict[str, Any], str]] = [
+    # (case, the payload besides the job, the rendered `checkpoint`: where)
+    ("cache and host", {"problem": f"No space left on device under {CACHE}", "cache": CACHE, "host": "ctl-1"},
+     f"{CACHE} on ctl-1"),
+    ("an older event: the problem only", {"problem": f"Disk quota exceeded under {CACHE}"}, ""),
+    ("nothing", {}, ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("payload", "where"), [pytest.param(*c[1:], id=c[0]) for c in DISK_FULL_EVENTS])
+@pytest.mark.parametrize("in_a_run", [True, False], ids=["emitted-in-a-flow-run", "no-flow-run"])
+def test_the_disk_full_event_renders_into_the_alert_flows_parameters(
+    payload: dict[str, str], where: str, in_a_run: bool
+) -> None:
+    """The event as tasks/control.py emits it through PrefectSink.event renders into parameters the
+    restart-alert flow accepts: where (the flow cache and its host), the OS error, the emitting run."""
+    from flows.restart_alert import restart_alert
+
+    event = {
+        "event": CONTROLLER_DISK_FULL,
+        "resource": job_resource("digits"),
+        "payload": {"job": "digits"} | payload,
+    }
+    run = SimpleNamespace(id=uuid4()) if in_a_run else None
+    auto = _by_name(AlertRules())[DISK_FULL]
+    params = restart_alert.validate_parameters(_rendered(auto.actions[0].parameters, event, run))
+    assert (params["kind"], params["job"]) == (AlertKind.DISK_FULL, "digits")
+    assert (params["checkpoint"], params["reason"]) == (where, payload.get("problem", ""))
+    assert params["training_flow_run_id"] == (str(run.id) if run else "")
+    assert params["trigger"].startswith(CONTROLLER_DISK_FULL + " ")
 
 
 def _recovery(rules: RecoveryRules) -> dict[str, Any]:
