@@ -1,7 +1,8 @@
 """The restart alert: run by the spotrun automations (deployments/automations.py) when a job keeps
 restarting, gives up, recovers after an alert, resumes with different results (a resume check's
-`mismatch`), or has a checkpoint whose signature the controller cannot verify (`cannot-verify`: the
-event's step as `checkpoint`, its problem as `reason`). Reads the restart history from SQL, tells Slack
+`mismatch`), has a checkpoint whose signature the controller cannot verify (`cannot-verify`: the
+event's step as `checkpoint`, its problem as `reason`), or fills the controller's disk (`disk-full`:
+where as `checkpoint`, the OS error as `reason`). Reads the restart history from SQL, tells Slack
 (or, with no Slack configured, the run log and a Markdown artifact) and records every try in SQL.
 
 A Slack outage never touches training: this is its own flow run, started by the server; a delivery

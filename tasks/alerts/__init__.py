@@ -1,5 +1,5 @@
-"""Restart-storm, give-up, recovery and resume-mismatch alerts: what they say, whether to send, and Slack
-delivery.
+"""Restart-storm, give-up, recovery, resume-mismatch, cannot-verify and disk-full alerts: what they say,
+whether to send, and Slack delivery.
 
 No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing here imports.
 """
