@@ -127,23 +127,26 @@ def _write(store: Store, step: int, manifest: dict[str, Any] | bytes, files: dic
     store.put(f"{step_dir(step)}/{MANIFEST}", body)
 
 
-def _cases(
-    outside: Path,
-) -> list[tuple[str, Callable[[], tuple[dict[str, Any] | bytes, dict[str, bytes]]], str]]:
-    def named(name: str) -> Callable[[], tuple[dict[str, Any], dict[str, bytes]]]:
-        def build() -> tuple[dict[str, Any], dict[str, bytes]]:
-            files = _plain_files(HOSTILE) | {name: b"pwned"}
-            return _manifest(HOSTILE, files), files
+Build = Callable[[int], tuple[dict[str, Any] | bytes, dict[str, bytes]]]
+
+
+def _cases(outside: Path) -> list[tuple[str, Build, str]]:
+    """(name, what the bucket writer puts as step `HOSTILE + i`: manifest and files, the reason)."""
+
+    def named(name: str) -> Build:
+        def build(step: int) -> tuple[dict[str, Any] | bytes, dict[str, bytes]]:
+            files = _plain_files(step) | {name: b"pwned"}
+            return _manifest(step, files), files
 
         return build
 
-    def duplicate() -> tuple[bytes, dict[str, bytes]]:
-        files = _plain_files(HOSTILE)
-        body = json.dumps(_manifest(HOSTILE, files))
-        return body.replace('"step": 100,', '"step": 100, "step": 7,').encode(), files
+    def duplicate(step: int) -> tuple[dict[str, Any] | bytes, dict[str, bytes]]:
+        files = _plain_files(step)
+        body = json.dumps(_manifest(step, files))
+        return body.replace(f'"step": {step},', f'"step": {step}, "step": 7,').encode(), files
 
-    def other_step() -> tuple[dict[str, Any], dict[str, bytes]]:
-        files = _plain_files(HOSTILE)
+    def other_step(step: int) -> tuple[dict[str, Any] | bytes, dict[str, bytes]]:
+        files = _plain_files(step)
         return _manifest(999_999_999, files), files
 
     up = "../" * 16
@@ -161,42 +164,46 @@ def _cases(
     ]
 
 
-CASES = [c[0] for c in _cases(Path("/x"))]
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_a_hostile_manifest_is_rejected_by_every_reader_and_writes_nothing_outside(
-    case: str, store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_hostile_manifests_are_rejected_by_every_reader_and_write_nothing_outside(
+    store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """One store holds a good checkpoint and, in the step directories above it, one hostile manifest
+    of each kind (with the keys it names put beside it, where the store can hold them)."""
     outside = tmp_path / "outside"
     outside.mkdir()
-    ((_, build, reason),) = [c for c in _cases(outside) if c[0] == case]
     files = _plain_files(GOOD)
     _write(store, GOOD, _manifest(GOOD, files), files)
-    manifest, files = build()
-    _write(store, HOSTILE, manifest, files)
+    reasons: dict[int, str] = {}
+    for i, (_, build, reason) in enumerate(_cases(outside)):
+        manifest, files = build(HOSTILE + i)
+        _write(store, HOSTILE + i, manifest, files)
+        reasons[HOSTILE + i] = reason
     storage = open_storage(store.uri, store.s3, create=False)
     cache = tmp_path / "cache"
 
     assert main(["checkpoints", "list", "--json", *store.cli]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows[GOOD]["valid"] and not rows[HOSTILE]["valid"], rows[GOOD]["problems"]
-    assert reason in rows[HOSTILE]["problems"][0]["detail"]
+    assert rows[GOOD]["valid"], rows[GOOD]["problems"]
+    for step, reason in reasons.items():
+        assert not rows[step]["valid"] and reason in rows[step]["problems"][0]["detail"], rows[step]
 
     assert main(["checkpoints", "verify", *store.cli]) == 1
-    assert reason in capsys.readouterr().out
+    assert reasons[max(reasons)] in capsys.readouterr().out
 
-    job = JobSpec(
-        name="victim", recipe="digits", total_steps=500, storage=store.uri, s3=store.s3 or S3Options()
-    )
-    reports = validate_newest(job, cache)
-    assert [r.step for r in reports] == [HOSTILE, GOOD] and reason in reports[0].problems[0]
+    s3 = store.s3 or S3Options()
+    job = JobSpec(name="victim", recipe="digits", total_steps=500, storage=store.uri, s3=s3)
+    reports = validate_newest(job, cache)  # down to the newest intact one: every hostile one on the way
+    assert [r.step for r in reports] == [*sorted(reasons, reverse=True), GOOD]
+    assert all(reasons[r.step] in r.problems[0] for r in reports[:-1]), reports
 
     selection = select(storage, cache, Expectation(), None)
-    assert selection.step == GOOD and reason in selection.rejected[0].reason()
+    assert selection.step == GOOD
+    assert all(reasons[r.step] in r.reason() for r in selection.rejected)
+    assert sorted(r.step for r in selection.rejected) == sorted(reasons)
 
-    with _final_weights(storage, HOSTILE) as weights:
-        assert weights is None
+    for step in reasons:
+        with _final_weights(storage, step) as weights:
+            assert weights is None
 
     assert list(outside.iterdir()) == [] and not (tmp_path / "pwned-rel.txt").exists()
     for f in cache.rglob("*"):  # anything fetched stays inside the cache
