@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -27,9 +28,10 @@ FAKE_AWS_ENV = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_SESSION_TOKEN": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
-    # Never touch the developer's real profile, and never wait on an instance-metadata timeout.
+    # Never touch the developer's real profile, and never wait on an instance-metadata timeout. The
+    # credentials file is how a local trainer (which never gets the keys above) reaches moto.
     "AWS_CONFIG_FILE": "/nonexistent/spotrun-test-aws-config",
-    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/spotrun-test-aws-credentials",
+    "AWS_SHARED_CREDENTIALS_FILE": str(Path(__file__).parent / "fakes" / "aws-credentials"),
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 UNSET_AWS_ENV = (

@@ -31,7 +31,6 @@ from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterId,
 )
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.apply import ALERT_DEPLOYMENT, DeployReport, deploy
 from deployments.automations import AlertRules, delete_automations, spotrun_automations
@@ -77,7 +76,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # The worker's flow runs find Slack through the Secret block (set per test), not the environment.
     hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SPOTRUN_SLACK_")}
     try:
-        with patched_environ(**env), temporary_settings({PREFECT_API_URL: server.api_url}):
+        with patched_environ(**env), server.clients():
             Secret(value=slack.url).save(WEBHOOK_SECRET, overwrite=True)
             applied = deploy(RULES)
             worker = LocalWorker(root / "worker.log", query_s=1).start()
