@@ -71,8 +71,9 @@ TRANSIENT_EXCEPTIONS = (
 _PROBED: dict[tuple[str | None, str], str | None] = {}
 _PROBE_LOCK = threading.Lock()
 NO_CREDENTIALS_FIX = (
-    "no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
-    "or run on an instance with an instance profile"
+    "no AWS credentials found; set AWS_PROFILE or AWS_SHARED_CREDENTIALS_FILE (a local trainer never "
+    "gets the controller's AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), or run on an instance with an "
+    "instance profile"
 )
 
 
