@@ -302,3 +302,27 @@ def test_a_pickle_in_a_pt_part_never_runs(tmp_path: Path, capsys: pytest.Capture
     found = _readers(root, HOSTILE, capsys, sharded=False)
     assert not marker.exists()
     assert "optimizer.pt" in found[1] and "unsafe or unreadable" in found[1]
+
+
+def test_a_checkpoints_own_spec_names_no_code_to_import(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`verify --structure` builds the recipe a checkpoint's trainer.pt names, when --spec names none:
+    a built-in name only; an import string there is the store's word, and imports nothing."""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("SPOTRUN_TEST_IMPORT_MARKER", str(marker))
+    root = tmp_path / "store"
+    d = root / step_dir(HOSTILE)
+    d.mkdir(parents=True)
+    recipe = "tests.fakes.import_marker:build"
+    spec = JobSpec(name="victim", recipe=recipe, total_steps=500, storage=str(root))
+    files = _plain_files(HOSTILE)
+    buf = io.BytesIO()
+    torch.save({"step": HOSTILE, "state": {"spec": spec.model_dump(mode="json"), "shape_hash": "h"}}, buf)
+    files["trainer.pt"] = buf.getvalue()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    _commit(d, HOSTILE, layout="single")
+    main(["checkpoints", "verify", str(root), "--structure"])
+    capsys.readouterr()
+    assert not marker.exists()
