@@ -431,6 +431,7 @@ def test_no_credentials_is_one_clear_line(
 ) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/spotrun-test-aws-credentials")
     provider, _ = make_provider(ec2_world, boto3.session.Session())
     with pytest.raises(ProvisionError) as e:
         provider.provision(job[0], 1, job[1], [])

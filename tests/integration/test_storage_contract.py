@@ -338,6 +338,7 @@ def test_s3_no_credentials(s3_bucket: tuple[str, str], monkeypatch: pytest.Monke
     endpoint, bucket = s3_bucket
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/spotrun-test-aws-credentials")
     storage = s3_storage(endpoint, bucket, session=None)  # a fresh session finds no credentials
     with pytest.raises(StorageError, match="no AWS credentials") as info:
         storage.list()
