@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.errors import StorageError
+from trainer.signing import marker_problem, sign_marker
 from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Standby:
 
 def write_standby(storage: Storage, replacing: str, state: str, worker: str = "") -> None:
     """Announce (the controller: `starting`) or report ready (the replacement: `waiting`)."""
-    body = {"replacing": replacing, "state": state, "worker": worker, "at": time.time()}
+    body = sign_marker({"replacing": replacing, "state": state, "worker": worker, "at": time.time()})
     put_bytes(storage, STANDBY_KEY, json.dumps(body).encode())
 
 
@@ -63,7 +64,11 @@ def read_standby(storage: Storage) -> Standby | None:
     """The standby record, or None when absent or unreadable (the next poll reads it again)."""
     try:
         d = json.loads(get_bytes(storage, STANDBY_KEY))
-        return Standby(str(d["replacing"]), str(d["state"]), str(d.get("worker", "")), float(d["at"]))
+        standby = Standby(str(d["replacing"]), str(d["state"]), str(d.get("worker", "")), float(d["at"]))
+        if (problem := marker_problem(d)) is not None:  # with a key, a forged one hands nothing over
+            log.warning("handover: ignoring %s/%s: %s", storage.uri, STANDBY_KEY, problem)
+            return None
+        return standby
     except FileNotFoundError:
         return None
     except (OSError, StorageError, ValueError, KeyError, TypeError) as e:  # polled again next time

@@ -145,3 +145,18 @@ def test_a_forged_handoff_does_not_release_a_live_holder(key: str, tmp_path: Pat
     assert read_handoff(storage) == ["w1"]
     put_bytes(storage, HANDOFF_KEY, json.dumps({"released": ["w2"], "at": 0}).encode())
     assert read_handoff(storage) == []
+
+
+def test_a_forged_standby_hands_nothing_over(key: str, tmp_path: Path) -> None:
+    """`_standby.json` tells a holder its replacement is ready: only a signed one counts."""
+    import json
+
+    from trainer.handover import STANDBY_KEY, read_standby, write_standby
+
+    storage = LocalStorage(tmp_path)
+    write_standby(storage, "w1", "waiting", "w2")
+    found = read_standby(storage)
+    assert found is not None and (found.replacing, found.state, found.worker) == ("w1", "waiting", "w2")
+    forged = {"replacing": "w1", "state": "waiting", "worker": "evil", "at": 0}
+    put_bytes(storage, STANDBY_KEY, json.dumps(forged).encode())
+    assert read_standby(storage) is None
