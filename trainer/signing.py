@@ -12,7 +12,8 @@ validates: the controller, `spotrun checkpoints`):
   0.22 s (3.6x a plain load, against 1.2x unkeyed);
 - the manifest carries `signing: {algo, files, key_id}` and `signature = HMAC-SHA256(key, the rest,
   canonical JSON)`: the signed body names both algorithms and the key;
-- `latest`, `COMPLETED.json` and `_handoff.json` carry the same kind of signature (`sign_marker`).
+- `latest`, `COMPLETED.json`, `_handoff.json` and `_standby.json` carry the same kind of signature
+  (`sign_marker`).
 
 A signature that cannot be checked (unsigned, another key, or not matching) is *cannot verify*: the
 checkpoint is not resumed from, and an alert says so, but it is never quarantined or deleted (a
@@ -132,7 +133,8 @@ def verify(body: Mapping[str, Any], sig: object, ring: Keyring) -> Verdict:
 
 
 def sign_marker(body: dict[str, Any], ring: Keyring | None = None) -> dict[str, Any]:
-    """A JSON marker (`latest`, `COMPLETED.json`, `_handoff.json`) with its signature, when a key is set."""
+    """A JSON marker (`latest`, `COMPLETED.json`, `_handoff.json`, `_standby.json`) with its signature,
+    when a key is set."""
     ring = keyring() if ring is None else ring
     if ring.signing is None:
         return body
