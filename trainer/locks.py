@@ -24,24 +24,30 @@ class LockTimeout(SpotrunError):
     """Another process held a lock file longer than the caller waits; the message names it and its pid."""
 
 
+def flock_waiting(fd: int, timeout_s: float, poll_s: float = POLL_S) -> bool:
+    """Take an exclusive flock on `fd`, polling for at most `timeout_s`; False when it stayed held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
 @contextmanager
 def flock_within(path: Path, timeout_s: float, what: str) -> Iterator[None]:
     """Hold an exclusive flock on `path` (created 0600 if absent, never deleted) for the body; wait at
     most `timeout_s` for it, then raise LockTimeout naming `what`, the file and the holder's pid."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockTimeout(
-                        f"{what}: {path} has been held for {timeout_s:.0f} s by {_holder(fd)}; wait for it "
-                        "to finish, or end that process"
-                    ) from None
-                time.sleep(POLL_S)
+        if not flock_waiting(fd, timeout_s):
+            raise LockTimeout(
+                f"{what}: {path} has been held for {timeout_s:.0f} s by {_holder(fd)}; wait for it "
+                "to finish, or end that process"
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the next waiter's message
         yield

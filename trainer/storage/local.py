@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import os
 import shutil
@@ -14,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
+from trainer.locks import flock_waiting
 from trainer.storage.base import CHUNK, ObjectInfo, Stamped
 
 TMP_MARK = ".spotrun-tmp-"
@@ -300,17 +300,10 @@ def _locked(lock: Path, mode: int) -> Iterator[None]:
     try:
         if os.fstat(fd).st_uid == os.getuid():
             os.fchmod(fd, mode)  # O_CREAT's mode passed through the umask
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TransientStorageError(
-                        f"{lock} has been locked by another writer for {LOCK_WAIT_S:.0f} s; will retry"
-                    ) from None
-                time.sleep(0.05)
+        if not flock_waiting(fd, LOCK_WAIT_S, poll_s=0.05):
+            raise TransientStorageError(
+                f"{lock} has been locked by another writer for {LOCK_WAIT_S:.0f} s; will retry"
+            )
         yield
     finally:
         os.close(fd)
