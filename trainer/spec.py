@@ -19,6 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.errors import ConfigError
 from trainer.redact import redact_tree
 from trainer.spec_errors import explain_errors
+from trainer.spec_runs import (
+    JOB_NAME,
+    Promotion,
+    WarmStart,
+    check_run_key_template,
+    keyed_problem,
+)
+from trainer.templating import uses_templates
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
 # (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash. Whether
@@ -309,9 +317,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="job name, used in paths and alerts"
-    )
+    name: str = Field(pattern=JOB_NAME, description="job name, used in paths and alerts")
     recipe: str = Field(description="built-in recipe (digits, charlm) or package.module:function")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the recipe")
     total_steps: int = Field(ge=1, description="optimizer steps to train")
@@ -362,6 +368,28 @@ class JobSpec(BaseModel):
         default_factory=EnvOptions,
         description="the trainer's environment: names to pass beyond the allow-list, values to set",
     )
+    # Jobs that run again and again (trainer/spec_runs.py): one job run per key.
+    run_key: str | None = Field(
+        default=None,
+        description="one job run per key, filled per scheduled slot (e.g. {scheduled_date}); each key has "
+        "its own storage prefix, history rows and MLflow run; none: one job run per job",
+    )
+    run_values: dict[str, str] = Field(
+        default_factory=dict,
+        description="filled by spotrun at the key's first flow run: the template values used; leave empty",
+    )
+    init_from: WarmStart | None = Field(
+        default=None, description="warm start: load the model (and optimizer) from an earlier run first"
+    )
+    promote: Promotion | None = Field(
+        default=None, description="move a model alias to this run's version only if it is better"
+    )
+    keep_runs: int | None = Field(
+        default=None,
+        ge=1,
+        description="with run_key: keep the checkpoints of this many newest keys (plus runs in flight, the "
+        "champion and a running warm start's source); older keys' prefixes are deleted; none: keep all",
+    )
 
     @field_validator("recipe")
     @classmethod
@@ -369,6 +397,32 @@ class JobSpec(BaseModel):
         if not v or (":" in v and (v.startswith(":") or v.endswith(":"))):
             raise ValueError("use a built-in name (digits, charlm) or 'package.module:function'")
         return v
+
+    @field_validator("run_key")
+    @classmethod
+    def _run_key_form(cls, v: str | None) -> str | None:
+        return check_run_key_template(v)
+
+    @model_validator(mode="after")
+    def _keyed_fields(self) -> JobSpec:
+        try:
+            templated = not self.run_values and uses_templates(self.args, "args")
+        except ConfigError as e:  # an unknown placeholder in args: the message names where
+            raise ValueError(str(e)) from None
+        problem = keyed_problem(
+            run_key=self.run_key,
+            run_values=self.run_values,
+            keep_runs=self.keep_runs,
+            args_templated=templated,
+        )
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the controller filled this spec's run-key templates (tasks/run_keys.py)."""
+        return bool(self.run_values)
 
     @field_validator("storage")
     @classmethod

@@ -87,7 +87,8 @@ def _plain(err: ErrorDetails) -> str:
         "missing": " - add it to the job file",
         "extra_forbidden": " - remove it or check its spelling",
     }.get(err["type"], "")
-    return f"field '{_dotted(err['loc'])}': {err['msg']}{hint}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"field '{_dotted(err['loc'])}': {msg}{hint}" if err["loc"] else f"{msg}{hint}"
 
 
 def _dotted(loc: Loc) -> str:

@@ -184,7 +184,7 @@ def test_preemption_defaults_and_not_a_shape_field() -> None:
 @pytest.mark.parametrize(
     ("opts", "needle"),
     [
-        ({"poll_s": 6}, "field 'preemption.poll_s': Value error, poll_s 6 is too slow: GCP and Azure give"),
+        ({"poll_s": 6}, "field 'preemption.poll_s': poll_s 6 is too slow: GCP and Azure give"),
         ({"poll_s": 0}, "field 'preemption.poll_s'"),
         ({"notice": "ibm"}, "field 'preemption.notice'"),
         ({"endpoint": "169.254.169.254"}, "is not an http(s) URL: use e.g. http://169.254.169.254"),
