@@ -28,6 +28,7 @@ from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local import LocalProviderConfig
 from tasks.recovery import recovered_run
 from tasks.reporting import artifact_key
+from tasks.run_keys import per_run_key
 from tasks.settings import Settings
 from tasks.trust import refuse_untrusted_parameters
 from trainer.spec import JobSpec
@@ -40,6 +41,7 @@ from trainer.spec import JobSpec
     on_crashed=[record_ending],
 )
 @refuse_untrusted_parameters  # a deployment run may name only what this host's settings allow
+@per_run_key  # a keyed job: this run's key, data and sources, fixed at the key's first flow run
 @one_run_per_job  # a second run of a running job waits or is refused (policy.duplicate_runs)
 def resilient_training(
     job: JobSpec,
@@ -48,6 +50,7 @@ def resilient_training(
     # Either validates the same: `kind` is a Literal in each, and both forbid extra keys.
     provider: LocalProviderConfig | AwsProviderConfig = LocalProviderConfig(),  # noqa: B008 (the UI's default)
     policy: RetryPolicy = RetryPolicy(),  # noqa: B008
+    run_key: str | None = None,
 ) -> State:
     """Train `job` on the provider's workers, restarting after each reclaim until done or out of budget.
 
@@ -55,10 +58,12 @@ def resilient_training(
         job: what to train: the recipe, its arguments, steps, checkpoints and storage.
         provider: where workers run: local subprocesses under a simulated spot market, or EC2 spot.
         policy: how many preemptions and errors the job may spend before it gives up.
+        run_key: with a keyed job (`run_key` in the spec), the key to run or continue, e.g. 2026-12-01
+            for a backfill; empty: the key of this run's scheduled slot.
     """
     settings = Settings.from_env()
     run_id = str(flow_run.get_id() or "")
-    workers = build_provider(provider, settings.job_dir(job.name) / "workers", run_id)
+    workers = build_provider(provider, settings.job_dir(job.name, job.run_key) / "workers", run_id)
     recovers = recovered_run(flow_run.get_tags())  # started by recover-job: continue that job run
     result = run_job(job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id,
                      recovers=recovers)  # fmt: skip

@@ -44,6 +44,7 @@ from tasks.policy import DuplicateRuns
 from tasks.settings import Settings
 
 LIMIT_PREFIX = "spotrun-job:"
+RUN_KEY_TAG = "run-key:"
 LEASE_S = 60.0  # the shortest lease the server accepts: a dead holder's slot comes back soonest
 # A dead holder's lease lapses and is revoked within LEASE_S + 15 s; a slot still taken with no run to
 # hold it after this long lost its lease (a server restart: leases live in the server's memory).
@@ -71,8 +72,18 @@ class Busy:
 
 
 def limit_name(job: str) -> str:
-    """The global concurrency limit that admits one flow run of `job`."""
+    """The global concurrency limit that admits one flow run of `job` (a slot id: see `slot_id`)."""
     return f"{LIMIT_PREFIX}{job}"
+
+
+def slot_id(job: str, run_key: str | None) -> str:
+    """What one slot admits a run of: the job, or one run key of a keyed job (`charlm-nightly@2026-12-05`)."""
+    return f"{job}@{run_key}" if run_key else job
+
+
+def run_key_tag(run_key: str) -> str:
+    """The tag a keyed flow run carries (tasks/run_keys.py): the guard and the UI tell keys apart by it."""
+    return f"{RUN_KEY_TAG}{run_key}"
 
 
 def holder_of(runs: list[RunningRun], job: str, me: str) -> RunningRun | None:
@@ -116,9 +127,9 @@ def while_busy(
 
 
 @contextmanager
-def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
-    """Hold the job's slot for the block. Yields None when held, or the refusal line under "reject".
-    Outside a flow run (plain `.fn()` use) there is no server to ask: a no-op."""
+def job_slot(job: str, policy: DuplicateRuns, run_key: str | None = None) -> Iterator[str | None]:
+    """Hold the slot of `job` (a slot id) for the block. Yields None when held, or the refusal line under
+    "reject". Outside a flow run (plain `.fn()` use) there is no server to ask: a no-op."""
     me = flow_run.get_id()
     if me is None:
         yield None
@@ -134,7 +145,7 @@ def job_slot(job: str, policy: DuplicateRuns) -> Iterator[str | None]:
         if not busy.wait:
             yield busy.message
             return
-        _wait_for_slot(name, job, me, Settings.from_env().job_dir(job))
+        _wait_for_slot(name, job, me, Settings.from_env().job_dir(job.split("@")[0], run_key))
     with concurrency(
         name,
         lease_duration=LEASE_S,
@@ -159,7 +170,7 @@ def one_run_per_job(fn: Callable[..., State]) -> Callable[..., State]:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         job, policy = bound.arguments["job"], bound.arguments["policy"]
-        with job_slot(job.name, policy.duplicate_runs) as refused:
+        with job_slot(slot_id(job.name, job.run_key), policy.duplicate_runs, job.run_key) as refused:
             return Failed(message=refused) if refused else fn(*args, **kwargs)
 
     # Resolved types, not the strings `from __future__ import annotations` leaves: Prefect validates
@@ -233,7 +244,10 @@ def _running_runs() -> list[RunningRun]:
             flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
             flow_run_filter=FlowRunFilter(state=running),
         )
-    return [
-        RunningRun(str(r.id), r.name, str((r.parameters.get("job") or {}).get("name", "")), r.start_time)
-        for r in runs
-    ]
+    return [RunningRun(str(r.id), r.name, _slot_of(r.parameters, r.tags), r.start_time) for r in runs]
+
+
+def _slot_of(parameters: dict[str, Any], tags: list[str]) -> str:
+    """A running run's slot id: its job's name, and its run key where it is tagged with one."""
+    key = next((t.removeprefix(RUN_KEY_TAG) for t in tags if t.startswith(RUN_KEY_TAG)), None)
+    return slot_id(str((parameters.get("job") or {}).get("name", "")), key)

@@ -28,6 +28,7 @@ from tasks.outcome import classify, provision_failed_record, resharded, to_recor
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.reporting import RESUME_CHECKED, VERDICT_LABEL
+from tasks.run_keys import keyed_record
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
@@ -126,7 +127,7 @@ class JobRunLog:
         self.traces: list[AttemptTrace] = []
         self.resume_step: int | None = None
         self.resume_uri: str | None = None
-        self.dir = settings.job_dir(job.name)
+        self.dir = settings.job_dir(job.name, job.run_key)
         self.cache = self.dir / "flow-cache"
         self.spec_path = self.dir / "job.yaml"
         self._in_flight: Worker | None = None
@@ -150,9 +151,9 @@ class JobRunLog:
         """Open the job run: a new one, or the job's latest one whose controller died (adopted).
         `recovers`: the crashed flow run this run was started to replace (recover-job's tag), if any."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
-        job_dir = settings.job_dir(job.name)
+        job_dir = settings.job_dir(job.name, job.run_key)
         try:
-            latest = store.latest_job_run(job.name)
+            latest = store.latest_job_run(job.name, job.run_key)
         except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
             sink.log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
             latest = None
@@ -168,7 +169,7 @@ class JobRunLog:
             log._adopt(latest)
             return log._opened()
         run_id = store.start_job_run(
-            job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name
+            job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name, keyed_record(job)
         )
         log = cls(settings, job, store, run_id, flow_run_id, sink)
         log.provider_name = provider_name

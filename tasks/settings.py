@@ -37,8 +37,9 @@ class Settings:
         """Where history writes wait while the database is down (one file per database URL)."""
         return self.home / "journal"
 
-    def job_dir(self, job: str) -> Path:
-        return self.home / "jobs" / job
+    def job_dir(self, job: str, run_key: str | None = None) -> Path:
+        """The controller's files of a job (a keyed job's run: `runs/<key>` below it)."""
+        return self.home / "jobs" / job / "runs" / run_key if run_key else self.home / "jobs" / job
 
     def resolve(self, job: JobSpec) -> JobSpec:
         """The job with its storage made absolute (a relative path is under SPOTRUN_HOME): done once

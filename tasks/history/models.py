@@ -82,7 +82,10 @@ class JobRun(Base):
     """One flow run of a job: every attempt until it completed or gave up."""
 
     __tablename__ = "job_runs"
-    __table_args__ = (Index("ix_job_runs_job_started_at", "job", "started_at"),)
+    __table_args__ = (
+        Index("ix_job_runs_job_started_at", "job", "started_at"),
+        Index("ix_job_runs_job_run_key", "job", "run_key"),  # a key's job run, at each of its flow runs
+    )
 
     # Made by the client (a UUID), so attempts can name their job run while writes are buffered.
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -99,6 +102,13 @@ class JobRun(Base):
     controller_restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     # The MLflow run of this job run (tasks/tracking/), once its controller created or re-attached it.
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    # A keyed job (trainer/spec_runs.py): the run key, the template values it was filled with and the
+    # runs it was resolved against (warm start, champion), fixed at the key's first flow run; the
+    # promotion decision at its end. None for unkeyed jobs and runs before revision 0005.
+    run_key: Mapped[str | None] = mapped_column(String(64))
+    run_values: Mapped[dict[str, Any] | None]
+    lineage: Mapped[dict[str, Any] | None]
+    promotion: Mapped[dict[str, Any] | None]
 
 
 class Attempt(Base):
@@ -197,6 +207,19 @@ class JobRunRow:
     ended_at: float | None
     controller_restarts: int = 0
     mlflow_run_id: str | None = None
+    run_key: str | None = None
+    run_values: dict[str, Any] | None = None
+    lineage: dict[str, Any] | None = None
+    promotion: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class KeyedRun:
+    """What a keyed job run is fixed to at its first flow run (tasks/run_keys.py)."""
+
+    run_key: str | None  # None: an unkeyed job with a warm start or a promotion gate
+    run_values: dict[str, str]
+    lineage: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -246,6 +269,10 @@ def job_run_row(r: JobRun) -> JobRunRow:
         ended_at=r.ended_at.timestamp() if r.ended_at is not None else None,
         controller_restarts=r.controller_restarts,
         mlflow_run_id=r.mlflow_run_id,
+        run_key=r.run_key,
+        run_values=r.run_values,
+        lineage=r.lineage,
+        promotion=r.promotion,
     )
 
 

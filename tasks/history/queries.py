@@ -47,18 +47,28 @@ class HistoryReads:
         q = q.order_by(Attempt.started_at.desc(), Attempt.attempt.desc(), Attempt.id.desc()).limit(limit)
         return [attempt_row(a) for a in reversed(self._read(lambda s: list(s.scalars(q))))]
 
-    def job_runs(self, job: str | None = None, limit: int = 50) -> list[JobRunRow]:
-        """The newest `limit` job runs (of a job), oldest first."""
+    def job_runs(
+        self, job: str | None = None, limit: int = 50, run_key: str | None = None
+    ) -> list[JobRunRow]:
+        """The newest `limit` job runs (of a job, of one run key), oldest first."""
         q = select(JobRun)
         if job is not None:
             q = q.where(JobRun.job == job)
+        if run_key is not None:
+            q = q.where(JobRun.run_key == run_key)
         q = q.order_by(JobRun.started_at.desc(), JobRun.id.desc()).limit(limit)
         return [job_run_row(r) for r in reversed(self._read(lambda s: list(s.scalars(q))))]
 
-    def latest_job_run(self, job: str) -> JobRunRow | None:
-        """The job's most recently started job run, if any."""
-        runs = self.job_runs(job, limit=1)
+    def latest_job_run(self, job: str, run_key: str | None = None) -> JobRunRow | None:
+        """The job's (or its run key's) most recently started job run, if any."""
+        runs = self.job_runs(job, limit=1, run_key=run_key)
         return runs[-1] if runs else None
+
+    def job_run_of_flow_run(self, flow_run_id: str) -> JobRunRow | None:
+        """The job run a flow run holds or held last (a crashed one's, for recover-job's rerun)."""
+        q = select(JobRun).where(JobRun.flow_run_id == flow_run_id).order_by(JobRun.started_at.desc())
+        found = self._read(lambda s: s.scalars(q).first())
+        return job_run_row(found) if found is not None else None
 
     def open_job_run(self, job: str) -> JobRunRow | None:
         """The job's newest job run when it is still running (its controller died); else None."""

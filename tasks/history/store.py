@@ -31,7 +31,7 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.history.engine import check_database_url, make_engine, one_line, shown_url, unreachable
 from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
 from tasks.history.migrations import upgrade_to_head
-from tasks.history.models import AlertStatus, JobRun, JobStatus
+from tasks.history.models import AlertStatus, JobRun, JobStatus, KeyedRun
 from tasks.history.ops import OPS, Op, stamp
 from tasks.history.queries import HistoryReads
 from trainer.locks import LockTimeout
@@ -82,9 +82,16 @@ class HistoryStore(HistoryReads):
     # -- writes ---------------------------------------------------------------------------------
 
     def start_job_run(
-        self, job: str, spec_hash: str, flow_run_id: str | None, storage_uri: str, provider: str
+        self,
+        job: str,
+        spec_hash: str,
+        flow_run_id: str | None,
+        storage_uri: str,
+        provider: str,
+        keyed: KeyedRun | None = None,
     ) -> str:
-        """Record a new job run as running; returns its id (usable at once, even while buffered)."""
+        """Record a new job run as running; returns its id (usable at once, even while buffered).
+        `keyed`: a keyed job's run key, template values and lineage (fixed here, at its first flow run)."""
         run_id = str(uuid.uuid4())
         args: dict[str, Any] = dict(
             id=run_id,
@@ -97,6 +104,8 @@ class HistoryStore(HistoryReads):
             message="",
             started_at=stamp(datetime.now(UTC)),
         )
+        if keyed is not None:
+            args |= dict(run_key=keyed.run_key, run_values=keyed.run_values, lineage=keyed.lineage)
         self._job_names[run_id] = job
         self._write(Op("start_job_run", args, f"job run {run_id} of {job}"))
         return run_id
@@ -127,6 +136,13 @@ class HistoryStore(HistoryReads):
         """Relink a running job run whose controller died to `flow_run_id`, counting the restart."""
         args = dict(job_run_id=job_run_id, flow_run_id=flow_run_id)
         self._write(Op("adopt_job_run", args, f"adoption of job run {job_run_id} by flow run {flow_run_id}"))
+
+    def annotate_job_run(self, job_run_id: str, field: str, value: dict[str, Any]) -> None:
+        """Set a keyed run's `lineage` (what the trainer loaded) or `promotion` (the decision at its end)."""
+        if field not in ANNOTATIONS:
+            raise ValueError(f"{field!r} is not one of {', '.join(ANNOTATIONS)}")
+        args = dict(job_run_id=job_run_id, field=field, value=value)
+        self._write(Op("annotate_job_run", args, f"{field} of job run {job_run_id}"))
 
     def set_mlflow_run(self, job_run_id: str, mlflow_run_id: str) -> None:
         """Name the MLflow run the job run's metrics go to (the same id again changes nothing)."""
@@ -338,8 +354,19 @@ def _set_mlflow_run(s: Session, a: dict[str, Any], replay: bool) -> None:
         raise LookupError(f"no job run {a['job_run_id']}")
 
 
-# Registered here rather than in ops.py beside the others: the one write of the tracking work (0004).
+def _annotate_job_run(s: Session, a: dict[str, Any], replay: bool) -> None:
+    """An absolute value, as above: a replay writes the same JSON again."""
+    values = {a["field"]: a["value"]}
+    done = s.execute(update(JobRun).where(JobRun.id == a["job_run_id"]).values(**values))
+    if done.rowcount == 0:  # type: ignore[attr-defined]
+        raise LookupError(f"no job run {a['job_run_id']}")
+
+
+# Registered here rather than in ops.py beside the others: the writes of the tracking work (0004) and
+# of keyed runs (0005).
 OPS["set_mlflow_run"] = _set_mlflow_run
+OPS["annotate_job_run"] = _annotate_job_run
+ANNOTATIONS = ("lineage", "promotion")
 
 
 def _bounded_tail(text: str, max_bytes: int = LOG_TAIL_MAX_BYTES) -> str:
