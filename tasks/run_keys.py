@@ -272,14 +272,28 @@ def _recorded(job: JobSpec, history: History, values: dict[str, str], recovers: 
 # ---- at a flow run's start ----
 
 
-def flow_run_slot() -> Slot:
-    """The running flow run's slot: its scheduled time, its deployment's schedule timezone (UTC when it
-    has none, several, or the API cannot say), its name."""
+def flow_run_slot(of: str = "") -> Slot:
+    """The running flow run's slot, or that of flow run `of` (the crashed run recover-job replaces: its
+    night, not today): the scheduled time, the deployment's schedule timezone (UTC when it has none,
+    several, or the API cannot say), the name."""
+    from prefect import get_client
     from prefect.runtime import flow_run
 
-    when = flow_run.get_scheduled_start_time()
+    when, deployment, name = (
+        flow_run.get_scheduled_start_time(),
+        flow_run.get_deployment_id(),
+        flow_run.get_name(),
+    )
+    if of:
+        try:
+            with get_client(sync_client=True) as client:
+                run = client.read_flow_run(UUID(of))
+            when, name = run.expected_start_time or when, run.name
+            deployment = str(run.deployment_id) if run.deployment_id else deployment
+        except Exception as e:  # SQL names the key whenever its job run started; this is the fallback
+            logging.getLogger(__name__).warning("slot of flow run %s not read (%s): using this run's", of, e)
     scheduled = datetime.fromtimestamp(when.timestamp(), UTC)
-    return Slot(scheduled, _schedule_timezone(flow_run.get_deployment_id()), flow_run.get_name() or "")
+    return Slot(scheduled, _schedule_timezone(deployment), name or "")
 
 
 def _schedule_timezone(deployment_id: str | None) -> str:
@@ -340,10 +354,9 @@ def per_run_key(fn: Callable[P, R]) -> Callable[P, R]:
                     f"{why}; add run_key to the job (e.g. {{scheduled_date}}) or leave it empty"
                 )
             with HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir) as store:
-                job, how = resolve_job_run(
-                    job, store, flow_run_slot(), run_key=key,
-                    recovers=recovered_run(flow_run.get_tags()),
-                )  # fmt: skip
+                recovers = recovered_run(flow_run.get_tags())
+                slot = flow_run_slot(recovers)
+                job, how = resolve_job_run(job, store, slot, run_key=key, recovers=recovers)
         except ConfigError as e:
             get_run_logger().error("refused: %s", e)
             return cast(R, Failed(message=f"refused: {e}"))
