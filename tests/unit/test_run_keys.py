@@ -128,7 +128,7 @@ def test_resolve_fills_key_args_and_storage_once() -> None:
     assert resolve(resolved, slot_values(Slot(datetime(2027, 1, 1, tzinfo=UTC))), Lineage()) == resolved
     record = keyed_record(resolved)
     assert record is not None and record.run_key == "2026-12-05"
-    assert record.lineage["init_from"]["run_key"] == "d4"
+    assert record.lineage["init_from"]["run_key"] == "2026-12-04"
 
 
 def row(key: str | None, status: JobStatus, ended: float, promoted: bool | None = None) -> JobRunRow:
