@@ -30,8 +30,11 @@ class RunMonitor:
     local provider writes it to <workdir>/<job>-<storage hash>/metrics.jsonl) for the step and loss,
     and the SQL history for the job run (its flow run id) and each attempt once the flow recorded it."""
 
-    def __init__(self, store: HistoryStore, job: str, metrics: Path, since: float) -> None:
+    def __init__(
+        self, store: HistoryStore, job: str, metrics: Path, since: float, run_key: str | None = None
+    ) -> None:
         self.store, self.job, self.metrics, self.since = store, job, metrics, since
+        self.run_key = run_key
         self.offset = metrics.stat().st_size if metrics.exists() else 0  # earlier runs' lines
         self.partial = b""
         self.step, self.loss, self.stepped_at = 0, float("nan"), 0.0
@@ -89,7 +92,7 @@ class RunMonitor:
         if self.job_run is None:
             runs = [  # a job run adopted from a dead controller started before this command
                 r
-                for r in reversed(self.store.job_runs(self.job, limit=5))
+                for r in reversed(self.store.job_runs(self.job, limit=5, run_key=self.run_key))
                 if r.started_at >= self.since - 1 or r.status is JobStatus.RUNNING
             ]
             if not runs:

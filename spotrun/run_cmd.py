@@ -63,35 +63,57 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed."""
+    """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed. A keyed
+    job runs its keys one after another (a backfill), the exit code the worst of them."""
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
+    from tasks.run_keys import keys_to_run
 
+    codes = []
+    for key in keys_to_run(job, args.run_key):
+        codes.append(run_one(args, job, key, provider, policy))
+        if codes[-1] == EXIT_INTERRUPTED:  # Ctrl-C stops the backfill too; the same command goes on
+            break
+    return max(codes, key=[EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED].index)
+
+
+def run_one(
+    args: argparse.Namespace,
+    spec: JobSpec,
+    run_key: str | None,
+    provider: LocalProviderConfig | AwsProviderConfig,
+    policy: RetryPolicy,
+) -> int:
+    """One flow run of the job (of one run key)."""
     from spotrun.server import prefect_api
     from tasks import adoption
     from tasks.checkpoints import completed_at
     from tasks.history.engine import check_database_url  # SQLAlchemy: 0.65 s, after the job file's check
+    from tasks.run_keys import preview
     from tasks.settings import Settings
     from trainer.storage import check_local_path
 
     settings = Settings.from_env()
-    job = settings.resolve(job)
+    job = settings.resolve(
+        preview(spec, run_key)
+    )  # the key's storage and directories; the flow resolves the rest
     check_local_path(job.storage)
     check_database_url(settings.database_url)
     out = wide_console()
+    which = f"job {job.name}" + (f" run key {run_key}" if run_key else "")
     # a storage that refuses, cannot be reached or holds another finished job: one line, exit 2; not
     # when a dead controller's job run waits to be adopted (the flow closes it, finished or not)
-    adopting = adoption.read_controller(settings.job_dir(job.name)) is not None
+    adopting = adoption.read_controller(settings.job_dir(job.name, job.run_key)) is not None
     done = None if adopting else completed_at(job)
     if done is not None:  # no server, no flow run, no history row for a run with nothing to do
-        out.print(f"job {job.name} already completed at step {done} in {job.storage}: nothing to run "
+        out.print(f"{which} already completed at step {done} in {job.storage}: nothing to run "
                   "(a larger --total-steps trains on; a new --storage starts over)",
                   markup=False)  # fmt: skip
         return EXIT_OK
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
         out.print(server_line(api), markup=False)
-        out.print(f"flow run of job {job.name} against {api.url}; checkpoints in {job.storage}", markup=False)
+        out.print(f"flow run of {which} against {api.url}; checkpoints in {job.storage}", markup=False)
         try:
-            result = run_job(job, provider, policy, settings, out)
+            result = run_job(spec, provider, policy, settings, out, job)
         except KeyboardInterrupt:  # the flow stopped its trainer (emergency checkpoint) and recorded it
             print_interrupted(out, settings, job)
             return EXIT_INTERRUPTED
@@ -223,28 +245,31 @@ class RunResult:
 
 
 def run_job(
-    job: JobSpec,
+    spec: JobSpec,
     provider: LocalProviderConfig | AwsProviderConfig,
     policy: RetryPolicy,
     settings: Settings,
     out: Console,
+    job: JobSpec | None = None,
 ) -> RunResult:
     """Run the resilient-training flow in this process (against the current Prefect API) with a live view.
-    Per-step progress comes from local workers' metrics files; EC2 workers show their attempts only."""
+    Per-step progress comes from local workers' metrics files; EC2 workers show their attempts only.
+    `job`: the spec as resolved for its run key (its storage and directories), where it has one."""
     from flows.resilient_training import resilient_training
     from tasks.history import HistoryStore
     from tasks.providers.local import worker_dir
 
-    workdir = settings.job_dir(job.name) / "workers"
+    job = job or spec
+    workdir = settings.job_dir(job.name, job.run_key) / "workers"
     if provider.kind == "local":
         workdir = Path(provider.workdir) if provider.workdir else workdir
         provider = provider.model_copy(update={"workdir": str(workdir)})
     # Migrated (and its journal replayed) here, before the flow and the view share it.
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     metrics = worker_dir(workdir, job) / "metrics.jsonl"
-    monitor = RunMonitor(store, job.name, metrics, time.time())
+    monitor = RunMonitor(store, job.name, metrics, time.time(), job.run_key)
     with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
-        state = resilient_training(job, provider, policy, return_state=True)
+        state = resilient_training(spec, provider, policy, job.run_key, return_state=True)
     data = state.result(raise_on_failure=False)
     flow_run_id = state.state_details.flow_run_id
     if not monitor.history_error:  # closing a store whose database is down only repeats its warning
@@ -339,7 +364,7 @@ def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:
 
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     try:
-        run = store.latest_job_run(job.name)
+        run = store.latest_job_run(job.name, job.run_key)
         rows = store.attempts(job_run_id=run.id, limit=10_000) if run is not None else []
     except StoreUnavailable as e:
         run, rows = None, []
@@ -368,6 +393,12 @@ def add_run(sub: Subparsers) -> None:
     p.add_argument("job", metavar="JOB.yaml", help="the job spec")
     p.add_argument("--storage", metavar="URI", help="override the spec's storage (directory or s3://...)")
     p.add_argument("--total-steps", type=int, metavar="N", help="override the spec's total_steps")
+    p.add_argument(
+        "--run-key",
+        metavar="KEY[..KEY]",
+        help="a keyed job (run_key in the spec): run or continue this key, e.g. 2026-12-01 (that night's "
+        "data); FIRST..LAST: each date key in turn (a backfill); default: today's key",
+    )
     when = p.add_mutually_exclusive_group()
     when.add_argument(
         "--preempt-every", type=float, metavar="S", help="random reclaims, mean S s of training"

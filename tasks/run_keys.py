@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -44,6 +44,7 @@ _PATTERNS = {
 SOURCE_READ_TRIES = 3
 P = ParamSpec("P")
 R = TypeVar("R")
+MAX_BACKFILL_DAYS = 366
 MAX_RUNS_READ = 1000  # a job's runs read to pick a source: years of nightly runs
 
 
@@ -87,6 +88,43 @@ def values_for_key(template: str, key: str, flow_run_name: str = "") -> dict[str
     when = _when(found)
     values = slot_values(Slot(when)) if when is not None else {"scheduled_date": "", "scheduled_time": ""}
     return values | {"flow_run_name": flow_run_name} | found
+
+
+def keys_to_run(job: JobSpec, text: str | None, now: datetime | None = None) -> list[str | None]:
+    """The keys `spotrun run --run-key TEXT` runs, in order: TEXT, each date key of FIRST..LAST, or (no
+    TEXT) the key of now in UTC; [None] for an unkeyed job."""
+    if job.run_key is None:
+        if text:
+            raise ConfigError(f"--run-key {text}: job {job.name} has no run_key; add run_key to the job "
+                              "(e.g. {scheduled_date}) or drop --run-key")  # fmt: skip
+        return [None]
+    if not text:
+        return [fill(job.run_key, slot_values(Slot(now or datetime.now(UTC))), "run_key")]
+    if ".." not in text:
+        values_for_key(job.run_key, text)  # refused here, in one line, if it does not fit
+        return [text]
+    first, last = (_date_of(job.run_key, k) for k in text.split("..", 1))
+    days = (last - first).days + 1
+    if not 1 <= days <= MAX_BACKFILL_DAYS:
+        raise ConfigError(f"--run-key {text}: give FIRST..LAST with FIRST <= LAST, at most "
+                          f"{MAX_BACKFILL_DAYS} days apart")  # fmt: skip
+    return [fill(job.run_key, slot_values(Slot(first + timedelta(days=i))), "run_key") for i in range(days)]
+
+
+def _date_of(template: str, key: str) -> datetime:
+    if "{scheduled_date}" not in template or "{flow_run_name}" in template:
+        raise ConfigError(f"a FIRST..LAST range needs a run_key of dates such as {{scheduled_date}}, not "
+                          f"{template!r}; give the keys one at a time")  # fmt: skip
+    values = values_for_key(template, key)
+    return datetime.strptime(values["scheduled_date"], DATE).replace(tzinfo=UTC)
+
+
+def preview(job: JobSpec, key: str | None) -> JobSpec:
+    """The job as one key resolves it, without its sources (which the flow picks): its storage, its
+    directories."""
+    if key is None or job.run_key is None:
+        return job
+    return resolve(job, values_for_key(job.run_key, key), Lineage())
 
 
 def _when(found: dict[str, str]) -> datetime | None:

@@ -13,6 +13,7 @@ from tasks.run_keys import (
     Lineage,
     Slot,
     keyed_record,
+    keys_to_run,
     pick_source,
     resolve,
     resolve_job_run,
@@ -241,3 +242,30 @@ def test_a_new_key_and_a_database_that_is_down() -> None:
 def test_unkeyed_jobs_pass_through() -> None:
     job = parse_spec({"name": "digits", "recipe": "digits", "total_steps": 5})
     assert resolve_job_run(job, FakeHistory([], down=True), Slot(NIGHT)) == (job, "")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, ["2026-12-05"]),  # today's key, in UTC
+        ("2026-12-01", ["2026-12-01"]),
+        ("2026-11-30..2026-12-02", ["2026-11-30", "2026-12-01", "2026-12-02"]),
+        ("2026-12-02..2026-12-02", ["2026-12-02"]),
+    ],
+)
+def test_keys_to_run(text: str | None, expected: list[str]) -> None:
+    assert keys_to_run(nightly(), text, now=NIGHT) == expected
+
+
+@pytest.mark.parametrize(
+    ("job", "text", "message"),
+    [
+        (nightly(), "2026-12-03..2026-12-01", "FIRST <= LAST"),
+        (nightly(), "2025-01-01..2026-12-01", "at most 366 days"),
+        (nightly(run_key="{flow_run_name}"), "a..b", "needs a run_key of dates"),
+        (parse_spec({"name": "d", "recipe": "digits", "total_steps": 5}), "2026-12-01", "has no run_key"),
+    ],
+)
+def test_keys_to_run_refuses(job: JobSpec, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        keys_to_run(job, text, now=NIGHT)
