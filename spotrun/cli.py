@@ -14,6 +14,7 @@ import select
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from spotrun.checkpoints_cmd import add_checkpoints
 from spotrun.console import (
@@ -35,6 +36,9 @@ from tasks.settings import spotrun_home
 from trainer.errors import SpotrunError
 from trainer.locks import private_home
 
+if TYPE_CHECKING:  # imported where used: most commands need not load SQLAlchemy
+    from tasks.history import HistoryStore
+
 log = logging.getLogger(__name__)
 
 
@@ -53,21 +57,33 @@ def cmd_history(args: argparse.Namespace) -> int:
     try:
         # A read creates no database; opening one replays the writes its journal holds.
         store = None if missing_sqlite(url) else HistoryStore.open(url, journal_dir=settings.journal_dir)
-        rows = store.attempts(job=args.job, limit=args.limit) if store is not None else []
+        rows = (
+            store.attempts(job=args.job, limit=args.limit, run_key=args.run_key) if store is not None else []
+        )
+        keys = run_keys_of(store, {r.job_run_id for r in rows}) if store is not None else {}
     except (StoreUnavailable, ValueError, sa_exc.ArgumentError) as e:
         return error_exit(e)
     if store is not None:
         store.close()
+    of = (f" of {args.job}" if args.job else "") + (f" run key {args.run_key}" if args.run_key else "")
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2, default=str))
-    elif not rows:
-        wide_console().print(
-            f"no attempts{f' of {args.job}' if args.job else ''} in {safe_url(url)}", markup=False
+        print(
+            json.dumps([asdict(r) | {"run_key": keys.get(r.job_run_id)} for r in rows], indent=2, default=str)
         )
+    elif not rows:
+        wide_console().print(f"no attempts{of} in {safe_url(url)}", markup=False)
     else:
-        title = f"attempts{f' of {args.job}' if args.job else ''} (newest {len(rows)}, oldest first)"
-        wide_console().print(attempts_table(rows, title, with_run=True))
+        if keys:  # grouped by run key, each key's attempts in order
+            rows = sorted(rows, key=lambda r: (keys.get(r.job_run_id, ""), r.started_at, r.attempt))
+        title = f"attempts{of} (newest {len(rows)}{', by run key' if keys else ', oldest first'})"
+        wide_console().print(attempts_table(rows, title, with_run=True, keys=keys))
     return EXIT_OK
+
+
+def run_keys_of(store: HistoryStore, job_run_ids: set[str]) -> dict[str, str]:
+    """job run id -> run key, for the keyed ones among `job_run_ids`."""
+    runs = [store.job_run(i) for i in sorted(job_run_ids)]
+    return {r.id: r.run_key for r in runs if r is not None and r.run_key}
 
 
 def _add_history(sub: Subparsers) -> None:
@@ -76,6 +92,7 @@ def _add_history(sub: Subparsers) -> None:
     p.add_argument("job", metavar="JOB", nargs="?", help="only this job's attempts")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--limit", type=int, default=50, metavar="N", help="the newest N attempts (default 50)")
+    p.add_argument("--run-key", metavar="KEY", help="only the attempts of this run key's job runs")
     p.set_defaults(handler=cmd_history)
 
 

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,10 +49,14 @@ def size_text(n: int) -> str:
     return f"{size:.1f} {units[0]}"
 
 
-def attempts_table(rows: Sequence[AttemptRow], title: str, with_run: bool = False) -> Table:
-    """Attempts as a rich table; `with_run` adds the job and (short) job-run id columns."""
+def attempts_table(
+    rows: Sequence[AttemptRow], title: str, with_run: bool = False, keys: Mapping[str, str] | None = None
+) -> Table:
+    """Attempts as a rich table; `with_run` adds the job and (short) job-run id columns, `keys` (job run
+    id -> run key) the run key's."""
     table = Table(title=escape(title), title_justify="left")
     names = ["job", "run"] if with_run else []
+    names += ["run key"] if keys else []
     names += ["attempt", "outcome", "cause", "resumed from", "last step", "lost steps", "wall s", "ended at"]
     numeric = {"attempt", "resumed from", "last step", "lost steps", "wall s"}
     for name in names:
@@ -61,6 +65,7 @@ def attempts_table(rows: Sequence[AttemptRow], title: str, with_run: bool = Fals
     for r in rows:
         outcome = f"[{colors.get(r.outcome.value, 'red')}]{r.outcome.value}[/]"
         cells = [escape(r.job), r.job_run_id[:8]] if with_run else []
+        cells += [escape(keys.get(r.job_run_id, "-"))] if keys else []
         cells += [
             str(r.attempt),
             outcome,

@@ -44,7 +44,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise UnknownJob(f"no job run of {args.job!r} in {safe_url(url)}: it holds no history yet")
         store = HistoryStore.open(url, journal_dir=settings.journal_dir)
         try:
-            run = _job_run(store, args.job, args.run, safe_url(url))
+            run = _job_run(store, args.job, args.run, safe_url(url), args.run_key)
             rows = store.attempts(job_run_id=run.id, limit=1_000_000)
         finally:
             store.close()
@@ -58,15 +58,39 @@ def cmd_report(args: argparse.Namespace) -> int:
     except OSError as e:  # only the --plot path is written here: the user's to fix
         why = e.strerror or str(e)
         return error_exit(ValueError(f"--plot {args.plot}: cannot write there ({why}); give a writable path"))
+    keyed = {"run_key": run.run_key, "run_values": run.run_values, "lineage": run.lineage,
+             "promotion": run.promotion}  # fmt: skip
     if args.json:
-        print(json.dumps({**report.as_dict(), "plot": str(plot) if plot else None}, indent=2))
+        print(json.dumps({**report.as_dict(), **keyed, "plot": str(plot) if plot else None}, indent=2))
     else:
-        _print(report, plot)
+        _print(report, plot, keyed_lines(run))
     return EXIT_OK
 
 
-def _job_run(store: HistoryStore, job: str, run_id: str | None, where: str) -> JobRunRow:
+def keyed_lines(run: JobRunRow) -> list[str]:
+    """A keyed job run's key, warm start and promotion decision, one line each (none for other runs)."""
+    lines = [f"run key: {run.run_key}"] if run.run_key else []
+    lineage = run.lineage or {}
+    if src := lineage.get("init_from"):
+        lines.append(f"warm start: {src['job']} run key {src.get('run_key') or '-'} step {src['step']}")
+    elif lineage.get("init_note"):
+        lines.append(f"warm start: {lineage['init_note']}")
+    if p := run.promotion:
+        lines.append(f"promotion: {p.get('reason') or p}")
+    return lines
+
+
+def _job_run(
+    store: HistoryStore, job: str, run_id: str | None, where: str, run_key: str | None = None
+) -> JobRunRow:
     runs = store.job_runs(job, limit=RUNS_SCANNED)
+    if runs and run_key is not None:
+        keyed = [r for r in runs if r.run_key == run_key]
+        if not keyed:
+            keys = list(dict.fromkeys(r.run_key for r in reversed(runs) if r.run_key))[:KNOWN_JOBS_SHOWN]
+            raise UnknownJob(f"--run-key {run_key!r}: no job run of {job!r} has it; its newest keys: "
+                             f"{', '.join(keys) or 'none (the job is not keyed)'}")  # fmt: skip
+        runs = keyed
     if not runs:
         names = list(
             dict.fromkeys(r.job for r in reversed(store.job_runs(limit=RUNS_SCANNED)))
@@ -102,10 +126,12 @@ def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
     return plot_timeline(traces, title, out)
 
 
-def _print(report: GoodputReport, plot: Path | None) -> None:
+def _print(report: GoodputReport, plot: Path | None, keyed: list[str]) -> None:
     from tasks.goodput import summary_rows
 
     console = wide_console()
+    for line in keyed:
+        console.print(line, markup=False)
     title = f"{report.job}: job run {report.job_run_id[:8]} ({report.status})"
     table = Table(title=escape(title), title_justify="left", show_header=False)
     table.add_column("figure")
@@ -148,6 +174,7 @@ def add_report(sub: Subparsers) -> None:
     p = sub.add_parser("report", help=help_, description=help_)
     p.add_argument("job", metavar="JOB", help="the job's name (its newest job run, unless --run)")
     p.add_argument("--run", metavar="ID", help="this job run of the job (an id or its first characters)")
+    p.add_argument("--run-key", metavar="KEY", help="the newest job run of this run key (a keyed job)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PATH", help="write step against wall time, losses shaded, as a PNG")
     p.set_defaults(handler=cmd_report)

@@ -36,10 +36,16 @@ class HistoryReads:
         raise NotImplementedError
 
     def attempts(
-        self, job: str | None = None, job_run_id: str | None = None, limit: int = 200
+        self,
+        job: str | None = None,
+        job_run_id: str | None = None,
+        limit: int = 200,
+        run_key: str | None = None,
     ) -> list[AttemptRow]:
-        """The newest `limit` attempts (of a job, or of a job run), oldest first."""
+        """The newest `limit` attempts (of a job, a job run, or one run key's job runs), oldest first."""
         q = select(Attempt)
+        if run_key is not None:
+            q = q.join(JobRun, JobRun.id == Attempt.job_run_id).where(JobRun.run_key == run_key)
         if job is not None:
             q = q.where(Attempt.job == job)
         if job_run_id is not None:
@@ -63,6 +69,11 @@ class HistoryReads:
         """The job's (or its run key's) most recently started job run, if any."""
         runs = self.job_runs(job, limit=1, run_key=run_key)
         return runs[-1] if runs else None
+
+    def job_run(self, job_run_id: str) -> JobRunRow | None:
+        """One job run by its id."""
+        found = self._read(lambda s: s.get(JobRun, job_run_id))
+        return job_run_row(found) if found is not None else None
 
     def job_run_of_flow_run(self, flow_run_id: str) -> JobRunRow | None:
         """The job run a flow run holds or held last (a crashed one's, for recover-job's rerun)."""
