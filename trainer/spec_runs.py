@@ -56,7 +56,7 @@ class WarmStart(BaseModel):
         "holds; anything else: that run key",
     )
     parts: list[Literal["model", "optimizer"]] = Field(
-        default_factory=lambda: ["model"],
+        default_factory=lambda: ["model"],  # type: ignore[arg-type]  # a list of the Literal
         description="what to load: [model], or [model, optimizer] (state only: this run's schedule and "
         "learning rates stand)",
     )

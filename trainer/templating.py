@@ -24,6 +24,11 @@ VOCABULARY = {
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 
 
+def pieces(text: str, where: str = "template") -> list[tuple[str, str]]:
+    """`text` as ("text", literal) and ("name", placeholder) pieces, escapes undone."""
+    return list(_tokens(text, where))
+
+
 def placeholders(text: str) -> list[str]:
     """The names `text` uses, in order (ConfigError for one outside the vocabulary)."""
     return [name for kind, name in _tokens(text, "") if kind == "name"]
