@@ -27,6 +27,7 @@ from trainer.ckpt_format import COMPLETED
 from trainer.data import ResumableLoader
 from trainer.distributed import Agreement, Ranks, wrap
 from trainer.errors import ConfigError, LeaseLost, ResumeIncompatible, TrainingDiverged
+from trainer.evaluation import evaluate_for_promotion
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
 from trainer.handover import ANNOUNCE_S, Handover
@@ -56,6 +57,7 @@ from trainer.stateful import Registry, Stateful
 from trainer.status import StatusReporter
 from trainer.storage import Storage
 from trainer.validate import Expectation
+from trainer.warm_start import warm_start
 
 if TYPE_CHECKING:
     from trainer import sharded
@@ -158,6 +160,9 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
             on_durable=durable, update_only=lambda: update_only_views(parts.model, parts.optimizer),
         )  # fmt: skip
     pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
+    if selection.path is None:  # step 0: a warm start's source, never once the run has its own checkpoint
+        started = warm_start(spec, parts, opts.cache, ranks.world_size)
+        run.warm_start = started.to_json() if started is not None else None
     if run.changes and ranks.is_zero:
         log.warning(
             "resuming step %d with changed training settings (%s), as resume.allow_changes allows: from "
@@ -172,13 +177,16 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         "started", resumed_from=selection.step, checkpoint=selection.uri,
         rejected=selection.rejected_records(), step=run.step, total_steps=spec.total_steps,
         resharded_from=resharded_from, changes=[c.as_dict() for c in run.changes] or None,
+        warm_start=run.warm_start,
     )  # fmt: skip
     try:
         code = run.train(end, pending)
     finally:
         run.ckpt.close()
-    if code is ExitCode.COMPLETED and ranks.is_zero:
-        mark_completed(storage, spec, run.step)
+    if code is ExitCode.COMPLETED and ranks.is_zero:  # the promotion gate's evaluation: after the loop
+        mark_completed(
+            storage, spec, run.step, evaluate_for_promotion(spec, parts, opts.cache, ranks.world_size)
+        )
     return AttemptResult(
         code,
         run.step,
@@ -244,6 +252,7 @@ class _Run:
         self.shape_args = recipes.shape_args(spec.recipe)
         self.changes: list[Change] = []  # trajectory changes this attempt resumed across
         self.change_log: list[dict[str, Any]] = []  # every allowed change so far, in trainer.pt
+        self.warm_start: dict[str, Any] | None = None  # where init_from's weights came from, in trainer.pt
         held: dict[str, Stateful] = {"model": parts.model, "optimizer": parts.optimizer}
         held |= {"scheduler": parts.scheduler if parts.scheduler is not None else _NoScheduler()}
         held |= {"scaler": scaler} if scaler is not None else {}
@@ -308,6 +317,7 @@ class _Run:
             "world_size": self.ranks.world_size,
             "device": self.device.type,
             "changes": self.change_log,
+            **({"warm_start": self.warm_start} if self.warm_start is not None else {}),
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
@@ -316,6 +326,7 @@ class _Run:
         changes = spec_changes(meta["spec"], self.spec.model_dump(mode="json"), self.shape_args)
         self.changes = [c for c in changes if c.kind == "trajectory"]  # shape: refused by validation
         self.change_log = list(meta.get("changes", []))
+        self.warm_start = meta.get("warm_start")  # the first attempt's, for every later attempt's record
         self.change_log += [{"step": self.step, **c.as_dict()} for c in self.changes]
         saved = int(meta["threads"])
         self.threads = self.spec.threads or saved  # unpinned: adopt the checkpoint's, for exactness

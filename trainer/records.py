@@ -5,6 +5,7 @@ trainer's clock):
 
   Started   resumed_from, checkpoint, rejected, step, total_steps    about to take the first step
             [, resharded_from, changes]                             (a resharded or changed resume)
+            [, warm_start]                                          (a run started from another's)
   Step      step, loss, steps_per_s, durable_step                   progress, at most 4 a second
   Durable   step                                                    a checkpoint verified in storage
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
@@ -103,6 +104,49 @@ def _changes(v: Any) -> tuple[Changed, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class WarmStarted:
+    """Where a run with `init_from` took its first weights from (trainer/warm_start.py): the source run
+    the controller picked (`step` None: there was none), the parts asked for, and whether they were
+    loaded (`reason`: why not). Every attempt of the run reports it: a resumed one from its checkpoint."""
+
+    job: str
+    run_key: str | None
+    step: int | None
+    parts: tuple[str, ...]
+    loaded: bool
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's JSON form (also what trainer.pt keeps)."""
+        return {
+            "job": self.job,
+            "run_key": self.run_key,
+            "step": self.step,
+            "parts": list(self.parts),
+            "loaded": self.loaded,
+            "reason": self.reason,
+        }
+
+
+def _warm_start(v: Any) -> WarmStarted:
+    if isinstance(v, WarmStarted):
+        return v
+    if not isinstance(v, Mapping) or "job" not in v:
+        raise MalformedRecord(f"expected {{job, run_key, step, parts, loaded, reason}}, got {v!r}")
+    parts = v.get("parts", ())
+    if not isinstance(parts, list | tuple):
+        raise MalformedRecord(f"expected a list of parts, got {parts!r}")
+    return WarmStarted(
+        job=_str(v["job"]),
+        run_key=_optional(_str)(v.get("run_key")),
+        step=_optional(_int)(v.get("step")),
+        parts=tuple(_str(p) for p in parts),
+        loaded=_bool(v.get("loaded", False)),
+        reason=_str(v.get("reason", "")),
+    )
+
+
 def _rejected(v: Any) -> tuple[Rejected, ...]:
     if not isinstance(v, list | tuple):
         raise MalformedRecord(f"expected a list of rejections, got {v!r}")
@@ -135,6 +179,8 @@ class RecordBase:
                 value = [{"step": r.step, "reason": r.reason} for r in value]
             elif f.name == "changes":
                 value = [{"field": c.field, "old": c.old, "new": c.new} for c in value]
+            elif isinstance(value, WarmStarted):
+                value = value.to_json()
             out[f.name] = value
         return out
 
@@ -151,6 +197,8 @@ class Started(RecordBase):
     resharded_from: int | None = _f(_optional(_int), None, omit_none=True)
     # training settings changed at this resume (`resume.allow_changes`); None: none changed
     changes: tuple[Changed, ...] | None = _f(_optional(_changes), None, omit_none=True)
+    # a job with `init_from`: the source and whether its parts were loaded; None: no init_from
+    warm_start: WarmStarted | None = _f(_optional(_warm_start), None, omit_none=True)  # noqa: RUF009 (frozen)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -190,10 +190,23 @@ def completed_for(storage: Storage, spec: JobSpec) -> int | None:
     return step
 
 
-def mark_completed(storage: Storage, spec: JobSpec, step: int) -> None:
+def mark_completed(
+    storage: Storage, spec: JobSpec, step: int, evaluation: dict[str, Any] | None = None
+) -> None:
+    """Write COMPLETED.json (signed where a key is set), with the `eval` block of trainer/evaluation.py."""
     body = {
         "job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time(),
         "spec": spec.public_dump(),  # what completed_for compares a later run against
     }  # fmt: skip
+    if evaluation is not None:
+        body["eval"] = evaluation
     write_marker(storage, COMPLETED, body)
     log.info("job %s completed at step %d", spec.name, step)
+
+
+def completed_eval(storage: Storage) -> dict[str, Any] | None:
+    """The `eval` block of a COMPLETED.json that validates here (signed, where a key is set); None when
+    the job has not completed, the marker cannot be trusted, or it holds no evaluation."""
+    found = read_marker(storage, COMPLETED)
+    block = found[1].get("eval") if found is not None else None
+    return block if isinstance(block, dict) else None

@@ -9,6 +9,9 @@ what a recipe prints and the log on stderr stays for people). Kinds:
                                                                newest first: the one authority on resume
             + {resharded_from, changes: [{field, old, new}]}   after a resharded resume, or one that
                                                                changed training settings (allow_changes)
+            + {warm_start: {job, run_key, step, parts,         a job with init_from: the run it started
+               loaded, reason}}                                from and whether it loaded it (every
+                                                               attempt; a resumed one from its checkpoint)
   step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   durable   {step}                                             a checkpoint was read back and verified
   notice    {cloud, action, stop, deadline}                    a cloud notice (a rebalance: stop false)

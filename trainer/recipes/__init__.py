@@ -25,6 +25,12 @@ dataset's cursor) goes in `Parts.extra_state`: name -> anything with `state_dict
 and loaded back on resume; it must load with `torch.load(weights_only=True)` (tensors, numbers,
 strings, lists, tuples and dicts). The names are part of the job: resuming a checkpoint that lacks
 one, or holds one the recipe no longer returns, is refused with the name.
+
+`Parts.evaluate(model) -> {metric: value}` (optional) measures a model on held-out data of this run's
+(a few batches, deterministic: no augmentation, no draws from the global RNG). A job with `promote`
+calls it at completion on the final model and on the champion's, on the same data, and records both
+in COMPLETED.json (trainer/evaluation.py); the promotion gate compares `promote.metric`. Wrap it in
+`with evaluating(model):` (no gradients, eval mode, the model's mode restored after).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any, TypeVar
@@ -44,6 +51,7 @@ from trainer.errors import ConfigError
 from trainer.stateful import Stateful
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+Evaluate = Callable[[torch.nn.Module], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ class Parts:
     a map-style dataset; it may define `set_epoch(epoch)` for epoch-dependent augmentation. `loss_fn(model,
     batch)`: `batch` is what the default collate makes of `batch_size` items. `grad_clip`: clip the
     gradients' global norm to this before each step; None (the default) leaves them as they are.
-    `extra_state`: the recipe's own checkpointed parts (see the module docstring)."""
+    `extra_state`: the recipe's own checkpointed parts (see the module docstring). `evaluate`:
+    evaluation metrics on this run's held-out data (see the module docstring); None: the recipe has none."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -71,6 +80,20 @@ class Parts:
     loss_fn: LossFn
     grad_clip: float | None = None
     extra_state: dict[str, Stateful] = field(default_factory=dict)
+    evaluate: Evaluate | None = None
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """No gradients and eval mode (dropout off) inside; the model's own mode (per module) restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

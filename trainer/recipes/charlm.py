@@ -13,10 +13,16 @@ State size (parameters + AdamW exp_avg + exp_avg_sq, fp32: ~12 bytes per paramet
     ~1 GB      d_model=1024, n_layers=7     (89M parameters)
 
 The output head is not tied to the embedding: safetensors refuses tensors that share storage.
+
+`evaluate` measures the loss on the stdlib source that follows the training corpus's cut (the next
+`EVAL_BYTES`, never trained on), in `EVAL_WINDOWS` windows at fixed, evenly spaced offsets. Where the
+whole stdlib fits in `max_corpus_mb` there is nothing after the cut, and the windows come from the
+training corpus instead (then not held out: a log line says so).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sysconfig
@@ -29,9 +35,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.data import sample_generator
-from trainer.recipes import Parts, RecipeContext, arg, recipe, warmup_cosine
+from trainer.recipes import Evaluate, Parts, RecipeContext, arg, evaluating, recipe, warmup_cosine
+
+log = logging.getLogger(__name__)
 
 VOCAB = 256  # bytes
+EVAL_BYTES = 1 << 16  # held out: the stdlib source after the training corpus's cut
+EVAL_WINDOWS, EVAL_BATCH = 32, 8
 DEFAULTS: dict[str, Any] = {
     "d_model": 128,
     "n_layers": 4,
@@ -177,11 +187,40 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(ctx.total_steps, cfg.warmup))
-    dataset = CorpusWindows(read_corpus(int(cfg.max_corpus_mb * 2**20)), cfg.seq_len, ctx.seed)
+    size = int(cfg.max_corpus_mb * 2**20)
+    corpus = read_corpus(size + EVAL_BYTES)  # read_corpus(size) is its prefix: training reads the same
+    dataset = CorpusWindows(corpus[:size], cfg.seq_len, ctx.seed)
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         x, y = batch
         logits = m(x.to(ctx.device))
         return F.cross_entropy(logits.view(-1, VOCAB), y.to(ctx.device).view(-1))
 
-    return Parts(model, opt, sched, dataset, loss_fn, grad_clip=1.0)
+    held = corpus[size:]
+    if len(held) < cfg.seq_len + 1:
+        log.info("charlm: the whole stdlib is the training corpus; evaluating on it (not held out)")
+        held = corpus[:size]
+    return Parts(
+        model, opt, sched, dataset, loss_fn, grad_clip=1.0, evaluate=evaluator(held, cfg, ctx.device)
+    )
+
+
+def evaluator(held: bytes, cfg: CharLMConfig, device: torch.device) -> Evaluate:
+    """Mean next-byte cross-entropy over `EVAL_WINDOWS` windows of `held` at evenly spaced offsets."""
+    data = torch.frombuffer(bytearray(held), dtype=torch.uint8).long()
+    last = len(data) - cfg.seq_len - 1
+    starts = sorted({last * i // max(1, EVAL_WINDOWS - 1) for i in range(EVAL_WINDOWS)})
+    windows = torch.stack([data[s : s + cfg.seq_len + 1] for s in starts])
+
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        total = 0.0
+        with evaluating(m):
+            for i in range(0, len(windows), EVAL_BATCH):
+                w = windows[i : i + EVAL_BATCH].to(device)
+                logits = m(w[:, :-1])
+                total += float(
+                    F.cross_entropy(logits.reshape(-1, VOCAB), w[:, 1:].reshape(-1), reduction="sum")
+                )
+        return {"eval_loss": total / (len(windows) * cfg.seq_len)}
+
+    return evaluate
