@@ -55,6 +55,7 @@ class Allowed:
     env: frozenset[str] = frozenset()  # names in env.pass and env.set
     endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
     tracking: frozenset[str] = frozenset()  # tracking.uri
+    keep_runs: frozenset[str] = frozenset()  # keep_runs values: a run may keep as many or more
     loopback: bool = False  # http endpoints on 127.0.0.1, ::1 or localhost (tests, moto)
 
     def __or__(self, other: Allowed) -> Allowed:
@@ -71,7 +72,7 @@ class Allowed:
         if doc is None:
             return cls()
         if not isinstance(doc, dict):
-            raise ConfigError(f"{where}: expected a mapping of python, recipes, env, endpoints, tracking")
+            raise ConfigError(f"{where}: expected a mapping of {', '.join(f.name for f in fields(cls))}")
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(doc) - known):
             raise ConfigError(f"{where}: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
@@ -124,10 +125,29 @@ def refusal(
     if aws is not None and aws.rehearse_locally and not (aws.endpoint_url and is_loopback(aws.endpoint_url)):
         return ("provider.rehearse_locally: only against a loopback test endpoint (moto on 127.0.0.1); "
                 "set provider.endpoint_url to one, or turn rehearse_locally off")  # fmt: skip
+    if why := _keyed_refusal(job, allowed, fix("keep_runs")):
+        return why
     uri = job.tracking.uri
     if uri is not None and uri not in allowed.tracking:
         return (f"tracking.uri: {uri!r} is not a tracking URI this host lets a deployment run name; "
                 f"{fix('tracking')}")  # fmt: skip
+    return None
+
+
+def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
+    """What spotrun fills (the run's values and sources) a form may not set; `keep_runs` deletes older
+    runs' checkpoints, so a form may keep as many as the host's settings name, or more, never fewer."""
+    filled = [("run_values", bool(job.run_values)),
+              ("init_from.source", job.init_from is not None and job.init_from.source is not None),
+              ("promote.champion", job.promote is not None and job.promote.champion is not None)]  # fmt: skip
+    for field, given in filled:
+        if given:
+            return f"{field} is filled by spotrun when a run key starts; leave it empty in the parameters"
+    least = min((int(v) for v in allowed.keep_runs if v.isdigit()), default=None)
+    if job.keep_runs is not None and (least is None or job.keep_runs < least):
+        floor = f"fewer than {least}" if least is not None else "any"
+        return (f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host lets a "
+                f"deployment run keep {floor}; {fix}")  # fmt: skip
     return None
 
 
@@ -160,6 +180,7 @@ def named(params: Mapping[str, Any]) -> Allowed:
         env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
         endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
         tracking=_present([_dict(job.get("tracking")).get("uri")]),
+        keep_runs=_present([str(job["keep_runs"])] if isinstance(job.get("keep_runs"), int) else []),
     )
 
 

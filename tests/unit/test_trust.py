@@ -42,6 +42,7 @@ def aws(**fields: Any) -> AwsProviderConfig:
 
 
 LOCAL = LocalProviderConfig()
+SOURCE = {"job": "j", "storage": "s3://someone-elses/bucket", "step": 10}
 ALLOWED = Allowed(
     python=frozenset({"/opt/team/bin/python"}),
     recipes=frozenset({"team.models:build"}),
@@ -90,6 +91,20 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
     ("tracking URI not allowed", job(tracking={"uri": "https://evil.example.com"}), LOCAL, ALLOWED,
      "tracking.uri: 'https://evil.example.com' is not a tracking URI"),
     ("tracking URI allowed", job(tracking={"uri": "https://mlflow.internal"}), LOCAL, ALLOWED, None),
+    ("a run key template", job(run_key="{scheduled_date}", init_from={"job": "j"}, promote={}), LOCAL,
+     Allowed(), None),
+    ("a warm-start source set by hand", job(init_from={"job": "j", "source": SOURCE}), LOCAL, ALLOWED,
+     "init_from.source is filled by spotrun"),
+    ("a champion set by hand", job(promote={"champion": SOURCE}), LOCAL, ALLOWED,
+     "promote.champion is filled by spotrun"),
+    ("run values set by hand", job(run_key="k", run_values={"run_key": "k"}), LOCAL, ALLOWED,
+     "run_values is filled by spotrun"),
+    ("keep_runs where the host names none", job(run_key="{scheduled_date}", keep_runs=3), LOCAL, ALLOWED,
+     "keep_runs: 3 would delete older runs' checkpoints, and this host lets a deployment run keep any"),
+    ("keep_runs below the host's", job(run_key="{scheduled_date}", keep_runs=1), LOCAL,
+     Allowed(keep_runs=frozenset({"7"})), "keep_runs: 1 would delete"),
+    ("keep_runs at or above the host's", job(run_key="{scheduled_date}", keep_runs=9), LOCAL,
+     Allowed(keep_runs=frozenset({"7"})), None),
 ]  # fmt: skip
 
 
@@ -102,7 +117,7 @@ def test_refusal(case: str, spec: JobSpec, provider: Any, allowed: Allowed, expe
         assert why is None
         return
     assert why is not None and why.startswith(expected) and "\n" not in why
-    assert FILE in why or "rehearse_locally" in why  # the fix: where to allow it
+    assert FILE in why or "rehearse_locally" in why or "filled by spotrun" in why  # the fix
 
 
 def test_what_a_deployments_defaults_name() -> None:
@@ -140,7 +155,7 @@ def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Pat
     ("text", "mode", "message"),
     [
         ("allow: {python: [/x]}\n", 0o620, "is writable by others, so it cannot be trusted: chmod 600"),
-        ("allow: {pythons: [/x]}\n", 0o600, "allow: unknown key 'pythons'; use endpoints, env, loopback"),
+        ("allow: {pythons: [/x]}\n", 0o600, "allow: unknown key 'pythons'; use endpoints, env, keep_runs, loopback"),
         ("allow: {python: /x}\n", 0o600, "allow.python: use a list of strings"),
         ("allow: [\n", 0o600, "is not valid YAML"),
     ],
