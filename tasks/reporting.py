@@ -33,6 +33,7 @@ JOB_COMPLETED = "spotrun.job.completed"
 JOB_GAVE_UP = "spotrun.job.gave-up"
 RESUME_CHECKED = "spotrun.attempt.resume-checked"
 VERDICT_LABEL = "spotrun.resume.verdict"  # on the event's resource: `mismatch` is what an alert matches
+MODEL_PROMOTION = "spotrun.model.promotion"  # a keyed run's promotion decision (tasks/promotion.py)
 
 
 # A resource label on JOB_COMPLETED: "true" when the job restarted on the way, so the recovery

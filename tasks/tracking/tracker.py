@@ -32,6 +32,7 @@ from tasks.attempts import AttemptRecord, Outcome
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
 from tasks.tracking.steps import committed_step, read_steps
+from tasks.tracking.versions import finish_version, lineage_tags
 from trainer.catalog import Catalog
 from trainer.ckpt_format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
 from trainer.errors import StorageError
@@ -87,6 +88,9 @@ class TrackingInfo:
     model: str | None = None  # "name/version" registered at completion
     sent_through: int = 0  # the last step whose metrics MLflow has
     pending: bool = False  # something is still to be sent (the server did not answer in time)
+    # with `promote`: the gate's decision (tasks/promotion.py PromotionDecision.as_dict), with the version
+    # and whether the alias moved; None: no gate, or the run did not complete in time to decide
+    promotion: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -125,6 +129,7 @@ class Tracker:
         self._down_reason = ""
         self._sent = 0  # steps sent since the outage began (for the line that says it is back)
         self._gaps: set[tuple[int, int]] = set()  # reported already
+        self._versioned = False  # the evaluation, lineage and promotion were sent (versions.py)
         self._thread = threading.Thread(target=self._main, name="spotrun-tracking", daemon=True)
 
     def start(self) -> Tracker:
@@ -201,6 +206,8 @@ class Tracker:
             return False
         if final.status == "completed" and self.job.tracking.register_model and self.info.model is None:
             self.info.model = self._register(run, storage)
+        if final.status == "completed" and not self._versioned:
+            self._finish_version(run, storage)
         run.end(STATUS.get(final.status, "FAILED"))
         return True
 
@@ -210,13 +217,14 @@ class Tracker:
         known = [k for k in (_stored_run(storage, self.where.tracking_uri), self.known_run_id) if k]
         job = self.job
         tags = {
-            "mlflow.runName": f"{job.name}-{self.job_run_id[:8]}",
+            "mlflow.runName": f"{job.name}-{job.run_key if job.resolved else self.job_run_id[:8]}",
             "spotrun.job": job.name,
             "spotrun.job_run_id": self.job_run_id,
             "spotrun.flow_run_id": self.flow_run_id,
             "spotrun.provider": self.provider,
             "spotrun.storage": job.storage,
             "spotrun.spec_hash": job.spec_hash(),
+            **lineage_tags(job),
         }
         run, created = MlflowRun.attach(
             self.where.tracking_uri, self.where.experiment, self.where.artifact_root, known, tags, job
@@ -270,6 +278,14 @@ class Tracker:
                 log.warning("checkpoint step %d has no %s: no model registered", step, MODEL_FILE)
                 return None
             return run.register(self.job.name, weights, self.job, tags)
+
+    def _finish_version(self, run: MlflowRun, storage: Storage) -> None:
+        step = completed_step(storage)
+        if step is None:
+            return
+        decision = finish_version(run, self.job, self.job_run_id, self.info.model, storage, step)
+        self.info.promotion = decision.as_dict() if decision is not None else None
+        self._versioned = True
 
     def _gap(self, first: int, last: int) -> None:
         """Steps no metrics object holds, though later ones exist: the storage was trained on before
