@@ -20,7 +20,7 @@ from typing import Any
 
 from trainer.catalog import read_marker
 from trainer.ckpt_format import COMPLETED
-from trainer.errors import StorageError
+from trainer.errors import ConfigError, StorageError
 from trainer.spec import JobSpec
 from trainer.spec_runs import Promotion
 from trainer.storage import Storage, open_storage
@@ -186,7 +186,7 @@ def promotion_for(job: JobSpec, storage: Storage | None = None) -> PromotionDeci
         return None
     try:
         block = read_eval(storage or open_storage(job.storage, job.s3, create=False))
-    except (StorageError, OSError) as e:
+    except (StorageError, ConfigError, OSError) as e:  # a missing directory, an S3 outage: "kept"
         log.warning("evaluation of %s not read from %s: %s", job.name, job.storage, e)
         return decide_promotion(job.promote, None, None, challenger_note=f"COMPLETED.json not read: {e}")
     return decide_from_eval(job.promote, block)
