@@ -56,7 +56,8 @@ CASES: list[tuple[str, list[RunRecord], int, set[str], set[str], list[str]]] = [
      [_night(1), _run("2026-12-02", 2, "failed"), _run("2026-12-02", 6), _night(3), _night(4)], 2, set(),
      set(), ["2026-12-01", "2026-12-03"]),
     ("unkeyed runs are never pruned",
-     [RunRecord("nightly", None, BASE, "completed", 0.0), _night(1), _night(2)], 1, set(), set(), ["2026-12-01"]),
+     [RunRecord("nightly", None, BASE, "completed", 0.0), _night(1), _night(2)], 1, set(), set(),
+     ["2026-12-01"]),
     ("equal start times: the key breaks the tie", [_run("a", 1), _run("b", 1), _run("c", 1)], 1, set(), set(),
      ["a", "b"]),
 ]  # fmt: skip
