@@ -2,9 +2,10 @@
 
 A job with `promote` moves a model alias to its new version only if that beats the version the alias
 holds (the controller decides, tasks/). The comparison needs both measured on the same data, which only
-the trainer has: at completion, rank 0 calls the recipe's `Parts.evaluate` on the final model and on
-the champion's final weights (`promote.champion`, picked by the controller), loaded through the catalog
-with validation into a copy of this run's model, and records both in COMPLETED.json's `eval` block:
+the trainer has: at completion, a single-process job (a distributed one records `skipped`) calls the
+recipe's `Parts.evaluate` on the final model and on the champion's final weights (`promote.champion`,
+picked by the controller), loaded through the catalog with validation into a copy of this run's model,
+and records both in COMPLETED.json's `eval` block:
 
     "eval": {"metrics": {"eval_loss": 0.41, ...},         this run's final model ({} when skipped)
              "champion": {"metrics": {...} | null,         null: could not be loaded or evaluated
@@ -14,7 +15,8 @@ with validation into a copy of this run's model, and records both in COMPLETED.j
 
 A metric that is not finite is recorded as null (JSON has no NaN). Nothing here can fail a completed
 run: a recipe's evaluate that raises, or a champion that cannot be read, is recorded with the reason.
-It runs after the final checkpoint is durable, outside the training loop and its timings.
+It runs after the final checkpoint is durable, outside the training loop and its timings; a crash
+during it leaves no COMPLETED.json, and the next attempt (resuming at the final step) evaluates again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ def evaluate_for_promotion(
     spec: JobSpec,
     parts: Parts,
     cache: Path,
-    world_size: int = 1,
     *,
     open_store: OpenStore | None = None,
     sleep: Callable[[float], None] = time.sleep,
@@ -53,7 +54,7 @@ def evaluate_for_promotion(
     """COMPLETED.json's `eval` block for a job with `promote` (None: no promote, nothing to evaluate)."""
     if spec.promote is None:
         return None
-    why = _cannot_evaluate(spec, parts, world_size)
+    why = _cannot_evaluate(spec, parts)
     if why:
         log.warning("no evaluation for the promotion gate: %s", why)
         return skipped(why)
@@ -87,9 +88,9 @@ def skipped(why: str) -> dict[str, Any]:
     return {"metrics": {}, "champion": None, "skipped": why}
 
 
-def _cannot_evaluate(spec: JobSpec, parts: Parts, world_size: int) -> str:
-    if world_size > 1:
-        return f"the job ran {world_size} ranks; evaluation runs in single-process jobs only"
+def _cannot_evaluate(spec: JobSpec, parts: Parts) -> str:
+    if spec.distributed is not None:  # rank 0 alone calling a wrapped model would wait on the others
+        return "the job is distributed; evaluation runs in single-process jobs only"
     if parts.evaluate is None:
         return f"recipe {spec.recipe} defines no evaluate (trainer/recipes: Parts.evaluate)"
     return ""

@@ -161,7 +161,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         )  # fmt: skip
     pending = run.restore(selection.path, resharded_from) if selection.path is not None else None
     if selection.path is None:  # step 0: a warm start's source, never once the run has its own checkpoint
-        started = warm_start(spec, parts, opts.cache, ranks.world_size)
+        started = warm_start(spec, parts, opts.cache)
         run.warm_start = started.to_json() if started is not None else None
     if run.changes and ranks.is_zero:
         log.warning(
@@ -184,9 +184,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     finally:
         run.ckpt.close()
     if code is ExitCode.COMPLETED and ranks.is_zero:  # the promotion gate's evaluation: after the loop
-        mark_completed(
-            storage, spec, run.step, evaluate_for_promotion(spec, parts, opts.cache, ranks.world_size)
-        )
+        mark_completed(storage, spec, run.step, evaluate_for_promotion(spec, parts, opts.cache))
     return AttemptResult(
         code,
         run.step,

@@ -65,7 +65,6 @@ def warm_start(
     spec: JobSpec,
     parts: Parts,
     cache: Path,
-    world_size: int = 1,
     *,
     open_store: OpenStore | None = None,
     sleep: Callable[[float], None] = time.sleep,
@@ -78,10 +77,10 @@ def warm_start(
     if src is None:
         why = f"job {init.job} has no run to warm-start from ({init.which})"
         return _no_source(spec, why, None, f"complete a run of job {init.job} first")
-    if world_size > 1:
+    if spec.distributed is not None:
         raise ConfigError(
-            f"init_from: a warm start loads one process's model and this job runs {world_size} ranks "
-            "(distributed), which is not supported yet; remove init_from or distributed"
+            "init_from: a warm start loads one process's model and this job is distributed (its ranks "
+            "hold wrapped or sharded models), which is not supported yet; remove init_from or distributed"
         )
     opener = open_store or source_opener(spec)
     want = tuple(init.parts)
@@ -229,6 +228,8 @@ def _check_fits(
     if set(theirs) != set(ours):
         raise ValueError(f"model keys differ from this recipe's: {sorted(set(theirs) ^ set(ours))[:3]}")
     for k, t in theirs.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"model entry {k} is a {type(t).__name__}, not a tensor")
         if tuple(t.shape) != tuple(ours[k].shape):
             raise ValueError(f"{k}: {tuple(t.shape)}, this recipe's model has {tuple(ours[k].shape)}")
     if optimizer is None:

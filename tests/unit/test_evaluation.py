@@ -75,22 +75,22 @@ def _raises(m: torch.nn.Module) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("spec", "world", "evaluate", "skipped"),
+    ("spec", "evaluate", "skipped"),
     [
-        ({"promote": None}, 1, "recipe's", None),
-        ({}, 2, "recipe's", "the job ran 2 ranks"),
-        ({}, 1, None, "recipe digits defines no evaluate"),
-        ({}, 1, _raises, "evaluate raised RuntimeError: held-out file vanished"),
-        ({}, 1, "recipe's", ""),
+        ({"promote": None}, "recipe's", None),
+        ({"distributed": {"nproc_per_node": 2}}, "recipe's", "the job is distributed"),
+        ({}, None, "recipe digits defines no evaluate"),
+        ({}, _raises, "evaluate raised RuntimeError: held-out file vanished"),
+        ({}, "recipe's", ""),
     ],
 )
 def test_the_eval_block_says_why_nothing_was_evaluated(
-    tmp_path: Path, spec: dict[str, Any], world: int, evaluate: Any, skipped: str | None
+    tmp_path: Path, spec: dict[str, Any], evaluate: Any, skipped: str | None
 ) -> None:
     parts = _build("digits", {"hidden": 8})
     if evaluate != "recipe's":
         parts.evaluate = evaluate
-    block = evaluate_for_promotion(_spec(**spec), parts, tmp_path, world)
+    block = evaluate_for_promotion(_spec(**spec), parts, tmp_path)
     if skipped is None:
         assert block is None
         return

@@ -129,6 +129,16 @@ def test_an_unverifiable_source_refuses_even_with_on_missing_fresh(
         warm_start(_spec(_source(source)), _build(_spec(None)), tmp_path / "cache")
 
 
+def test_a_distributed_job_refuses_a_source_it_cannot_load_and_starts_fresh_without_one(
+    source: Path, tmp_path: Path
+) -> None:
+    ranks = {"nproc_per_node": 2}
+    with pytest.raises(ConfigError, match=r"this job is distributed .*remove init_from or distributed"):
+        warm_start(_spec(_source(source), distributed=ranks), _build(_spec(None)), tmp_path / "cache")
+    got = warm_start(_spec(None, distributed=ranks), _build(_spec(None)), tmp_path / "cache")
+    assert got is not None and not got.loaded
+
+
 class Flaky:
     """A store whose listing fails `failures` times with a retryable error first."""
 
