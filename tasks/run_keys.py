@@ -315,13 +315,14 @@ def flow_run_slot(of: str = "") -> Slot:
     night, not today): the scheduled time, the deployment's schedule timezone (UTC when it has none,
     several, or the API cannot say), the name."""
     from prefect import get_client
+    from prefect.context import FlowRunContext
     from prefect.runtime import flow_run
 
-    when, deployment, name = (
-        flow_run.get_scheduled_start_time(),
-        flow_run.get_deployment_id(),
-        flow_run.get_name(),
-    )
+    ctx = FlowRunContext.get()  # the run as the engine loaded it: no API call
+    run = ctx.flow_run if ctx is not None else None
+    when = (run.expected_start_time if run is not None else None) or flow_run.get_scheduled_start_time()
+    deployment = str(run.deployment_id) if run is not None and run.deployment_id else None
+    name = run.name if run is not None else flow_run.get_name()
     if of:
         try:
             with get_client(sync_client=True) as client:
