@@ -155,7 +155,11 @@ def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Pat
     ("text", "mode", "message"),
     [
         ("allow: {python: [/x]}\n", 0o620, "is writable by others, so it cannot be trusted: chmod 600"),
-        ("allow: {pythons: [/x]}\n", 0o600, "allow: unknown key 'pythons'; use endpoints, env, keep_runs, loopback"),
+        (
+            "allow: {pythons: [/x]}\n",
+            0o600,
+            "allow: unknown key 'pythons'; use endpoints, env, keep_runs, loopback",
+        ),
         ("allow: {python: /x}\n", 0o600, "allow.python: use a list of strings"),
         ("allow: [\n", 0o600, "is not valid YAML"),
     ],
