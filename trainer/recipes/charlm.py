@@ -23,6 +23,7 @@ training corpus instead (then not held out: a log line says so).
 from __future__ import annotations
 
 import logging
+import zlib
 import math
 import os
 import sysconfig
@@ -51,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "warmup": 20,
     "max_corpus_mb": 2.0,
+    # The sample of the corpus a scheduled run trains on (`partition: "{scheduled_date}"` in a keyed
+    # job): each name draws its own windows. Empty: the windows drawn before the arg existed.
+    "partition": "",
 }
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -189,7 +193,9 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(ctx.total_steps, cfg.warmup))
     size = int(cfg.max_corpus_mb * 2**20)
     corpus = read_corpus(size + EVAL_BYTES)  # read_corpus(size) is its prefix: training reads the same
-    dataset = CorpusWindows(corpus[:size], cfg.seq_len, ctx.seed)
+    partition = arg(args, "partition", str, "")
+    data_seed = ctx.seed ^ zlib.crc32(partition.encode()) if partition else ctx.seed
+    dataset = CorpusWindows(corpus[:size], cfg.seq_len, data_seed)
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         x, y = batch
