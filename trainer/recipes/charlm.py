@@ -23,10 +23,10 @@ training corpus instead (then not held out: a log line says so).
 from __future__ import annotations
 
 import logging
-import zlib
 import math
 import os
 import sysconfig
+import zlib
 from pathlib import Path
 from typing import Any
 
