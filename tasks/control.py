@@ -222,7 +222,9 @@ def _attempt(
 
     try:
         ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
-        result = sink.step("train", watch, provider, worker, job, sink, at_notice if ahead else None)
+        result = sink.step(
+            "train", watch, provider, worker, job, sink, at_notice if ahead else None, runlog.started
+        )
     except BaseException as e:
         if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
             _stop_unwatched(provider, worker, e, sink)
@@ -291,9 +293,11 @@ def watch(
     job: JobSpec,
     sink: Sink,
     on_stopping: Callable[[], None] | None = None,
+    on_started: Callable[[Started], None] | None = None,
 ) -> WatchResult:
     """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
-    when the trainer reports a stop request or a cloud notice (the worker is going away)."""
+    when the trainer reports a stop request or a cloud notice (the worker is going away); `on_started`:
+    with the trainer's first status record (where it trains from)."""
     last_update = 0.0
     trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
 
@@ -308,6 +312,8 @@ def watch(
             if rec.changes:  # allowed by resume.allow_changes: the run's numbers part from here
                 changed = ", ".join(f"{c.field} {c.old} -> {c.new}" for c in rec.changes)
                 sink.log(logging.WARNING, f"resumed with changed training settings ({changed}): not bitwise")
+            if on_started is not None:
+                on_started(rec)
         elif isinstance(rec, Durable) and not trainer_log:  # once: EC2 streams no log, the status says it
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):

@@ -28,7 +28,7 @@ from tasks.outcome import classify, provision_failed_record, resharded, to_recor
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.reporting import RESUME_CHECKED, VERDICT_LABEL
-from tasks.run_keys import keyed_record
+from tasks.run_keys import keyed_record, lineage_of
 from tasks.settings import Settings
 from tasks.timeline import AttemptTrace, plot_timeline
 from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
@@ -36,6 +36,7 @@ from trainer.catalog import read_latest
 from trainer.ckpt_format import COMPLETED, checkpoint_uri
 from trainer.errors import ConfigError, StorageError
 from trainer.heartbeat import read_heartbeat
+from trainer.records import Started
 from trainer.resume import completed_for
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
@@ -137,6 +138,7 @@ class JobRunLog:
         self.tracker: Tracker | None = None  # the MLflow run's feeder (tracking.mlflow)
         self.mlflow_run_id: str | None = None  # the adopted job run's MLflow run, from SQL
         self.checker: ResumeChecker | None = None  # made at the first attempt's end (it opens storage)
+        self._warm_recorded = False
 
     @classmethod
     def start(
@@ -282,6 +284,24 @@ class JobRunLog:
                 "history database unavailable: %d record(s) kept in the journal", self.store.pending
             )
         adoption.clear_controller(self.dir)
+
+    def started(self, rec: Started) -> None:
+        """A trainer said where it trains from: a warm start's source and whether it loaded, once, into
+        the job run's lineage (its key's first attempt; a resumed one reports the same)."""
+        w = rec.warm_start
+        if w is None or self._warm_recorded:
+            return
+        self._warm_recorded = True
+        if w.loaded:
+            source = f"{w.job} run {w.run_key or '-'} step {w.step}"
+            self.sink.log(logging.INFO, f"warm start: {', '.join(w.parts)} from {source}")
+        else:
+            self.sink.log(logging.WARNING, f"warm start: none ({w.reason}); trained from scratch")
+        lineage = lineage_of(self.job).as_json() | {"loaded": asdict(w)}
+        try:
+            self.store.annotate_job_run(self.job_run_id, "lineage", lineage)
+        except Exception as e:  # lineage is a record of the run, never a reason to stop it
+            self.sink.log(logging.WARNING, f"warm-start lineage not recorded in SQL: {e}")
 
     def trainer_args(self, reclaimed_after_s: float | None = None) -> list[str]:
         """What the next trainer is told beyond the job file: with `checkpoint.every: auto`, how often
