@@ -1,5 +1,5 @@
-"""Restart-storm, give-up, recovery, resume-mismatch, cannot-verify and disk-full alerts: what they say,
-whether to send, and Slack delivery.
+"""Restart-storm, give-up, recovery, resume-mismatch, cannot-verify, disk-full, promotion, missed-run and
+run-failed alerts: what they say, whether to send, and Slack delivery.
 
 No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing here imports.
 """
@@ -10,6 +10,7 @@ from tasks.alerts.decide import Action, Decision, decide
 from tasks.alerts.message import (
     AlertContext,
     AlertKind,
+    PromotionFacts,
     ResumeFacts,
     SlackMessage,
     build_message,
@@ -28,6 +29,7 @@ __all__ = [
     "AlertStatus",
     "Decision",
     "Delivery",
+    "PromotionFacts",
     "ResumeFacts",
     "SlackConfigError",
     "SlackMessage",

@@ -21,6 +21,11 @@ Dedup keys (stable: they are stored, and people search for them):
   the key leaves every checkpoint it writes unsigned: one alert says it). No recovery note follows.
 - ``disk-full:{job}:{opened}``: the same, once per window per job, however many checks between
   attempts find the controller's disk full. No recovery note follows.
+- ``promotion:{job}:{run_key}``: once per run key's decision (the job run id for an unkeyed job).
+- ``missed-run:{job}:{flow_run_id}``: once per scheduled flow run past its deadline; not at all when the
+  run ended meanwhile (the trigger and the end crossed: a failed run has its own alert).
+- ``run-failed:{job}:{flow_run_id}``: once per failed training flow run, and not when a gave-up alert
+  for its job run was raised (any try: one that failed is being retried): that alert told it better.
 """
 
 from __future__ import annotations
@@ -58,12 +63,17 @@ def decide(
     now: float,
     run_started_at: float | None = None,
     attempt: int | None = None,
+    subject: str | None = None,
+    ended: bool = False,
 ) -> Decision:
     """Send or suppress an alert of `kind` about `job`, given the alerts already recorded for it
-    (`attempt`: the resumed attempt a RESUME_MISMATCH is about)."""
+    (`attempt`: the resumed attempt a RESUME_MISMATCH is about; `subject`: the run key or flow run an
+    alert about one run is about; `ended`: a MISSED_RUN's run has ended since)."""
     mine = [a for a in previous if a.job == job]
     if kind in _PER_WINDOW:
         return _per_window(kind, job, mine, window_s, now)
+    if kind in _PER_RUN:
+        return _per_run(kind, job, job_run_id, mine, subject or job_run_id or _stamp(now), ended)
     run = job_run_id or _stamp(now)
     key = f"{kind}:{job}:{run}"
     if kind is AlertKind.RESUME_MISMATCH:
@@ -94,6 +104,30 @@ _PER_WINDOW = {
     AlertKind.CANNOT_VERIFY: "unverifiable checkpoint",
     AlertKind.DISK_FULL: "full disk",
 }
+
+
+# Announced once per run (a run key, a flow run): what the first one is called.
+_PER_RUN = {
+    AlertKind.PROMOTION: "promotion decision",
+    AlertKind.MISSED_RUN: "missed-deadline alert",
+    AlertKind.RUN_FAILED: "failed-run alert",
+}
+
+
+def _per_run(
+    kind: AlertKind, job: str, job_run_id: str | None, mine: Sequence[AlertRow], subject: str, ended: bool
+) -> Decision:
+    key = f"{kind}:{job}:{subject}"
+    done = [a for a in mine if a.dedup_key == key and a.status in ANNOUNCED]
+    if done:
+        return Decision(Action.SUPPRESS, key, f"already announced at {utc(done[-1].created_at)}")
+    if kind is AlertKind.MISSED_RUN and ended:
+        return Decision(Action.SUPPRESS, key, "the run ended meanwhile (a failed one has its own alert)")
+    if kind is AlertKind.RUN_FAILED and job_run_id:
+        gave_up = [a for a in mine if a.kind == AlertKind.GAVE_UP and a.job_run_id == job_run_id]
+        if gave_up:
+            return Decision(Action.SUPPRESS, key, f"the give-up alert {gave_up[-1].dedup_key} told it")
+    return Decision(Action.SEND, key, f"first {_PER_RUN[kind]} for this run")
 
 
 def _per_window(kind: AlertKind, job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:

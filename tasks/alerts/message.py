@@ -9,10 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from tasks.alerts.runs import (
+    PromotionFacts,
+    failed_facts,
+    failed_title,
+    missed_facts,
+    missed_title,
+    promotion_facts,
+    promotion_title,
+)
+from tasks.alerts.text import clip as _clip
+from tasks.alerts.text import human_duration, utc
+from tasks.alerts.text import one_line as _one_line
+from tasks.alerts.text import times as _times
 from tasks.history import AttemptRow
 from trainer.home import HOME_SETTING
 from trainer.redact import redact
@@ -26,10 +38,15 @@ class AlertKind(StrEnum):
     RESUME_MISMATCH = "resume-mismatch"  # a resumed attempt did not continue the lost one's training
     CANNOT_VERIFY = "cannot-verify"  # a checkpoint's signature cannot be checked with the keys held here
     DISK_FULL = "disk-full"  # the controller's disk filled up during a check: the check was skipped
+    PROMOTION = "promotion"  # a keyed run's new model was promoted to the alias, or the alias kept
+    MISSED_RUN = "missed-run"  # a scheduled run had not finished by its deadline after its slot
+    RUN_FAILED = "run-failed"  # a training flow run ended Failed (a give-up alert covers its own)
 
 
 # Kinds about something other than restarts: the restart list and the last log lines are left out.
-_NOT_ABOUT_RESTARTS = frozenset({AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL})
+# About one run of a keyed or scheduled job (tasks/alerts/runs.py says what they say).
+_ABOUT_RUNS = frozenset({AlertKind.PROMOTION, AlertKind.MISSED_RUN, AlertKind.RUN_FAILED})
+_NOT_ABOUT_RESTARTS = _ABOUT_RUNS | {AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +81,9 @@ class AlertContext:
     run_attempts: int | None = None  # attempts of the job's latest job run (None: not known)
     note: str = ""  # a caveat shown with the message, e.g. "restart history unavailable"
     resume: ResumeFacts | None = None  # RESUME_MISMATCH: what the check compared and found
+    promotion: PromotionFacts | None = None  # PROMOTION: the decision
+    # MISSED_RUN: `checkpoint` is the slot, `reason` the run's state, `window_s` the deadline after the slot.
+    # RUN_FAILED: `reason` is the run's state message.
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,9 @@ _EMOJI = {
     AlertKind.RESUME_MISMATCH: ":warning:",
     AlertKind.CANNOT_VERIFY: ":lock:",
     AlertKind.DISK_FULL: ":floppy_disk:",
+    AlertKind.PROMOTION: ":trophy:",
+    AlertKind.MISSED_RUN: ":alarm_clock:",
+    AlertKind.RUN_FAILED: ":x:",
 }
 _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
@@ -98,7 +121,8 @@ _SLACK_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 def build_message(ctx: AlertContext) -> SlackMessage:
     """The alert as a Slack Block Kit message with a plain-text fallback."""
     ctx = redacted(ctx)
-    header = f"{_EMOJI[ctx.kind]} {title(ctx)}"
+    kept = ctx.kind is AlertKind.PROMOTION and not (ctx.promotion and ctx.promotion.promoted)
+    header = f"{':information_source:' if kept else _EMOJI[ctx.kind]} {title(ctx)}"
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": _clip(header, HEADER_MAX_CHARS)}},
         {
@@ -157,6 +181,8 @@ def redacted(ctx: AlertContext) -> AlertContext:
     ]
     r = ctx.resume
     resume = r and replace(r, diff=redact(r.diff), detail=redact(r.detail))
+    p = ctx.promotion
+    promotion = p and replace(p, reason=redact(p.reason))
     return replace(
         ctx,
         restarts=restarts,
@@ -165,11 +191,14 @@ def redacted(ctx: AlertContext) -> AlertContext:
         checkpoint=ctx.checkpoint and redact(ctx.checkpoint),
         flow_run_url=ctx.flow_run_url and redact(ctx.flow_run_url),
         resume=resume,
+        promotion=promotion,
     )
 
 
 def title(ctx: AlertContext) -> str:
     """The one line that says what happened: 'spotrun: digits restarted 3 times in 1 h'."""
+    if ctx.kind in _ABOUT_RUNS:
+        return _run_title(ctx)
     job = _clip(ctx.job, JOB_IN_TITLE_MAX_CHARS)
     if ctx.kind is AlertKind.GAVE_UP:
         n = ctx.run_attempts or len(ctx.restarts)
@@ -192,6 +221,13 @@ def title(ctx: AlertContext) -> str:
 def fallback_text(ctx: AlertContext) -> str:
     """Title, give-up reason and last failure on one line (not yet escaped)."""
     text = title(ctx)
+    if ctx.kind in _ABOUT_RUNS:
+        more = {
+            AlertKind.PROMOTION: ctx.promotion.reason if ctx.promotion else "",
+            AlertKind.MISSED_RUN: f"it is {ctx.reason}" if ctx.reason else "",
+            AlertKind.RUN_FAILED: ctx.reason,
+        }[ctx.kind]
+        return f"{text}: {_clip(_one_line(more), CAUSE_MAX_CHARS * 2)}" if more else text
     if ctx.kind is AlertKind.RESUME_MISMATCH:
         r = ctx.resume
         what = (r.diff or r.detail) if r is not None else ""
@@ -204,19 +240,6 @@ def fallback_text(ctx: AlertContext) -> str:
         last = ctx.restarts[-1]
         text += f"; last failure: {last.outcome}: {_clip(_one_line(last.cause), CAUSE_MAX_CHARS)}"
     return text
-
-
-def human_duration(seconds: float) -> str:
-    """3600 -> '1 h', 5400 -> '1.5 h', 900 -> '15 min', 45 -> '45 s'."""
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}".removesuffix(".0") + f" {unit}"
-    return f"{seconds:g} s"
-
-
-def utc(ts: float) -> str:
-    """Epoch seconds as UTC ISO 8601: '2023-11-14T22:13:20Z'."""
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def slack_escape(text: str) -> str:
@@ -235,6 +258,12 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
         return _unverified_facts(ctx)
     if ctx.kind is AlertKind.DISK_FULL:
         return _disk_full_facts(ctx)
+    if ctx.kind is AlertKind.PROMOTION:
+        return promotion_facts(ctx.job, ctx.promotion or PromotionFacts())
+    if ctx.kind is AlertKind.MISSED_RUN:
+        return missed_facts(ctx.job, ctx.checkpoint or "", ctx.window_s, ctx.reason)
+    if ctx.kind is AlertKind.RUN_FAILED:
+        return failed_facts(ctx.job, ctx.reason)
     facts = [("Job", ctx.job)]
     window = human_duration(ctx.window_s)
     facts.append(("Restarts in window", f"{len(ctx.restarts)} in {window} (threshold {ctx.threshold})"))
@@ -247,6 +276,14 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
     facts.append(("Resumed from", _clip(ctx.checkpoint, URI_MAX_CHARS) if ctx.checkpoint else "not known"))
     facts.append(("Lost steps in window", str(sum(r.lost_steps for r in ctx.restarts))))
     return facts
+
+
+def _run_title(ctx: AlertContext) -> str:
+    if ctx.kind is AlertKind.PROMOTION:
+        return promotion_title(ctx.job, ctx.promotion or PromotionFacts())
+    if ctx.kind is AlertKind.MISSED_RUN:
+        return missed_title(ctx.job, ctx.checkpoint or "", ctx.window_s)
+    return failed_title(ctx.job)
 
 
 def _resume_facts(ctx: AlertContext) -> list[tuple[str, str]]:
@@ -388,18 +425,6 @@ def _esc_tail(text: str, limit: int = LOG_TAIL_MAX_CHARS) -> str:
         out.append(e)
         n += len(e)
     return "".join(reversed(out))
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _times(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _md_cell(text: str) -> str:

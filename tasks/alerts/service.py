@@ -17,11 +17,13 @@ from tasks.alerts.decide import Action, decide
 from tasks.alerts.message import (
     AlertContext,
     AlertKind,
+    PromotionFacts,
     ResumeFacts,
     SlackMessage,
     build_message,
     to_markdown,
 )
+from tasks.alerts.runs import TERMINAL_STATES
 from tasks.alerts.slack import Delivery, SlackTarget, deliver
 from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore, JobRunRow, StoreUnavailable
 from trainer.errors import ConfigError
@@ -45,6 +47,8 @@ class AlertRequest:
     reason: str = ""  # why it gave up
     trigger: str = ""  # what asked, e.g. the Prefect event id
     resume: ResumeFacts | None = None  # RESUME_MISMATCH: the check (from the event)
+    promotion: PromotionFacts | None = None  # PROMOTION: the decision (from the event)
+    flow_run_id: str = ""  # the training flow run it is about (MISSED_RUN and RUN_FAILED: their run)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", AlertKind(self.kind))
@@ -52,6 +56,8 @@ class AlertRequest:
             raise ConfigError("an alert needs a job name")
         if self.kind is AlertKind.RESUME_MISMATCH and self.resume is None:
             raise ConfigError("a resume-mismatch alert needs the resume check it is about")
+        if self.kind is AlertKind.PROMOTION and self.promotion is None:
+            raise ConfigError("a promotion alert needs the decision it is about")
         if self.window_s <= 0 or self.threshold < 1:
             raise ConfigError(
                 f"window_s={self.window_s} and threshold={self.threshold}: the window must be positive and"
@@ -106,6 +112,8 @@ def raise_alert(
         now=now,
         run_started_at=started,
         attempt=request.resume.attempt if request.resume is not None else None,
+        subject=_subject(request),
+        ended=request.kind is AlertKind.MISSED_RUN and request.reason in TERMINAL_STATES,
     )
     ctx = AlertContext(
         kind=request.kind,
@@ -120,6 +128,7 @@ def raise_alert(
         run_attempts=seen.run_attempts,
         note=_unavailable_note(request.kind) if seen.unavailable else "",
         resume=request.resume,
+        promotion=request.promotion,
     )
     message = build_message(ctx)
     reason = decision.reason + (f"; sent without the history: {seen.unavailable}" if seen.unavailable else "")
@@ -149,11 +158,42 @@ def raise_alert(
     return AlertResult(status, decision.key, reason, message, to_markdown(ctx), delivery)
 
 
+def _subject(request: AlertRequest) -> str | None:
+    """What an alert about one run is about: the promotion's run key, the flow run."""
+    p = request.promotion
+    if request.kind is AlertKind.PROMOTION and p is not None:
+        return p.run_key or p.job_run_id or None
+    return request.flow_run_id or None if request.kind in _ABOUT_A_FLOW_RUN else None
+
+
+_ABOUT_A_FLOW_RUN = (AlertKind.MISSED_RUN, AlertKind.RUN_FAILED)
+_NO_COUNTS = (*_ABOUT_A_FLOW_RUN, AlertKind.PROMOTION, AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY,
+              AlertKind.DISK_FULL)  # fmt: skip
+
+
 def _unavailable_note(kind: AlertKind) -> str:
     """The caveat an alert sent without the history carries."""
-    if kind in (AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL):  # no restart counts
+    if kind in _NO_COUNTS:  # no restart counts
         return "alert history unavailable: this may repeat an earlier alert"
     return "restart history unavailable: counts may be incomplete"
+
+
+def _job_run(store: HistoryStore, request: AlertRequest) -> JobRunRow | None:
+    """The job run the alert is about: the promotion's, the flow run's, else the job's latest. An alert
+    about a flow run that never started one (refused at once, never picked up) has none: the latest
+    job run is another night's."""
+    p = request.promotion
+    if p is not None and p.job_run_id:
+        found = store.job_run(p.job_run_id)
+        if found is not None:
+            return found
+    if request.flow_run_id:
+        found = store.job_run_of_flow_run(request.flow_run_id)
+        if found is not None and found.job == request.job:
+            return found
+        if request.kind in _ABOUT_A_FLOW_RUN:
+            return None
+    return store.latest_job_run(request.job)
 
 
 def _read_history(store: HistoryStore, request: AlertRequest, now: float) -> _Seen:
@@ -161,7 +201,7 @@ def _read_history(store: HistoryStore, request: AlertRequest, now: float) -> _Se
     seen = _Seen()
     window_start = now - request.window_s
     try:
-        seen.run = store.latest_job_run(request.job)
+        seen.run = _job_run(store, request)
         if seen.run is not None:
             newest = store.attempts(job_run_id=seen.run.id, limit=1)
             seen.run_attempts = newest[-1].attempt if newest else 0

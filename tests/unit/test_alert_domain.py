@@ -16,6 +16,7 @@ from tasks.alerts import (
     Action,
     AlertContext,
     AlertKind,
+    PromotionFacts,
     ResumeFacts,
     SlackConfigError,
     SlackTarget,
@@ -24,7 +25,7 @@ from tasks.alerts import (
     target_from_env,
     to_markdown,
 )
-from tasks.alerts.message import human_duration
+from tasks.alerts.message import human_duration, slack_escape
 from tasks.alerts.service import AlertRequest, raise_alert
 from tasks.attempts import Outcome
 from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore
@@ -43,6 +44,8 @@ SENT, FAILED, LOGGED, SUPPRESSED = (
     AlertStatus.SUPPRESSED,
 )
 NEW_STORM_KEY = "restart-storm:digits:20231115T010000Z"  # opened at NOW
+PROMOTION, MISSED, RUN_FAILED = AlertKind.PROMOTION, AlertKind.MISSED_RUN, AlertKind.RUN_FAILED
+ABOUT_RUNS = (PROMOTION, MISSED, RUN_FAILED)
 
 
 # -- decide ---------------------------------------------------------------------------------------
@@ -354,7 +357,7 @@ def test_every_text_stays_within_slacks_limits() -> None:
         assert len(msg.blocks[0]["text"]["text"]) <= 150
         assert len(msg.text) < 3000
         log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
-        if kind in (MISMATCH, UNVERIFIED, DISK):  # not about restarts: no restarts, no log
+        if kind in (MISMATCH, UNVERIFIED, DISK, *ABOUT_RUNS):  # not about restarts: no restarts, no log
             assert not log_section and "earlier not shown" not in str(msg.blocks)
             continue
         if kind is not RECOVERED:  # a recovery shows no log
@@ -740,3 +743,153 @@ def test_credentials_are_hidden_before_any_text_is_cut() -> None:
     shown = [t for _, t in texts(build_message(ctx).blocks)] + [build_message(ctx).text, to_markdown(ctx)]
     assert all("sssss" not in t for t in shown), [t for t in shown if "sssss" in t]
     assert any("spot:***@" in t for t in shown)
+
+
+# -- scheduled retraining: promotion, a missed deadline, a failed run ------------------------------
+
+
+def _of_run(a: AlertRow, job_run_id: str) -> AlertRow:
+    return replace(a, job_run_id=job_run_id)
+
+
+PROMO_KEY, MISSED_KEY, FAILED_KEY = (
+    "promotion:digits:2026-12-05",
+    "missed-run:digits:fr-1",
+    "run-failed:digits:fr-1",
+)
+RUN_1_GAVE_UP = _of_run(alert(GAVE_UP, GAVE_UP_1, SENT, 30), "run-1")
+PER_RUN: list[tuple[str, AlertKind, str | None, str | None, bool, list[AlertRow], Action, str, str]] = [
+    # (case, kind, job_run_id, subject, ended, previous alerts, action, key, the reason contains)
+    ("first promotion", PROMOTION, "run-1", "2026-12-05", False, [], SEND, PROMO_KEY, "first promotion"),
+    ("promotion told", PROMOTION, "run-1", "2026-12-05", False, [alert(PROMOTION, PROMO_KEY, SENT, 60)],
+     SUPPRESS, PROMO_KEY, "already"),
+    ("promotion failed: retried", PROMOTION, "run-1", "2026-12-05", False,
+     [alert(PROMOTION, PROMO_KEY, FAILED, 60)], SEND, PROMO_KEY, "first"),
+    ("another night's promotion", PROMOTION, "run-2", "2026-12-06", False,
+     [alert(PROMOTION, PROMO_KEY, SENT, 60)], SEND, "promotion:digits:2026-12-06", "first"),
+    ("an unkeyed job's promotion", PROMOTION, "run-1", None, False, [], SEND, "promotion:digits:run-1",
+     "first"),
+    ("first missed deadline", MISSED, None, "fr-1", False, [], SEND, MISSED_KEY, "first missed-deadline"),
+    ("missed, told", MISSED, None, "fr-1", False, [alert(MISSED, MISSED_KEY, LOGGED, 60)], SUPPRESS,
+     MISSED_KEY, "already"),
+    ("missed, but it ended meanwhile", MISSED, "run-1", "fr-1", True, [], SUPPRESS, MISSED_KEY,
+     "ended meanwhile"),
+    ("first failed run", RUN_FAILED, "run-1", "fr-1", False, [], SEND, FAILED_KEY, "first failed-run"),
+    ("failed run told", RUN_FAILED, "run-1", "fr-1", False, [alert(RUN_FAILED, FAILED_KEY, SENT, 5)],
+     SUPPRESS, FAILED_KEY, "already"),
+    ("it gave up: that alert told it", RUN_FAILED, "run-1", "fr-1", False, [RUN_1_GAVE_UP], SUPPRESS,
+     FAILED_KEY, GAVE_UP_1),
+    ("its give-up is still being retried", RUN_FAILED, "run-1", "fr-1", False,
+     [_of_run(alert(GAVE_UP, GAVE_UP_1, FAILED, 30), "run-1")], SUPPRESS, FAILED_KEY, GAVE_UP_1),
+    ("another run gave up", RUN_FAILED, "run-2", "fr-1", False, [RUN_1_GAVE_UP], SEND, FAILED_KEY, "first"),
+    ("refused before a job run", RUN_FAILED, None, "fr-1", False, [RUN_1_GAVE_UP], SEND, FAILED_KEY, "first"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "run", "subject", "ended", "previous", "action", "key", "why"),
+    [pytest.param(*case[1:], id=case[0]) for case in PER_RUN],
+)
+def test_decide_per_run(
+    kind: AlertKind,
+    run: str | None,
+    subject: str | None,
+    ended: bool,
+    previous: list[AlertRow],
+    action: Action,
+    key: str,
+    why: str,
+) -> None:
+    d = decide(kind, "digits", run, previous, window_s=HOUR, now=NOW, subject=subject, ended=ended)
+    assert (d.action, d.key) == (action, key)
+    assert why in d.reason
+
+
+WON = PromotionFacts(
+    promoted=True, reason="promoted: eval_loss 1.18 < 1.25 (champion v3 of 2026-12-04; min)",
+    metric="eval_loss", mode="min", alias="champion", challenger=1.18, champion=1.25, champion_version="3",
+    champion_run="2026-12-04", model="digits", version="4", alias_moved=True, run_key="2026-12-05",
+    job_run_id="run-1",
+)  # fmt: skip
+LOST = replace(WON, promoted=False, reason="kept: eval_loss 1.3 > 1.25 (champion v3 of 2026-12-04; min)",
+               challenger=1.3, alias_moved=False)  # fmt: skip
+PROMOTIONS: list[tuple[str, PromotionFacts, str, dict[str, str]]] = [
+    # (case, the decision, the header, fields expected)
+    ("promoted", WON, ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion",
+     {"*Decision*": "promoted", "*New model*": "1.18 (v4)", "*Champion*": "1.25 (v3 of 2026-12-04)",
+      "*Rule*": "eval_loss (lower is better)"}),
+    ("kept", LOST, ":information_source: spotrun: digits 2026-12-05: champion v3 kept",
+     {"*Decision*": "kept", "*New model*": "1.3 (v4)", "*Why*": slack_escape(LOST.reason)}),
+    ("first version, no MLflow", replace(WON, version=None, champion=None, champion_version=None,
+     champion_run=None, alias_moved=False, reason="promoted: first version"),
+     ":trophy: spotrun: digits 2026-12-05: the new model promoted to champion", {"*Champion*": "none"}),
+    ("promoted, alias not moved", replace(WON, alias_moved=False, better_by=0.05, mode="max"),
+     ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion (alias not moved: see the run's log)",
+     {"*Rule*": "eval_loss (higher is better, by at least 0.05)"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("facts", "header", "expected"), [pytest.param(*c[1:], id=c[0]) for c in PROMOTIONS])
+def test_promotion_message_says_moved_or_kept_with_both_values(
+    facts: PromotionFacts, header: str, expected: dict[str, str]
+) -> None:
+    ctx = storm(kind=PROMOTION, promotion=facts)
+    msg = build_message(ctx)
+    assert msg.blocks[0]["text"]["text"] == header
+    assert expected.items() <= fields(msg.blocks).items()
+    assert msg.text == slack_escape(f"{header.split(' ', 1)[1]}: {facts.reason}")
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]  # no restarts, no log
+    md = to_markdown(ctx)
+    assert md.startswith(f"### {header.split(' ', 1)[1]}\n") and f"- **Why:** {facts.reason}" in md
+
+
+SLOT = "2026-12-05 03:00:00+00:00"
+
+
+def test_missed_deadline_says_which_slot_where_the_run_is_and_what_to_look_at() -> None:
+    ctx = storm(kind=MISSED, checkpoint=SLOT, reason="Late", window_s=86400.0)
+    msg = build_message(ctx)
+    title = f"spotrun: digits: the run for {SLOT} has not finished 1 d after its slot"
+    assert msg.blocks[0]["text"]["text"] == f":alarm_clock: {title}"
+    assert msg.text == f"{title}: it is Late"
+    f = fields(msg.blocks)
+    assert (f["*Slot*"], f["*Deadline*"], f["*State*"]) == (SLOT, "1 d after the slot", "Late")
+    assert "start the worker" in f["*Look at*"]
+    unknown = build_message(storm(kind=MISSED, checkpoint=None, reason="", window_s=3600.0))
+    assert unknown.text == "spotrun: digits: a scheduled run has not finished 1 h after its slot"
+    assert fields(unknown.blocks)["*State*"] == "not known"
+
+
+def test_failed_run_says_its_message() -> None:
+    why = "refused: run key 'x y' is not one path component"
+    msg = build_message(storm(kind=RUN_FAILED, reason=why))
+    assert msg.blocks[0]["text"]["text"] == ":x: spotrun: digits: a training run ended Failed"
+    assert msg.text == f"spotrun: digits: a training run ended Failed: {why}"
+    assert fields(msg.blocks) == {"*Job*": "digits", "*Message*": why}
+
+
+def test_a_promotion_alert_needs_its_decision() -> None:
+    with pytest.raises(ConfigError, match="needs the decision"):
+        AlertRequest(kind=PROMOTION, job="digits", window_s=HOUR, threshold=3)
+
+
+def test_alerts_about_a_run_find_its_job_run_and_its_give_up(tmp_path: Path) -> None:
+    """Through raise_alert and a real SQLite history: a run that gave up fails once (the gave-up alert);
+    a later run refused at once is told, though the job's latest job run gave up; a decision once."""
+    with HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}") as store:
+        run = store.start_job_run("digits", "h", "fr-1", "/s/digits", "local")
+        gave_up = AlertRequest(kind=GAVE_UP, job="digits", window_s=HOUR, threshold=3, flow_run_id="fr-1")
+        failed = replace(gave_up, kind=RUN_FAILED, reason="gave up after 3 errors")
+        refused = replace(failed, flow_run_id="fr-2", reason="refused: bad key")
+        promo = AlertRequest(kind=PROMOTION, job="digits", window_s=HOUR, threshold=3,
+                             promotion=replace(WON, job_run_id=run))  # fmt: skip
+        results = [
+            raise_alert(store, r, None, now=NOW + i)
+            for i, r in enumerate([gave_up, failed, refused, promo, promo])
+        ]
+        rows = [(r.kind, r.status, r.dedup_key, r.job_run_id) for r in store.alerts(job="digits")]
+    assert [r.status for r in results] == [LOGGED, SUPPRESSED, LOGGED, LOGGED, SUPPRESSED]
+    assert "the give-up alert gave-up:digits:" in results[1].reason
+    assert rows[1:3] == [("run-failed", SUPPRESSED, "run-failed:digits:fr-1", run),
+                         ("run-failed", LOGGED, "run-failed:digits:fr-2", None)]  # fmt: skip
+    assert rows[3][2:] == ("promotion:digits:2026-12-05", run)
