@@ -338,7 +338,11 @@ def print_result(out: Console, r: RunResult, flow_run_url: str) -> None:
 
 def tracking_lines(summary: dict[str, Any]) -> list[str]:
     """The summary's resume checks and MLflow run, as `spotrun run` and the demo print them."""
-    lines = []
+    lines = [f"run key: {summary['run_key']}"] if summary.get("run_key") else []
+    if p := summary.get("promotion"):
+        lines.append(
+            f"promotion ({p.get('alias')} {'moved' if p.get('promoted') else 'kept'}): {p.get('reason')}"
+        )
     checks = summary.get("resume_checks") or []
     if checks:
         each = "; ".join(f"attempt {c['attempt']} {c['verdict']} ({c['method']})" for c in checks)

@@ -193,15 +193,25 @@ def _with_sources(job: JobSpec, lineage: Lineage) -> JobSpec:
 
 def pick_source(runs: Sequence[JobRunRow], which: str, this_key: str | None) -> JobRunRow | None:
     """The run `which` names among a job's runs: `latest-completed` (newest to complete, other than this
-    key), `best` (the newest promoted: the run the alias holds), or a run key's completed run."""
-    done = [
-        r for r in runs if r.status is JobStatus.COMPLETED and (r.run_key != this_key or r.run_key is None)
-    ]
+    key), `best` (the newest promoted: the run the alias holds), or a run key's completed run. A key is
+    ranked by the job run that completed it (a later flow run that found it complete changes nothing)."""
+    done = _first_completions(runs)
     if which == BEST:
-        done = [r for r in done if (r.promotion or {}).get("promoted")]
-    elif which != LATEST_COMPLETED:
-        done = [r for r in runs if r.status is JobStatus.COMPLETED and r.run_key == which]
+        done = [r for r in done if (r.promotion or {}).get("promoted") and r.run_key != this_key]
+    elif which == LATEST_COMPLETED:
+        done = [r for r in done if r.run_key != this_key or r.run_key is None]
+    else:
+        done = [r for r in done if r.run_key == which]
     return max(done, key=lambda r: (r.ended_at or r.started_at, r.started_at), default=None)
+
+
+def _first_completions(runs: Sequence[JobRunRow]) -> list[JobRunRow]:
+    """Per run key (an unkeyed run: per job run), the completed job run that ended first."""
+    first: dict[str, JobRunRow] = {}
+    for r in sorted(runs, key=lambda r: (r.ended_at or r.started_at, r.started_at)):
+        if r.status is JobStatus.COMPLETED:
+            first.setdefault(r.run_key or f"run:{r.id}", r)
+    return list(first.values())
 
 
 def source_of(row: JobRunRow, job: JobSpec, sleep: Callable[[float], None] = time.sleep) -> RunSource | None:

@@ -19,6 +19,7 @@ from tasks import adoption, goodput
 from tasks import reporting as report
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.checkpoints import ResumePoint
+from tasks.completion import after_completion
 from tasks.endings import ending_for, flow_run_state
 from tasks.goodput import RunInfo
 from tasks.history import HistoryStore, StoreUnavailable
@@ -72,6 +73,8 @@ class Summary:
     resume_checks: list[dict[str, Any]] = field(default_factory=list)  # one per resumed attempt checked
     resume_fidelity: str | None = None  # the worst verdict: exact, close or mismatch (None: none checked)
     mlflow: dict[str, Any] | None = None  # the MLflow run (tasks.tracking.TrackingInfo); None: tracking off
+    run_key: str | None = None  # a keyed job's run key
+    promotion: dict[str, Any] | None = None  # the promotion gate's decision (tasks/promotion.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -86,6 +89,11 @@ def tracking_markdown(s: Summary) -> str:
             f"- attempt {c['attempt']} ({c['method']}): {c['verdict']}, {c['detail']}"
             for c in s.resume_checks
         ]
+    if s.run_key:
+        lines.append(f"**Run key**: `{s.run_key}`")
+    if s.promotion is not None:
+        verdict = "moved" if s.promotion.get("promoted") else "kept"
+        lines.append(f"**Promotion** ({s.promotion.get('alias')} {verdict}): {s.promotion.get('reason')}")
     m = s.mlflow
     if m is not None and m.get("run_id"):
         model = f", model `{m['model']}`" if m.get("model") else ""
@@ -420,6 +428,16 @@ class JobRunLog:
         # not after MLflow's final sync and the timeline's PNG below (2.5 s in one demo run), which
         # made this summary's goodput lower than `spotrun report`'s for the same run
         tracking = self.tracker.finish(status) if self.tracker is not None else None
+        promotion = None
+        trained = bool(self.records)  # not a flow run that found its key already completed
+        if (
+            status == "completed"
+            and trained
+            and (self.job.promote is not None or self.job.keep_runs is not None)
+        ):
+            tracked = tracking.promotion if tracking is not None else None
+            promotion = after_completion(self.job, self.store, self.sink, job_run_id=self.job_run_id,
+                                         flow_run_id=self.flow_run_id, tracked=tracked)  # fmt: skip
         try:
             timeline = self._timeline()
         except (OSError, StorageError) as e:  # a report that cannot be saved must not fail a finished job
@@ -435,7 +453,8 @@ class JobRunLog:
                           wall_s, timeline, *total_cost(self.records),
                           report.checkpoint_interval(self.records), resume_checks=checks,
                           resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
-                          mlflow=tracking.as_dict() if tracking is not None else None)  # fmt: skip
+                          mlflow=tracking.as_dict() if tracking is not None else None,
+                          run_key=self.job.run_key, promotion=promotion)  # fmt: skip
         png = (self.dir / "timeline.png").read_bytes() if timeline else None
         markdown = report.summary_markdown(self.job.name, status, self.records, figures, timeline, png)
         self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
