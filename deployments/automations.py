@@ -1,18 +1,21 @@
 """The alert automations, as code: built from `AlertRules`, applied to a Prefect server by name.
 
 Each automation runs the `restart-alert` deployment with parameters rendered from the event that fired
-it (the server renders the Jinja strings; a string that is one `{{ expression }}` keeps its value's
-type). Restart storms are counted per job (`for_each` on the job's
+it (deployments/alert_parts.py). Restart storms are counted per job (`for_each` on the job's
 resource id): a reactive trigger fires once when a job reaches the threshold and then not again for the
 rest of that window, so one storm starts one alert run; the alert flow dedups again in SQL. A
 checkpoint the controller cannot verify, and a controller whose disk filled up during its check, alert
 the same way with a threshold of 1: the first such event of a job starts an alert run, and its others in
 the window (one per checkpoint, per check) start none.
+
+Scheduled retraining adds a promotion alert, a failed-run alert and one missed-run alert per scheduled
+training deployment (deployments/run_alerts.py). The shared pieces are in deployments/alert_parts.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -24,6 +27,18 @@ from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.alert_parts import (
+    ANY_JOB,
+    NAME_PREFIX,
+    TERMINAL,
+    TRAINING_FLOW,
+    AlertRules,
+    alert_parameters,
+    automation,
+    first_event,
+)
+from deployments.run_alerts import build_run_automations
+from deployments.schedules import ScheduledTraining
 from tasks.alerts.message import AlertKind, ResumeFacts
 from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
 from tasks.reporting import (
@@ -35,7 +50,6 @@ from tasks.reporting import (
     VERDICT_LABEL,
 )
 
-NAME_PREFIX = "spotrun"
 STORM = f"{NAME_PREFIX}: restart storm"
 GAVE_UP = f"{NAME_PREFIX}: job gave up"
 RECOVERED = f"{NAME_PREFIX}: job recovered"
@@ -44,25 +58,8 @@ CRASHED = f"{NAME_PREFIX}: restart crashed training"
 MISMATCH = f"{NAME_PREFIX}: resume mismatch"
 UNVERIFIED = f"{NAME_PREFIX}: checkpoint cannot be verified"
 DISK_FULL = f"{NAME_PREFIX}: controller disk full"
-ANY_JOB: dict[str, str | list[str]] = {"prefect.resource.id": "spotrun.job.*"}
-TRAINING_FLOW = "resilient-training"
 HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
 HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefect's minimum
-TERMINAL = ("Completed", "Failed", "Cancelled", "Crashed")
-
-
-class AlertRules(BaseModel):
-    """When to alert, and how hard the alert run tries to reach Slack."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    restart_threshold: int = Field(default=3, ge=1, description="restarts of one job that make a storm")
-    restart_window_s: float = Field(
-        default=3600, gt=0, description="the window they must fall in, in seconds"
-    )
-    recovery_note: bool = Field(default=True, description="say so when a job that restarted completes")
-    retries: int = Field(default=3, ge=0, le=20, description="delivery retries of the alert run")
-    retry_delay_s: float = Field(default=30, ge=0, description="seconds between delivery retries")
 
 
 class RecoveryRules(BaseModel):
@@ -82,22 +79,6 @@ class RecoveryRules(BaseModel):
     )
 
 
-def _alert_parameters(kind: str, rules: AlertRules, **templated: Any) -> dict[str, Any]:
-    return {
-        "kind": kind,
-        "job": "{{ event.payload.job }}",
-        "window_s": rules.restart_window_s,
-        "threshold": rules.restart_threshold,
-        # default(''): the server renders with strict undefined; a missing key would fail the action
-        "checkpoint": "{{ event.payload.checkpoint | default('') }}",
-        "training_flow_run_id": "{{ event.payload.flow_run_id | default('') }}",
-        "trigger": "{{ event.event }} {{ event.id }}",
-        "retries": rules.retries,
-        "retry_delay_s": rules.retry_delay_s,
-        **templated,
-    }
-
-
 def _resume_check() -> dict[str, str]:
     """The flow's `resume` parameter: each ResumeFacts field from the event's payload (the flow refuses
     other keys); '' or 0 where an older event lacks one."""
@@ -105,24 +86,11 @@ def _resume_check() -> dict[str, str]:
     return {name: f"{{{{ event.payload.{name} | default({e}) }}}}" for name, e in empty.items()}
 
 
-def _automation(
-    name: str, description: str, trigger: EventTrigger, deployment_id: UUID, parameters: dict[str, Any]
-) -> AutomationCore:
-    action = RunDeployment(
-        source="selected", deployment_id=deployment_id, parameters=parameters, job_variables=None
-    )
-    return AutomationCore(name=name, description=description, trigger=trigger, actions=[action])
-
-
-def _first(event: str, match: dict[str, str | list[str]]) -> EventTrigger:
-    """Fires on each such event (per job): threshold 1."""
-    return EventTrigger(
-        expect={event}, match=match, for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1
-    )
-
-
-def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[AutomationCore]:
-    """The automations spotrun wants on the server for these rules (pure: no API calls)."""
+def build_automations(
+    rules: AlertRules, alert_deployment_id: UUID, scheduled: Sequence[ScheduledTraining] = ()
+) -> list[AutomationCore]:
+    """The automations spotrun wants on the server for these rules (pure: no API calls); `scheduled`:
+    prefect.yaml's scheduled training deployments (deployments/schedules.py `scheduled_training`)."""
     storm = EventTrigger(
         expect={JOB_RESTARTED},
         match=ANY_JOB,
@@ -132,45 +100,45 @@ def build_automations(rules: AlertRules, alert_deployment_id: UUID) -> list[Auto
         within=timedelta(seconds=rules.restart_window_s),
     )
     out = [
-        _automation(
+        automation(
             STORM,
             f"{rules.restart_threshold} restarts of one job within {rules.restart_window_s:g} s",
             storm,
             alert_deployment_id,
-            _alert_parameters("restart-storm", rules),
+            alert_parameters("restart-storm", rules),
         ),
-        _automation(
+        automation(
             GAVE_UP,
             "a job ran out of its restart budget",
-            _first(JOB_GAVE_UP, ANY_JOB),
+            first_event(JOB_GAVE_UP, ANY_JOB),
             alert_deployment_id,
-            _alert_parameters("gave-up", rules, reason="{{ event.payload.reason | default('') }}"),
+            alert_parameters("gave-up", rules, reason="{{ event.payload.reason | default('') }}"),
         ),
     ]
     if rules.recovery_note:
         restarted: dict[str, str | list[str]] = {**ANY_JOB, RESTARTED_LABEL: "true"}
         out.append(
-            _automation(
+            automation(
                 RECOVERED,
                 "a job that restarted completed (a note only if it had alerted)",
-                _first(JOB_COMPLETED, restarted),
+                first_event(JOB_COMPLETED, restarted),
                 alert_deployment_id,
-                _alert_parameters("recovered", rules),
+                alert_parameters("recovered", rules),
             )
         )
     mismatch: dict[str, str | list[str]] = {**ANY_JOB, VERDICT_LABEL: "mismatch"}
     out.append(
-        _automation(
+        automation(
             MISMATCH,
             "a resumed attempt did not continue the lost one's training (resume check: mismatch)",
-            _first(RESUME_CHECKED, mismatch),
+            first_event(RESUME_CHECKED, mismatch),
             alert_deployment_id,
-            _alert_parameters("resume-mismatch", rules, resume=_resume_check()),
+            alert_parameters("resume-mismatch", rules, resume=_resume_check()),
         )
     )
     out.append(_unverified(rules, alert_deployment_id))
     out.append(_disk_full(rules, alert_deployment_id))
-    return out
+    return out + build_run_automations(rules, alert_deployment_id, scheduled)
 
 
 def _once_a_window(event: str, rules: AlertRules) -> EventTrigger:
@@ -193,14 +161,14 @@ _EMITTING_RUN = "{{ flow_run.id | default('') | string }}"
 
 def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
     """A checkpoint whose signature the controller cannot check (tasks/checkpoints.py)."""
-    parameters = _alert_parameters(
+    parameters = alert_parameters(
         AlertKind.CANNOT_VERIFY.value,
         rules,
         checkpoint="step {{ event.payload.step | default('?') }}",
         reason="{{ event.payload.problem | default('') }}",
         training_flow_run_id=_EMITTING_RUN,
     )
-    return _automation(
+    return automation(
         UNVERIFIED,
         f"a checkpoint's signature cannot be checked with the controller's keys (at most one alert per job"
         f" within {rules.restart_window_s:g} s); it is kept, never quarantined",
@@ -217,14 +185,14 @@ def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         "{{ event.payload.cache | default('') }}"
         "{% if event.payload.host is defined %} on {{ event.payload.host }}{% endif %}"
     )
-    parameters = _alert_parameters(
+    parameters = alert_parameters(
         AlertKind.DISK_FULL.value,
         rules,
         checkpoint=where,
         reason="{{ event.payload.problem | default('') }}",
         training_flow_run_id=_EMITTING_RUN,
     )
-    return _automation(
+    return automation(
         DISK_FULL,
         f"the controller's disk filled up during its checkpoint check (at most one alert per job within"
         f" {rules.restart_window_s:g} s); the check was skipped and the next one retries",

@@ -19,6 +19,7 @@ from uuid import UUID, uuid4
 import pytest
 import yaml
 
+from deployments.alert_parts import AlertRules as PartsRules
 from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
 from deployments.automations import (
     CRASHED,
@@ -38,11 +39,20 @@ from deployments.automations import (
     build_automations,
     build_recovery_automations,
 )
+from deployments.run_alerts import (
+    FAILED_WAIT_S,
+    MISSED_RUN,
+    PROMOTION,
+    RUN_FAILED,
+    build_missed_run_automations,
+)
+from deployments.schedules import ScheduledTraining, period_s, scheduled_training
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
-from tasks.alerts.message import AlertKind, ResumeFacts
+from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
 from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
 from tasks.policy import RetryPolicy
+from tasks.promotion import PROMOTION_LABEL, decide_promotion, event_payload
 from tasks.recovery import (
     RecoveryError,
     RestartAction,
@@ -53,6 +63,7 @@ from tasks.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
     JOB_RESTARTED,
+    MODEL_PROMOTION,
     RESTARTED_LABEL,
     RESUME_CHECKED,
     VERDICT_LABEL,
@@ -60,6 +71,7 @@ from tasks.reporting import (
 )
 from trainer.errors import ConfigError
 from trainer.spec import JobSpec
+from trainer.spec_runs import Promotion
 
 DOC = yaml.safe_load(PREFECT_FILE.read_text())
 DEPLOYMENTS = {d["name"]: d for d in DOC["deployments"]}
@@ -134,7 +146,9 @@ def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
 
 
 def test_recovery_note_can_be_switched_off() -> None:
-    assert set(_by_name(AlertRules(recovery_note=False))) == {STORM, GAVE_UP, MISMATCH, UNVERIFIED, DISK_FULL}
+    assert set(_by_name(AlertRules(recovery_note=False))) == {
+        STORM, GAVE_UP, MISMATCH, UNVERIFIED, DISK_FULL, PROMOTION, RUN_FAILED
+    }  # fmt: skip
 
 
 def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
@@ -464,8 +478,14 @@ def test_workers_are_named_per_host() -> None:
 
 COMPARABLE = """
 import json, sys, uuid
-from deployments.automations import RecoveryRules, _comparable, build_recovery_automations
+import yaml
+from deployments.apply import PREFECT_FILE
+from deployments.automations import AlertRules, RecoveryRules, _comparable, build_automations
+from deployments.automations import build_recovery_automations
+from deployments.schedules import scheduled_training
 wanted = build_recovery_automations(RecoveryRules(), uuid.UUID(int=7))
+scheduled = scheduled_training(yaml.safe_load(PREFECT_FILE.read_text()))
+wanted += build_automations(AlertRules(), uuid.UUID(int=8), scheduled)
 print(json.dumps([_comparable(a) for a in wanted], default=str))
 """
 
@@ -473,12 +493,168 @@ print(json.dumps([_comparable(a) for a in wanted], default=str))
 def test_the_same_automations_compare_equal_in_any_process() -> None:
     """Sets dumped in hash order made each `spotrun serve` update the zombie automation, which drops
     the buckets its trigger had armed: a run that died before the update was never marked Crashed."""
-    here = json.dumps(
-        [_comparable(a) for a in build_recovery_automations(RecoveryRules(), UUID(int=7))], default=str
-    )
+    wanted = build_recovery_automations(RecoveryRules(), UUID(int=7))
+    wanted += build_automations(AlertRules(), UUID(int=8), scheduled_training(DOC))  # with sets of their own
+    here = json.dumps([_comparable(a) for a in wanted], default=str)
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     there = subprocess.run(
         [sys.executable, "-c", COMPARABLE], env=env, capture_output=True, text=True, cwd=REPO
     )
     assert there.returncode == 0, there.stderr[-2000:]
     assert there.stdout.strip() == here
+
+
+# -- scheduled retraining: promotion, a failed run, a missed run -----------------------------------
+
+
+def _alert_flow_accepts(params: dict[str, Any]) -> dict[str, Any]:
+    """The rendered parameters as the restart-alert flow validates them; `promotion` as PromotionFacts
+    while the flow does not take it yet (the lead adds it: see tasks/alerts/service.py AlertRequest)."""
+    from pydantic import TypeAdapter
+
+    from flows.restart_alert import restart_alert
+
+    if "promotion" in params and "promotion" not in restart_alert.parameters.properties:
+        rest = {k: v for k, v in params.items() if k != "promotion"}
+        facts = TypeAdapter(PromotionFacts).validate_python(params["promotion"])
+        return restart_alert.validate_parameters(rest) | {"promotion": facts}
+    return restart_alert.validate_parameters(params)
+
+
+def test_alert_rules_are_one_model_wherever_imported() -> None:
+    assert AlertRules is PartsRules and AlertRules().missed_run_after_s is None
+    with pytest.raises(ValueError, match="greater than or equal to 60"):
+        AlertRules(missed_run_after_s=5)
+
+
+@pytest.mark.parametrize("promoted", [True, False], ids=["promoted", "kept"])
+def test_a_promotion_event_renders_into_the_alert_flows_parameters(promoted: bool) -> None:
+    """The event as tasks/promotion.py event_payload makes it, through PrefectSink.event (the job's
+    resource with the decision as a label), renders into the alert's parameters: both values, the rule."""
+    held = {"job": "nightly", "run_key": "2026-12-04", "storage": "/s/2026-12-04", "step": 10, "version": "3"}
+    rule = Promotion(better_by=0.01, champion=held)
+    decision = decide_promotion(rule, {"eval_loss": 1.1 if promoted else 1.3}, {"eval_loss": 1.2})
+    payload, labels = event_payload(decision.registered("nightly", "4", promoted), run_key="2026-12-05",
+                                    job_run_id="jr-1", flow_run_id="fr-1")  # fmt: skip
+    event = {"event": MODEL_PROMOTION, "resource": job_resource("nightly", **labels),
+             "payload": {"job": "nightly"} | payload}  # fmt: skip
+    auto = _by_name(AlertRules())[PROMOTION]
+    t = auto.trigger
+    assert (t.expect, t.threshold, t.posture) == ({MODEL_PROMOTION}, 1, "Reactive")
+    assert t.match.root == {"prefect.resource.id": "spotrun.job.*", PROMOTION_LABEL: ["promoted", "kept"]}
+    params = _alert_flow_accepts(_rendered(auto.actions[0].parameters, event, None))
+    assert (params["kind"], params["job"], params["training_flow_run_id"]) == (
+        AlertKind.PROMOTION,
+        "nightly",
+        "fr-1",
+    )
+    facts = params["promotion"]
+    assert (facts.promoted, facts.challenger, facts.champion) == (promoted, decision.challenger, 1.2)
+    assert (facts.run_key, facts.version, facts.alias_moved, facts.better_by) == (
+        "2026-12-05",
+        "4",
+        promoted,
+        0.01,
+    )
+    assert facts.reason == decision.reason
+    assert (facts.champion_version, facts.champion_run) == ("3", "2026-12-04")
+    assert set(payload) - {"flow_run_id"} <= {f.name for f in dataclasses.fields(PromotionFacts)}
+
+
+def test_an_older_promotion_event_renders_with_defaults() -> None:
+    event = {"event": MODEL_PROMOTION, "resource": job_resource("nightly"), "payload": {"job": "nightly"}}
+    params = _alert_flow_accepts(
+        _rendered(_by_name(AlertRules())[PROMOTION].actions[0].parameters, event, None)
+    )
+    assert params["promotion"] == PromotionFacts()
+
+
+FLOW_RUN = "0b7f9c1e-2a43-4a4e-9d0c-1f2e3d4c5b6a"
+
+
+def _state_event(state: str, **labels: str) -> dict[str, Any]:
+    """A flow run's state event as the server makes it (prefect/server/models/events.py)."""
+    resource = {"prefect.resource.id": f"prefect.flow-run.{FLOW_RUN}", "prefect.state-name": state,
+                "prefect.resource.name": "crafty-lemur", "prefect.state-type": state.upper()}  # fmt: skip
+    return {"event": f"prefect.flow-run.{state}", "resource": resource | labels}
+
+
+def _run(**kw: Any) -> SimpleNamespace:
+    """The flow run the server reads for a template that names `flow_run`."""
+    base: dict[str, Any] = {"id": UUID(FLOW_RUN), "parameters": {"job": {"name": "charlm-nightly"}}}
+    return SimpleNamespace(**(base | kw))
+
+
+def test_a_failed_training_run_alerts_after_a_wait_unless_started_again() -> None:
+    auto = _by_name(AlertRules())[RUN_FAILED]
+    t = auto.trigger
+    assert (t.posture, t.after, t.threshold, t.within) == (
+        "Proactive", {"prefect.flow-run.Failed"}, 1, timedelta(seconds=FAILED_WAIT_S),
+    )  # fmt: skip
+    assert "prefect.flow-run.Running" in t.expect and "prefect.flow-run.Failed" not in t.expect
+    assert t.for_each == {"prefect.resource.id"}  # one clock per flow run
+    assert _related(t) == [
+        {"prefect.resource.role": "flow", "prefect.resource.name": "resilient-training"},
+        {"prefect.resource.role": "deployment"},
+    ]
+    message = "refused: run key 'a b' is not one path component; change run_key or --run-key"
+    event = _state_event("Failed", **{"prefect.state-message": message})
+    for run, job in ((_run(), "charlm-nightly"), (None, "crafty-lemur")):  # the run unreadable: its name
+        params = _alert_flow_accepts(_rendered(auto.actions[0].parameters, event, run))
+        assert (params["kind"], params["job"], params["reason"]) == (AlertKind.RUN_FAILED, job, message)
+        assert (params["training_flow_run_id"], params["checkpoint"]) == (FLOW_RUN, "")
+
+
+SCHEDULES: list[tuple[str, dict[str, Any], float | None]] = [
+    ("nightly", {"cron": "0 3 * * *", "timezone": "UTC"}, 86400),
+    ("nightly across DST", {"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, 86400),
+    ("weekdays: Friday's is due by Saturday", {"cron": "0 3 * * 1-5"}, 86400),
+    ("every 15 minutes", {"cron": "*/15 * * * *"}, 900),
+    ("monthly: the common month", {"cron": "0 3 1 * *"}, 31 * 86400),
+    ("interval in seconds", {"interval": 600}, 600),
+    ("interval as a timedelta", {"interval": timedelta(hours=6)}, 21600),
+    ("rrule: not known here", {"rrule": "FREQ=DAILY"}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schedule", "period"), [pytest.param(*c[1:], id=c[0]) for c in SCHEDULES])
+def test_schedule_period(schedule: dict[str, Any], period: float | None) -> None:
+    assert period_s(schedule) == period
+
+
+def test_the_nightly_deployment_is_the_scheduled_training() -> None:
+    assert scheduled_training(DOC) == [ScheduledTraining("nightly-retraining", "charlm-nightly", 86400.0)]
+
+
+def test_a_scheduled_run_not_ended_by_its_deadline_alerts_once() -> None:
+    """Per flow run, from its Pending (a worker took it) or Late (nobody did: a worker that is down);
+    any end stops the clock; the deadline is the next slot unless the rules set one."""
+    nightly = ScheduledTraining("nightly-retraining", "charlm-nightly", 86400.0)
+    autos = {a.name: a for a in build_automations(AlertRules(), uuid4(), [nightly])}
+    auto = autos[MISSED_RUN + "nightly-retraining"]
+    t = auto.trigger
+    assert (t.posture, t.threshold, t.within) == ("Proactive", 1, timedelta(days=1))
+    assert t.after == {"prefect.flow-run.Pending", "prefect.flow-run.Late"}
+    assert t.expect == {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    assert t.for_each == {"prefect.resource.id"}
+    assert _related(t)[1] == {
+        "prefect.resource.role": "deployment",
+        "prefect.resource.name": "nightly-retraining",
+    }
+    slot = datetime(2026, 12, 5, 3, tzinfo=UTC)
+    run = _run(expected_start_time=slot, state=SimpleNamespace(name="Late"))
+    params = _alert_flow_accepts(_rendered(auto.actions[0].parameters, _state_event("Late"), run))
+    assert (params["kind"], params["job"], params["window_s"]) == (
+        AlertKind.MISSED_RUN,
+        "charlm-nightly",
+        86400,
+    )
+    assert (params["checkpoint"], params["reason"]) == (str(slot), "Late")
+    assert params["training_flow_run_id"] == FLOW_RUN
+    unread = _alert_flow_accepts(_rendered(auto.actions[0].parameters, _state_event("Pending"), None))
+    assert (unread["job"], unread["checkpoint"], unread["reason"]) == ("charlm-nightly", "", "")
+    sooner = build_missed_run_automations(AlertRules(missed_run_after_s=7200), uuid4(), [nightly])
+    assert sooner[0].trigger.within == timedelta(hours=2)
+    rrule = ScheduledTraining("odd", "j", None)
+    assert build_missed_run_automations(AlertRules(), uuid4(), [rrule]) == []  # no period: set the deadline
+    assert len(build_missed_run_automations(AlertRules(missed_run_after_s=3600), uuid4(), [rrule])) == 1
