@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from trainer.catalog import read_marker
@@ -53,6 +53,12 @@ class PromotionDecision:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PromotionDecision:
+        """Back from `as_dict` (TrackingInfo.promotion, SQL's promotion column); unknown keys ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def registered(self, model: str, version: str, alias_moved: bool) -> PromotionDecision:
         """The decision once the tracker registered this run's version (and moved the alias or not)."""

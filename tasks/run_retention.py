@@ -45,6 +45,9 @@ class RunRecord:
     status: str  # running | completed | failed | cancelled | crashed
     started_at: float  # epoch seconds
     job_run_id: str = ""
+    ended_at: float | None = None
+    promoted: bool = False  # its promotion decision moved the alias (history's promotion["promoted"])
+    lineage: dict[str, Any] | None = None  # history's lineage: the sources it was resolved against
 
 
 @dataclass
@@ -106,6 +109,19 @@ def lineage_keys(job: str, lineage: dict[str, Any] | None) -> set[str]:
     return keys
 
 
+def champion_key(runs: Sequence[RunRecord]) -> str | None:
+    """The key the promotion alias holds: the newest completed run promoted (as `which: best` picks it,
+    tasks/run_keys.py pick_source)."""
+    held = [r for r in runs if r.promoted and r.status == COMPLETED and r.run_key]
+    best = max(held, key=lambda r: (r.ended_at or r.started_at, r.started_at), default=None)
+    return best.run_key if best is not None else None
+
+
+def read_keys(job: str, runs: Sequence[RunRecord]) -> set[str]:
+    """The keys of `job` that its running runs read (their warm start's source, their champion)."""
+    return {k for r in runs if r.status == RUNNING for k in lineage_keys(job, r.lineage)}
+
+
 def protected_keys(job: JobSpec) -> set[str]:
     """The keys a resolved spec itself reads: the champion it was compared with, its warm start's source
     (of the same job)."""
@@ -147,14 +163,17 @@ def prune_runs(
 ) -> PruneReport:
     """Delete the prefixes (and per-key concurrency limits) of `job`'s run keys beyond `keep` (default
     `job.keep_runs`; None: keep all). `job`: the job's spec, resolved or not, with its storage absolute
-    (Settings.resolve); `runs`: the job's job runs from the history; `protected` adds to the keys the
-    spec itself reads (`protected_keys`). Never raises: failures are in the report and the log."""
+    (Settings.resolve); `runs`: the job's job runs from the history. Never pruned, besides keys in flight:
+    the key the alias holds (`champion_key`), what running runs read (`read_keys`), what `job` itself
+    reads (`protected_keys`) and `protected`. Never raises: failures are in the report and the log."""
     report = PruneReport()
     keep = keep if keep is not None else job.keep_runs
     if keep is None:
         return report
     mine = [r for r in runs if r.job == job.name]
-    spared = set(protected) | protected_keys(job)
+    spared = set(protected) | protected_keys(job) | read_keys(job.name, mine)
+    if (held := champion_key(mine)) is not None:
+        spared.add(held)
     base = base_storage(job)
     delete_limit = delete_limit or delete_slot_limit
     done: set[str] = set()

@@ -14,6 +14,7 @@ from tasks.promotion import (
     KEPT,
     PROMOTED,
     PROMOTION_LABEL,
+    PromotionDecision,
     decide_from_eval,
     decide_promotion,
     event_payload,
@@ -244,3 +245,8 @@ def test_lineage_of_a_fresh_start_and_of_an_unkeyed_job(tmp_path: Path) -> None:
     assert "a fresh start" in description(fresh, "jr", None)
     assert lineage_tags(_job(tmp_path)) == {}
     assert description(_job(tmp_path), "jr", None) == "job nightly (job run jr)"
+
+
+def test_a_decision_comes_back_from_its_dict() -> None:
+    d = decide_promotion(Promotion(), {"eval_loss": 1.0}, None).registered("m", "2", True)
+    assert PromotionDecision.from_dict(d.as_dict() | {"run_key": "k"}) == d

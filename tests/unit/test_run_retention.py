@@ -3,6 +3,7 @@ them, only ever one key's own prefix below the job's storage, in a directory and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,13 @@ import pytest
 from tasks.run_retention import (
     RunRecord,
     base_storage,
+    champion_key,
     delete_prefix,
     lineage_keys,
     own_prefix_problem,
     protected_keys,
     prune_runs,
+    read_keys,
     runs_to_prune,
 )
 from trainer.errors import ConfigError
@@ -208,3 +211,31 @@ def test_delete_prefix_on_s3_leaves_the_neighbours(s3_bucket: tuple[str, str]) -
         "2026-12-02/step-00000010/model.safetensors",
     ]
     assert delete_prefix(f"{base}/2026-12-01", opts) == 0
+
+
+def test_the_champion_and_what_running_runs_read_are_never_pruned(tmp_path: Path) -> None:
+    base = tmp_path / "nightly"
+    store = LocalStorage(base)
+    keys = [f"2026-12-0{d}" for d in range(1, 7)]
+    for k in keys:
+        _fill(store, k, 1)
+
+    def rec(i: int, **kw: Any) -> RunRecord:
+        return RunRecord(
+            "nightly", keys[i], str(base / keys[i]), kw.pop("status", "completed"), float(i), **kw
+        )
+
+    source = {"job": "nightly", "run_key": keys[1], "storage": str(base / keys[1]), "step": 1}
+    runs = [
+        rec(0, promoted=True, ended_at=10.0),  # promoted, then beaten by key 3: no longer the champion
+        rec(1),  # the warm-start source of the running night
+        rec(2, promoted=True, ended_at=3.0),  # the champion (the newest promoted by its end)
+        rec(3),
+        rec(4),
+        rec(5, status="running", lineage={"init_from": source, "champion": None}),
+    ]
+    runs[0] = replace(runs[0], ended_at=1.0)
+    assert champion_key(runs) == keys[2] and read_keys("nightly", runs) == {keys[1]}
+    report = prune_runs(_job(str(base), run_key="{scheduled_date}"), runs, keep=2, delete_limit=Limits(set()))
+    assert report.pruned == [keys[0]]
+    assert sorted(p.name for p in base.iterdir()) == keys[1:]
