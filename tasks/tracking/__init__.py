@@ -2,7 +2,8 @@
 
 The trainer publishes each step's metrics to the job's storage once a checkpoint covers them
 (trainer/metrics_log.py); `Tracker` sends them, the preemptions, the resume checks and the final model
-to one MLflow run per job run; `ResumeChecker` compares what a lost attempt and its successor computed.
+(with its evaluation, lineage and the promotion gate's alias move: versions.py) to one MLflow run per
+job run; `ResumeChecker` compares what a lost attempt and its successor computed.
 MLflow is imported lazily, in the tracker's thread only.
 """
 
