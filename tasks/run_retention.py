@@ -76,7 +76,9 @@ def runs_to_prune(
 ) -> list[RunRecord]:
     """The runs (every job run of each key) whose prefixes go, oldest first (pure).
 
-    Keys are ordered by their newest job run's start. The newest `keep` keys with a completed run stay;
+    Keys are ordered by the start of the job run that completed them (the first to complete: a later
+    rerun of a completed key finds it done and makes it no newer), a key that never completed by its
+    first job run's start. The newest `keep` keys with a completed run stay;
     of the rest, only keys older than the oldest of those go, so a failed night newer than it stays (a
     recovery may continue it). Never a key in flight (`in_flight`, or a run of it still running), never
     a `protected` key. Fewer than `keep` completed keys: nothing goes."""
@@ -86,7 +88,7 @@ def runs_to_prune(
     for r in runs:
         if r.run_key:
             by_key.setdefault(r.run_key, []).append(r)
-    order = {k: (max(r.started_at for r in rs), k) for k, rs in by_key.items()}
+    order = {k: (_rank(rs), k) for k, rs in by_key.items()}
     done = sorted((k for k, rs in by_key.items() if any(r.status == COMPLETED for r in rs)),
                   key=order.__getitem__, reverse=True)  # fmt: skip
     if len(done) <= keep:
@@ -96,6 +98,11 @@ def runs_to_prune(
     spared = live | set(protected) | set(done[:keep])
     gone = sorted((k for k in by_key if k not in spared and order[k] < oldest_kept), key=order.__getitem__)
     return [r for k in gone for r in sorted(by_key[k], key=lambda r: r.started_at)]
+
+
+def _rank(runs: list[RunRecord]) -> float:
+    done = [r.started_at for r in runs if r.status == COMPLETED]
+    return min(done) if done else min(r.started_at for r in runs)
 
 
 def lineage_keys(job: str, lineage: dict[str, Any] | None) -> set[str]:
