@@ -34,6 +34,7 @@ from deployments.automations import (
     build_automations,
     build_recovery_automations,
 )
+from deployments.schedules import scheduled_training
 from tasks.trust import Allowed, named, write_allowed
 from trainer.errors import SpotrunError
 
@@ -206,6 +207,7 @@ def deploy(
     recovery = recovery or RecoveryRules()
     url = api_url()
     names = DeployedNames.read(prefect_file)
+    doc = yaml.safe_load(prefect_file.read_text())
     with get_client(sync_client=True) as client:
         created = [p for p in sorted(set(names.pools.values()) - {""}) if ensure_work_pool(client, p)]
         run_prefect_deploy(url, prefect_file, server_schedules(client, list(names.pools)))
@@ -213,10 +215,10 @@ def deploy(
         for needed in (ALERT_DEPLOYMENT, RECOVER_DEPLOYMENT):
             if needed not in ids:
                 raise DeployError(f"{prefect_file} declares no {needed} deployment; the automations need it")
-        wanted = build_automations(rules, ids[ALERT_DEPLOYMENT])
+        wanted = build_automations(rules, ids[ALERT_DEPLOYMENT], scheduled_training(doc))
         wanted += build_recovery_automations(recovery, ids[RECOVER_DEPLOYMENT])
         applied = apply_automations(client, wanted)
     allowed = None
     if home is not None:
-        allowed = write_allowed(home, allowed_by_defaults(yaml.safe_load(prefect_file.read_text())))
+        allowed = write_allowed(home, allowed_by_defaults(doc))
     return DeployReport(ids, created, applied, recovery, allowed)

@@ -2,8 +2,10 @@
 restarting, gives up, recovers after an alert, resumes with different results (a resume check's
 `mismatch`), has a checkpoint whose signature the controller cannot verify (`cannot-verify`: the
 event's step as `checkpoint`, its problem as `reason`), or fills the controller's disk (`disk-full`:
-where as `checkpoint`, the OS error as `reason`). Reads the restart history from SQL, tells Slack
-(or, with no Slack configured, the run log and a Markdown artifact) and records every try in SQL.
+where as `checkpoint`, the OS error as `reason`), moves or keeps a model alias (`promotion`), ends
+Failed (`run-failed`) or misses its scheduled run's deadline (`missed-run`). Reads the restart history
+from SQL, tells Slack (or, with no Slack configured, the run log and a Markdown artifact) and records
+every try in SQL.
 
 A Slack outage never touches training: this is its own flow run, started by the server; a delivery
 that fails is recorded as failed and retried `retries` times, `retry_delay_s` apart.
@@ -14,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.alerting import publish_alert, send_alert, slack_target
-from tasks.alerts.message import AlertKind, ResumeFacts
+from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
 from tasks.alerts.service import AlertRequest
 from tasks.settings import Settings
 
@@ -40,8 +42,10 @@ def restart_alert(
     retries: int = 3,
     retry_delay_s: float = 30,
     resume: ResumeFacts | None = None,
+    promotion: PromotionFacts | None = None,
 ) -> dict[str, str]:
-    """`resume`: for a resume-mismatch alert, the check (the event's payload; other keys are ignored)."""
+    """`resume`: for a resume-mismatch alert, the check; `promotion`: for a promotion alert, the
+    decision (each the event's payload; other keys are ignored)."""
     request = AlertRequest(
         kind=kind,
         job=job,
@@ -52,6 +56,8 @@ def restart_alert(
         reason=reason,
         trigger=trigger,
         resume=resume,
+        promotion=promotion,
+        flow_run_id=training_flow_run_id,
     )
     sender = send_alert.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
     result = sender(Settings.from_env(), request, slack_target())

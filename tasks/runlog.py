@@ -427,9 +427,11 @@ class JobRunLog:
         ended = time.time()  # the job run's end as finish_job_run just stored it (to within a query);
         # not after MLflow's final sync and the timeline's PNG below (2.5 s in one demo run), which
         # made this summary's goodput lower than `spotrun report`'s for the same run
-        tracking = self.tracker.finish(status) if self.tracker is not None else None
-        promotion = None
         trained = bool(self.records)  # not a flow run that found its key already completed
+        tracking = self.tracker.finish(status) if self.tracker is not None and trained else None
+        if self.tracker is not None and not trained:
+            self.tracker.close()
+        promotion = None
         if (
             status == "completed"
             and trained

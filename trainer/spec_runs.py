@@ -36,7 +36,7 @@ class RunSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: str = Field(pattern=JOB_NAME)
+    job: str = Field(pattern=JOB_NAME, description="the source run's job")
     run_key: str | None = Field(default=None, description="the source's run key; none: an unkeyed job")
     storage: str = Field(description="the source run's storage (its final checkpoint is read from there)")
     step: int = Field(ge=0, description="the step COMPLETED.json recorded")

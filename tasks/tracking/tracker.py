@@ -165,6 +165,12 @@ class Tracker:
         self._wake.set()
         return self.info
 
+    def close(self) -> None:
+        """Stop without a final round: a flow run that found its run already completed sends nothing (a
+        second registration or promotion decision could move the alias back to this older version)."""
+        self._stop = True
+        self._wake.set()
+
     # -- the thread ------------------------------------------------------------------------------
 
     def _main(self) -> None:
