@@ -145,9 +145,9 @@ def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
             return f"{field} is filled by spotrun when a run key starts; leave it empty in the parameters"
     least = min((int(v) for v in allowed.keep_runs if v.isdigit()), default=None)
     if job.keep_runs is not None and (least is None or job.keep_runs < least):
-        floor = f"fewer than {least}" if least is not None else "any"
-        return (f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host lets a "
-                f"deployment run keep {floor}; {fix}")  # fmt: skip
+        floor = f"at least {least}" if least is not None else "no keep_runs"
+        return (f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host's settings "
+                f"let a deployment run set {floor}; {fix}")  # fmt: skip
     return None
 
 

@@ -100,7 +100,8 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
     ("run values set by hand", job(run_key="k", run_values={"run_key": "k"}), LOCAL, ALLOWED,
      "run_values is filled by spotrun"),
     ("keep_runs where the host names none", job(run_key="{scheduled_date}", keep_runs=3), LOCAL, ALLOWED,
-     "keep_runs: 3 would delete older runs' checkpoints, and this host lets a deployment run keep any"),
+     "keep_runs: 3 would delete older runs' checkpoints, and this host's settings let a deployment run "
+     "set no keep_runs"),
     ("keep_runs below the host's", job(run_key="{scheduled_date}", keep_runs=1), LOCAL,
      Allowed(keep_runs=frozenset({"7"})), "keep_runs: 1 would delete"),
     ("keep_runs at or above the host's", job(run_key="{scheduled_date}", keep_runs=9), LOCAL,
@@ -189,7 +190,8 @@ def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
     from deployments.apply import PREFECT_FILE, allowed_by_defaults
 
     shipped = yaml.safe_load(PREFECT_FILE.read_text())
-    assert allowed_by_defaults(shipped) == Allowed()  # built-in recipes only: nothing beyond the defaults
+    # built-in recipes only; the nightly job's keep_runs is the least a form may keep
+    assert allowed_by_defaults(shipped) == Allowed(keep_runs=frozenset({"7"}))
     job, provider = {"job": {"recipe": "team.models:build"}}, {"provider": {"python": "/opt/py"}}
     team = {"deployments": [{"parameters": job}, {"parameters": provider}, {"name": "sweep"}]}
     assert allowed_by_defaults(team) == Allowed(
