@@ -32,6 +32,7 @@ RULE_FLAGS = {  # AlertRules field -> the flag that sets it, so an error names w
     "retry_delay_s": "--alert-retry-delay",
     "controller_restarts": "--controller-restarts",
     "zombie_after_s": "--zombie-after",
+    "missed_run_after_s": "--missed-run-after",
 }
 
 
@@ -54,6 +55,7 @@ def alert_rules(args: argparse.Namespace) -> AlertRules:
             recovery_note=not args.no_recovery_note,
             retries=args.alert_retries,
             retry_delay_s=duration_s(args.alert_retry_delay),
+            missed_run_after_s=duration_s(args.missed_run_after) if args.missed_run_after else None,
         )
     except ValidationError as e:
         err = e.errors()[0]
@@ -179,6 +181,12 @@ def _alert_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zombie-after", default="90s", metavar="DURATION",
                    help="mark a training run Crashed after this long without a heartbeat (default 90s, "
                    "at least 60s: runs beat every 30 s)")  # fmt: skip
+    p.add_argument(
+        "--missed-run-after",
+        metavar="DURATION",
+        help="alert when a scheduled training run has not finished this long after its slot, e.g. 6h "
+        "(default: its schedule's period, so before the next slot)",
+    )
     p.add_argument("--json", action="store_true", help="print what was applied as JSON")
 
 

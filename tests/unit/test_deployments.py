@@ -341,7 +341,8 @@ def test_bad_duration_says_what_to_write(text: str) -> None:
 
 def _args(**overrides: Any) -> argparse.Namespace:
     values = dict(restart_threshold=3, restart_window="1h", no_recovery_note=False, alert_retries=3,
-                  alert_retry_delay="30s", controller_restarts=3, zombie_after="90s")  # fmt: skip
+                  alert_retry_delay="30s", controller_restarts=3, zombie_after="90s",
+                  missed_run_after=None)  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -349,13 +350,15 @@ def test_alert_rules_from_flags() -> None:
     assert alert_rules(_args(restart_window="30m", no_recovery_note=True)) == AlertRules(
         restart_window_s=1800, recovery_note=False
     )
+    assert alert_rules(_args(missed_run_after="6h")).missed_run_after_s == 6 * 3600
 
 
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [({"restart_threshold": 0}, "--restart-threshold: Input should be greater than or equal to 1"),
      ({"restart_window": "0"}, "--restart-window: Input should be greater than 0"),
-     ({"alert_retries": -1}, "--alert-retries: Input should be greater than or equal to 0")],
+     ({"alert_retries": -1}, "--alert-retries: Input should be greater than or equal to 0"),
+     ({"missed_run_after": "30s"}, "--missed-run-after: Input should be greater than or equal to 60")],
 )  # fmt: skip
 def test_bad_alert_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
