@@ -268,6 +268,11 @@ def _run(
     cleanup: contextlib.ExitStack,
 ) -> tuple[ExitCode, str]:
     spec = job_storage(load_spec(args.config), args.storage, env.home)
+    if spec.run_key is not None and not spec.resolved:  # its key, data and storage are filled per run
+        how = "run the job with `spotrun run` (--run-key for a given key) or its deployment"
+        raise ConfigError(
+            f"{args.config}: run_key {spec.run_key!r} is filled per run by the controller; {how}"
+        )
     uri = spec.storage
     if args.allow_changes:
         spec = spec.model_copy(update={"resume": spec.resume.model_copy(update={"allow_changes": True})})
