@@ -28,7 +28,7 @@ from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local import LocalProviderConfig
 from tasks.recovery import recovered_run
 from tasks.reporting import artifact_key
-from tasks.run_keys import per_run_key
+from tasks.run_key_start import per_run_key
 from tasks.settings import Settings
 from tasks.trust import refuse_untrusted_parameters
 from trainer.spec import JobSpec
