@@ -72,6 +72,12 @@ class Expectations:
     --spec's recipe, else of the spec each checkpoint carries, built on CPU once per shape hash."""
 
     def __init__(self, spec: JobSpec | None, structure: bool = False) -> None:
+        if structure and spec is not None and spec.entrypoint is not None:
+            raise ConfigError(
+                f"--structure builds a recipe's model, and job {spec.name} runs the entry point "
+                f"{spec.entrypoint}, whose model only its own loop builds: drop --structure (its trainer "
+                "checks shapes when it resumes)"
+            )
         self.spec, self.structure = spec, structure
         self._by_shape: dict[str, Expectation | None] = {}
 
@@ -82,6 +88,9 @@ class Expectations:
             return Expectation.of_shape(self.spec.shape_hash()) if self.spec is not None else None
         spec = self.spec if self.spec is not None else _embedded_spec(d)
         if spec is None:
+            return None
+        if spec.recipe is None:  # an entry point's model exists only inside its own loop
+            log.warning("not checking structure of %s: its job runs an entry point, not a recipe", d.name)
             return None
         if self.spec is None and ":" in spec.recipe:  # a store's word is data: it names no code to import
             log.warning(
@@ -104,6 +113,8 @@ class Expectations:
 
 def recipe_expectation(spec: JobSpec) -> Expectation:
     """Build the spec's recipe on CPU and read off its shapes (ConfigError if it cannot be built)."""
+    if spec.recipe is None:
+        raise ConfigError(f"job {spec.name} runs an entry point: only a recipe's model can be built here")
     import torch
 
     from trainer import recipes  # models, datasets: only `verify --structure` pays for them

@@ -168,11 +168,14 @@ def run_inputs(
             LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice}
         )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
-    check_recipe(spec.recipe, spec.args, local=provider.kind == "local")
+    if spec.recipe is not None:
+        check_recipe(spec.recipe, spec.args, local=provider.kind == "local")
     from tasks.trust import signing_refusal
 
     if (why := signing_refusal(spec, provider, os.environ)) is not None:
         raise ConfigError(why)
+    if provider.kind == "local":  # last: it imports the entry point's module (and torch) in a subprocess
+        check_entrypoint(spec, provider.python)
     return spec, provider, _validated(RetryPolicy, budgets)
 
 
@@ -184,6 +187,16 @@ def check_recipe(name: str, args: dict[str, Any], local: bool) -> None:
 
     if local or ":" not in name:
         recipes.check_args(name, args)
+
+
+def check_entrypoint(spec: JobSpec, python: str | None) -> None:
+    """ConfigError now, not after a worker crashed on it: a local job's entry point that does not import
+    with a local worker's interpreter and path, or sits beside a module named like spotrun's packages.
+    Imported in a subprocess (tasks/entrypoint_check.py): this process loads no user code."""
+    from tasks.entrypoint_check import entrypoint_refusal
+
+    if (why := entrypoint_refusal(spec, python, os.environ, Path.cwd())) is not None:
+        raise ConfigError(why)
 
 
 def load_provider(path: str) -> LocalProviderConfig | AwsProviderConfig:

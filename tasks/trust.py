@@ -3,10 +3,10 @@
 The operator's own job file (given to `spotrun run` or `python -m trainer --config`) is trusted as
 written. A deployment run's parameters come from whoever can reach the Prefect API: the UI's form, the
 API, an automation. Prefect OSS has no roles, so whoever can start a run can also edit a deployment's
-defaults; what such a run may name (an interpreter, a recipe module, environment names, a non-https
-endpoint, a tracking URI) is therefore decided on the worker host, from a 0600 settings file under
-$SPOTRUN_HOME (ALLOWED_FILE) that `spotrun deploy` writes from the deployments' own defaults and that
-the operator may add to. Nothing read back from the API widens it.
+defaults; what such a run may name (an interpreter, a recipe module, an entry point, environment names,
+a non-https endpoint, a tracking URI) is therefore decided on the worker host, from a 0600 settings file
+under $SPOTRUN_HOME (ALLOWED_FILE) that `spotrun deploy` writes from the deployments' own defaults and
+that the operator may add to. Nothing read back from the API widens it.
 
 `refusal` is the decision (pure); `refuse_untrusted_parameters` applies it at a flow's start, to
 deployment runs only: a run started in-process by `spotrun run` has no deployment.
@@ -52,6 +52,7 @@ class Allowed:
 
     python: frozenset[str] = frozenset()  # provider.python: interpreters
     recipes: frozenset[str] = frozenset()  # recipe import strings, package.module:function
+    entrypoints: frozenset[str] = frozenset()  # entry points (package.module:function): code, always listed
     env: frozenset[str] = frozenset()  # names in env.pass and env.set
     endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
     tracking: frozenset[str] = frozenset()  # tracking.uri
@@ -107,9 +108,12 @@ def refusal(
     if provider.python not in python_ok:
         return (f"provider.python: {provider.python!r} is not an interpreter this host lets a deployment "
                 f"run name; {fix('python')}")  # fmt: skip
-    if ":" in job.recipe and job.recipe not in allowed.recipes:
+    if job.recipe is not None and ":" in job.recipe and job.recipe not in allowed.recipes:
         return (f"recipe: {job.recipe!r} is a module this host does not let a deployment run import; "
                 f"{fix('recipes')}")  # fmt: skip
+    if job.entrypoint is not None and job.entrypoint not in allowed.entrypoints:
+        what = f"entrypoint: {job.entrypoint!r} is code this host does not let a deployment run import"
+        return f"{what}; {fix('entrypoints')}"
     for where, names in (("env.pass", job.env.pass_), ("env.set", list(job.env.set_))):
         for name in names:  # passing a variable that passes anyway changes nothing; setting one may
             if name not in allowed.env and not (where == "env.pass" and passes(name)):
@@ -177,6 +181,7 @@ def named(params: Mapping[str, Any]) -> Allowed:
     return Allowed(
         python=_present([provider.get("python")]),
         recipes=_present([recipe] if isinstance(recipe, str) and ":" in recipe else []),
+        entrypoints=_present([job.get("entrypoint")]),
         env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
         endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
         tracking=_present([_dict(job.get("tracking")).get("uri")]),

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer.entrypoints import code_problem, entrypoint_problem
 from trainer.errors import ConfigError
 from trainer.redact import redact_tree
 from trainer.spec_errors import explain_errors
@@ -29,12 +30,16 @@ from trainer.spec_runs import (
 from trainer.templating import uses_templates
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
-# (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash. Whether
-# a checkpoint may be resumed is decided field by field by `spec_changes`, not by this hash.
+# (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash; an entry
+# point job's hash covers its `entrypoint` too (`shape_fields`). Whether a checkpoint may be resumed is
+# decided field by field by `spec_changes`, not by this hash.
 SHAPE_FIELDS = ("recipe", "args", "batch_size", "world_size")
+# The code a job runs, one way in each: exactly one of them is set (`_one_way_in`).
+CODE_FIELDS = ("recipe", "entrypoint")
 # What a job's identity is made of, apart from the world size (`distributed.allow_reshard` decides that):
-#   shape       must match to load: the recipe, and the recipe args it declares as shaping the state
-#               (`shape_args`; a recipe that declares none has every arg count as shape, to stay safe)
+#   shape       must match to load: the recipe or entry point, and the args declared as shaping the
+#               state (a recipe's `@recipe(shape_args=...)`, an entry point's `shape_args:`; none
+#               declared: every arg counts as shape, to stay safe)
 #   trajectory  changes the numbers, not the state's shapes: seed, batch_size, amp, the other args.
 #               Resumable with `resume.allow_changes` (or the trainer's --allow-changes), recorded in
 #               the checkpoint and reported; the run is no longer bitwise equal to an uninterrupted one.
@@ -318,8 +323,25 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=JOB_NAME, description="job name, used in paths and alerts")
-    recipe: str = Field(description="built-in recipe (digits, charlm) or package.module:function")
-    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the recipe")
+    recipe: str | None = Field(
+        default=None,
+        description="built-in recipe (digits, charlm) or package.module:function, a build(args, ctx) "
+        "returning Parts; or else set entrypoint",
+    )
+    entrypoint: str | None = Field(
+        default=None,
+        description="package.module:function, your own training loop using spotrun.session(); called as "
+        "main(args) if it takes an argument, else main(); or else set recipe. Note: not prefect.yaml's "
+        "`entrypoint`, which names a flow",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the recipe, or the entry point's args"
+    )
+    shape_args: list[str] | None = Field(
+        default=None,
+        description="with entrypoint: the args that shape the state (model and optimizer structure), so "
+        "changing another one is a change of trajectory; none: every arg is shape",
+    )
     total_steps: int = Field(ge=1, description="optimizer steps to train")
     batch_size: int = Field(
         default=64,
@@ -393,10 +415,28 @@ class JobSpec(BaseModel):
 
     @field_validator("recipe")
     @classmethod
-    def _recipe_form(cls, v: str) -> str:
-        if not v or (":" in v and (v.startswith(":") or v.endswith(":"))):
+    def _recipe_form(cls, v: str | None) -> str | None:
+        if v is not None and (not v or (":" in v and (v.startswith(":") or v.endswith(":")))):
             raise ValueError("use a built-in name (digits, charlm) or 'package.module:function'")
         return v
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str | None) -> str | None:
+        if v is not None and (problem := entrypoint_problem(v)):
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> JobSpec:
+        if problem := code_problem({k: getattr(self, k) is not None for k in CODE_FIELDS}):
+            raise ValueError(problem)
+        if self.shape_args is not None and self.entrypoint is None:
+            raise ValueError(
+                "shape_args is for an entrypoint job; a recipe declares its own with "
+                "@recipe(shape_args=...): remove shape_args"
+            )
+        return self
 
     @field_validator("run_key")
     @classmethod
@@ -468,7 +508,11 @@ class JobSpec(BaseModel):
         return _hash(self.shape_fields(world_size))
 
     def shape_fields(self, world_size: int | None = None) -> dict[str, Any]:
+        """What `shape_hash` covers: SHAPE_FIELDS (a recipe job's exactly as in format 1), and an entry
+        point job's `entrypoint`."""
         fields = {k: getattr(self, k) for k in SHAPE_FIELDS}
+        if self.entrypoint is not None:
+            fields["entrypoint"] = self.entrypoint
         return fields | ({"world_size": world_size} if world_size is not None else {})
 
 
@@ -500,11 +544,14 @@ def spec_changes(
     old: Mapping[str, Any], new: Mapping[str, Any], shape_args: Collection[str] | None = None
 ) -> list[Change]:
     """How job spec `new` differs from `old` (both in JSON form, as checkpoints store them), shape
-    changes first. `shape_args`: the recipe args that shape the state (None: all of them). A field an
-    older spec does not have is not compared."""
-    out: list[Change] = []
-    if old.get("recipe") != new.get("recipe"):
-        out.append(Change("recipe", _text(old.get("recipe")), _text(new.get("recipe")), "shape"))
+    changes first. `shape_args`: the args that shape the state (None: all of them; `spec_shape_args`).
+    A code field (recipe, entrypoint) that differs is a shape change; one an older spec does not have is
+    absent both times. Any other field an older spec does not have is not compared."""
+    out = [
+        Change(k, _text(old.get(k)), _text(new.get(k)), "shape")
+        for k in CODE_FIELDS
+        if old.get(k) != new.get(k)
+    ]
     old_args, new_args = old.get("args") or {}, new.get("args") or {}
     for k in sorted(set(old_args) | set(new_args)):
         a, b = old_args.get(k, UNSET), new_args.get(k, UNSET)
@@ -531,7 +578,9 @@ def _text(v: Any) -> str:
 def parse_spec(data: Any, source: str = "job spec") -> JobSpec:
     """Validate a mapping into a JobSpec, turning pydantic's report into one actionable line."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of fields (name, recipe, total_steps, ...)")
+        raise ConfigError(
+            f"{source}: expected a mapping of fields (name, recipe or entrypoint, total_steps, ...)"
+        )
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:

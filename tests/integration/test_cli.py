@@ -354,6 +354,33 @@ def test_run_bad_input_is_one_line_error(
     assert out == ""  # rejected before any server starts
 
 
+@pytest.mark.parametrize(
+    ("files", "entrypoint", "fragment"),
+    [
+        ([], "nosuch_loop_41c.train:main", "ModuleNotFoundError: No module named 'nosuch_loop_41c'"),
+        (["myloop.py", "trainer.py"], "myloop:main", "trainer.py has the name of spotrun's own package"),
+    ],
+)
+def test_run_refuses_an_entrypoint_that_cannot_run(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    files: list[str],
+    entrypoint: str,
+    fragment: str,
+) -> None:
+    """Checked in a subprocess with a local worker's path (this directory first), before a server starts."""
+    for name in files:
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+    spec = write_spec(
+        tmp_path / "job.yaml", storage=str(tmp_path / "store"), recipe=None, entrypoint=entrypoint
+    )
+    code, out, err = run(capsys, "run", str(spec))
+    assert_one_line_error(code, err, f"entrypoint {entrypoint!r}", fragment)
+    assert out == ""
+
+
 AWS = "kind: aws\nregion: ca-central-1\ninstance_types: [g6.xlarge]\nimage_id: ami-0123456789abcdef0\n"
 
 

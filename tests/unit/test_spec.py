@@ -212,3 +212,95 @@ def test_an_s3_storage_needs_a_prefix(storage: str, refused: str | None) -> None
     with pytest.raises(ConfigError) as e:
         parse_spec(base, "job.yaml")
     assert refused in str(e.value) and "\n" not in str(e.value)
+
+
+LOOP = {"name": "j", "entrypoint": "mypkg.train:main", "total_steps": 10}
+NEITHER = "name the code to run: add recipe: digits, charlm or package.module:function"
+
+
+@pytest.mark.parametrize(
+    ("data", "line"),
+    [
+        ({"name": "j", "total_steps": 10}, NEITHER),
+        ({**BASE, "recipe": None}, NEITHER),
+        ({**LOOP, "recipe": "digits"}, "recipe and entrypoint are exclusive (one way in per job): keep one"),
+        (
+            {**LOOP, "entrypoint": "mypkg.train"},
+            "field 'entrypoint': 'mypkg.train' is not package.module:fun",
+        ),
+        (
+            {**LOOP, "entrypoint": "train.py:main"},
+            "field 'entrypoint': 'train.py:main' names a file: use the",
+        ),
+        (
+            {**BASE, "shape_args": ["hidden"]},
+            "shape_args is for an entrypoint job; a recipe declares its own",
+        ),
+        ({**LOOP, "shape_args": "hidden"}, "field 'shape_args'"),
+        (
+            {"name": "j", "total_steps": 1, "entrypiont": "a:b"},
+            "field 'entrypiont' is not a job field: did you",
+        ),
+    ],
+)
+def test_a_job_names_its_code_one_way(data: dict[str, Any], line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_spec(data, "job.yaml")
+    assert str(e.value).startswith(f"job.yaml: {line}") and "\n" not in str(e.value)
+
+
+def test_an_entrypoint_job() -> None:
+    s = parse_spec({**LOOP, "args": {"hidden": 8, "lr": 0.1}, "shape_args": ["hidden"]})
+    assert (s.recipe, s.entrypoint, s.shape_args) == (None, "mypkg.train:main", ["hidden"])
+    assert parse_spec(LOOP).shape_args is None  # every arg is shape
+
+
+# Computed before `entrypoint` existed: old checkpoints keep these hashes.
+RECIPE_HASHES = [
+    ({**BASE, "args": {"hidden": 32, "lr": 0.01}, "batch_size": 16}, None,
+     "e8ba69abae4db3327417c37d0aa26c63aced85771bdcc283037d604f14a201c0"),
+    ({**BASE, "args": {"hidden": 32, "lr": 0.01}, "batch_size": 16}, 2,
+     "edfa77f620f9b4f2f6b1498b8d126ade17b0626614b8f7f1bac2c62d3eb8da10"),
+    ({**BASE, "recipe": "pkg.mod:build", "distributed": {"nproc_per_node": 4}}, None,
+     "812c9658454499ff0b87681be6b99eaf068afdd901ae73c074af9b6ef49f3e44"),
+]  # fmt: skip  # a table: one case per line
+
+
+@pytest.mark.parametrize(("data", "world_size", "digest"), RECIPE_HASHES)
+def test_a_recipe_jobs_shape_hash_is_unchanged(
+    data: dict[str, Any], world_size: int | None, digest: str
+) -> None:
+    assert parse_spec(data).shape_hash(world_size) == digest
+
+
+def test_the_entrypoint_is_shape() -> None:
+    a = parse_spec(LOOP)
+    b = parse_spec({**LOOP, "entrypoint": "mypkg.train:main2"})
+    assert "entrypoint" in a.shape_fields() and "entrypoint" not in parse_spec(BASE).shape_fields()
+    assert a.shape_hash() != b.shape_hash()
+    assert a.shape_hash() == parse_spec({**LOOP, "total_steps": 99, "seed": 3}).shape_hash()
+    old, new = a.model_dump(mode="json"), b.model_dump(mode="json")
+    changes = [(c.field, c.kind, str(c)) for c in spec_changes(old, new, None)]
+    assert changes == [("entrypoint", "shape", 'entrypoint "mypkg.train:main" -> "mypkg.train:main2"')]
+    recipe = parse_spec(BASE).model_dump(mode="json")  # a recipe's checkpoint resumed by a loop
+    assert [(c.field, c.kind) for c in spec_changes(recipe, old, None)] == [
+        ("recipe", "shape"),
+        ("entrypoint", "shape"),
+    ]
+    saved = {k: v for k, v in recipe.items() if k != "entrypoint"}  # a checkpoint from before the field
+    assert spec_changes(saved, recipe, None) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({**LOOP, "shape_args": ["hidden"]}, frozenset({"hidden"})),
+        ({**LOOP, "shape_args": []}, frozenset()),  # no arg shapes the state
+        (LOOP, None),  # none declared: every arg
+        (BASE, frozenset({"hidden"})),  # the recipe's own declaration
+    ],
+)
+def test_spec_shape_args(data: dict[str, Any], expected: frozenset[str] | None) -> None:
+    from trainer.shape_args import spec_shape_args
+
+    assert spec_shape_args(parse_spec(data)) == expected

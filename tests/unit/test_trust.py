@@ -65,6 +65,12 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
     ("recipe import string not allowed", job(recipe="os:system"), LOCAL, ALLOWED,
      "recipe: 'os:system' is a module this host does not let a deployment run import"),
     ("recipe import string allowed", job(recipe="team.models:build"), LOCAL, ALLOWED, None),
+    ("entrypoint not allowed", job(recipe=None, entrypoint="team.loop:main"), LOCAL, ALLOWED,
+     "entrypoint: 'team.loop:main' is code this host does not let a deployment run import"),
+    ("entrypoint listed only as a recipe", job(recipe=None, entrypoint="team.models:build"), LOCAL, ALLOWED,
+     "entrypoint: 'team.models:build' is code"),
+    ("entrypoint allowed", job(recipe=None, entrypoint="team.loop:main", shape_args=["hidden"]), LOCAL,
+     Allowed(entrypoints=frozenset({"team.loop:main"})), None),
     ("env.pass of a name that passes anyway", job(env={"pass": ["HF_HOME"]}), LOCAL, Allowed(), None),
     ("env.pass not allowed", job(env={"pass": ["GITHUB_TOKEN"]}), LOCAL, ALLOWED,
      "env.pass: GITHUB_TOKEN is not a variable"),
@@ -135,6 +141,8 @@ def test_what_a_deployments_defaults_name() -> None:
         tracking=frozenset({"sqlite:///t.db"}),
     )
     assert named({"job": {"recipe": "digits"}}) == Allowed()  # built-ins need no listing
+    loop = {"job": {"entrypoint": "team.loop:main", "shape_args": ["hidden"]}}
+    assert named(loop) == Allowed(entrypoints=frozenset({"team.loop:main"}))
 
 
 def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Path) -> None:
@@ -159,7 +167,7 @@ def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Pat
         (
             "allow: {pythons: [/x]}\n",
             0o600,
-            "allow: unknown key 'pythons'; use endpoints, env, keep_runs, loopback",
+            "allow: unknown key 'pythons'; use endpoints, entrypoints, env, keep_runs, loopback",
         ),
         ("allow: {python: /x}\n", 0o600, "allow.python: use a list of strings"),
         ("allow: [\n", 0o600, "is not valid YAML"),
