@@ -1,0 +1,541 @@
+"""The session: a training loop's step boundary, whoever writes the loop.
+
+`Session.open()` restores everything from the newest valid checkpoint (RNG last, at the first batch);
+`batches()` yields the trainer's seed-pure data stream from the restored position; `step_done()` is the
+one step boundary in the code base: the ranks agree (stop, checkpoint due, the mean loss), a non-finite
+loss is refused before any checkpoint, the step's metrics are recorded once, a due checkpoint is taken in
+the background, and a stop request (a notice, a handover, `max_steps`, `total_steps`) sets
+`should_stop` once the emergency checkpoint is planned. `close()` takes the final checkpoint and
+returns the attempt's result. The recipe loop (trainer/loop.py) and a user's own loop
+(`spotrun.session`) both run on it.
+
+The copy fence is an optimizer step pre-hook on every optimizer the session holds: a background save
+copies parameters and optimizer state while the next forward and backward run, and only the update
+waits for the copy (nothing else writes them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+from trainer.checkpointer import Checkpointer
+from trainer.data import Position, ResumableLoader
+from trainer.errors import ConfigError, TrainingDiverged
+from trainer.evaluation import evaluate_for_promotion
+from trainer.exitcodes import ExitCode
+from trainer.interval import Choice, IntervalTuner
+from trainer.metrics_log import MetricsLog
+from trainer.preemption import SavePlan
+from trainer.resume import Restored, durable_here, load_state, mark_completed, select_together
+from trainer.session.options import AttemptOptions, AttemptResult, rank_seed, seed_everything
+from trainer.session.parts import (
+    Meter,
+    NoScheduler,
+    TrainerPart,
+    drop_lost_metrics,
+    handover_options,
+    parts_view,
+    prior_cost_s,
+)
+from trainer.session.stopping import HandoverGate, SaveCost, agreed_plan, emergency_plan
+from trainer.spec import Change, JobSpec, describe_changes
+from trainer.state import RngState, state_nbytes, update_only_views
+from trainer.stateful import Registry, Stateful
+from trainer.storage import Storage
+from trainer.validate import Expectation
+from trainer.warm_start import warm_start
+
+if TYPE_CHECKING:
+    from trainer import sharded
+
+log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
+RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
+
+
+class Session:
+    """One attempt's training state around a loop: resume, the step boundary, the final checkpoint."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        storage: Storage,
+        opts: AttemptOptions,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        extra: Mapping[str, Stateful] | None = None,
+        device: torch.device,
+        scaler: torch.amp.GradScaler | None = None,
+        shape_args: frozenset[str] | None = None,
+    ) -> None:
+        self.spec, self.storage, self.opts, self.device = spec, storage, opts, device
+        self.ranks = opts.ranks
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        clash = sorted(set(extra or {}) & set(RESERVED))
+        if clash:
+            raise ConfigError(f"extra part {clash[0]!r} is a name spotrun uses itself; rename it")
+        self.extra = dict(extra or {})
+        self.shape_args = shape_args
+        self.batch_size = spec.batch_size  # per rank; changed only by a resharded resume
+        self.position = Position()
+        self.threads = spec.threads or torch.get_num_threads()
+        self.step, self.best, self.last_loss = 0, math.inf, math.nan
+        self.should_stop = False
+        self.resumed_from: int | None = None
+        self.changes: list[Change] = []  # trajectory changes this attempt resumed across
+        self.change_log: list[dict[str, Any]] = []  # every allowed change so far, in trainer.pt
+        self.warm_start: dict[str, Any] | None = None  # where init_from's weights came from, in trainer.pt
+        self.resharded_from: int | None = None
+        self.end = spec.total_steps
+        self.ckpt: Checkpointer | sharded.ShardedCheckpointer
+        self.steps_log = MetricsLog(None)
+        self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
+        self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
+        self.stop_reported = self.stop_agreed = self.finished_early = False
+        self.gate = HandoverGate(opts.stop, handover_options(spec, opts), opts.reporter)
+        self.since_ckpt = time.monotonic()
+        self.last_step_s = 0.0
+        self._t_step = time.perf_counter()
+        self._beside_save = False
+        self._pending: Restored | None = None  # the RNG, applied once the data iterator exists
+        self._lr_at_step: float | None = None  # the learning rate the update used (the step pre-hook)
+        self._lr_before: float | None = None  # ... or as the step began, where it took no update
+        self._hooks: list[Any] = []
+        self._metrics: IO[str] | None = None
+        self._meter: Meter | None = None
+        self._selection_step: int | None = None
+        held: dict[str, Stateful] = {"model": model, "optimizer": optimizer}
+        held |= {"scheduler": scheduler if scheduler is not None else NoScheduler()}
+        held |= {"scaler": scaler} if scaler is not None else {}
+        held |= {"rng": RngState(device), "trainer": TrainerPart(self)}
+        self.state = Registry(self.ranks.rank, held, self.extra, sharded=spec.distributed is not None)
+
+    # ---- opening: the resume ----
+
+    def open(self) -> Session:
+        """Claim the storage, choose and load the resume point (the RNG waits for the first batch), warm
+        start at step 0, report where training starts from."""
+        spec, opts, ranks = self.spec, self.opts, self.ranks
+        if opts.claim is not None:
+            if opts.prewarmed:  # the first optimizer step imports torch._dynamo: 0.8 s, paid while waiting
+                importlib.import_module("torch._dynamo")  # `import torch._dynamo` here would shadow torch
+            self.storage = opts.claim()  # resume and publish only through the storage this trainer holds
+        self.steps_log = MetricsLog(self.storage if ranks.is_zero else None)
+        selection = select_together(self.storage, opts.cache, self._expectation(), opts.resume_from, ranks)
+        if ranks.is_zero:
+            source = opts.resume_from.storage if opts.resume_from is not None else None
+            log.info(
+                selection.describe(
+                    source.uri if source is not None else self.storage.uri, into=self.storage.uri
+                )
+            )
+        if selection.world_size is not None:
+            self.resharded_from = self._reshard(selection.world_size)
+        self.ckpt = self._checkpointer(durable_here(selection, opts.resume_from))
+        for opt in [
+            self.optimizer,
+            *(p for p in self.extra.values() if isinstance(p, torch.optim.Optimizer)),
+        ]:
+            self._hooks.append(opt.register_step_pre_hook(self._before_update))
+        if selection.path is not None:
+            self._pending = self._restore(selection.path)
+        else:  # step 0: a warm start's source, never once the run has its own checkpoint
+            started = warm_start(spec, parts_view(self), opts.cache)
+            self.warm_start = started.to_json() if started is not None else None
+        if self.changes and ranks.is_zero:
+            log.warning(
+                "resuming step %d with changed training settings (%s), as resume.allow_changes allows: from "
+                "here on the run is not bitwise equal to an uninterrupted one; the change is recorded in "
+                "every checkpoint from now on",
+                self.step,
+                describe_changes(self.changes),
+            )
+        if ranks.is_zero:
+            drop_lost_metrics(self.storage, self.step)
+        torch.set_num_threads(self.threads)  # BLAS results differ bitwise across thread counts
+        self.end = (
+            spec.total_steps if opts.max_steps is None else min(spec.total_steps, self.step + opts.max_steps)
+        )
+        self.resumed_from, self._selection_step = selection.step, selection.step
+        opts.reporter.emit(
+            "started",
+            resumed_from=selection.step,
+            checkpoint=selection.uri,
+            rejected=selection.rejected_records(),
+            step=self.step,
+            total_steps=spec.total_steps,
+            resharded_from=self.resharded_from,
+            changes=[c.as_dict() for c in self.changes] or None,
+            warm_start=self.warm_start,
+        )
+        self._begin()
+        return self
+
+    def _expectation(self) -> Expectation:
+        spec, ranks = self.spec, self.ranks
+        return replace(
+            Expectation.from_registry(self.state, spec.shape_hash(ranks.world_size)),
+            shape_hash_at=spec.shape_hash,
+            world_size=ranks.world_size,
+            allow_reshard=spec.distributed is not None and spec.distributed.allow_reshard,
+            spec=spec.model_dump(mode="json"),
+            shape_args=self.shape_args,
+            allow_changes=spec.resume.allow_changes,
+        )
+
+    def _checkpointer(self, durable: int | None) -> Checkpointer | sharded.ShardedCheckpointer:
+        spec, opts = self.spec, self.opts
+        pin = self.device.type == "cuda"
+        if spec.distributed is not None:
+            from trainer.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
+
+            return ShardedCheckpointer(
+                self.storage,
+                opts.cache,
+                spec.checkpoint.keep,
+                self.state,
+                self.ranks,
+                spec.checkpoint.async_upload,
+                pin_memory=pin,
+                durable_step=durable,
+                on_durable=self._durable,
+                strategy=self.ranks.strategy,
+            )
+        return Checkpointer(
+            self.storage,
+            opts.cache,
+            spec.checkpoint.keep,
+            spec.checkpoint.async_upload,
+            pin_memory=pin,
+            durable_step=durable,
+            on_durable=self._durable,
+            update_only=lambda: update_only_views(self.model, self.optimizer),
+        )
+
+    def _durable(self, step: int, sidecars_written: bool) -> None:  # the writer thread, after `latest` moved
+        self.steps_log.written(step, sidecars_written)  # (or the loop, for a synchronous save)
+        self.opts.reporter.emit("durable", step=step)
+
+    def _reshard(self, saved_world: int) -> int | None:
+        """Resume a checkpoint of `saved_world` ranks on this many (validation allowed it): keep the
+        global batch, so the position (batches done in the epoch) still counts the same samples."""
+        world = self.ranks.world_size
+        if saved_world == world:
+            return None
+        global_batch = self.spec.batch_size * saved_world
+        if global_batch % world:
+            raise ConfigError(
+                f"cannot reshard {saved_world}->{world} ranks: the global batch {global_batch} "
+                f"({self.spec.batch_size} x {saved_world}) does not divide by {world}; "
+                "use a world size that divides it"
+            )
+        self.batch_size = global_batch // world
+        if self.ranks.is_zero:
+            log.warning(
+                "resharded %d->%d ranks (not bitwise): global batch %d kept, %d per rank; "
+                "RNG re-derived per rank",
+                saved_world,
+                world,
+                global_batch,
+                self.batch_size,
+            )
+        return saved_world
+
+    def _restore(self, path: Path) -> Restored:
+        """Load every part but the RNG, which waits for the data iterator. A resharded resume re-derives
+        each rank's RNG from (seed, rank, step) instead."""
+        if self.state.sharded:
+            from trainer.sharded import load_sharded
+
+            load_sharded(path, self.state, self.ranks)
+        restored = load_state(path, self.state, skip=("rng",) if self.resharded_from is not None else ())
+        if self.resharded_from is not None:
+            seed_everything(rank_seed(self.spec.seed + self.step, self.ranks.rank))
+        return restored
+
+    def _begin(self) -> None:
+        self.model.train()
+        if self.spec.checkpoint.every == "auto":
+            mtbf = self.opts.mtbf_s or self.spec.checkpoint.mtbf_prior_s
+            self.tuner = IntervalTuner(mtbf, prior_cost_s(self.model))
+            self._report_interval(self.tuner.choice)
+        path = self.opts.metrics_path
+        self._metrics = open(path, "a") if path else None  # noqa: SIM115 (closed in close())
+        self._meter = Meter(self.step, quiet=not self.ranks.is_zero)
+        self._t_step = time.perf_counter()
+
+    # ---- the data and the RNG ----
+
+    def start(self) -> None:
+        """Apply the checkpoint's RNG now: after the data iterator exists (creating one may draw from the
+        global RNG). `batches()` calls it; a loop with its own loader calls it after making its iterator."""
+        if self._pending is not None:
+            self._pending.apply(self.state)
+            self._pending = None
+
+    def batches(self, dataset: Any, batch_size: int | None = None) -> Iterator[Any]:
+        """The trainer's data stream over a map-style dataset: a seed-pure permutation per epoch, from
+        the restored position, until the job's last step or a stop."""
+        if batch_size is not None and batch_size != self.spec.batch_size:
+            why = f"batches(batch_size={batch_size}) differs from the job's batch_size {self.spec.batch_size}"
+            raise ConfigError(f"{why}; set batch_size in the job file, not in code")
+        r = self.ranks
+        loader = ResumableLoader(
+            dataset, self.batch_size, self.spec.seed, self.spec.num_workers, r.rank, r.world_size
+        )
+        loader.position = self.position
+        while self.step < self.end and not self.should_stop and not self._stop_now():
+            it = loader.epoch_iter()
+            self.start()  # after iter()
+            for batch in it:
+                self.position.batch += 1
+                self._lr_before = float(self.optimizer.param_groups[0]["lr"])  # a step the scaler skips
+                yield batch
+                if self.should_stop or self.step >= self.end:
+                    return
+            self.position.epoch, self.position.batch = self.position.epoch + 1, 0
+
+    # ---- the step boundary ----
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """The optimizer's step pre-hook: the step's learning rate, and the copy fence."""
+        if optimizer is self.optimizer:
+            self._lr_at_step = float(optimizer.param_groups[0]["lr"])
+        self.ckpt.fence()
+
+    def step_done(self, loss: float | torch.Tensor | None = None) -> None:
+        """One optimizer step is done: count it, record it, checkpoint when due, and set `should_stop`
+        when the job's end or a stop request (with its emergency checkpoint planned) is reached."""
+        if self._pending is not None:
+            log.warning("step_done before the first batch: call s.start() after making your data iterator")
+            self.start()
+        value = (
+            float(loss.detach())
+            if isinstance(loss, torch.Tensor)
+            else (math.nan if loss is None else float(loss))
+        )
+        agreed = self.ranks.agree(0.0 if loss is None else value, self.opts.stop.requested, self._time_due())
+        if loss is not None and not math.isfinite(agreed.loss):
+            raise TrainingDiverged(
+                f"loss is {agreed.loss} at step {self.step + 1}; lower the learning rate or check the data"
+            )
+        now = time.perf_counter()
+        self.last_step_s, self._t_step = now - self._t_step, now
+        self._timed(self.last_step_s, self._beside_save)
+        self.step += 1
+        self._record(agreed.loss if loss is not None else math.nan)
+        if self.opts.fault is not None:
+            self.opts.fault.maybe_fire(self.step, self.ranks.rank)
+        self.ckpt.check()  # a background failure stops training here, not later
+        if agreed.stop if self.ranks.distributed else self._stop_now():
+            self.stop_agreed = True
+            self._stopping()
+            self.should_stop = True
+        elif self.step >= self.end:
+            self.should_stop = True
+        elif self._checkpoint_due(agreed.due):
+            self.checkpoint()
+        self._beside_save = self.ckpt.in_flight
+        self._t_step = time.perf_counter()
+
+    def _record(self, loss: float) -> None:
+        lr_after = float(self.optimizer.param_groups[0]["lr"])
+        lr = next((x for x in (self._lr_at_step, self._lr_before) if x is not None), lr_after)
+        self._lr_at_step = self._lr_before = None
+        if math.isfinite(loss):
+            self.best, self.last_loss = min(self.best, loss), loss
+            self.steps_log.record(self.step, loss, lr, lr_after)
+            if self._metrics:
+                self._metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
+                self._metrics.flush()
+        assert self._meter is not None
+        logged = self._meter.tick(self.spec, self.step, loss, lr_after)
+        self.opts.reporter.step(self.step, loss, self._meter.rate, self.ckpt.durable_step, force=logged)
+
+    def _time_due(self) -> bool:
+        tuned = self.tuner.choice.seconds if self.tuner is not None else None
+        every_s = tuned or self.spec.checkpoint.every_seconds
+        return every_s is not None and time.monotonic() - self.since_ckpt >= every_s
+
+    def _timed(self, step_s: float, beside_save: bool) -> None:
+        """`every: auto`: one step's time (begun beside a save or not) for the tuner."""
+        if self.tuner is not None and (moved := self.tuner.step(step_s, beside_save)):
+            self._report_interval(moved)
+
+    def _report_interval(self, choice: Choice) -> None:
+        if self.ranks.is_zero:
+            log.info("checkpoint interval: %s", choice.reason())
+        self.opts.reporter.emit(
+            "interval",
+            seconds=round(choice.seconds, 3),
+            cost_s=round(choice.cost_s, 4),
+            mtbf_s=round(choice.mtbf_s, 1),
+            measured=choice.measured,
+            reason=choice.reason(),
+        )
+
+    def _checkpoint_due(self, by_time: bool) -> bool:
+        """`by_time`: the clock said so at this step's agreement (any rank's clock, for ranks)."""
+        pol = self.spec.checkpoint
+        return (pol.every_steps is not None and self.step % pol.every_steps == 0) or by_time
+
+    def checkpoint(self, wait: bool = False) -> float:
+        """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
+        t0 = time.perf_counter()
+        self.ckpt.wait()  # (save's own first step) the last save's steps leave the buffer before this
+        sidecars = self.steps_log.sidecars(self.step)  # object is cut: each step in one object
+        self.ckpt.save(self.state.capture(), self._manifest_base(), wait=wait, sidecars=sidecars)
+        blocked = time.perf_counter() - t0
+        self.since_ckpt = time.monotonic()
+        if self.tuner is not None:
+            self.tuner.saved(blocked)
+        return blocked
+
+    def _manifest_base(self) -> dict[str, Any]:
+        metrics = {k: v for k, v in (("loss", self.last_loss), ("best_loss", self.best)) if math.isfinite(v)}
+        return {
+            "step": self.step,
+            "spec_hash": self.spec.spec_hash(),
+            "shape_hash": self.spec.shape_hash(),
+            "world_size": self.ranks.world_size,
+            "metrics": metrics,
+        }
+
+    # ---- stopping ----
+
+    @property
+    def _stop_seen(self) -> bool:
+        """One process: its own stop request. Ranks: only what they agreed on (one rank acting on its
+        own flag would leave the others waiting in the next collective)."""
+        return self.stop_agreed if self.ranks.distributed else self.opts.stop.requested
+
+    def _stop_now(self) -> bool:
+        """Stop at this step boundary? As `_stop_seen`, except that a noticed single process trains on
+        through a handover first (trainer/handover.py)."""
+        if self.ranks.distributed:
+            return self.stop_agreed
+        if not self.opts.stop.requested:
+            return False
+        return self.gate.may_stop(
+            self.storage, self.step, lambda: self.gate.budget(self._cost(), self.last_step_s)
+        )
+
+    @property
+    def _stop_reason(self) -> str:
+        """This process's own reason; a rank that stopped on another's word says so."""
+        return self.opts.stop.reason or "a stop request of another rank"
+
+    def _cost(self) -> SaveCost:
+        nbytes = self.ckpt.history[-1].nbytes if self.ckpt.history else state_nbytes(self.state.capture())
+        return SaveCost.of(self.ckpt.bandwidth(), nbytes)
+
+    def _stopping(self) -> None:
+        """At the step boundary after a stop request: decide on the emergency checkpoint, report it."""
+        stop, self.stop_reported = self.opts.stop, True
+        reason = self._stop_reason
+        fields: dict[str, Any] = {"reason": reason, "step": self.step}
+        durable = self.ckpt.durable_step == self.step
+        if stop.deadline is not None:
+            self.plan = emergency_plan(
+                stop=stop,
+                cost=self._cost(),
+                durable=durable,
+                in_flight=self.ckpt.in_flight,
+                margin_s=self.spec.preemption.save_margin_s,
+                step=self.step,
+            )
+        self.plan = agreed_plan(self.plan, self.ranks)
+        if self.plan is not None:
+            fields |= {"save": self.plan.save, "save_reason": self.plan.reason, "deadline": stop.deadline}
+            log.warning(
+                "stop on %s at step %d: %s emergency checkpoint (%s)",
+                reason,
+                self.step,
+                "taking an" if self.plan.save else "skipping the",
+                self.plan.reason,
+            )
+        self.opts.reporter.emit("stopping", **fields)
+
+    @property
+    def _skip_save(self) -> bool:
+        return self.plan is not None and not self.plan.save
+
+    def finish(self, reason: str = "") -> None:
+        """End the run here as completed (early stopping): the final checkpoint and COMPLETED.json follow."""
+        log.info(
+            "finishing at step %d of %d%s", self.step, self.spec.total_steps, f": {reason}" if reason else ""
+        )
+        self.finished_early = self.should_stop = True
+
+    def _outcome(self) -> ExitCode:
+        if self._skip_save:  # even at total_steps: completion needs the final checkpoint durable
+            log.warning(
+                "stopped on %s at step %d without an emergency checkpoint; newest durable step: %s",
+                self._stop_reason,
+                self.step,
+                self.ckpt.durable_step,
+            )
+            return ExitCode.PREEMPTED
+        if self.step >= self.spec.total_steps or self.finished_early:
+            return ExitCode.COMPLETED
+        if self._stop_seen:
+            log.warning("stopped on %s at step %d; checkpoint durable", self._stop_reason, self.step)
+            return ExitCode.PREEMPTED
+        log.info(
+            "stopped at --max-steps (step %d of %d); checkpoint durable", self.step, self.spec.total_steps
+        )
+        return ExitCode.STOPPED
+
+    def close(self, evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> AttemptResult:
+        """The final (or max-steps, or emergency) checkpoint, synchronous: durable before the attempt
+        ends; then COMPLETED.json (with the promotion gate's evaluation) when the job is done."""
+        try:
+            # a stop that landed before the first step, or between two epochs, is reported here
+            if self._stop_seen and not self.stop_reported:
+                self._stopping()
+            # The one in flight lands first, so every rank sees the same durable step here.
+            self.ckpt.wait()
+            if self.ckpt.durable_step != self.step and not self._skip_save:
+                blocked = self.checkpoint(wait=True)
+                log.info("checkpoint at step %d durable after %.2fs", self.step, blocked)
+            self.ckpt.wait()
+        finally:
+            self.abandon()
+        code = self._outcome()
+        if (
+            code is ExitCode.COMPLETED and self.ranks.is_zero
+        ):  # the promotion gate's evaluation: after the loop
+            parts = parts_view(self, evaluate)
+            mark_completed(
+                self.storage, self.spec, self.step, evaluate_for_promotion(self.spec, parts, self.opts.cache)
+            )
+        return AttemptResult(
+            code,
+            self.step,
+            self._selection_step,
+            self.ckpt.durable_step,
+            resharded_from=self.resharded_from,
+            changes=self.changes,
+        )
+
+    def abandon(self) -> None:
+        """Close the checkpointer and the metrics file, with no final checkpoint (an error ended it)."""
+        if self._metrics:
+            self._metrics.close()
+            self._metrics = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if hasattr(self, "ckpt"):
+            self.ckpt.close()
