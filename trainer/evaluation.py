@@ -92,6 +92,8 @@ def _cannot_evaluate(spec: JobSpec, parts: Parts) -> str:
     if spec.distributed is not None:  # rank 0 alone calling a wrapped model would wait on the others
         return "the job is distributed; evaluation runs in single-process jobs only"
     if parts.evaluate is None:
+        if spec.entrypoint is not None:
+            return f"entrypoint {spec.entrypoint} passes no evaluate to spotrun.session(evaluate=...)"
         return f"recipe {spec.recipe} defines no evaluate (trainer/recipes: Parts.evaluate)"
     return ""
 
