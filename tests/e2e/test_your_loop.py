@@ -16,8 +16,9 @@ import torch
 import yaml
 
 from tests.e2e.test_flow import run_flow, schedule
-from tests.trainer_runs import assert_states_equal, losses, trainer
+from tests.trainer_runs import assert_sharded_equal, assert_states_equal, losses, trainer
 from trainer.ckpt_format import step_dir
+from trainer.exitcodes import ExitCode
 from trainer.spec import JobSpec
 
 pytestmark = pytest.mark.slow
@@ -75,3 +76,33 @@ def test_the_docs_loop_survives_two_kills_and_a_notice_bitwise(
     workers = list((home / "jobs" / spec.name / "workers").glob("*/metrics.jsonl"))
     assert len(workers) == 1
     assert losses(workers[0].parent) == losses(reference)  # every step's loss, the replayed ones too
+
+
+def test_the_docs_loop_under_ddp_falls_back_past_a_corrupted_checkpoint_bitwise(
+    tmp_path: Path, your_loop: Path
+) -> None:
+    """Two ranks (gloo), rank 1 SIGKILLed after step 33; the newest checkpoint's shard then goes bad, and
+    the next attempt resumes from the one before it and still ends bitwise."""
+    doc: dict[str, Any] = yaml.safe_load(doc_block("name: blobs"))
+    doc |= {"total_steps": 60, "checkpoint": {"every_steps": 10, "keep": 3}, "tracking": {"mlflow": False}}
+    doc |= {"distributed": {"nproc_per_node": 2, "strategy": "ddp"}, "batch_size": 16}
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+    (tmp_path / "job.yaml").write_text(json.dumps(doc))
+    reference, store = tmp_path / "reference", tmp_path / "store"
+    reference.mkdir()
+    r = trainer(tmp_path / "job.yaml", str(reference / "store"), reference, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = trainer(tmp_path / "job.yaml", str(store), tmp_path, "--inject-fault", "sigkill@33:1", env=env)
+    assert r.returncode == ExitCode.CRASHED, r.stderr[-3000:]
+    newest = max(store.glob("step_*"))
+    for shard in newest.glob("*.distcp"):
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    fresh = ["--cache", str(tmp_path / "fresh-cache")]  # no local copy: the damaged bytes are all there is
+    r = trainer(tmp_path / "job.yaml", str(store), tmp_path, *fresh, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (started,) = [json.loads(x[len("@spotrun ") :]) for x in r.stdout.splitlines() if '"kind":"started"' in x]
+    assert started["resumed_from"] < int(newest.name.removeprefix("step_")), started
+    assert_sharded_equal(store / step_dir(60), reference / "store" / step_dir(60), tmp_path)
+    assert losses(tmp_path) == losses(reference) and len(losses(reference)) == 60
