@@ -16,14 +16,11 @@ waits for the copy (nothing else writes them).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -36,24 +33,20 @@ from trainer.exitcodes import ExitCode
 from trainer.interval import Choice, IntervalTuner
 from trainer.metrics_log import MetricsLog
 from trainer.preemption import SavePlan
-from trainer.resume import Restored, durable_here, load_state, mark_completed, select_together
-from trainer.session.options import AttemptOptions, AttemptResult, rank_seed, seed_everything
+from trainer.resume import Restored, mark_completed
+from trainer.session.options import AttemptOptions, AttemptResult
 from trainer.session.parts import (
     Meter,
     NoScheduler,
     TrainerPart,
-    drop_lost_metrics,
     handover_options,
     parts_view,
-    prior_cost_s,
 )
 from trainer.session.stopping import HandoverGate, SaveCost, agreed_plan, emergency_plan
-from trainer.spec import Change, JobSpec, describe_changes
-from trainer.state import RngState, state_nbytes, update_only_views
+from trainer.spec import Change, JobSpec
+from trainer.state import RngState, state_nbytes
 from trainer.stateful import Registry, Stateful
 from trainer.storage import Storage
-from trainer.validate import Expectation
-from trainer.warm_start import warm_start
 
 if TYPE_CHECKING:
     from trainer import sharded
@@ -121,159 +114,13 @@ class Session:
         held |= {"rng": RngState(device), "trainer": TrainerPart(self)}
         self.state = Registry(self.ranks.rank, held, self.extra, sharded=spec.distributed is not None)
 
-    # ---- opening: the resume ----
-
     def open(self) -> Session:
         """Claim the storage, choose and load the resume point (the RNG waits for the first batch), warm
-        start at step 0, report where training starts from."""
-        spec, opts, ranks = self.spec, self.opts, self.ranks
-        if opts.claim is not None:
-            if opts.prewarmed:  # the first optimizer step imports torch._dynamo: 0.8 s, paid while waiting
-                importlib.import_module("torch._dynamo")  # `import torch._dynamo` here would shadow torch
-            self.storage = opts.claim()  # resume and publish only through the storage this trainer holds
-        self.steps_log = MetricsLog(self.storage if ranks.is_zero else None)
-        selection = select_together(self.storage, opts.cache, self._expectation(), opts.resume_from, ranks)
-        if ranks.is_zero:
-            source = opts.resume_from.storage if opts.resume_from is not None else None
-            log.info(
-                selection.describe(
-                    source.uri if source is not None else self.storage.uri, into=self.storage.uri
-                )
-            )
-        if selection.world_size is not None:
-            self.resharded_from = self._reshard(selection.world_size)
-        self.ckpt = self._checkpointer(durable_here(selection, opts.resume_from))
-        for opt in [
-            self.optimizer,
-            *(p for p in self.extra.values() if isinstance(p, torch.optim.Optimizer)),
-        ]:
-            self._hooks.append(opt.register_step_pre_hook(self._before_update))
-        if selection.path is not None:
-            self._pending = self._restore(selection.path)
-        else:  # step 0: a warm start's source, never once the run has its own checkpoint
-            started = warm_start(spec, parts_view(self), opts.cache)
-            self.warm_start = started.to_json() if started is not None else None
-        if self.changes and ranks.is_zero:
-            log.warning(
-                "resuming step %d with changed training settings (%s), as resume.allow_changes allows: from "
-                "here on the run is not bitwise equal to an uninterrupted one; the change is recorded in "
-                "every checkpoint from now on",
-                self.step,
-                describe_changes(self.changes),
-            )
-        if ranks.is_zero:
-            drop_lost_metrics(self.storage, self.step)
-        torch.set_num_threads(self.threads)  # BLAS results differ bitwise across thread counts
-        self.end = (
-            spec.total_steps if opts.max_steps is None else min(spec.total_steps, self.step + opts.max_steps)
-        )
-        self.resumed_from, self._selection_step = selection.step, selection.step
-        opts.reporter.emit(
-            "started",
-            resumed_from=selection.step,
-            checkpoint=selection.uri,
-            rejected=selection.rejected_records(),
-            step=self.step,
-            total_steps=spec.total_steps,
-            resharded_from=self.resharded_from,
-            changes=[c.as_dict() for c in self.changes] or None,
-            warm_start=self.warm_start,
-        )
-        self._begin()
+        start at step 0, report where training starts from (trainer/session/opening.py)."""
+        from trainer.session.opening import open_session
+
+        open_session(self)
         return self
-
-    def _expectation(self) -> Expectation:
-        spec, ranks = self.spec, self.ranks
-        return replace(
-            Expectation.from_registry(self.state, spec.shape_hash(ranks.world_size)),
-            shape_hash_at=spec.shape_hash,
-            world_size=ranks.world_size,
-            allow_reshard=spec.distributed is not None and spec.distributed.allow_reshard,
-            spec=spec.model_dump(mode="json"),
-            shape_args=self.shape_args,
-            allow_changes=spec.resume.allow_changes,
-        )
-
-    def _checkpointer(self, durable: int | None) -> Checkpointer | sharded.ShardedCheckpointer:
-        spec, opts = self.spec, self.opts
-        pin = self.device.type == "cuda"
-        if spec.distributed is not None:
-            from trainer.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
-
-            return ShardedCheckpointer(
-                self.storage,
-                opts.cache,
-                spec.checkpoint.keep,
-                self.state,
-                self.ranks,
-                spec.checkpoint.async_upload,
-                pin_memory=pin,
-                durable_step=durable,
-                on_durable=self._durable,
-                strategy=self.ranks.strategy,
-            )
-        return Checkpointer(
-            self.storage,
-            opts.cache,
-            spec.checkpoint.keep,
-            spec.checkpoint.async_upload,
-            pin_memory=pin,
-            durable_step=durable,
-            on_durable=self._durable,
-            update_only=lambda: update_only_views(self.model, self.optimizer),
-        )
-
-    def _durable(self, step: int, sidecars_written: bool) -> None:  # the writer thread, after `latest` moved
-        self.steps_log.written(step, sidecars_written)  # (or the loop, for a synchronous save)
-        self.opts.reporter.emit("durable", step=step)
-
-    def _reshard(self, saved_world: int) -> int | None:
-        """Resume a checkpoint of `saved_world` ranks on this many (validation allowed it): keep the
-        global batch, so the position (batches done in the epoch) still counts the same samples."""
-        world = self.ranks.world_size
-        if saved_world == world:
-            return None
-        global_batch = self.spec.batch_size * saved_world
-        if global_batch % world:
-            raise ConfigError(
-                f"cannot reshard {saved_world}->{world} ranks: the global batch {global_batch} "
-                f"({self.spec.batch_size} x {saved_world}) does not divide by {world}; "
-                "use a world size that divides it"
-            )
-        self.batch_size = global_batch // world
-        if self.ranks.is_zero:
-            log.warning(
-                "resharded %d->%d ranks (not bitwise): global batch %d kept, %d per rank; "
-                "RNG re-derived per rank",
-                saved_world,
-                world,
-                global_batch,
-                self.batch_size,
-            )
-        return saved_world
-
-    def _restore(self, path: Path) -> Restored:
-        """Load every part but the RNG, which waits for the data iterator. A resharded resume re-derives
-        each rank's RNG from (seed, rank, step) instead."""
-        if self.state.sharded:
-            from trainer.sharded import load_sharded
-
-            load_sharded(path, self.state, self.ranks)
-        restored = load_state(path, self.state, skip=("rng",) if self.resharded_from is not None else ())
-        if self.resharded_from is not None:
-            seed_everything(rank_seed(self.spec.seed + self.step, self.ranks.rank))
-        return restored
-
-    def _begin(self) -> None:
-        self.model.train()
-        if self.spec.checkpoint.every == "auto":
-            mtbf = self.opts.mtbf_s or self.spec.checkpoint.mtbf_prior_s
-            self.tuner = IntervalTuner(mtbf, prior_cost_s(self.model))
-            self._report_interval(self.tuner.choice)
-        path = self.opts.metrics_path
-        self._metrics = open(path, "a") if path else None  # noqa: SIM115 (closed in close())
-        self._meter = Meter(self.step, quiet=not self.ranks.is_zero)
-        self._t_step = time.perf_counter()
 
     # ---- the data and the RNG ----
 
