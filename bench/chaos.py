@@ -37,7 +37,6 @@ controller episodes. Prints progress and a per-kind table; the last line is one 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import itertools
 import json
@@ -64,6 +63,7 @@ import yaml  # noqa: E402
 
 from bench import chaos_checks as checks  # noqa: E402
 from bench import chaos_controller  # noqa: E402
+from bench.chaos_checks import Tally  # noqa: E402
 from bench.chaos_hook import PHASES, PLAN_ENV, install  # noqa: E402
 from tasks.attempts import AttemptRecord, Outcome  # noqa: E402
 from tasks.history import HistoryStore  # noqa: E402
@@ -86,34 +86,6 @@ CONTROLLER_EVERY = 4  # episodes; a controller kill costs seconds (3.4 s of impo
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-
-
-@dataclass
-class Tally:
-    faults: collections.Counter[str] = field(default_factory=collections.Counter)
-    bad_resumes: int = 0
-    unreadable_latest: int = 0
-    lost_history_rows: int = 0
-    leaked_processes: int = 0
-    duplicate_writers: int = 0
-    bad_adoptions: int = 0
-    lost_steps: list[int] = field(default_factory=list)
-    attempts: int = 0
-    episodes: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    def bad(self, what: str) -> None:
-        self.problems.append(what)
-        say(f"  VIOLATION {what}")
-
-    def summary(self) -> dict[str, Any]:
-        mean = sum(self.lost_steps) / len(self.lost_steps) if self.lost_steps else 0.0
-        return {
-            "faults": sum(self.faults.values()), "bad_resumes": self.bad_resumes,
-            "unreadable_latest": self.unreadable_latest, "lost_history_rows": self.lost_history_rows,
-            "leaked_processes": self.leaked_processes, "duplicate_writers": self.duplicate_writers,
-            "bad_adoptions": self.bad_adoptions, "mean_lost_steps": round(mean, 2),
-        }  # fmt: skip
 
 
 class S3Chaos:

@@ -2,7 +2,7 @@
 
 Pure functions (`interleaved_writers`, `history_gaps`, `bad_adoptions`) are driven by tables in the
 suite; the rest read storage and /proc. Every check uses its own storage client straight to moto, never
-the fault proxy.
+the fault proxy. `Tally` counts the faults and the violations.
 """
 
 from __future__ import annotations
@@ -11,11 +11,42 @@ import collections
 import json
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.catalog import Catalog
 from trainer.storage import Storage
+
+
+@dataclass
+class Tally:
+    """The campaign's counts: faults injected by kind, and each invariant's violations."""
+
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    bad_resumes: int = 0
+    unreadable_latest: int = 0
+    lost_history_rows: int = 0
+    leaked_processes: int = 0
+    duplicate_writers: int = 0
+    bad_adoptions: int = 0
+    lost_steps: list[int] = field(default_factory=list)
+    attempts: int = 0
+    episodes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def bad(self, what: str) -> None:
+        self.problems.append(what)
+        print(f"  VIOLATION {what}", flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        mean = sum(self.lost_steps) / len(self.lost_steps) if self.lost_steps else 0.0
+        return {
+            "faults": sum(self.faults.values()), "bad_resumes": self.bad_resumes,
+            "unreadable_latest": self.unreadable_latest, "lost_history_rows": self.lost_history_rows,
+            "leaked_processes": self.leaked_processes, "duplicate_writers": self.duplicate_writers,
+            "bad_adoptions": self.bad_adoptions, "mean_lost_steps": round(mean, 2),
+        }  # fmt: skip
 
 
 def interleaved_writers(pids: Iterable[int]) -> int:

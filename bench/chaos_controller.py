@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,7 +44,29 @@ from bench import chaos_checks as checks  # noqa: E402
 from bench.chaos_hook import PHASES, PLAN_ENV  # noqa: E402
 
 if TYPE_CHECKING:
-    from bench.chaos import Campaign
+    import random
+
+    from tasks.history import HistoryStore
+    from trainer.spec import JobSpec
+
+
+class Campaign(Protocol):
+    """What an episode uses of the campaign (bench/chaos.py's `Campaign`, which imports this module)."""
+
+    bucket: str
+    moto: str
+    python: Path
+    rng: random.Random
+    tally: checks.Tally
+
+    def job(self, n: int) -> tuple[JobSpec, Path]: ...
+
+    def s3_chaos(self) -> contextlib.AbstractContextManager[object]: ...
+
+    def finish(
+        self, n: int, ep: Path, history: HistoryStore | None, run_id: str, written: list[int]
+    ) -> None: ...
+
 
 WHERES = ("start", "train", "save", "between")
 CONTROLLER_TIMEOUT_S = 240.0  # a job here trains in well under a minute; beyond this it hangs

@@ -61,6 +61,7 @@ def main() -> None:
 def _wrap(plan: dict[str, Any]) -> None:
     import trainer.checkpointer as ck
     import trainer.ckpt_format as fmt
+    import trainer.publish as pub
     from trainer.storage import s3
 
     kill, disk, publog = plan.get("kill"), plan.get("disk"), plan.get("publog")
@@ -68,10 +69,15 @@ def _wrap(plan: dict[str, Any]) -> None:
              "publish": "write_latest", "retention": "apply_retention"}  # fmt: skip
     entries = dict.fromkeys(PHASES, 0)
     for phase, attr in names.items():
-        setattr(ck, attr, _counted(getattr(ck, attr), phase, entries, kill))
+        # the pipeline looks its phases up in publish.py, the writer thread its retention in
+        # checkpointer.py, and sharded.py imports verify_remote from checkpointer.py: one wrapper for all
+        wrapped = _counted(getattr(ck if phase == "retention" else pub, attr), phase, entries, kill)
+        for module in (pub, ck):
+            if hasattr(module, attr):
+                setattr(module, attr, wrapped)
     if disk is not None:
-        real = ck.write_checkpoint_dir
-        ck.write_checkpoint_dir = _disk_fault(real, fmt, int(disk["nth"]), getattr(errno, disk["errno"]))
+        real = pub.write_checkpoint_dir
+        pub.write_checkpoint_dir = _disk_fault(real, fmt, int(disk["nth"]), getattr(errno, disk["errno"]))
     if publog is not None:
         _log_writes(s3.S3Storage, Path(publog))
     if plan.get("resumes") is not None:

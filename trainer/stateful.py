@@ -38,7 +38,7 @@ from trainer.spec import describe_changes, spec_changes
 if TYPE_CHECKING:
     import torch
 
-    from trainer.ckpt_format import Manifest
+    from trainer.manifest import Manifest
     from trainer.spec import JobSpec
 
 Kind = Literal["integrity", "unverified", "structure", "content", "compat"]

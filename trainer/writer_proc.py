@@ -12,9 +12,9 @@ reused), so its `save` waits for the previous answer before it copies again.
 
 The writer runs at nice 10 with one torch thread, ignores SIGINT/SIGTERM (its parent decides when it
 stops: the emergency checkpoint at a notice must not die with the signal that asked for it), and gets
-SIGKILL when the parent dies (PR_SET_PDEATHSIG). It opens its own storage from a picklable opener
-(`opener_of`): a boto3 client cannot cross a process. Fencing is kept: writes go through a
-`FencedStorage` whose lease check reads the lease object (`lease.LeaseView`) before every write.
+SIGKILL when the parent dies (PR_SET_PDEATHSIG). It opens its own storage from a picklable opener the
+store gives (`opener_of`, `Reopenable`): a boto3 client cannot cross a process. Fencing is kept: writes go
+through a `FencedStorage` whose lease check reads the lease object (`lease.LeaseView`) before every write.
 
 Started with `python -m trainer.writer_proc FD`, not multiprocessing's spawn, which would import the
 trainer's `__main__` module (the whole training stack) in the child.
@@ -32,7 +32,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 
 from trainer.errors import CheckpointError, LeaseLost
 from trainer.parent_death import arm_pdeathsig
-from trainer.storage import LocalStorage, Storage
+from trainer.storage import Reopenable, Storage
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class Init:
 class Job:
     structure: Any  # Registry.capture() with a shm.Slot per tensor
     base: dict[str, Any]  # the manifest's fields but files
-    sidecars: dict[str, bytes]  # written before the manifest (checkpointer.put_sidecars)
+    sidecars: dict[str, bytes]  # written before the manifest (publish.put_sidecars)
 
 
 @dataclass(frozen=True)
@@ -88,9 +87,9 @@ class Failed:
 
 
 def opener_of(storage: Any) -> tuple[Opener, tuple[str, int] | None] | None:
-    """A picklable way to open `storage` again in another process, and the lease's fencing token that
-    fences it; None for a storage that cannot be reopened (a test double): its checkpoints stay in a
-    thread."""
+    """A picklable way to open `storage` again in another process (the store's own answer,
+    `Reopenable.reopener`), and the lease's fencing token that fences it; None for a storage that cannot
+    be reopened (a test double, an in-memory store): its checkpoints stay in a thread."""
     from trainer.lease import FencedStorage, Lease
 
     fence = None
@@ -98,14 +97,8 @@ def opener_of(storage: Any) -> tuple[Opener, tuple[str, int] | None] | None:
         if not isinstance(storage.lease, Lease):
             return None
         fence, storage = storage.lease.doc.fence, storage.inner
-    if type(storage) is LocalStorage:
-        return partial(LocalStorage, storage.root), fence
-    opts = getattr(storage, "opts", None)
-    if type(storage).__name__ == "S3Storage" and opts is not None:
-        from trainer.storage import open_storage
-
-        return partial(open_storage, storage.uri, opts), fence
-    return None
+    opener = storage.reopener() if isinstance(storage, Reopenable) else None
+    return None if opener is None else (opener, fence)
 
 
 class WriterProcess:
@@ -188,7 +181,7 @@ class _Writer:
 
     def run(self, job: Job) -> Done:
         from trainer.catalog import apply_retention, prune_local
-        from trainer.checkpointer import persist
+        from trainer.publish import persist
         from trainer.shm import rebuild
 
         if self.buf is None:

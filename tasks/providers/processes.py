@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Protocol, TypeVar
+from typing import IO, Protocol, TypeVar, runtime_checkable
 
 PR_SET_PDEATHSIG = 1
 
@@ -26,13 +26,19 @@ class Proc(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+@runtime_checkable
+class SaysExited(Protocol):
+    """A process that is not this process's child (a fork server's, fork_server.ForkedProcess): it says
+    itself whether it exited, where `waitid` cannot."""
+
+    def exited(self) -> bool: ...
+
+
 def exited(proc: Proc) -> bool:
     """Whether the trainer has exited, without reaping it (WNOWAIT)."""
     if proc.returncode is not None:
         return True
-    from tasks.providers.fork_server import ForkedProcess  # it imports this module
-
-    if isinstance(proc, ForkedProcess):
+    if isinstance(proc, SaysExited):
         return proc.exited()
     try:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

@@ -1,10 +1,13 @@
-"""One contract for every storage backend (a local directory, S3 on moto), then S3's failure modes."""
+"""One contract for every storage backend (a local directory, S3 on moto, and an in-memory store the
+tests add through the registry: one module and one line), then the registry, then S3's failure modes."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +19,22 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 
+from tests.fakes.memory_store import MemoryStorage
 from tests.servers import Fault, FaultProxy
-from trainer.errors import PreconditionFailed, StorageError, TransientStorageError
+from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.spec import S3Options
-from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes, sha256_of
+from trainer.storage import (
+    Backend,
+    LocalStorage,
+    Storage,
+    check_uri,
+    get_bytes,
+    open_storage,
+    put_bytes,
+    register_backend,
+    sha256_of,
+    unregister_backend,
+)
 from trainer.storage.local import TMP_MARK
 from trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
 
@@ -28,11 +43,20 @@ PREFIX = "runs/job-1"
 
 
 @dataclass
-class Backend:
+class Contract:
     storage: Storage
     make_partial: Callable[[str], None]  # leave an unfinished write behind under this key
     partials: Callable[[], int]  # how many unfinished writes exist
     partial_ages_real: bool  # moto reports every multipart upload as initiated on 2010-11-10
+    vouches: bool = False  # checks the bytes on receipt (S3's checksums): `checked_size` answers
+
+
+@pytest.fixture
+def memory_scheme() -> Iterator[None]:
+    """`memory://NAME` opens an in-memory store (tests/fakes/memory_store.py) while a test runs."""
+    register_backend(Backend("memory", "tests.fakes.memory_store", "memory://name"))
+    yield
+    unregister_backend("memory")
 
 
 def s3_storage(
@@ -47,8 +71,13 @@ def s3_storage(
     return S3Storage(client, bucket, PREFIX, o, retry_base_delay=0.01)
 
 
-@pytest.fixture(params=["local", "s3"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+@pytest.fixture(params=["local", "s3", "memory"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Contract:
+    if request.param == "memory":
+        request.getfixturevalue("memory_scheme")
+        memory = open_storage(f"memory://{tmp_path.name}")
+        assert isinstance(memory, MemoryStorage)
+        return Contract(memory, memory.begin_write, lambda: len(memory.bucket.pending), True)
     if request.param == "local":
         root = tmp_path / "store"
         local = LocalStorage(root)
@@ -58,7 +87,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
             p.parent.mkdir(parents=True, exist_ok=True)
             (p.parent / f"{TMP_MARK}{p.name}.0123abcd").write_bytes(b"half a checkpoint")
 
-        return Backend(local, make_local_partial, lambda: len(list(root.rglob(f"{TMP_MARK}*"))), True)
+        return Contract(local, make_local_partial, lambda: len(list(root.rglob(f"{TMP_MARK}*"))), True)
 
     endpoint, bucket = request.getfixturevalue("s3_bucket")
     session = request.getfixturevalue("boto_session")
@@ -73,7 +102,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     def s3_partials() -> int:
         return len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
-    return Backend(s3_storage(endpoint, bucket, session), make_s3_partial, s3_partials, False)
+    return Contract(s3_storage(endpoint, bucket, session), make_s3_partial, s3_partials, False, vouches=True)
 
 
 def write_random(path: Path, size: int) -> Path:
@@ -89,11 +118,11 @@ def sha(path: Path) -> str:
 # -- the contract ---------------------------------------------------------------------------------
 
 
-def test_satisfies_protocol(backend: Backend) -> None:
+def test_satisfies_protocol(backend: Contract) -> None:
     assert isinstance(backend.storage, Storage)
 
 
-def test_put_get_round_trip(backend: Backend, tmp_path: Path) -> None:
+def test_put_get_round_trip(backend: Contract, tmp_path: Path) -> None:
     src = write_random(tmp_path / "src.bin", 300_000)
     backend.storage.put("step-10/model.safetensors", src)
     dst = tmp_path / "out" / "model.safetensors"
@@ -103,7 +132,7 @@ def test_put_get_round_trip(backend: Backend, tmp_path: Path) -> None:
     assert os.listdir(dst.parent) == ["model.safetensors"]  # no temp file left beside it
 
 
-def test_put_replaces_whole_object(backend: Backend, tmp_path: Path) -> None:
+def test_put_replaces_whole_object(backend: Contract, tmp_path: Path) -> None:
     a, b = write_random(tmp_path / "a", 200_000), write_random(tmp_path / "b", 1000)
     backend.storage.put("latest", a)
     backend.storage.put("latest", b)
@@ -115,7 +144,7 @@ def test_put_replaces_whole_object(backend: Backend, tmp_path: Path) -> None:
     assert dst.read_bytes() == b.read_bytes()
 
 
-def test_read_streams_in_chunks(backend: Backend, tmp_path: Path) -> None:
+def test_read_streams_in_chunks(backend: Contract, tmp_path: Path) -> None:
     src = write_random(tmp_path / "src", 5 * MB + 17)
     backend.storage.put("big", src)
     stream = backend.storage.read("big")
@@ -125,7 +154,7 @@ def test_read_streams_in_chunks(backend: Backend, tmp_path: Path) -> None:
     assert b"".join(chunks) == src.read_bytes()
 
 
-def test_list_prefix_sizes_and_times(backend: Backend) -> None:
+def test_list_prefix_sizes_and_times(backend: Contract) -> None:
     t0 = time.time()
     for key, n in [("a/1", 1), ("a/2", 2), ("b/1", 3), ("ab", 4)]:
         put_bytes(backend.storage, key, b"x" * n)
@@ -138,7 +167,7 @@ def test_list_prefix_sizes_and_times(backend: Backend) -> None:
     assert all(t0 - 2 <= o.mtime <= time.time() + 2 for o in everything)
 
 
-def test_delete_ignores_missing_keys(backend: Backend) -> None:
+def test_delete_ignores_missing_keys(backend: Contract) -> None:
     for key in ("s1/a", "s1/b", "s2/a"):
         put_bytes(backend.storage, key, b"data")
     backend.storage.delete(["s1/a", "s1/b", "never/existed"])
@@ -146,7 +175,7 @@ def test_delete_ignores_missing_keys(backend: Backend) -> None:
     assert [o.key for o in backend.storage.list()] == ["s2/a"]
 
 
-def test_missing_key_is_file_not_found(backend: Backend, tmp_path: Path) -> None:
+def test_missing_key_is_file_not_found(backend: Contract, tmp_path: Path) -> None:
     dst = tmp_path / "dl" / "x"
     with pytest.raises(FileNotFoundError):
         backend.storage.get("nope", dst)
@@ -158,7 +187,7 @@ def test_missing_key_is_file_not_found(backend: Backend, tmp_path: Path) -> None
     assert not (dst.parent.exists() and os.listdir(dst.parent))
 
 
-def test_large_file_round_trip(backend: Backend, tmp_path: Path) -> None:
+def test_large_file_round_trip(backend: Contract, tmp_path: Path) -> None:
     src = write_random(tmp_path / "big", 12 * MB + 123)  # three 5 MB parts on S3
     backend.storage.put("ckpt/big.bin", src)
     dst = tmp_path / "big.out"
@@ -166,7 +195,7 @@ def test_large_file_round_trip(backend: Backend, tmp_path: Path) -> None:
     assert sha(dst) == sha(src)
 
 
-def test_cleanup_incomplete_removes_old_partials(backend: Backend) -> None:
+def test_cleanup_incomplete_removes_old_partials(backend: Contract) -> None:
     put_bytes(backend.storage, "step-1/done", b"ok")
     backend.make_partial("step-2/model.bin")
     assert backend.partials() == 1
@@ -179,7 +208,7 @@ def test_cleanup_incomplete_removes_old_partials(backend: Backend) -> None:
     assert [o.key for o in backend.storage.list()] == ["step-1/done"]
 
 
-def test_bytes_helpers(backend: Backend) -> None:
+def test_bytes_helpers(backend: Contract) -> None:
     put_bytes(backend.storage, "meta/manifest.json", b'{"step": 3}')
     assert get_bytes(backend.storage, "meta/manifest.json") == b'{"step": 3}'
     assert sha256_of(backend.storage, "meta/manifest.json") == (
@@ -193,7 +222,7 @@ def test_bytes_helpers(backend: Backend) -> None:
 # -- conditional writes (the storage lease) --------------------------------------------------------
 
 
-def test_put_if_absent_creates_once(backend: Backend) -> None:
+def test_put_if_absent_creates_once(backend: Contract) -> None:
     store = backend.storage
     v1 = store.put_if("_lease.json", b"first", if_version=None)
     with pytest.raises(PreconditionFailed):
@@ -202,7 +231,7 @@ def test_put_if_absent_creates_once(backend: Backend) -> None:
     assert [o.key for o in store.list()] == ["_lease.json"]  # no lock or temp file shows
 
 
-def test_put_if_version_is_compare_and_swap(backend: Backend) -> None:
+def test_put_if_version_is_compare_and_swap(backend: Contract) -> None:
     store = backend.storage
     v1 = store.put_if("_lease.json", b"one", if_version=None)
     v2 = store.put_if("_lease.json", b"two", if_version=v1)
@@ -215,7 +244,7 @@ def test_put_if_version_is_compare_and_swap(backend: Backend) -> None:
         store.put_if("_lease.json", b"three", if_version=v2)
 
 
-def test_put_if_version_on_a_missing_key_fails(backend: Backend) -> None:
+def test_put_if_version_on_a_missing_key_fails(backend: Contract) -> None:
     with pytest.raises(PreconditionFailed):
         backend.storage.put_if("nothing-here", b"x", if_version="0123abcd")
     with pytest.raises(FileNotFoundError):
@@ -223,7 +252,7 @@ def test_put_if_version_on_a_missing_key_fails(backend: Backend) -> None:
     assert backend.storage.list() == []
 
 
-def test_read_stamped_gives_the_age_by_the_stores_clock(backend: Backend) -> None:
+def test_read_stamped_gives_the_age_by_the_stores_clock(backend: Contract) -> None:
     store = backend.storage
     v1 = store.put_if("_lease.json", b"one", if_version=None)
     stamped = store.read_stamped("_lease.json")
@@ -234,7 +263,7 @@ def test_read_stamped_gives_the_age_by_the_stores_clock(backend: Backend) -> Non
     assert [o.key for o in store.list()] == ["_lease.json"]  # reading the clock left nothing to list
 
 
-def test_put_if_one_of_racing_writers_wins(backend: Backend) -> None:
+def test_put_if_one_of_racing_writers_wins(backend: Contract) -> None:
     if isinstance(backend.storage, S3Storage):
         pytest.skip("moto checks If-Match and then writes without a lock (AWS S3 is atomic): it races")
     store = backend.storage
@@ -251,6 +280,46 @@ def test_put_if_one_of_racing_writers_wins(backend: Backend) -> None:
         won = list(pool.map(swap, range(1, 9)))
     assert won.count(True) == 1
     assert store.read_versioned("_lease.json")[0] == str(won.index(True) + 1).encode()
+
+
+# -- the registry --------------------------------------------------------------------------------
+
+
+def test_a_backend_is_one_module_and_one_registry_line(memory_scheme: None, tmp_path: Path) -> None:
+    """Through the registry: a name opened again sees the same objects, a reader's missing store is one
+    line, messages list the new form; another process cannot open it, so its checkpoints stay in a
+    thread (the store says so: `reopener`)."""
+    from trainer.writer_proc import opener_of
+
+    store = open_storage("memory://registry")
+    put_bytes(store, "k", b"v")
+    assert get_bytes(open_storage("memory://registry", create=False), "k") == b"v"
+    with pytest.raises(ConfigError, match="no in-memory store"):
+        open_storage("memory://never", create=False)
+    with pytest.raises(ValueError, match=r"use a path, file:///dir, s3://bucket/prefix or memory://name$"):
+        check_uri("gs://b/p")
+    assert opener_of(store) is None and opener_of(LocalStorage(tmp_path)) is not None
+
+
+def test_a_scheme_without_its_line_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as refused:
+        open_storage("memory://x")
+    assert str(refused.value) == (
+        "unsupported scheme in 'memory://x': use a path, file:///dir or s3://bucket/prefix"
+    )
+
+
+def test_a_local_store_loads_no_other_backend(tmp_path: Path) -> None:
+    """Backends are imported on their scheme's first open: a directory never loads boto3."""
+    code = (
+        "import sys; from trainer.storage import open_storage; open_storage(sys.argv[1]); "
+        "print(sorted(m for m in sys.modules if m.startswith(('boto', 'trainer.storage.s3'))))"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store")], capture_output=True, text=True, cwd=repo
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, "[]"), run.stderr
 
 
 # -- S3 only --------------------------------------------------------------------------------------
@@ -438,7 +507,7 @@ def test_open_storage_maps_s3_uri(s3_bucket: tuple[str, str]) -> None:
     assert get_bytes(storage, "via-uri") == b"1"
 
 
-def test_confirm_stored_checks_what_was_written(backend: Backend, tmp_path: Path) -> None:
+def test_confirm_stored_checks_what_was_written(backend: Contract, tmp_path: Path) -> None:
     """After a put, `confirm_stored` accepts the object by its size and the backend's check on receipt
     (S3: a checksum S3 verified; a HEAD, no download) or its digest read back (local); a wrong size or
     digest is named; a missing object is FileNotFoundError."""
@@ -451,15 +520,14 @@ def test_confirm_stored_checks_what_was_written(backend: Backend, tmp_path: Path
         digest = digest_file(src)
         assert confirm_stored(backend.storage, key, size, digest) is None
         assert confirm_stored(backend.storage, key, size + 1, digest) == f"stored size {size} != {size + 1}"
-    local = isinstance(backend.storage, LocalStorage)
-    assert backend.storage.checked_size("ckpt/small.bin") == (None if local else 1000)
-    if local:  # nothing vouches for a local copy: its digest is compared
+    assert backend.storage.checked_size("ckpt/small.bin") == (1000 if backend.vouches else None)
+    if not backend.vouches:  # nothing vouches for a local copy: its digest is compared
         assert confirm_stored(backend.storage, "ckpt/small.bin", 1000, "0" * 32) == "stored xxh3_128 differs"
     with pytest.raises(FileNotFoundError):
         backend.storage.checked_size("ckpt/nope.bin")
 
 
-def test_staging_and_adopt(backend: Backend, tmp_path: Path) -> None:
+def test_staging_and_adopt(backend: Contract, tmp_path: Path) -> None:
     """A directory store takes a checkpoint written in place (renamed, not copied), each writer in a
     new directory of its own; staging is never listed, and a killed writer's leftovers there go with
     cleanup_incomplete. An object store has no staging: its files are uploaded with put."""

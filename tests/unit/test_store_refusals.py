@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpointer import refused
 from trainer.errors import StorageError, TransientStorageError
+from trainer.publish import refused
 from trainer.sharded import Failed
 from trainer.storage import LocalStorage
 

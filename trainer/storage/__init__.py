@@ -1,13 +1,17 @@
-"""Storage backends and the one function that maps a URI to one of them."""
+"""Storage backends, and the one function that opens a URI with the backend its scheme is registered to
+(trainer/storage/registry.py: a new backend is one module plus one registry line)."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError
-from trainer.spec import S3Options
 from trainer.storage.base import (
     ObjectInfo,
+    Reopenable,
     Storage,
     confirm_stored,
     digest_of,
@@ -15,79 +19,70 @@ from trainer.storage.base import (
     put_bytes,
     sha256_of,
 )
-from trainer.storage.local import LocalStorage
+from trainer.storage.local import LocalStorage, check_local_path
+from trainer.storage.registry import (
+    Backend,
+    check_uri,
+    checked_backend,
+    is_local,
+    register_backend,
+    unregister_backend,
+)
+
+if TYPE_CHECKING:
+    from trainer.spec import S3Options as S3Options
 
 __all__ = [
+    "Backend",
     "LocalStorage",
     "ObjectInfo",
+    "Reopenable",
     "Storage",
     "check_local_path",
     "check_uri",
     "confirm_stored",
     "digest_of",
     "get_bytes",
+    "is_local",
     "open_storage",
     "put_bytes",
+    "register_backend",
     "resolve_uri",
     "sha256_of",
+    "unregister_backend",
 ]
 
 
-def check_uri(uri: str) -> str:
-    """Return `uri` if it names a backend we have, else raise ValueError saying what forms work."""
-    if "://" in uri and not uri.startswith(("file://", "s3://")):
-        raise ValueError(f"unsupported scheme in {uri!r}: use a path, file:///dir or s3://bucket/prefix")
-    if uri.startswith("s3://") and not uri[len("s3://") :].partition("/")[0]:
-        raise ValueError(f"{uri!r} names no bucket: use s3://bucket/prefix")
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-    if uri.startswith("s3://") and not prefix.strip("/"):  # cleanup would abort the bucket's every upload
-        raise ValueError(f"{uri!r} is a whole bucket: give the job a prefix of its own, s3://{bucket}/JOB")
-    if not uri.removeprefix("file://"):
-        raise ValueError("empty storage path: use a directory, file:///dir or s3://bucket/prefix")
-    return uri
+def __getattr__(name: str) -> Any:
+    """`S3Options`, read here by tasks/run_retention.py, lives in the job spec (trainer/spec.py) for now."""
+    if name == "S3Options":
+        from trainer.spec import S3Options
+
+        return S3Options
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_uri(uri: str, home: Path) -> str:
     """A storage URI made independent of the current directory: a relative path (or `file://` with a
     relative path) is taken under `home` (SPOTRUN_HOME), so the same job file names the same checkpoints
-    from any directory; `~` expands; absolute paths and `s3://` are returned as they are."""
+    from any directory; `~` expands; absolute paths and object stores' URIs are returned as they are."""
     check_uri(uri)
-    if uri.startswith("s3://"):
+    if not is_local(uri):
         return uri
     path = Path(uri.removeprefix("file://")).expanduser()
     return str(path if path.is_absolute() else home / path)
 
 
-def check_local_path(uri: str) -> None:
-    """ConfigError, naming the file, when a local storage path or one of its parents is a file: said
-    before anything starts rather than by a worker that cannot create it."""
-    if uri.startswith("s3://"):
-        return
-    path = Path(uri.removeprefix("file://")).expanduser()
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                where = "is a file" if p == path else f"is under {p}, which is a file"
-                raise ConfigError(f"storage {path} {where}, not a directory: point storage at a directory")
-            return
-
-
-def open_storage(uri: str, s3: S3Options | None = None, create: bool = True) -> Storage:
-    """Map a storage URI to a backend: a path or file:// URI is local, s3://bucket/prefix is S3.
+def open_storage(uri: str, options: object = None, create: bool = True) -> Storage:
+    """Open the store `uri` names with its scheme's backend: a path or file:// URI is a local directory,
+    s3://bucket/prefix is S3. `options` are the backend's own (S3Options for s3://; None: defaults).
 
     With `create=False` (readers), a missing local directory is an error instead of being made."""
     try:
-        check_uri(uri)
+        backend = checked_backend(uri)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if uri.startswith("s3://"):
-        from trainer.storage.s3 import S3Storage, make_s3_client
-
-        bucket, _, prefix = uri[len("s3://") :].partition("/")
-        opts = s3 or S3Options()
-        return S3Storage(make_s3_client(opts), bucket, prefix, opts)
-    path = Path(uri.removeprefix("file://")).expanduser()
-    check_local_path(str(path))
-    if not create and not path.is_dir():
-        raise ConfigError(f"storage directory {path} does not exist; check the storage URI")
-    return LocalStorage(path)
+    factory: Callable[[str, object, bool], Storage] = getattr(
+        importlib.import_module(backend.module), backend.factory
+    )
+    return factory(uri, options, create)

@@ -10,18 +10,22 @@ trainer/lease.py): a version is an opaque string (S3's ETag, a content hash loca
 whose precondition no longer holds raises `PreconditionFailed` and changes nothing. `read_stamped`
 adds the object's age by the store's own clock, so that a machine judging another's lease never
 compares two machines' clocks.
+
+Optional capabilities beyond the core: `Reopenable` (another process can open the same store again:
+the checkpoint writer process's storage).
 """
 
 from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from trainer.digests import DIGEST, digest_chunks
+from trainer.storage.registry import backend_for
 
 CHUNK = 1 << 20
 
@@ -113,10 +117,21 @@ class Storage(Protocol):
         ...
 
 
+@runtime_checkable
+class Reopenable(Protocol):
+    """A store that another process can open again (the checkpoint writer process opens its own)."""
+
+    def reopener(self) -> Callable[[], Storage] | None:
+        """A picklable callable that opens this same store in another process; None when another
+        process could not (a test double whose behaviour a plain reopen would lose)."""
+        ...
+
+
 def normalize_uri(uri: str) -> str:
-    """One spelling per storage location: `s3://bucket/prefix` without a trailing '/', or an absolute
-    local path (relative paths resolve against the current directory)."""
-    if uri.startswith("s3://"):
+    """One spelling per storage location: an object store's URI (`s3://bucket/prefix`) without a trailing
+    '/', or an absolute local path (relative paths resolve against the current directory)."""
+    backend = backend_for(uri)
+    if backend is not None and not backend.local:
         return uri.rstrip("/")
     return str(Path(uri.removeprefix("file://")).expanduser().resolve())
 

@@ -9,12 +9,14 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.locks import flock_waiting
-from trainer.storage.base import CHUNK, ObjectInfo, Stamped
+from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
+from trainer.storage.registry import is_local
 
 TMP_MARK = ".spotrun-tmp-"
 # Under the root: checkpoints written in place by the writer, then renamed into their keys (adopt).
@@ -66,6 +68,31 @@ def copy_durable(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+def check_local_path(uri: str) -> None:
+    """ConfigError, naming the file, when a local storage path or one of its parents is a file: said
+    before anything starts rather than by a worker that cannot create it."""
+    if not is_local(uri):
+        return
+    path = Path(uri.removeprefix("file://")).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"is under {p}, which is a file"
+                raise ConfigError(f"storage {path} {where}, not a directory: point storage at a directory")
+            return
+
+
+def open_store(uri: str, options: object = None, create: bool = True) -> LocalStorage:
+    """The factory of the local scheme (trainer/storage/registry.py): a path or `file://` URI; no options.
+
+    With `create=False` (readers), a missing directory is an error instead of being made."""
+    path = Path(uri.removeprefix("file://")).expanduser()
+    check_local_path(str(path))
+    if not create and not path.is_dir():
+        raise ConfigError(f"storage directory {path} does not exist; check the storage URI")
+    return LocalStorage(path)
+
+
 class LocalStorage:
     """Objects are files under `root`; keys map to relative paths."""
 
@@ -112,6 +139,10 @@ class LocalStorage:
 
     def local_path(self, key: str) -> Path:
         return self._path(key)
+
+    def reopener(self) -> Callable[[], Storage] | None:
+        """`LocalStorage(root)` again; None for a subclass (a test double injecting faults)."""
+        return partial(LocalStorage, self.root) if type(self) is LocalStorage else None
 
     def staging(self) -> Path:
         """A new directory for one writer, on this directory's own file system, so that `adopt` is a

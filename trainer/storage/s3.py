@@ -31,7 +31,7 @@ from botocore.config import Config
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.redact import redact
 from trainer.spec import S3Options
-from trainer.storage.base import CHUNK, ObjectInfo, Stamped
+from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
 from trainer.storage.local import TMP_MARK
 
 if TYPE_CHECKING:
@@ -95,6 +95,16 @@ def make_s3_client(
     # shared by every client in the process.
     session = session or boto3.session.Session()
     return session.client("s3", endpoint_url=opts.endpoint_url, config=config)
+
+
+def open_store(uri: str, options: object = None, create: bool = True) -> S3Storage:
+    """The factory of `s3://bucket/prefix` (trainer/storage/registry.py), with `options` an S3Options
+    (None: the defaults); `create` is moot, a prefix exists once something is written under it."""
+    if options is not None and not isinstance(options, S3Options):
+        raise TypeError(f"s3:// storage takes S3Options, not {type(options).__name__}")
+    opts = options or S3Options()
+    bucket, _, prefix = uri.partition("://")[2].partition("/")
+    return S3Storage(make_s3_client(opts), bucket, prefix, opts)
 
 
 def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
@@ -201,6 +211,12 @@ class S3Storage:
 
     def _retry(self, fn: Callable[[], T]) -> T:
         return with_retries(fn, self.attempts, self.retry_base_delay)
+
+    def reopener(self) -> Callable[[], Storage] | None:
+        """Its URI and options opened again (a boto3 client cannot cross a process); None for a subclass."""
+        from trainer.storage import open_storage
+
+        return functools.partial(open_storage, self.uri, self.opts) if type(self) is S3Storage else None
 
     def put(self, key: str, src: Path) -> None:
         full = self._key(key)
