@@ -39,8 +39,9 @@ KNOWN_CYCLES = {
     "have spec.py import it from there",
     frozenset({"trainer.agent", "trainer.launch"}): "agent.py imports LOOPBACK and STORE_FD from launch.py, "
     "which forks into agent.run_forked; move the two constants to a module below both",
-    frozenset({"trainer.session.core", "trainer.session.parts"}): "work in progress: parts.py names "
-    "core.Session under TYPE_CHECKING; type it as a Protocol in parts.py (or move what it needs below both)",
+    frozenset({"trainer.session.core", "trainer.session.opening", "trainer.session.parts"}): "being built: "
+    "opening.py and parts.py name core.Session under TYPE_CHECKING, core.py calls opening.open_session; "
+    "give them a Protocol of what they use of a Session (in a module below the three)",
 }
 
 
