@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from trainer.storage import Storage
@@ -60,8 +61,11 @@ class MetricsLog:
         self._lr_next: dict[int, float] = {}  # step -> the rate set after it (kept for the buffered steps)
         self._lock = threading.Lock()
 
-    def record(self, step: int, loss: float, lr: float, lr_next: float) -> None:
-        """Step `step` trained at rate `lr` and got `loss`; the scheduler then set `lr_next`."""
+    def record(
+        self, step: int, loss: float, lr: float, lr_next: float, metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """Step `step` trained at rate `lr` and got `loss`; the scheduler then set `lr_next`. `metrics`:
+        the loop's own at this step (`s.step_done(loss, eval_loss=...)`), sent to MLflow once as well."""
         if self.storage is None:
             return
         now = time.time()
@@ -72,6 +76,8 @@ class MetricsLog:
             "loss": float(loss).hex(),
             "lr": float(lr).hex(),
         }
+        if metrics:
+            entry["m"] = {str(k): float(v).hex() for k, v in metrics.items()}
         if len(self._times) > 1:
             entry["sps"] = round((len(self._times) - 1) / max(now - self._times[0], 1e-9), 3)
         with self._lock:

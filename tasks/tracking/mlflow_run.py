@@ -204,6 +204,7 @@ class MlflowRun:
                     metrics.append(Metric("lr", s.lr, ms, s.step))
                 if s.steps_per_s is not None:
                     metrics.append(Metric("steps_per_s", s.steps_per_s, ms, s.step))
+                metrics += [Metric(name, value, ms, s.step) for name, value in s.metrics.items()]
             mark = str(chunk[-1].step)
             self.client.log_batch(self.ref.run_id, metrics=metrics, tags=[RunTag(THROUGH, mark)])
             self.through, self.tags[THROUGH] = chunk[-1].step, mark

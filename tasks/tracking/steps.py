@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.catalog import list_checkpoints
 from trainer.metrics_log import PREFIX, parse_metrics_key
@@ -29,6 +29,7 @@ class StepMetrics:
     lr: float | None = None
     steps_per_s: float | None = None
     lr_next: float | None = None  # the object's last step only: the rate set for the step after it
+    metrics: dict[str, float] = field(default_factory=dict)  # the loop's own (s.step_done(loss, **metrics))
 
 
 def parse_line(line: str) -> StepMetrics | None:
@@ -42,6 +43,7 @@ def parse_line(line: str) -> StepMetrics | None:
             lr=float.fromhex(d["lr"]) if "lr" in d else None,
             steps_per_s=float(d["sps"]) if "sps" in d else None,
             lr_next=float.fromhex(d["lr_next"]) if "lr_next" in d else None,
+            metrics={str(k): float.fromhex(v) for k, v in (d.get("m") or {}).items()},
         )
     except (ValueError, KeyError, TypeError):
         return None

@@ -122,7 +122,9 @@ def test_a_checkpoint_carries_each_step_once(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     log = MetricsLog(storage)
     for step in range(1, 8):
-        log.record(step, 1.0 / step, 1e-3 * step, 1e-3 * (step + 1))
+        log.record(
+            step, 1.0 / step, 1e-3 * step, 1e-3 * (step + 1), {"eval_loss": 0.1 / 3} if step == 3 else None
+        )
     first = log.sidecars(5)  # the checkpoint at 5; 6 and 7 come after it
     assert list(first) == [metrics_key(5)] and log.sidecars(5) == first  # nothing dropped before durable
     _store(storage, first, committed=5)
@@ -131,6 +133,7 @@ def test_a_checkpoint_carries_each_step_once(tmp_path: Path) -> None:
     got = read_steps(storage)
     assert sorted(got) == [1, 2, 3, 4, 5]
     assert got[3].loss == 1.0 / 3 and got[3].lr == 3e-3  # bitwise, through float.hex
+    assert got[3].metrics == {"eval_loss": 0.1 / 3} and got[4].metrics == {}  # the loop's own, bitwise
     assert got[5].lr_next == 6e-3 and got[4].lr_next is None  # the checkpoint step's next rate only
     assert got[1].steps_per_s is None and got[2].steps_per_s is not None
     _store(storage, log.sidecars(7), committed=7)

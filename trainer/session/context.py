@@ -104,9 +104,10 @@ class UserSession:
         """With your own data loader: call after making its iterator (the checkpoint's RNG applies then)."""
         self._s.start()
 
-    def step_done(self, loss: float | torch.Tensor | None = None) -> None:
-        """The step boundary, once per optimizer step: counts, records, checkpoints, sets should_stop."""
-        self._s.step_done(loss)
+    def step_done(self, loss: float | torch.Tensor | None = None, **metrics: float) -> None:
+        """The step boundary, once per optimizer step: counts, records (the loss and `metrics`, sent to
+        MLflow once), checkpoints when due, sets should_stop."""
+        self._s.step_done(loss, **metrics)
 
     def finish(self, reason: str = "") -> None:
         """End the job here as completed (early stopping)."""

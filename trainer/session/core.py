@@ -161,9 +161,10 @@ class Session:
             self._lr_at_step = float(optimizer.param_groups[0]["lr"])
         self.ckpt.fence()
 
-    def step_done(self, loss: float | torch.Tensor | None = None) -> None:
-        """One optimizer step is done: count it, record it, checkpoint when due, and set `should_stop`
-        when the job's end or a stop request (with its emergency checkpoint planned) is reached."""
+    def step_done(self, loss: float | torch.Tensor | None = None, **metrics: float) -> None:
+        """One optimizer step is done: count it, record it (its loss, learning rate and `metrics`, sent to
+        MLflow once), checkpoint when due, and set `should_stop` when the job's end or a stop request
+        (with its emergency checkpoint planned) is reached."""
         if self._pending is not None:
             log.warning("step_done before the first batch: call s.start() after making your data iterator")
             self.start()
@@ -181,7 +182,7 @@ class Session:
         self.last_step_s, self._t_step = now - self._t_step, now
         self._timed(self.last_step_s, self._beside_save)
         self.step += 1
-        self._record(agreed.loss if loss is not None else math.nan)
+        self._record(agreed.loss if loss is not None else math.nan, metrics)
         if self.opts.fault is not None:
             self.opts.fault.maybe_fire(self.step, self.ranks.rank)
         self.ckpt.check()  # a background failure stops training here, not later
@@ -196,13 +197,13 @@ class Session:
         self._beside_save = self.ckpt.in_flight
         self._t_step = time.perf_counter()
 
-    def _record(self, loss: float) -> None:
+    def _record(self, loss: float, metrics: dict[str, float]) -> None:
         lr_after = float(self.optimizer.param_groups[0]["lr"])
         lr = next((x for x in (self._lr_at_step, self._lr_before) if x is not None), lr_after)
         self._lr_at_step = self._lr_before = None
         if math.isfinite(loss):
             self.best, self.last_loss = min(self.best, loss), loss
-            self.steps_log.record(self.step, loss, lr, lr_after)
+            self.steps_log.record(self.step, loss, lr, lr_after, metrics)
             if self._metrics:
                 self._metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                 self._metrics.flush()
