@@ -29,6 +29,7 @@ from trainer.spec_runs import key_problem
 from trainer.storage import S3Options, open_storage
 from trainer.storage.base import normalize_uri
 from trainer.storage.local import LOCK_SUFFIX, LocalStorage
+from trainer.storage.registry import is_local
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def own_prefix_problem(run: RunRecord, base: str) -> str | None:
     if not run.run_key or key_problem(run.run_key):
         return f"run key {run.run_key!r} is not one path component"
     for uri in (base, run.storage_uri):
-        if not uri.startswith(("s3://", "file://", "/")):
+        if is_local(uri) and not uri.startswith(("file://", "/")):
             return f"storage {uri!r} is relative: give the absolute storage (Settings.resolve)"
     if normalize_uri(run.storage_uri) != f"{normalize_uri(base)}/{run.run_key}":
         return f"its storage {run.storage_uri} is not {base}/{run.run_key}"

@@ -41,6 +41,7 @@ from trainer.records import Started
 from trainer.resume import completed_for
 from trainer.spec import JobSpec
 from trainer.storage import open_storage, put_bytes
+from trainer.storage.registry import is_local
 
 INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
 
@@ -475,7 +476,7 @@ class JobRunLog:
         png = plot_timeline(
             self.traces, f"{self.job.name}: training step over wall time", self.dir / "timeline.png"
         )
-        if self.job.storage.startswith("s3://"):  # next to the checkpoints as well, where the team looks
+        if not is_local(self.job.storage):  # next to the checkpoints as well, where the team looks
             put_bytes(open_storage(self.job.storage, self.job.s3), "reports/timeline.png", png.read_bytes())
             return f"{self.job.storage.rstrip('/')}/reports/timeline.png"
         local = (

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
-from trainer.launch import LOOPBACK, STORE_FD
+from trainer.rendezvous import LOOPBACK, STORE_FD
 
 
 class _NoTraceback(logging.Filter):

@@ -46,6 +46,7 @@ from trainer.exitcodes import ExitCode
 from trainer.parent_death import arm_pdeathsig, die_with
 from trainer.preemption import StopRequest
 from trainer.records import Exit
+from trainer.rendezvous import LOOPBACK, STORE_FD
 from trainer.spec import DistributedOptions
 from trainer.status import StatusReporter, parse_status_line
 
@@ -56,8 +57,6 @@ LAUNCHER_ID = "SPOTRUN_LAUNCHER_ID"  # the worker's identity, for rank 0's stora
 NODE_RANK = "SPOTRUN_NODE_RANK"  # multi-node: this machine's index (the provider sets it)
 MASTER_ADDR = "SPOTRUN_MASTER_ADDR"  # multi-node: the first machine's address
 RANK_START = "SPOTRUN_RANK_START"  # "exec": fresh rank processes even on CPU (what CUDA jobs get)
-STORE_FD = "SPOTRUN_STORE_FD"  # one node: the loopback socket torchrun's store serves on (trainer/agent.py)
-LOOPBACK = "127.0.0.1"
 
 # A rank's own verdict outranks a peer's crash: a rank that cannot load the checkpoint, or finds the
 # lease held, ends the attempt with that reason, while its peers only see their collectives break.

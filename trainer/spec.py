@@ -467,7 +467,7 @@ class JobSpec(BaseModel):
     @field_validator("storage")
     @classmethod
     def _storage_form(cls, v: str) -> str:
-        from trainer.storage import check_uri  # storage imports this module for S3Options
+        from trainer.storage.registry import check_uri  # the registry imports nothing of the spec
 
         return check_uri(v)
 

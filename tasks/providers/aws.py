@@ -54,6 +54,7 @@ from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, St
 from trainer.heartbeat import HEARTBEAT_EVERY_S
 from trainer.records import Notice, Record
 from trainer.storage import Storage, open_storage
+from trainer.storage.registry import is_local
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -216,8 +217,8 @@ class AwsProvider:
             raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
         if job.preemption.notice != "aws":
             log.warning("job %s: set preemption.notice: aws to checkpoint on EC2's 2-minute notice", job.name)
-        if not job.storage.startswith("s3://") and self.cfg.endpoint_url is None:
-            log.warning("job storage %s is not s3://: an EC2 worker cannot reach it", job.storage)
+        if is_local(job.storage) and self.cfg.endpoint_url is None:
+            log.warning("job storage %s is a local directory: an EC2 worker cannot reach it", job.storage)
         return spec_path.read_text()
 
     def watch(

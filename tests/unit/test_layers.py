@@ -33,16 +33,7 @@ FORBIDDEN = {
 WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch"}
 # Cycles not broken yet, each with what keeps it and the edit that breaks it; the test fails when one of
 # them is gone too (then delete its line).
-KNOWN_CYCLES = {
-    frozenset({"trainer.spec", "trainer.storage"}): "S3Options is defined in spec.py and storage/__init__ "
-    "re-exports it (tasks/run_retention.py reads it there); move it to trainer/storage/s3_options.py and "
-    "have spec.py import it from there",
-    frozenset({"trainer.agent", "trainer.launch"}): "agent.py imports LOOPBACK and STORE_FD from launch.py, "
-    "which forks into agent.run_forked; move the two constants to a module below both",
-    frozenset({"trainer.session.core", "trainer.session.opening", "trainer.session.parts"}): "being built: "
-    "opening.py and parts.py name core.Session under TYPE_CHECKING, core.py calls opening.open_session; "
-    "give them a Protocol of what they use of a Session (in a module below the three)",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}  # a cycle that must stay for a while: its modules, and why
 
 
 def module_name(path: Path) -> str:

@@ -20,105 +20,35 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpointer import Checkpointer
-from trainer.data import Position, ResumableLoader
+from trainer.data import ResumableLoader
 from trainer.errors import ConfigError, TrainingDiverged
 from trainer.evaluation import evaluate_for_promotion
 from trainer.exitcodes import ExitCode
-from trainer.interval import Choice, IntervalTuner
-from trainer.metrics_log import MetricsLog
-from trainer.preemption import SavePlan
-from trainer.resume import Restored, mark_completed
-from trainer.session.options import AttemptOptions, AttemptResult
-from trainer.session.parts import (
-    Meter,
-    NoScheduler,
-    TrainerPart,
-    handover_options,
-    parts_view,
-)
-from trainer.session.stopping import HandoverGate, SaveCost, agreed_plan, emergency_plan
-from trainer.spec import Change, JobSpec
-from trainer.state import RngState, state_nbytes
-from trainer.stateful import Registry, Stateful
-from trainer.storage import Storage
+from trainer.resume import mark_completed
+from trainer.session.opening import open_session
+from trainer.session.options import AttemptResult
+from trainer.session.state import SessionState
+from trainer.session.stopping import SaveCost, agreed_plan, emergency_plan
+from trainer.state import state_nbytes
 
 if TYPE_CHECKING:
-    from trainer import sharded
+    pass
 
 log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
 
 
-class Session:
+class Session(SessionState):
     """One attempt's training state around a loop: resume, the step boundary, the final checkpoint."""
-
-    def __init__(
-        self,
-        spec: JobSpec,
-        storage: Storage,
-        opts: AttemptOptions,
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any = None,
-        extra: Mapping[str, Stateful] | None = None,
-        device: torch.device,
-        scaler: torch.amp.GradScaler | None = None,
-        shape_args: frozenset[str] | None = None,
-    ) -> None:
-        self.spec, self.storage, self.opts, self.device = spec, storage, opts, device
-        self.ranks = opts.ranks
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        clash = sorted(set(extra or {}) & set(RESERVED))
-        if clash:
-            raise ConfigError(f"extra part {clash[0]!r} is a name spotrun uses itself; rename it")
-        self.extra = dict(extra or {})
-        self.shape_args = shape_args
-        self.batch_size = spec.batch_size  # per rank; changed only by a resharded resume
-        self.position = Position()
-        self.threads = spec.threads or torch.get_num_threads()
-        self.step, self.best, self.last_loss = 0, math.inf, math.nan
-        self.should_stop = False
-        self.resumed_from: int | None = None
-        self.changes: list[Change] = []  # trajectory changes this attempt resumed across
-        self.change_log: list[dict[str, Any]] = []  # every allowed change so far, in trainer.pt
-        self.warm_start: dict[str, Any] | None = None  # where init_from's weights came from, in trainer.pt
-        self.resharded_from: int | None = None
-        self.end = spec.total_steps
-        self.ckpt: Checkpointer | sharded.ShardedCheckpointer
-        self.steps_log = MetricsLog(None)
-        self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
-        self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
-        self.stop_reported = self.stop_agreed = self.finished_early = False
-        self.gate = HandoverGate(opts.stop, handover_options(spec, opts), opts.reporter)
-        self.since_ckpt = time.monotonic()
-        self.last_step_s = 0.0
-        self._t_step = time.perf_counter()
-        self._beside_save = False
-        self._pending: Restored | None = None  # the RNG, applied once the data iterator exists
-        self._lr_at_step: float | None = None  # the learning rate the update used (the step pre-hook)
-        self._lr_before: float | None = None  # ... or as the step began, where it took no update
-        self._hooks: list[Any] = []
-        self._metrics: IO[str] | None = None
-        self._meter: Meter | None = None
-        self._selection_step: int | None = None
-        held: dict[str, Stateful] = {"model": model, "optimizer": optimizer}
-        held |= {"scheduler": scheduler if scheduler is not None else NoScheduler()}
-        held |= {"scaler": scaler} if scaler is not None else {}
-        held |= {"rng": RngState(device), "trainer": TrainerPart(self)}
-        self.state = Registry(self.ranks.rank, held, self.extra, sharded=spec.distributed is not None)
 
     def open(self) -> Session:
         """Claim the storage, choose and load the resume point (the RNG waits for the first batch), warm
         start at step 0, report where training starts from (trainer/session/opening.py)."""
-        from trainer.session.opening import open_session
-
         open_session(self)
         return self
 
@@ -154,12 +84,6 @@ class Session:
             self.position.epoch, self.position.batch = self.position.epoch + 1, 0
 
     # ---- the step boundary ----
-
-    def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """The optimizer's step pre-hook: the step's learning rate, and the copy fence."""
-        if optimizer is self.optimizer:
-            self._lr_at_step = float(optimizer.param_groups[0]["lr"])
-        self.ckpt.fence()
 
     def step_done(self, loss: float | torch.Tensor | None = None, **metrics: float) -> None:
         """One optimizer step is done: count it, record it (its loss, learning rate and `metrics`, sent to
@@ -220,18 +144,6 @@ class Session:
         """`every: auto`: one step's time (begun beside a save or not) for the tuner."""
         if self.tuner is not None and (moved := self.tuner.step(step_s, beside_save)):
             self._report_interval(moved)
-
-    def _report_interval(self, choice: Choice) -> None:
-        if self.ranks.is_zero:
-            log.info("checkpoint interval: %s", choice.reason())
-        self.opts.reporter.emit(
-            "interval",
-            seconds=round(choice.seconds, 3),
-            cost_s=round(choice.cost_s, 4),
-            mtbf_s=round(choice.mtbf_s, 1),
-            measured=choice.measured,
-            reason=choice.reason(),
-        )
 
     def _checkpoint_due(self, by_time: bool) -> bool:
         """`by_time`: the clock said so at this step's agreement (any rank's clock, for ranks)."""
@@ -364,7 +276,7 @@ class Session:
         if (
             code is ExitCode.COMPLETED and self.ranks.is_zero
         ):  # the promotion gate's evaluation: after the loop
-            parts = parts_view(self, evaluate)
+            parts = self.parts_view(evaluate)
             mark_completed(
                 self.storage, self.spec, self.step, evaluate_for_promotion(self.spec, parts, self.opts.cache)
             )

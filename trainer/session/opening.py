@@ -21,7 +21,8 @@ from trainer.interval import IntervalTuner
 from trainer.metrics_log import MetricsLog
 from trainer.resume import Restored, durable_here, load_state, select_together
 from trainer.session.options import rank_seed, seed_everything
-from trainer.session.parts import Meter, drop_lost_metrics, parts_view, prior_cost_s
+from trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
+from trainer.session.state import SessionState
 from trainer.spec import describe_changes
 from trainer.state import update_only_views
 from trainer.validate import Expectation
@@ -29,12 +30,11 @@ from trainer.warm_start import warm_start
 
 if TYPE_CHECKING:
     from trainer import sharded
-    from trainer.session.core import Session
 
 log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
 
 
-def open_session(s: Session) -> None:
+def open_session(s: SessionState) -> None:
     """Claim the storage, choose and load the resume point (the RNG waits for the first batch), warm
     start at step 0, report where training starts from."""
     spec, opts, ranks = s.spec, s.opts, s.ranks
@@ -58,7 +58,7 @@ def open_session(s: Session) -> None:
     if selection.path is not None:
         s._pending = restore(s, selection.path)
     else:  # step 0: a warm start's source, never once the run has its own checkpoint
-        started = warm_start(spec, parts_view(s), opts.cache)
+        started = warm_start(spec, s.parts_view(), opts.cache)
         s.warm_start = started.to_json() if started is not None else None
     if s.changes and ranks.is_zero:
         log.warning(
@@ -87,7 +87,7 @@ def open_session(s: Session) -> None:
     begin(s)
 
 
-def expectation(s: Session) -> Expectation:
+def expectation(s: SessionState) -> Expectation:
     spec, ranks = s.spec, s.ranks
     return replace(
         Expectation.from_registry(s.state, spec.shape_hash(ranks.world_size)),
@@ -100,7 +100,7 @@ def expectation(s: Session) -> Expectation:
     )
 
 
-def checkpointer(s: Session, durable: int | None) -> Checkpointer | sharded.ShardedCheckpointer:
+def checkpointer(s: SessionState, durable: int | None) -> Checkpointer | sharded.ShardedCheckpointer:
     spec, opts = s.spec, s.opts
     pin = s.device.type == "cuda"
     if spec.distributed is not None:
@@ -130,13 +130,13 @@ def checkpointer(s: Session, durable: int | None) -> Checkpointer | sharded.Shar
     )
 
 
-def on_durable(s: Session, step: int, sidecars_written: bool) -> None:
+def on_durable(s: SessionState, step: int, sidecars_written: bool) -> None:
     """A checkpoint is durable (called by the writer thread after `latest` moved, or by the loop)."""
     s.steps_log.written(step, sidecars_written)
     s.opts.reporter.emit("durable", step=step)
 
 
-def reshard(s: Session, saved_world: int) -> int | None:
+def reshard(s: SessionState, saved_world: int) -> int | None:
     """Resume a checkpoint of `saved_world` ranks on this many (validation allowed it): keep the
     global batch, so the position (batches done in the epoch) still counts the same samples."""
     world = s.ranks.world_size
@@ -162,7 +162,7 @@ def reshard(s: Session, saved_world: int) -> int | None:
     return saved_world
 
 
-def restore(s: Session, path: Path) -> Restored:
+def restore(s: SessionState, path: Path) -> Restored:
     """Load every part but the RNG, which waits for the data iterator. A resharded resume re-derives
     each rank's RNG from (seed, rank, step) instead."""
     if s.state.sharded:
@@ -175,7 +175,7 @@ def restore(s: Session, path: Path) -> Restored:
     return restored
 
 
-def begin(s: Session) -> None:
+def begin(s: SessionState) -> None:
     s.model.train()
     if s.spec.checkpoint.every == "auto":
         mtbf = s.opts.mtbf_s or s.spec.checkpoint.mtbf_prior_s

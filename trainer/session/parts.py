@@ -5,80 +5,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.distributed import wrap
-from trainer.errors import LeaseLost, ResumeIncompatible
+from trainer.errors import LeaseLost
 from trainer.metrics_log import prune_after
-from trainer.recipes import Parts
 from trainer.session.options import AttemptOptions, rank_seed, seed_everything
-from trainer.session.stopping import HandoverOptions
-from trainer.spec import JobSpec, spec_changes
+from trainer.spec import JobSpec
 from trainer.storage import Storage
 
 if TYPE_CHECKING:
-    from trainer.session.core import Session
+    pass
 
 log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
-
-
-class TrainerPart:
-    """The registry's `trainer` part (trainer.pt; docs/checkpoint-format.md)."""
-
-    def __init__(self, s: Session) -> None:
-        self.s = s
-
-    def state_dict(self) -> dict[str, Any]:
-        s, spec = self.s, self.s.spec
-        return {
-            "step": s.step,
-            "position": s.position.state_dict(),
-            "best_metric": s.best,
-            "spec": spec.public_dump(),  # in the bucket: no credentials
-            "spec_hash": spec.spec_hash(),
-            "shape_hash": spec.shape_hash(),
-            "torch_version": str(torch.__version__),  # str(): TorchVersion is not weights_only-safe
-            "threads": s.threads,
-            "rank": s.ranks.rank,
-            "world_size": s.ranks.world_size,
-            "device": s.device.type,
-            "changes": s.change_log,
-            **({"warm_start": s.warm_start} if s.warm_start is not None else {}),
-        }
-
-    def load_state_dict(self, meta: dict[str, Any]) -> None:
-        s = self.s
-        s.step, s.best = int(meta["step"]), float(meta["best_metric"])
-        s.position.load_state_dict(meta["position"])
-        changes = spec_changes(meta["spec"], s.spec.model_dump(mode="json"), s.shape_args)
-        s.changes = [c for c in changes if c.kind == "trajectory"]  # shape: refused by validation
-        s.change_log = list(meta.get("changes", []))
-        s.warm_start = meta.get("warm_start")  # the first attempt's, for every later attempt's record
-        s.change_log += [{"step": s.step, **c.as_dict()} for c in s.changes]
-        saved = int(meta["threads"])
-        s.threads = s.spec.threads or saved  # unpinned: adopt the checkpoint's, for exactness
-        if saved != s.threads:
-            log.warning(
-                "thread count %d differs from the checkpoint's %d: results will drift", s.threads, saved
-            )
-
-
-class NoScheduler:
-    """The `scheduler` part of a loop without one: an empty state, so that every checkpoint holds the
-    same parts whether or not the loop schedules its learning rate."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ResumeIncompatible(
-                "the checkpoint holds a scheduler's state and the loop has no scheduler; "
-                "give the scheduler it was made with, or use a new storage URI"
-            )
 
 
 class Meter:
@@ -97,21 +38,6 @@ class Meter:
             log.info("step %d/%d loss %.4f lr %.3g %.1f steps/s", step, spec.total_steps, loss, lr, self.rate)
         self.t, self.step = now, step
         return True
-
-
-def handover_options(spec: JobSpec, opts: AttemptOptions) -> HandoverOptions:
-    return HandoverOptions(
-        handover_s=opts.handover_s,
-        worker_id=opts.worker_id,
-        sigterm_window_s=opts.sigterm_window_s,
-        announce_s=opts.announce_s,
-        save_margin_s=spec.preemption.save_margin_s,
-    )
-
-
-def parts_view(s: Session, evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None) -> Parts:
-    """The session's parts as the warm start and the evaluation read them (no data, no loss)."""
-    return Parts(s.model, s.optimizer, s.scheduler, None, None, extra_state=s.extra, evaluate=evaluate)  # type: ignore[arg-type]
 
 
 def wrapped(
