@@ -35,10 +35,19 @@ And for the largest state, in the same run:
       loop's figure (the unkeyed median <= 0 s), `signed_overhead_pct` is null and those two say what
       the key costs. Then validate_dir with the key (keyed digests) vs without it (xxh3), page
       cache warm, as `signed_validate_ratio`. Goal: a few percent.
+Then once, with the same S3:
+  (g) session: a user's own loop (docs/your-loop.md: forward, backward, optimizer.step, scheduler.step,
+      an EMA in `extra`, `s.step_done(loss)`) on charlm at ~100 MB of state (model + AdamW + EMA; ~50 MB
+      with --quick), `step_done` taking a checkpoint every few steps. Its stall per checkpoint is the
+      time inside `step_done` on the checkpoint's step plus the next step's wait at the copy fence (the
+      session's optimizer step pre-hook), what (a) counts for the bare Checkpointer: the session does
+      more at a checkpoint step (the metrics sidecar, every part's capture, the EMA copied at the
+      boundary), and the recipe loop runs on the same session. Against torch.save + fsync +
+      upload_file of the same state, as (a): `session_stall_ratio`, goal >= 50 (bench/session_case.py).
 
 Prints human-readable lines; the last line is one JSON object holding the worst case of each ratio.
 The full results also go to bench/out/checkpoint.json. Run from the repo root:
-    .venv/bin/python bench/checkpoint.py [--quick] [--threads N] [--only single|fsdp]
+    .venv/bin/python bench/checkpoint.py [--quick] [--threads N] [--only single|fsdp|session]
 Exit codes: 0 measured (a missed goal is a verdict in the output, not an error); 1 the FSDP ranks
 failed (their last lines are printed); 2 bad arguments.
 """
@@ -92,6 +101,9 @@ from trainer.state import capture_rng, update_only_views
 from trainer.storage import LocalStorage, Storage
 from trainer.storage.s3 import S3Storage, make_s3_client
 from trainer.validate import Expectation, read_manifest, validate_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is scripts, not a package
+from bench.session_case import measure_session, report_session
 
 MB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
@@ -876,7 +888,10 @@ def verdict(ok: bool) -> str:
 
 
 def summarize(
-    sizes: dict[str, Any], transfer: dict[str, Any] | None, fsdp: dict[str, Any] | None
+    sizes: dict[str, Any],
+    transfer: dict[str, Any] | None,
+    fsdp: dict[str, Any] | None,
+    session: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
     """Worst case of each ratio over the sizes; the cases not run (`--only`) are left out."""
     out: dict[str, float | None] = {}
@@ -905,6 +920,8 @@ def summarize(
             "fsdp_stall_ratio": round(fsdp["stall_ratio"], 1),
             "fsdp_durable_ratio": round(fsdp["durable_ratio"], 2),
         }
+    if session is not None:
+        out["session_stall_ratio"] = round(session["session_stall_ratio"], 1)
     return out
 
 
@@ -919,12 +936,32 @@ def machine_load() -> str:
     return out
 
 
+def bench_single(s3: S3, work: Path, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a)-(d) and (f): every size, then the transfer."""
+    sizes: dict[str, Any] = {}
+    plan = QUICK if quick else FULL
+    for size in plan:
+        signed_reps = SIGNED_REPS["quick" if quick else "full"] if size is plan[-1] else 0
+        sizes[size.label] = bench_size(size, s3, work, 15 if quick else 60, signed_reps)
+        gc.collect()
+    mb = 10 if quick else 100
+    say(
+        f"(d) {mb} MB objects: moto holds request bodies in RAM and reads a whole object per GET, "
+        "so 1 GB transfers measure moto more than the client"
+    )
+    transfer = measure_transfer(s3, "transfer", work, mb)
+    report_transfer(transfer)
+    return sizes, transfer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="~10 MB and ~50 MB states: a smoke run")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     ap.add_argument(
-        "--only", choices=("single", "fsdp"), help="single: cases (a)-(d) only; fsdp: case (e) only"
+        "--only",
+        choices=("single", "fsdp", "session"),
+        help="single: cases (a)-(d) and (f) only; fsdp: case (e) only; session: case (g) only",
     )
     cli = ap.parse_args()
     quick = cli.quick
@@ -940,33 +977,27 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, {machine_load()}"
     )
     sizes: dict[str, Any] = {}
-    transfer, fsdp = None, None
+    transfer, fsdp, session = None, None, None
     if cli.only != "fsdp":
         with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="spotrun-bench-") as tmp:
             s3 = S3.connect(endpoint)
-            plan = QUICK if quick else FULL
-            for size in plan:
-                signed_reps = SIGNED_REPS["quick" if quick else "full"] if size is plan[-1] else 0
-                sizes[size.label] = bench_size(size, s3, Path(tmp), 15 if quick else 60, signed_reps)
-                gc.collect()
-            mb = 10 if quick else 100
-            say(
-                f"(d) {mb} MB objects: moto holds request bodies in RAM and reads a whole object per GET, "
-                "so 1 GB transfers measure moto more than the client"
-            )
-            transfer = measure_transfer(s3, "transfer", Path(tmp), mb)
-            report_transfer(transfer)
-    if cli.only != "single":
+            if cli.only != "session":
+                sizes, transfer = bench_single(s3, Path(tmp), quick)
+            if cli.only in (None, "session"):
+                session = measure_session(s3, BUCKET, Path(tmp), quick)
+                delete_prefix(s3.plain, session["prefix"])
+                report_session(session, say, verdict)
+    if cli.only in (None, "fsdp"):
         with tempfile.TemporaryDirectory(prefix="spotrun-bench-fsdp-") as tmp:
             fsdp = measure_fsdp(quick, Path(tmp))
         report_fsdp(fsdp)
-    summary = summarize(sizes, transfer, fsdp)
+    summary = summarize(sizes, transfer, fsdp, session)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     OUT.parent.mkdir(parents=True, exist_ok=True)
     detail = {
-        "summary": summary, "sizes": sizes, "transfer": transfer, "fsdp": fsdp, "wall_s": wall,
-        "peak_rss_mb": peak,
+        "summary": summary, "sizes": sizes, "transfer": transfer, "fsdp": fsdp, "session": session,
+        "wall_s": wall, "peak_rss_mb": peak,
     }  # fmt: skip
     OUT.write_text(json.dumps(detail, indent=2))
     say(
