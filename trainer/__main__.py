@@ -22,9 +22,11 @@ from trainer.errors import (
     LeaseHeld,
     LeaseLost,
     ResumeIncompatible,
+    SpotrunError,
     StorageError,
     TrainingDiverged,
     TransientStorageError,
+    is_echo,
 )
 from trainer.exitcodes import ExitCode
 from trainer.faults import Fault
@@ -216,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
 def _classify(e: Exception) -> ExitCode:
     """Log the error the way its kind deserves and pick the exit code."""
     code, shown = _exit_code(e)
-    if getattr(e, "echo", False):  # rank 0's verdict, raised on every rank: rank 0 has said it
+    if is_echo(e):  # rank 0's verdict, raised on every rank: rank 0 has said it
         log.info("stopping with rank 0 (%s; rank 0 logged why)", type(e).__name__)
     elif shown is not None:
-        if not getattr(shown, "logged", False):
+        if not shown.logged:
             log.error("%s", shown)
     elif isinstance(transient := e.__cause__ if isinstance(e, CheckpointError) else e, TransientStorageError):
         # the network or the endpoint, not our code: one line, no traceback (botocore already retried)
@@ -233,7 +235,7 @@ def _classify(e: Exception) -> ExitCode:
     return code
 
 
-def _exit_code(e: Exception) -> tuple[ExitCode, BaseException | None]:
+def _exit_code(e: Exception) -> tuple[ExitCode, SpotrunError | None]:
     """The exit code for `e`, and the error to log as one line (None: log it with its traceback)."""
     if isinstance(e, ConfigError | ResumeIncompatible):
         return ExitCode.CONFIG_ERROR, e

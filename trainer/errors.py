@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+from typing import Self
+
+_ECHO = "echo"  # the field's name, carried as a plain attribute by an error outside this hierarchy
+
 
 class SpotrunError(Exception):
-    """Base class for every error spotrun raises on purpose."""
+    """Base class for every error spotrun raises on purpose.
+
+    Two fields tell the process edge (trainer/__main__.py) how to log it, set through `mark`: `logged`,
+    already said where it was found (the exit does not say it again); `echo`, rank 0's verdict raised on
+    every rank (rank 0 says it, the others one info line). Both travel with it when it is pickled."""
+
+    logged: bool = False
+    echo: bool = False
+
+    def mark(self, *, logged: bool | None = None, echo: bool | None = None) -> Self:
+        """Set how the process edge logs this error (None: leave that field); returns it, to raise."""
+        if logged is not None:
+            self.logged = logged
+        if echo is not None:
+            self.echo = echo
+        return self
+
+
+def mark_echo(e: BaseException, echo: bool) -> None:
+    """Mark any error as rank 0's verdict raised on this rank too (`echo`), or not."""
+    if isinstance(e, SpotrunError):
+        e.mark(echo=echo)
+    else:  # rank 0 broadcasts whatever it caught: a foreign type has no field, so it carries the attribute
+        setattr(e, _ECHO, echo)
+
+
+def is_echo(e: BaseException) -> bool:
+    """Whether `e` is rank 0's verdict raised on this rank too: rank 0 has logged it."""
+    return e.echo if isinstance(e, SpotrunError) else bool(getattr(e, _ECHO, False))
 
 
 class ConfigError(SpotrunError):

@@ -448,8 +448,7 @@ class Lease:
                 )
             lost = self.lost
         log.error("%s", lost)  # when it is found (the renewal may find it steps before a write does)
-        lost.logged = True  # type: ignore[attr-defined]  # the exit does not say it again
-        return lost
+        return lost.mark(logged=True)  # the exit does not say it again
 
     def _renew_loop(self) -> None:
         every = self.doc.ttl_s / 3

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.catalog import Catalog, Selection, read_marker, read_marker_step, write_marker
 from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, read_part
-from trainer.errors import ConfigError, ResumeIncompatible
+from trainer.errors import ConfigError, ResumeIncompatible, mark_echo
 from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 from trainer.spec import JobSpec, spec_changes
 from trainer.stateful import Codec, Registry, reconcile
@@ -86,7 +86,7 @@ def select_together(
             outcome = e
     outcome = ranks.broadcast(outcome)
     if isinstance(outcome, BaseException):
-        outcome.echo = not ranks.is_zero  # type: ignore[attr-defined]  # logged once, by rank 0
+        mark_echo(outcome, not ranks.is_zero)  # logged once, by rank 0
         raise outcome
     assert outcome is not None
     error = None

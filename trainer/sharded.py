@@ -369,10 +369,8 @@ class ShardedCheckpointer(BackgroundSaver):
         elif rank != 0:  # another node's copy, or already renamed by rank 0
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None and error.lost:  # rank 0 found the lease taken: every rank stops publishing
-            lost = LeaseLost(error.why, taken_by=error.taken_by)
-            lost.echo = rank != 0  # type: ignore[attr-defined]  # rank 0 says it (trainer/__main__.py)
-            lost.logged = error.logged  # type: ignore[attr-defined]  # said when the lease found it
-            raise lost
+            # rank 0 says it (trainer/__main__.py), unless its lease said it when it found the loss
+            raise LeaseLost(error.why, taken_by=error.taken_by).mark(echo=rank != 0, logged=error.logged)
         if error is not None and error.torn:  # every rank skips this one, and copies all at the save on
             self.overlap = False
             if rank == 0:
@@ -476,7 +474,7 @@ class Failed:
     @classmethod
     def of(cls, rank: int, e: BaseException, storage: Storage) -> Failed:
         if isinstance(e, LeaseLost):
-            return cls(str(e), False, lost=True, taken_by=e.taken_by, logged=getattr(e, "logged", False))
+            return cls(str(e), False, lost=True, taken_by=e.taken_by, logged=e.logged)
         mapped = refused(e, storage)
         if mapped is not None:
             return cls(f"rank {rank}: {mapped}"[:400], True)
