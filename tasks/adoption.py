@@ -30,7 +30,13 @@ from typing import Any
 
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.history.models import AttemptRow, JobRunRow, JobStatus
+from tasks.lost_steps import kept_step, lost_steps
 from tasks.providers.base import Worker
+from trainer.catalog import read_latest
+from trainer.errors import StorageError
+from trainer.heartbeat import read_heartbeat
+from trainer.spec import JobSpec
+from trainer.storage import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +188,66 @@ def lost_attempt(
         error="controller died",
         last_step=last_step,
         last_durable_step=durable_step,
-        lost_steps=max(0, last_step - (durable_step or 0)),
+        lost_steps=lost_steps(last_step, kept_step(last_step, durable=durable_step)),
         wall_s=max(0.0, now - started),
         extra={"controller_died": True},
+    )
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """The adopted job run a leftover worker belongs to."""
+
+    job_run_id: str
+    dead_flow_run: str  # the dead controller's flow run
+    provider: str
+    attempts: list[AttemptRecord]  # the job run's attempts so far
+
+
+def close_leftover(
+    job: JobSpec, left: WorkerInfo | None, swept: list[str], run: Leftover, warn: Callable[[str], None]
+) -> tuple[str | None, AttemptRecord | None]:
+    """Stop the worker a dead controller left and make its attempt's row: (its id, the row). `swept`: the
+    ids the provider stopped by the dead flow run's tag (EC2, from any host), the newest last; a local
+    one is stopped by its pid file. (None, None): nothing was in flight; (id, None): a controller that
+    adopted it before already recorded it."""
+    if left is not None and left.process is not None:
+        stop_local_worker(left.process)
+    worker_id = swept[-1] if swept else (left.worker_id if left is not None else None)
+    if worker_id is None:
+        return None, None
+    if recorded_before(run.attempts, left, worker_id):
+        return worker_id, None
+    return worker_id, _in_flight_attempt(job, left, worker_id, run, warn)
+
+
+def _in_flight_attempt(
+    job: JobSpec, left: WorkerInfo | None, worker_id: str, run: Leftover, warn: Callable[[str], None]
+) -> AttemptRecord:
+    """The row of the attempt a dead controller left in flight: lost, with the steps its trainer reached
+    (its heartbeat in the job's storage) past the newest durable checkpoint."""
+    try:
+        storage = open_storage(job.storage, job.s3)
+        durable = read_latest(storage)
+        beat = read_heartbeat(storage, worker_id)
+    except StorageError as e:  # the row matters more than its step counts
+        warn(f"cannot read the lost attempt's progress: {e}")
+        durable, beat = None, None
+    last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
+    now, attempt = time.time(), len(run.attempts) + 1
+    if left is None:
+        left = WorkerInfo(run.job_run_id, run.dead_flow_run, worker_id, run.provider, attempt, now, None)
+    return lost_attempt(left, attempt, run.dead_flow_run, last_step, durable, now)
+
+
+def recorded_before(records: list[AttemptRecord], left: WorkerInfo | None, worker_id: str) -> bool:
+    """Whether a controller that adopted this worker and died too already recorded it as lost (a pid may
+    be reused: the start time must match as well)."""
+    return any(
+        r.extra.get("controller_died")
+        and r.worker_id == worker_id
+        and (left is None or abs(r.started_at - left.started_at) < 1e-3)
+        for r in records
     )
 
 

@@ -7,6 +7,8 @@ Definitions (docs/architecture.md's goodput report section states the same):
 - a step counts when it was not lost. Steps past an attempt's last durable checkpoint are lost when
   the attempt did not complete. When the next attempt resumed from an earlier step (the validator
   refused the newer checkpoint), the steps past that resume point were lost as well: they were redone.
+  When it resumed from a later step (a checkpoint this attempt wrote but did not live to report), the
+  steps up to it were kept. One rule, tasks/lost_steps.py, which the attempts table follows too.
 - ETT (effective training time): the wall time of the steps that count, summed over attempts: the
   steps kept times the attempt's seconds per step. For an attempt whose durable step is the one kept
   this is exactly its stored `productive_s` (training start to the moment that step was reached).
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.lost_steps import lost_steps, trained_at, walk
 
 RUNNING = "running"  # tasks.history.JobStatus.RUNNING (not imported: no SQLAlchemy here)
 
@@ -122,19 +125,19 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
     if run.gpus_per_worker is None:
         notes.append("GPUs per worker: 1 assumed: the job spec is not stored in SQL (only its hash)")
 
-    starts, kept = _steps(rows)
+    starts, kept = walk(rows)
     pooled = _pooled_s_per_step(rows, starts)
     figures: list[AttemptFigures] = []
     prev_end: float | None = None  # the end of the previous attempt that had a worker
     for r, start, keep in zip(rows, starts, kept, strict=True):
         sps, sps_from = _s_per_step(r, start, pooled)
-        lost = 0 if r.outcome is Outcome.COMPLETED else max(0, r.last_step - keep)
+        lost = lost_steps(r.last_step, keep)
         effective = _effective_s(r, start, keep, sps)
         lost_gpu = 0.0 if lost == 0 else (lost * sps * gpus if sps is not None else None)
         recovery, to = None, ""
         if r.outcome is not Outcome.PROVISION_FAILED:
             if prev_end is not None:
-                trained = _trained_at(r)
+                trained = trained_at(r)
                 recovery = max(0.0, (trained if trained is not None else r.started_at) - prev_end)
                 to = "first step" if trained is not None else "attempt start"
             prev_end = r.ended_at
@@ -206,43 +209,6 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
 # -- steps --------------------------------------------------------------------------------------
 
 
-def _trained_at(r: AttemptRecord) -> float | None:
-    """When its `started` record arrived (after the restore, before the first step), if stored."""
-    t = r.extra.get("started_training_at")
-    return float(t) if isinstance(t, int | float) else None
-
-
-def _known_start(r: AttemptRecord) -> int | None:
-    """The step it resumed from, when it said so: `resumed_from`, or scratch when its `started` record
-    came without one. None for an attempt that never sent one (a provision failure, a lost worker)."""
-    if r.resumed_from is not None:
-        return r.resumed_from
-    return 0 if _trained_at(r) is not None else None
-
-
-def _steps(rows: list[AttemptRecord]) -> tuple[list[int], list[int]]:
-    """Each attempt's start step and last step kept, oldest first."""
-    starts: list[int] = []
-    kept: list[int] = []
-    for i, r in enumerate(rows):
-        known = _known_start(r)
-        # No `started` record: assume it resumed where the previous attempt's kept work ended.
-        start = known if known is not None else (kept[-1] if kept else 0)
-        if r.outcome is Outcome.COMPLETED:
-            keep = r.last_step
-        else:
-            keep = r.last_durable_step if r.last_durable_step is not None else start
-            nxt = next(
-                (_known_start(n) for n in rows[i + 1 :] if n.outcome is not Outcome.PROVISION_FAILED), None
-            )
-            if nxt is not None:  # the next attempt redid what lies past its resume point
-                keep = min(keep, nxt)
-            keep = max(start, min(keep, r.last_step))
-        starts.append(start)
-        kept.append(keep)
-    return starts, kept
-
-
 def _own_s_per_step(r: AttemptRecord, start: int) -> float | None:
     durable = r.last_durable_step
     if durable is None or durable <= start or r.productive_s <= 0:
@@ -264,7 +230,7 @@ def _s_per_step(r: AttemptRecord, start: int, pooled: float | None) -> tuple[flo
         return None, ""  # no step trained: nothing to time
     if pooled is not None:
         return pooled, "job run"
-    trained = _trained_at(r)
+    trained = trained_at(r)
     if trained is not None and r.ended_at > trained:
         return (r.ended_at - trained) / (r.last_step - start), "attempt end"
     return None, ""
@@ -306,7 +272,7 @@ def _wall(rows: list[AttemptRecord], run: RunInfo, now: float) -> tuple[float | 
 
 
 def _checkpoint_overhead_s(r: AttemptRecord) -> float | None:
-    iv, trained = r.extra.get("checkpoint_interval"), _trained_at(r)
+    iv, trained = r.extra.get("checkpoint_interval"), trained_at(r)
     if not isinstance(iv, dict) or trained is None:
         return None
     every, cost = iv.get("seconds"), iv.get("cost_s")
@@ -457,7 +423,7 @@ def progress(attempts: Sequence[AttemptRecord], rep: GoodputReport) -> list[Prog
     out = []
     for f in rep.attempts:
         r = by_n[f.attempt]
-        t0 = _trained_at(r)
+        t0 = trained_at(r)
         points: list[tuple[float, int]] = []
         if t0 is not None or r.last_step > f.start_step:
             t0 = t0 if t0 is not None else r.started_at

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 import signal
 from bisect import bisect_left
+from dataclasses import asdict
 
+from tasks import lost_steps as rule
 from tasks.attempts import AttemptRecord, Outcome
 from tasks.providers.base import KillReason, NoticeKind, ProvisionError, StopCause, WatchResult, Worker
 from trainer.exitcodes import ExitCode
@@ -112,9 +114,14 @@ def _lost_cause(result: WatchResult) -> str:
     return f"no heartbeat for {silent} (after step {result.last_step}); worker killed"
 
 
-def lost_steps(result: WatchResult, next_resume_step: int | None) -> int:
-    """Steps this attempt reached that the next one must redo (it resumes at `next_resume_step`)."""
-    return max(0, result.last_step - (next_resume_step or 0))
+def lost_steps(result: WatchResult, next_resume_step: int | None, *, completed: bool = False) -> int:
+    """Steps this attempt reached that the next one must redo (it resumes at `next_resume_step`; None:
+    not known yet), by the one rule (tasks/lost_steps.py)."""
+    last, start, durable = result.last_step, result.start_step, result.last_durable_step
+    kept = rule.kept_step(
+        last, start=start, durable=durable, next_start=next_resume_step, completed=completed
+    )
+    return rule.lost_steps(last, kept)
 
 
 def productive_seconds(result: WatchResult) -> float:
@@ -155,9 +162,7 @@ def to_record(
     next_resume_step: int | None = None,
 ) -> AttemptRecord:
     """The attempts-table row. Without `next_resume_step`, lost steps assume a resume from the newest
-    step this attempt reported durable (the flow recomputes them once it has selected a checkpoint)."""
-    if next_resume_step is None:
-        next_resume_step = result.last_step if outcome is Outcome.COMPLETED else result.last_durable_step
+    step this attempt reported durable (the run log recomputes them once the flow has an estimate)."""
     return AttemptRecord(
         attempt=worker.attempt,
         worker_id=worker.id,
@@ -175,7 +180,7 @@ def to_record(
         resumed_checkpoint=resumed_checkpoint,
         last_step=result.last_step,
         last_durable_step=result.last_durable_step,
-        lost_steps=lost_steps(result, next_resume_step),
+        lost_steps=lost_steps(result, next_resume_step, completed=outcome is Outcome.COMPLETED),
         notice_lead_s=result.ended_at - result.notice_at if result.notice_at is not None else None,
         wall_s=max(0.0, result.ended_at - worker.started_at),
         productive_s=productive_seconds(result),
@@ -188,6 +193,26 @@ def to_record(
             "total_steps": result.started.total_steps if result.started is not None else None,
         },
     )
+
+
+def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> None:
+    """What the trainer and the provider said beyond the ending, into the row's `extra`: the price, a
+    resharded resume, allowed spec changes (not bitwise) and the `every: auto` interval with its reason."""
+    if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
+        record.extra["cost"] = dict(result.facts["cost"])
+    started = result.started
+    if started is not None and started.resharded_from is not None:
+        record.extra["resharded"] = resharded(started.resharded_from, world_size)
+    if started is not None and started.changes:  # resume.allow_changes: not bitwise
+        record.extra["spec_changes"] = [asdict(c) for c in started.changes]
+    if result.interval is not None:  # `every: auto`: the interval it settled on, and why
+        iv = result.interval
+        record.extra["checkpoint_interval"] = {
+            "seconds": iv.seconds,
+            "cost_s": iv.cost_s,
+            "mtbf_s": iv.mtbf_s,
+            "reason": iv.reason,
+        }
 
 
 def provision_failed_record(

@@ -1,106 +1,45 @@
-"""The bookkeeping of one job run: its attempts, SQL history, resume point and final report.
+"""The bookkeeping of one job run: its SQL rows (the job run, its attempts) and the attempt records.
 
-The flow stays a short script by delegating all of this here; nothing in it decides anything
-(decisions are in tasks/policy.py).
+The flow stays a short script by delegating this here; nothing in it decides anything (decisions are in
+tasks/policy.py, lost steps in tasks/lost_steps.py). What the rows are shown as lives beside it: MLflow
+and the resume check (tasks/run_tracking.py), the summary and timeline (tasks/run_summary.py), and the
+files and rules of adopting a dead controller's job run (tasks/adoption.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
+from functools import partial
 from typing import Any, Protocol
 
 import yaml
 
-from tasks import adoption, goodput
-from tasks import reporting as report
-from tasks.attempts import AttemptRecord, Outcome
+from tasks import adoption
+from tasks.attempts import AttemptRecord
 from tasks.checkpoints import ResumePoint
 from tasks.completion import after_completion
 from tasks.endings import ending_for, flow_run_state
-from tasks.goodput import RunInfo
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
-from tasks.mtbf import estimate_mtbf
-from tasks.outcome import classify, provision_failed_record, resharded, to_record
+from tasks.lost_steps import lost_steps, walk
+from tasks.outcome import add_facts, classify, provision_failed_record, to_record
 from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
-from tasks.reporting import RESUME_CHECKED, VERDICT_LABEL
 from tasks.run_keys import keyed_record, lineage_of
+from tasks.run_summary import Ending, RunReport, Summary
+from tasks.run_tracking import RunTracking, resume_checks
 from tasks.settings import Settings
-from tasks.timeline import AttemptTrace, plot_timeline
-from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, Where, worst_verdict
-from trainer.catalog import read_latest
+from tasks.trainer_args import trainer_args
 from trainer.ckpt_format import COMPLETED, checkpoint_uri
 from trainer.errors import ConfigError, StorageError
-from trainer.heartbeat import read_heartbeat
 from trainer.records import Started
 from trainer.resume import completed_for
 from trainer.spec import JobSpec
-from trainer.storage import open_storage, put_bytes
-from trainer.storage.registry import is_local
+from trainer.storage import open_storage
 
-INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
-
-
-def total_cost(records: list[AttemptRecord]) -> tuple[float | None, float | None]:
-    """(what the attempts cost, what the same hours cost on demand); None where any price is unknown."""
-    costs = [r.extra["cost"] for r in records if "cost" in r.extra]
-    if not costs:
-        return None, None
-
-    def total(key: str) -> float | None:
-        values = [c.get(key) for c in costs]
-        return None if any(v is None for v in values) else float(sum(values))
-
-    return total("usd"), total("on_demand_usd")
-
-
-@dataclass
-class Summary:
-    status: str
-    message: str
-    attempts: int
-    final_step: int
-    goodput: float  # effective training time / wall time, as `spotrun report` (tasks/goodput.py); 0: none
-    wall_s: float
-    timeline: str
-    cost_usd: float | None = None  # summed over attempts, where the provider prices them
-    on_demand_usd: float | None = None  # the same instance hours at the on-demand price
-    checkpoint_interval: dict[str, Any] | None = None  # `every: auto`: the last choice and why
-    resume_checks: list[dict[str, Any]] = field(default_factory=list)  # one per resumed attempt checked
-    resume_fidelity: str | None = None  # the worst verdict: exact, close or mismatch (None: none checked)
-    mlflow: dict[str, Any] | None = None  # the MLflow run (tasks.tracking.TrackingInfo); None: tracking off
-    run_key: str | None = None  # a keyed job's run key
-    promotion: dict[str, Any] | None = None  # the promotion gate's decision (tasks/promotion.py)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def tracking_markdown(s: Summary) -> str:
-    """The summary artifact's lines on resume fidelity and the MLflow run (empty when there is neither)."""
-    lines = []
-    if s.resume_checks:
-        lines.append(f"**Resume fidelity**: {s.resume_fidelity}")
-        lines += [
-            f"- attempt {c['attempt']} ({c['method']}): {c['verdict']}, {c['detail']}"
-            for c in s.resume_checks
-        ]
-    if s.run_key:
-        lines.append(f"**Run key**: `{s.run_key}`")
-    if s.promotion is not None:
-        verdict = "moved" if s.promotion.get("promoted") else "kept"
-        lines.append(f"**Promotion** ({s.promotion.get('alias')} {verdict}): {s.promotion.get('reason')}")
-    m = s.mlflow
-    if m is not None and m.get("run_id"):
-        model = f", model `{m['model']}`" if m.get("model") else ""
-        where = f"in `{m['experiment']}` at {m['tracking_uri']}"
-        lines.append(f"**MLflow**: run [{m['run_id']}]({m['url']}) {where}{model}")
-    return "\n\n" + "\n".join(lines) if lines else ""
+__all__ = ["JobRunLog", "ReportSink", "Summary"]  # Summary: what the flow returns (tasks/run_summary.py)
 
 
 class ReportSink(Protocol):
@@ -120,6 +59,8 @@ class ReportSink(Protocol):
 
 
 class JobRunLog:
+    """The job run's SQL rows and its attempt records, kept as the control loop goes."""
+
     def __init__(
         self,
         settings: Settings,
@@ -128,15 +69,14 @@ class JobRunLog:
         job_run_id: str,
         flow_run_id: str,
         sink: ReportSink,
+        provider_name: str = "local",
     ) -> None:
         self.settings, self.job, self.store, self.job_run_id = settings, job, store, job_run_id
-        self.sink = sink
-        self.flow_run_id = flow_run_id
-        self.provider_name = "local"
+        self.sink, self.flow_run_id, self.provider_name = sink, flow_run_id, provider_name
         self.records: list[AttemptRecord] = []
-        self.traces: list[AttemptTrace] = []
-        self.resume_step: int | None = None
+        self.resume_step: int | None = None  # the flow's estimate of where the next attempt starts
         self.resume_uri: str | None = None
+        self._resumes_at: int | None = None  # that estimate, made since the last record (0: scratch)
         self.dir = settings.job_dir(job.name, job.run_key)
         self.cache = self.dir / "flow-cache"
         self.spec_path = self.dir / "job.yaml"
@@ -144,9 +84,9 @@ class JobRunLog:
         self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
         self.released: str | None = None  # the last worker released: its lease may be taken at once
         self.adopted_from = ""  # the dead controller's flow run, when this run adopted its job run
-        self.tracker: Tracker | None = None  # the MLflow run's feeder (tracking.mlflow)
         self.mlflow_run_id: str | None = None  # the adopted job run's MLflow run, from SQL
-        self.checker: ResumeChecker | None = None  # made at the first attempt's end (it opens storage)
+        self.tracking = RunTracking(job, flow_run_id, sink, store)
+        self.report = RunReport(job, job_run_id, self.dir, sink)
         self._warm_recorded = False
 
     @classmethod
@@ -162,50 +102,31 @@ class JobRunLog:
         """Open the job run: a new one, or the job's latest one whose controller died (adopted).
         `recovers`: the crashed flow run this run was started to replace (recover-job's tag), if any."""
         store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
-        job_dir = settings.job_dir(job.name, job.run_key)
-        try:
-            latest = store.latest_job_run(job.name, job.run_key)
-        except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
-            sink.log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
-            latest = None
-        info = adoption.read_controller(job_dir)
+        latest = _latest_job_run(store, job, sink)
+        info = adoption.read_controller(settings.job_dir(job.name, job.run_key))
 
         def state() -> str | None:  # asked only when this host cannot tell
             return flow_run_state(latest.flow_run_id or "") if latest is not None else None
 
-        if adoption.should_adopt(latest, job.storage, flow_run_id, recovers, info, state):
-            assert latest is not None
-            log = cls(settings, job, store, latest.id, flow_run_id, sink)
-            log.provider_name = provider_name
+        if latest is not None and adoption.should_adopt(
+            latest, job.storage, flow_run_id, recovers, info, state
+        ):
+            log = cls(settings, job, store, latest.id, flow_run_id, sink, provider_name)
             log._adopt(latest)
             return log._opened()
         run_id = store.start_job_run(
             job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name, keyed_record(job)
         )
-        log = cls(settings, job, store, run_id, flow_run_id, sink)
-        log.provider_name = provider_name
-        return log._opened()
+        return cls(settings, job, store, run_id, flow_run_id, sink, provider_name)._opened()
 
     def _opened(self) -> JobRunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spec_path.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
         adoption.write_controller(self.dir, self.job_run_id, self.flow_run_id)
-        if self.job.tracking.mlflow:
-            self.tracker = Tracker(
-                self.job, Where.of(self.job, self.settings.home, dict(os.environ)), self.job_run_id,
-                self.flow_run_id, self.provider_name, self.mlflow_run_id, self._mlflow_attached,
-            ).start()  # fmt: skip
-            for r in self.records:  # an adopted run's attempts: the tags say which were already sent
-                check = r.extra.get("resume_check")
-                self.tracker.attempt(r, ResumeCheck(**check) if check else None)
+        self.tracking.start(
+            self.settings.home, self.job_run_id, self.provider_name, self.mlflow_run_id, self.records
+        )
         return self
-
-    def _mlflow_attached(self, run_id: str) -> None:
-        """The tracker's thread made or re-attached the MLflow run: SQL names it (a view: never fatal)."""
-        try:
-            self.store.set_mlflow_run(self.job_run_id, run_id)
-        except Exception as e:  # a view of the run: never fatal
-            logging.getLogger(__name__).warning("MLflow run id not recorded in SQL: %s", e)
 
     def _adopt(self, orphan: JobRunRow) -> None:
         """Continue a job run whose controller died: its attempts, budgets and numbering go on."""
@@ -215,48 +136,30 @@ class JobRunLog:
         self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
         left = adoption.read_worker(self.dir)
         self.leftover = left if left is not None and left.job_run_id == orphan.id else None
-        self.sink.log(logging.WARNING, f"adopting job run {orphan.id} of {self.job.name} from flow run "
-                                       f"{orphan.flow_run_id}, whose controller died")  # fmt: skip
+        self.sink.log(
+            logging.WARNING,
+            f"adopting job run {orphan.id} of {self.job.name} from flow run {orphan.flow_run_id}, "
+            "whose controller died",
+        )
 
     def stop_leftover(self, provider: Provider) -> None:
         """After adoption: stop the worker the dead controller left (local: its pid file; EC2: its flow
         run's instances, by tag, from any host), record that attempt as lost (controller died), and let
         the next trainer take over its storage lease at once."""
         left, self.leftover = self.leftover, None
-        worker_id = left.worker_id if left is not None else None
+        swept: list[str] = []
         if isinstance(provider, AwsProvider) and self.adopted_from:  # by tag: the file may be elsewhere
             swept = provider.stop_leftovers(self.adopted_from)
-            worker_id = swept[-1] if swept else worker_id
-        if left is not None and left.process is not None:
-            adoption.stop_local_worker(left.process)
+        run = adoption.Leftover(self.job_run_id, self.adopted_from, self.provider_name, self.records)
+        warn = partial(self.sink.log, logging.WARNING)
+        worker_id, lost = adoption.close_leftover(self.job, left, swept, run, warn)
         if worker_id is None:
             return  # it died between attempts: nothing was in flight
         self.released = worker_id
-        recorded = any(  # by a controller that adopted it and died too (a pid may be reused: the time)
-            r.extra.get("controller_died") and r.worker_id == worker_id
-            and (left is None or abs(r.started_at - left.started_at) < 1e-3)
-            for r in self.records
-        )  # fmt: skip
-        if not recorded:
-            self.record(self._lost_attempt(left, worker_id))
+        if lost is not None:
+            self.resume_step = lost.last_durable_step
+            self.record(lost)
         adoption.clear_worker(self.dir)  # recorded: a later adoption must not count it again
-
-    def _lost_attempt(self, left: adoption.WorkerInfo | None, worker_id: str) -> AttemptRecord:
-        """The dead controller's attempt in flight, with the steps its trainer reached (its heartbeat)."""
-        try:
-            storage = open_storage(self.job.storage, self.job.s3)
-            durable = read_latest(storage)
-            beat = read_heartbeat(storage, worker_id)
-        except StorageError as e:  # the row matters more than its step counts
-            self.sink.log(logging.WARNING, f"cannot read the lost attempt's progress: {e}")
-            durable, beat = None, None
-        last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
-        if left is None:
-            left = adoption.WorkerInfo(self.job_run_id, self.adopted_from, worker_id, self.provider_name,
-                                       len(self.records) + 1, time.time(), None)  # fmt: skip
-        self.resume_step = durable
-        return adoption.lost_attempt(left, len(self.records) + 1, self.adopted_from, last_step, durable,
-                                     time.time())  # fmt: skip
 
     @property
     def in_flight(self) -> Worker | None:
@@ -286,8 +189,7 @@ class JobRunLog:
             except Exception as e:  # teardown: the job run status below matters more
                 logging.getLogger(__name__).warning("could not record the interrupted attempt: %s", e)
         self.store.finish_job_run(self.job_run_id, end.status, end.message)
-        if self.tracker is not None:  # briefly: the emergency checkpoint's metrics, the run's status
-            self.tracker.finish(str(end.status), timeout_s=INTERRUPTED_TRACKING_S)
+        self.tracking.interrupted(str(end.status))
         if not self.store.flush(timeout_s=5):
             logging.getLogger(__name__).warning(
                 "history database unavailable: %d record(s) kept in the journal", self.store.pending
@@ -313,125 +215,71 @@ class JobRunLog:
             self.sink.log(logging.WARNING, f"warm-start lineage not recorded in SQL: {e}")
 
     def trainer_args(self, reclaimed_after_s: float | None = None) -> list[str]:
-        """What the next trainer is told beyond the job file: with `checkpoint.every: auto`, how often
-        this job's workers are reclaimed (its history on this provider, pulled towards the prior).
-        `reclaimed_after_s`: the attempt in flight is being reclaimed (a replacement started at its
-        notice), after this long: it counts too."""
-        if self.job.checkpoint.every != "auto":
-            return []
-        try:
-            rows = self.store.attempts(job=self.job.name)
-        except StoreUnavailable as e:  # a database that is down never stops training: the prior then
-            self.sink.log(logging.WARNING, f"no attempt history for the checkpoint interval: {e}")
-            rows = []
-        prior = self.job.checkpoint.mtbf_prior_s
-        est = estimate_mtbf(rows, self.provider_name, prior, reclaimed_after_s=reclaimed_after_s)
-        self.sink.log(logging.INFO, f"checkpoint interval planned for {est.describe()}")
-        return ["--mtbf-s", f"{est.mtbf_s:.0f}"]
+        """What the next trainer is told beyond the job file (tasks/trainer_args.py)."""
+        return trainer_args(self.job, self.store, self.provider_name, self.sink, reclaimed_after_s)
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
-        try:  # this job's marker, not another job's that the trainer refused (exit CONFIG_ERROR)
-            done = completed_for(open_storage(self.job.storage, self.job.s3), self.job)
-        except ConfigError:
-            done = None
-        except StorageError as e:  # the storage is down: the attempt is judged on its own ending
-            self.sink.log(logging.WARNING, f"{COMPLETED} not read ({e}): the attempt counts as unfinished")
-            done = None
-        outcome, cause = classify(result, completed=done is not None)
+        """The attempt's record: its outcome, its facts and its resume check (and its timeline trace)."""
+        outcome, cause = classify(result, completed=self._completed())
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
-        if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
-            record.extra["cost"] = dict(result.facts["cost"])
-        if result.started is not None and result.started.resharded_from is not None:
-            record.extra["resharded"] = resharded(result.started.resharded_from, self.job.world_size)
-        if result.started is not None and result.started.changes:  # resume.allow_changes: not bitwise
-            record.extra["spec_changes"] = [asdict(c) for c in result.started.changes]
-        if result.interval is not None:  # `every: auto`: the interval it settled on, and why
-            iv = result.interval
-            record.extra["checkpoint_interval"] = {
-                "seconds": iv.seconds, "cost_s": iv.cost_s, "mtbf_s": iv.mtbf_s, "reason": iv.reason,
-            }  # fmt: skip
-        check = self._resume_check(worker, result, record.attempt)
+        add_facts(record, result, self.job.world_size)
+        check = self.tracking.check(worker, result, self.records, record.attempt)
         if check is not None:  # in the row: the verdict on this resume (docs/tracking.md)
             record.extra["resume_check"] = check.as_dict()
         if result.rejected:  # the trainer's own report of what it passed over: the one authority on resume
             record.extra["rejected"] = [list(r) for r in result.rejected]
             self.store.record_rejections(self.job_run_id, record.attempt, result.rejected)
-        steps = list(result.step_times)
-        if result.last_step and (not steps or steps[-1][1] < result.last_step):
-            last_t = max((r.t for r in result.records()), default=result.ended_at)
-            steps.append((last_t, result.last_step))  # step lines come once a second: add the last one
-        self.traces.append(
-            AttemptTrace(record.attempt, outcome.value, worker.started_at, result.ended_at,
-                         steps, result.last_durable_step, result.resumed_from)
-        )  # fmt: skip
+        self.report.trace(record, worker, result)
         return record
 
-    def _resume_check(self, worker: Worker, result: WatchResult, attempt: int) -> ResumeCheck | None:
-        """Compare what this attempt and the one it took over from computed (tasks/tracking/fidelity.py)."""
-        previous = next(
-            (r for r in reversed(self.records) if r.outcome is not Outcome.PROVISION_FAILED), None
-        )
+    def _completed(self) -> bool:
+        """This job's completion marker, not another job's that the trainer refused (exit CONFIG_ERROR)."""
         try:
-            if self.checker is None:
-                storage = open_storage(self.job.storage, self.job.s3)
-                self.checker = ResumeChecker(storage, self.job.tracking.resume_rtol)
-            return self.checker.check(worker, result, previous, attempt)
-        except Exception as e:  # a check that cannot be made must not lose the attempt's row
-            self.sink.log(logging.WARNING, f"resume check of attempt {attempt} not made: {e}")
-            return None
+            return completed_for(open_storage(self.job.storage, self.job.s3), self.job) is not None
+        except ConfigError:
+            return False
+        except StorageError as e:  # the storage is down: the attempt is judged on its own ending
+            self.sink.log(logging.WARNING, f"{COMPLETED} not read ({e}): the attempt counts as unfinished")
+            return False
 
     def provision_failed(self, attempt: int, error: ProvisionError, started_at: float) -> AttemptRecord:
+        """The record of an attempt that got no worker."""
         return provision_failed_record(attempt, self.provider_name, error, started_at, time.time())
 
     def resumed(self, point: ResumePoint) -> None:
         """The flow's estimate of the checkpoint the next attempt starts from (lost-steps accounting);
         what the trainer passed over reaches SQL from its `started` record (classify)."""
         self.resume_step, self.resume_uri = point.step, point.uri
+        self._resumes_at = point.step or 0
 
     def record(self, record: AttemptRecord) -> None:
-        # Lost steps count from the checkpoint the next attempt resumes from, once selected. A cancelled
-        # or adopted attempt ends the run here: its own count (from its newest durable step) stands.
-        if record.outcome is Outcome.CANCELLED or record.extra.get("controller_died"):
-            pass
-        elif record.outcome is not Outcome.COMPLETED and self.resume_step is not None:
-            record.lost_steps = max(0, record.last_step - self.resume_step)
-        elif record.outcome is not Outcome.COMPLETED:
-            record.lost_steps = record.last_step
+        """Store an attempt's row, its lost steps counted by the one rule (tasks/lost_steps.py) up to the
+        flow's estimate of where the next attempt resumes, made since the last row (if any)."""
+        _, kept = walk([*self.records, record], self._resumes_at)
+        record.lost_steps = lost_steps(record.last_step, kept[-1])
+        self._resumes_at = None
         self.records.append(record)
         self.store.record_attempt(self.job_run_id, record)
         if self._in_flight is not None and self._in_flight.attempt == record.attempt:
             self.in_flight = None
-        check = ResumeCheck(**record.extra["resume_check"]) if "resume_check" in record.extra else None
-        if check is not None:
-            self._resume_checked(check)
-        if self.tracker is not None:
-            self.tracker.attempt(record, check)
+        self.tracking.recorded(record)
         try:
             self.sink.attempts(self.job.name, self.records)
         except Exception as e:  # an artifact is a view; the row above is the record
             logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
 
-    def _resume_checked(self, check: ResumeCheck) -> None:
-        """The verdict as a log line and an event; a mismatch's event carries the label automations match."""
-        level = logging.WARNING if check.verdict == "mismatch" else logging.INFO
-        self.sink.log(level, f"resume check, {check.line()}")
-        payload = {**check.as_dict(), "checkpoint": self._uri(check.resumed_from) or "",
-                   "flow_run_id": self.flow_run_id, "first_diff": check.first_diff or 0}  # fmt: skip
-        self.sink.event(RESUME_CHECKED, self.job.name, payload, {VERDICT_LABEL: check.verdict})
-
     @property
     def resume_checks(self) -> list[dict[str, Any]]:
-        return [r.extra["resume_check"] for r in self.records if "resume_check" in r.extra]
+        """Every resume check made in this job run, oldest first."""
+        return resume_checks(self.records)
 
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
+        """Store the job run's end, then its views: MLflow, the promotion decision, the summary."""
         self.store.finish_job_run(self.job_run_id, status, message)  # first: the reports below are views
-        ended = time.time()  # the job run's end as finish_job_run just stored it (to within a query);
-        # not after MLflow's final sync and the timeline's PNG below (2.5 s in one demo run), which
-        # made this summary's goodput lower than `spotrun report`'s for the same run
+        # its end as stored, not after MLflow's sync and the timeline (the goodput would not be the report's)
+        end = Ending(status, message, wall_s, time.time())
         trained = bool(self.records)  # not a flow run that found its key already completed
-        tracking = self.tracker.finish(status) if self.tracker is not None and trained else None
-        if self.tracker is not None and not trained:
-            self.tracker.close()
+        tracking = self.tracking.finish(status, trained)
         promotion = None
         if (
             status == "completed"
@@ -439,30 +287,15 @@ class JobRunLog:
             and (self.job.promote is not None or self.job.keep_runs is not None)
         ):
             tracked = tracking.promotion if tracking is not None else None
-            promotion = after_completion(self.job, self.store, self.sink, job_run_id=self.job_run_id,
-                                         flow_run_id=self.flow_run_id, tracked=tracked)  # fmt: skip
-        try:
-            timeline = self._timeline()
-        except (OSError, StorageError) as e:  # a report that cannot be saved must not fail a finished job
-            self.sink.log(logging.WARNING, f"timeline not saved: {e}")
-            timeline = ""
-        final = max((r.last_step for r in self.records), default=0)
-        checks = self.resume_checks
-        info = RunInfo(self.job.name, self.job_run_id, status, ended, gpus_per_worker=self.job.world_size)
-        figures = goodput.compute(self.records, info, ended)  # what `spotrun report` computes from SQL
-        # the wall time the goodput divides by (first attempt's start to the job's end), as the report's
-        wall_s = figures.wall_s if figures.started_at is not None else wall_s
-        summary = Summary(status, message, len(self.records), final, figures.goodput or 0.0,
-                          wall_s, timeline, *total_cost(self.records),
-                          report.checkpoint_interval(self.records), resume_checks=checks,
-                          resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
-                          mlflow=tracking.as_dict() if tracking is not None else None,
-                          run_key=self.job.run_key, promotion=promotion)  # fmt: skip
-        png = (self.dir / "timeline.png").read_bytes() if timeline else None
-        markdown = report.summary_markdown(self.job.name, status, self.records, figures, timeline, png)
-        self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
-        if status == "completed":  # the last progress report came up to a second before the last step
-            self.sink.progress(self.job.name, self.job.total_steps, self.job.total_steps)
+            promotion = after_completion(
+                self.job,
+                self.store,
+                self.sink,
+                job_run_id=self.job_run_id,
+                flow_run_id=self.flow_run_id,
+                tracked=tracked,
+            )
+        summary = self.report.summary(end, self.records, tracking, promotion)
         adoption.clear_controller(self.dir)
         if not self.store.flush(timeout_s=10):
             self.sink.log(
@@ -472,19 +305,14 @@ class JobRunLog:
             )
         return summary
 
-    def _timeline(self) -> str:
-        png = plot_timeline(
-            self.traces, f"{self.job.name}: training step over wall time", self.dir / "timeline.png"
-        )
-        if not is_local(self.job.storage):  # next to the checkpoints as well, where the team looks
-            put_bytes(open_storage(self.job.storage, self.job.s3), "reports/timeline.png", png.read_bytes())
-            return f"{self.job.storage.rstrip('/')}/reports/timeline.png"
-        local = (
-            Path(self.job.storage.removeprefix("file://")).expanduser().resolve() / "reports" / "timeline.png"
-        )
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_bytes(png.read_bytes())
-        return str(local)
-
     def _uri(self, step: int | None) -> str | None:
         return None if step is None else checkpoint_uri(self.job.storage, step)
+
+
+def _latest_job_run(store: HistoryStore, job: JobSpec, sink: ReportSink) -> JobRunRow | None:
+    """The job's latest job run, to adopt if its controller died; None when the database is down."""
+    try:
+        return store.latest_job_run(job.name, job.run_key)
+    except StoreUnavailable as e:  # a database that is down never stops training: no adoption then
+        sink.log(logging.WARNING, f"cannot look for a job run to adopt: {e}")
+        return None
