@@ -42,7 +42,7 @@ from tasks.providers.local import LocalProviderConfig
 from trainer.metrics_log import PREFIX, parse_metrics_key
 from trainer.spec import JobSpec
 
-PROVIDER_LOGGER = "tasks.providers.local"  # where the simulator says what it does, and when
+PROVIDER_LOGGER = "tasks.providers.local.provider"  # where the simulator says what it does, and when
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where the flow forwards the workers' log lines
 # trainer/__main__.py's log format, as the flow forwards it:
 # "[local-123] 2026-01-02 03:04:05,678 INFO trainer.loop: step 2000/6000 loss ..."

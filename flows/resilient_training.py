@@ -23,9 +23,8 @@ from tasks.endings import record_ending
 from tasks.job_slot import one_run_per_job
 from tasks.policy import RetryPolicy
 from tasks.prefect_sink import PrefectSink
-from tasks.providers import build_provider
-from tasks.providers.aws_config import AwsProviderConfig
 from tasks.providers.local import LocalProviderConfig
+from tasks.providers.registry import ProviderConfig, build_provider
 from tasks.recovery import recovered_run
 from tasks.reporting import artifact_key
 from tasks.run_key_start import per_run_key
@@ -45,10 +44,10 @@ from trainer.spec import JobSpec
 @one_run_per_job  # a second run of a running job waits or is refused (policy.duplicate_runs)
 def resilient_training(
     job: JobSpec,
-    # A plain union (JSON schema anyOf), not tasks.providers.ProviderConfig's discriminated one (oneOf):
-    # the Prefect UI offers anyOf as a choice, then that provider's form; oneOf it shows as raw JSON.
-    # Either validates the same: `kind` is a Literal in each, and both forbid extra keys.
-    provider: LocalProviderConfig | AwsProviderConfig = LocalProviderConfig(),  # noqa: B008 (the UI's default)
+    # Every kind's settings as a plain union (JSON schema anyOf), not a discriminated one (oneOf): the
+    # Prefect UI offers anyOf as a choice, then that provider's form; oneOf it shows as raw JSON
+    # (tasks/providers/registry.py). Either validates the same: `kind` is a Literal in each.
+    provider: ProviderConfig = LocalProviderConfig(),  # noqa: B008 (the UI's default)
     policy: RetryPolicy = RetryPolicy(),  # noqa: B008
     run_key: str | None = None,
 ) -> State:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.providers.aws_installation import installation_id
+from tasks.providers.aws.installation import installation_id
 from tasks.settings import spotrun_home
 from tasks.sweeping import sweep_instances as sweep_task
 

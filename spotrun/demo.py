@@ -91,7 +91,7 @@ def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(root / "checkpoints")]
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
     env = {
-        **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local.py)
+        **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local/)
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }

@@ -25,8 +25,7 @@ if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQ
     from spotrun.server import PrefectApi
     from tasks.history import AttemptRow
     from tasks.policy import RetryPolicy
-    from tasks.providers.aws_config import AwsProviderConfig
-    from tasks.providers.local import LocalProviderConfig
+    from tasks.providers.registry import ProviderConfig
     from tasks.settings import Settings
 
 from spotrun.console import (
@@ -80,7 +79,7 @@ def run_one(
     args: argparse.Namespace,
     spec: JobSpec,
     run_key: str | None,
-    provider: LocalProviderConfig | AwsProviderConfig,
+    provider: ProviderConfig,
     policy: RetryPolicy,
 ) -> int:
     """One flow run of the job (of one run key)."""
@@ -139,9 +138,7 @@ def server_line(api: PrefectApi) -> str:
     return f"Prefect server: {api.ui_url} (temporary: it stops when this run ends)"
 
 
-def run_inputs(
-    args: argparse.Namespace,
-) -> tuple[JobSpec, LocalProviderConfig | AwsProviderConfig, RetryPolicy]:
+def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, ProviderConfig, RetryPolicy]:
     """The job (with overrides), provider and retry policy of `spotrun run`, each validated."""
     from tasks.policy import RetryPolicy
     from tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
@@ -158,23 +155,26 @@ def run_inputs(
     if args.no_notice_fraction is not None:
         sim["no_notice_fraction"] = args.no_notice_fraction
     notice = {} if args.notice_s is None else {"notice_s": args.notice_s}
-    provider: LocalProviderConfig | AwsProviderConfig
+    provider: ProviderConfig
     if args.provider is not None:
         provider = load_provider(args.provider)
-        if provider.kind != "local" and (sim["mean_interval_s"] or sim["schedule"] or notice):
-            raise ConfigError("--preempt-*/--notice-s drive the local spot simulator; drop them for kind aws")
+        simulated = "simulator" in type(provider).model_fields  # what the flags set
+        if not simulated and (sim["mean_interval_s"] or sim["schedule"] or notice):
+            raise ConfigError(
+                f"--preempt-*/--notice-s drive the local spot simulator; drop them for kind {provider.kind}"
+            )
     else:
         provider = _validated(
             LocalProviderConfig, {"simulator": _validated(SpotSimulatorConfig, sim), **notice}
         )
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
     if spec.recipe is not None:
-        check_recipe(spec.recipe, spec.args, local=provider.kind == "local")
+        check_recipe(spec.recipe, spec.args, local=provider.workers_here)
     from tasks.trust import signing_refusal
 
     if (why := signing_refusal(spec, provider, os.environ)) is not None:
         raise ConfigError(why)
-    if provider.kind == "local":  # last: it imports the entry point's module (and torch) in a subprocess
+    if provider.workers_here:  # last: it imports the entry point's module (and torch) in a subprocess
         check_entrypoint(spec, provider.python)
     return spec, provider, _validated(RetryPolicy, budgets)
 
@@ -199,21 +199,20 @@ def check_entrypoint(spec: JobSpec, python: str | None) -> None:
         raise ConfigError(why)
 
 
-def load_provider(path: str) -> LocalProviderConfig | AwsProviderConfig:
+def load_provider(path: str) -> ProviderConfig:
     """A provider settings file (YAML, `kind: local` or `kind: aws`), validated; ConfigError otherwise."""
     import yaml
-    from pydantic import TypeAdapter
 
-    from tasks.providers import ProviderConfig
+    from tasks.providers.registry import kinds, parse_provider_config
 
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read provider file {path}: {one_line(e)}") from None
     if not isinstance(data, dict) or "kind" not in data:
-        raise ConfigError(f"{path}: a mapping with `kind: local` or `kind: aws` and its settings")
+        raise ConfigError(f"{path}: a mapping with {kinds()} and its settings")
     try:
-        return TypeAdapter(ProviderConfig).validate_python(data)
+        return parse_provider_config(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"][1:]) or "kind"  # loc[0] is the kind's tag
@@ -259,7 +258,7 @@ class RunResult:
 
 def run_job(
     spec: JobSpec,
-    provider: LocalProviderConfig | AwsProviderConfig,
+    provider: ProviderConfig,
     policy: RetryPolicy,
     settings: Settings,
     out: Console,
@@ -273,10 +272,8 @@ def run_job(
     from tasks.providers.local import worker_dir
 
     job = job or spec
-    workdir = settings.job_dir(job.name, job.run_key) / "workers"
-    if provider.kind == "local":
-        workdir = Path(provider.workdir) if provider.workdir else workdir
-        provider = provider.model_copy(update={"workdir": str(workdir)})
+    workdir = provider.workers_dir(settings.job_dir(job.name, job.run_key) / "workers")
+    provider = provider.placed(workdir)
     # Migrated (and its journal replayed) here, before the flow and the view share it.
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     metrics = worker_dir(workdir, job) / "metrics.jsonl"

@@ -1,5 +1,5 @@
 """The sweeper's Prefect side: which flow runs are live (asked of the Prefect API), and the task that
-terminates EC2 workers of the others (tasks/providers/aws_sweeper.py)."""
+terminates EC2 workers of the others (tasks/providers/aws/sweeper.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
 
 from tasks.providers.aws import ec2_client
-from tasks.providers.aws_sweeper import sweep
+from tasks.providers.aws.sweeper import sweep
 
 
 def flow_run_is_live(flow_run_id: str) -> bool:

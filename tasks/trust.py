@@ -28,9 +28,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.local_config import LocalProviderConfig
-from tasks.providers.trainer_env import passes, trainer_env
+from tasks.providers.registry import ProviderConfig
+from tasks.providers.trainer_env import passes
 from trainer.errors import ConfigError
 from trainer.signing import KEY_ENV, OLD_KEYS_ENV, keyring
 from trainer.spec import JobSpec
@@ -43,7 +42,6 @@ HEADER = f"""\
 # environment. `{DEPLOYMENTS}:` is what the deployments' defaults name: `spotrun deploy` rewrites it.
 # `{OPERATOR}:` is yours: `spotrun deploy` keeps it. Keep this file 0600: whoever can edit it can run code.
 """
-ProviderConfig = LocalProviderConfig | AwsProviderConfig
 
 
 @dataclass(frozen=True)
@@ -118,17 +116,13 @@ def refusal(
         for name in names:  # passing a variable that passes anyway changes nothing; setting one may
             if name not in allowed.env and not (where == "env.pass" and passes(name)):
                 return f"{where}: {name} is not a variable this host lets a deployment run name; {fix('env')}"
-    endpoints = [("s3.endpoint_url", job.s3.endpoint_url)]
-    aws = provider if isinstance(provider, AwsProviderConfig) else None
-    if aws is not None:
-        endpoints.append(("provider.endpoint_url", aws.endpoint_url))
-    for field, url in endpoints:
+    endpoints = {"s3.endpoint_url": job.s3.endpoint_url, **provider.endpoints()}
+    for field, url in endpoints.items():
         if url is not None and not endpoint_allowed(url, allowed):
             return (f"{field}: {url!r} is not https; {fix('endpoints')} "
                     f"(a loopback test server: {OPERATOR}.loopback: true)")  # fmt: skip
-    if aws is not None and aws.rehearse_locally and not (aws.endpoint_url and is_loopback(aws.endpoint_url)):
-        return ("provider.rehearse_locally: only against a loopback test endpoint (moto on 127.0.0.1); "
-                "set provider.endpoint_url to one, or turn rehearse_locally off")  # fmt: skip
+    if why := provider.deployment_refusal(is_loopback):
+        return why
     if why := _keyed_refusal(job, allowed, fix("keep_runs")):
         return why
     uri = job.tracking.uri
@@ -267,17 +261,7 @@ def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str
         return None
     if ring.signing is None:
         return f"{OLD_KEYS_ENV} is set but {KEY_ENV} is not: workers would not sign; set {KEY_ENV} too"
-    if provider.kind != "local":
-        if isinstance(provider, AwsProviderConfig) and provider.manifest_key_file:
-            return None  # the instance reads it from its own file (the operator's word that it is there)
-        return (
-            f"{KEY_ENV} is set here, but EC2 workers do not get it (spotrun puts no secret in user data): "
-            f"they would write checkpoints this controller cannot verify; set provider.manifest_key_file "
-            f"to a file on the instance that holds it, or unset {KEY_ENV}"
-        )
-    if trainer_env(environ, job.env).get(KEY_ENV) != environ.get(KEY_ENV):
-        return f"{KEY_ENV} is set here but would not reach the trainers; leave it out of the job's env"
-    return None
+    return provider.signing_refusal(job, environ)  # how the key reaches the workers is the provider's
 
 
 # ---- at a flow's start ----

@@ -19,7 +19,7 @@ from tests.servers import FaultProxy
 
 # Every trainer the tests start (and their torchrun ranks) inherits this: OpenMP threads that sleep
 # while they wait, as the local provider's workers do; spinning ones burn the cores the three xdist
-# workers share (tasks/providers/local.py measured the demo at 79 s spinning, 49 s sleeping).
+# workers share (tasks/providers/local/provider.py measured the demo at 79 s spinning, 49 s sleeping).
 for _k, _v in OMP_WAIT.items():
     os.environ.setdefault(_k, _v)
 

@@ -54,7 +54,7 @@ class Trainer:
     nobody reads would block a trainer that logs more than 64 KB)."""
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
-        from tasks.providers import fork_server
+        from tasks.providers.local import fork_server
 
         try:
             server = fork_server.server_for(sys.executable, env)

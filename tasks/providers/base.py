@@ -13,16 +13,18 @@ not decide what happens next (tasks/policy.py). The caller owns cleanup:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from trainer.heartbeat import MAX_LOSSES
 from trainer.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
+    from typing import Self
+
     from trainer.spec import JobSpec
 
 StatusCallback = Callable[[Record], None]
@@ -182,9 +184,10 @@ class WatchResult:
 
 @runtime_checkable
 class Provider(Protocol):
-    """Start, watch and stop workers. Implementations: tasks/providers/local.py (a spot simulator),
-    tasks/providers/aws.py (EC2 spot), aws_rehearsal.py, and tests/fakes/provider.py (scripted, no
-    processes); one contract for all in tests/integration/test_provider_contract.py."""
+    """Start, watch and stop workers. Implementations: tasks/providers/local/provider.py (a spot simulator),
+    tasks/providers/aws/provider.py (EC2 spot), aws/rehearsal.py, and tests/fakes/provider.py (scripted, no
+    processes); one contract for all in tests/integration/test_provider_contract.py. Each kind is built
+    from its settings (`ProviderSettings`) by the registry (tasks/providers/registry.py)."""
 
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/prewarm.py)
@@ -207,4 +210,50 @@ class Provider(Protocol):
 
     def release(self, worker: Worker) -> None:
         """Kill whatever is left of the worker. Idempotent; safe before, during and after `watch`."""
+        ...
+
+    def stop_leftovers(self, flow_run_id: str) -> list[str]:
+        """After adopting a job run whose controller died: stop the workers that controller's flow run
+        left which this provider can find from any host (EC2: by tag), and return their ids, the newest
+        last; [] when it finds them no other way than the controller's pid file (tasks/adoption.py)."""
+        ...
+
+
+class ProviderSettings(Protocol):
+    """What the controller asks of a provider's settings without knowing its kind (tasks/trust.py,
+    spotrun run): each kind's pydantic model implements it, and the registry names the models."""
+
+    workers_here: ClassVar[bool]  # workers run this machine's interpreter and files (recipes checked here)
+
+    @property
+    def kind(self) -> str:
+        """The registry's key: a Literal field that tells the kinds apart in a job's YAML and the UI."""
+        ...
+
+    @property
+    def python(self) -> str | None:
+        """The interpreter that runs `python -m trainer` (None: the flow's own)."""
+        ...
+
+    def workers_dir(self, default: Path) -> Path:
+        """Where this machine keeps the workers' local files (cache, metrics): the settings' own
+        directory if they name one, else `default`."""
+        ...
+
+    def placed(self, workdir: Path) -> Self:
+        """These settings with the workers' local files under `workdir` (unchanged for remote workers)."""
+        ...
+
+    def endpoints(self) -> dict[str, str | None]:
+        """The URLs these settings make the controller call, by field (the trust check's input)."""
+        ...
+
+    def deployment_refusal(self, is_loopback: Callable[[str], bool]) -> str | None:
+        """What these settings alone may not do in a deployment run whatever the host allows (one line
+        naming the field and the fix), or None."""
+        ...
+
+    def signing_refusal(self, job: JobSpec, environ: Mapping[str, str]) -> str | None:
+        """With the controller holding the manifest key (KEY_ENV): why these workers would not sign
+        with it (one line naming the fix), or None."""
         ...

@@ -16,7 +16,7 @@ PR_SET_PDEATHSIG = 1
 
 
 class Proc(Protocol):
-    """A trainer process: a Popen, or a child of the fork server (tasks/providers/fork_server.py)."""
+    """A trainer process: a Popen, or a child of the fork server (tasks/providers/local/fork_server.py)."""
 
     pid: int
     returncode: int | None

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_installation import installation_id
-from tasks.providers.aws_sweeper import sweep
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.installation import installation_id
+from tasks.providers.aws.sweeper import sweep
 from tasks.sweeping import flow_run_is_live
 from tests.aws_backdoor import spot_interrupt
 from tests.conftest import Ec2World
@@ -139,7 +139,7 @@ def test_notice_checkpoints_then_another_zone_resumes_bitwise(
 FLOW_SCRIPT = """
 import sys
 from flows.resilient_training import resilient_training
-from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws.config import AwsProviderConfig
 from trainer.spec import JobSpec
 spec, cfg = JobSpec.model_validate_json(sys.argv[1]), AwsProviderConfig.model_validate_json(sys.argv[2])
 resilient_training(spec, cfg)

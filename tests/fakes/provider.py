@@ -169,6 +169,9 @@ class FakeProvider:
         result.ended_at = clock.now()
         return result
 
+    def stop_leftovers(self, flow_run_id: str) -> list[str]:
+        return []  # scripted attempts leave no process behind
+
     def release(self, worker: Worker) -> None:
         """Mark the worker gone (a running watch stops at its next record). Idempotent."""
         h: _Handle = worker.handle

@@ -23,12 +23,12 @@ import pytest
 from tasks.attempts import Outcome
 from tasks.outcome import classify
 from tasks.providers.aws import AwsProvider, make_ec2_client
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_errors import NO_CREDENTIALS
-from tasks.providers.aws_installation import INSTALLATION_FILE, installation_id
-from tasks.providers.aws_policy import Placement, PlacementEvent, PlacementOutcome
-from tasks.providers.aws_sweeper import sweep
-from tasks.providers.aws_watch import SPOT_INTERRUPTION
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.errors import NO_CREDENTIALS
+from tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
+from tasks.providers.aws.policy import Placement, PlacementEvent, PlacementOutcome
+from tasks.providers.aws.sweeper import sweep
+from tasks.providers.aws.watch import SPOT_INTERRUPTION
 from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResult, Worker
 from tests import aws_backdoor
 from tests.conftest import Ec2World
@@ -534,7 +534,7 @@ def test_an_adopting_controller_terminates_the_dead_runs_instances_by_tag(
 ) -> None:
     """Host loss on EC2: the new controller runs elsewhere and has no file of the dead one's worker;
     the flow-run tag finds it (and the installation tag keeps another installation's apart)."""
-    from tasks.providers.aws_sweeper import sweep_flow_run
+    from tasks.providers.aws.sweeper import sweep_flow_run
 
     ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="ap-south-1")
 

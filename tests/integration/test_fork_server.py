@@ -1,4 +1,4 @@
-"""The trainer fork server (trainer/zygote.py, tasks/providers/fork_server.py): a forked child is what a
+"""The trainer fork server (trainer/zygote.py, tasks/providers/local/fork_server.py): a forked child is what a
 fresh `python -m MODULE` would have been, and dies as a fresh one would. Real processes, no mocks; most
 servers here preload nothing, so they start in milliseconds."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.providers import fork_server
-from tasks.providers.fork_server import ForkServer, ForkServerUnavailable, load_key
+from tasks.providers.local import fork_server
+from tasks.providers.local.fork_server import ForkServer, ForkServerUnavailable, load_key
 from tasks.providers.processes import exited, kill_leftovers
 from tests.procs import wait_gone
 

@@ -20,8 +20,8 @@ import pytest
 
 from tasks.attempts import Outcome
 from tasks.outcome import classify
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_rehearsal import RehearsalProvider
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.rehearsal import RehearsalProvider
 from tasks.providers.base import KillReason, Provider, StopCause, WatchResult, Worker
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests import aws_backdoor

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_iam import Scope, controller_policy, main, worker_policy
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.iam import Scope, controller_policy, main, worker_policy
 from trainer.errors import ConfigError
 
 ID = "0123456789abcdef"

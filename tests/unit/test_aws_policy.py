@@ -13,11 +13,11 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 from pydantic import ValidationError
 
-from tasks.providers import aws_launch as launch
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_cost import Cost, attempt_cost
-from tasks.providers.aws_errors import NO_CREDENTIALS, ErrorKind, LaunchContext, classify_error
-from tasks.providers.aws_policy import (
+from tasks.providers.aws import launch
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.cost import Cost, attempt_cost
+from tasks.providers.aws.errors import NO_CREDENTIALS, ErrorKind, LaunchContext, classify_error
+from tasks.providers.aws.policy import (
     Placement,
     PlacementEvent,
     PlacementOutcome,
@@ -26,7 +26,7 @@ from tasks.providers.aws_policy import (
     rank_placements,
     spot_shortage_since,
 )
-from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
+from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
 from tasks.providers.base import KillReason
 from trainer.storage import LocalStorage
 
@@ -443,7 +443,7 @@ def test_attempt_cost(tmp_path: Any) -> None:
     ],
 )
 def test_spot_request_marked_for_interruption(code: str, marked: str | None) -> None:
-    from tasks.providers.aws_watch import spot_request_marked
+    from tasks.providers.aws.watch import spot_request_marked
 
     assert spot_request_marked({"Status": {"Code": code}}) == marked
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.providers.aws_launch import build_user_data
+from tasks.providers.aws.launch import build_user_data
 from tasks.providers.trainer_env import passes, trainer_env
 from trainer.spec import EnvOptions
 

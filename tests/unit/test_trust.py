@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.local_config import LocalProviderConfig
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.local.config import LocalProviderConfig
 from tasks.trust import (
     Allowed,
     named,

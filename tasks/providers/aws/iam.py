@@ -9,9 +9,9 @@ part of a launch (`ec2:CreateAction`), so no existing resource can be tagged int
 A worker may read and write only its own job's storage prefix (which holds every run of the job), never
 another job's. moto does not enforce IAM: tests/unit/test_aws_iam.py tests these documents as tables.
 
-    python -m tasks.providers.aws_iam controller --provider provider.yaml --account 123456789012 \\
+    python -m tasks.providers.aws.iam controller --provider provider.yaml --account 123456789012 \\
         --storage s3://BUCKET/jobs [--s3-key KEY-ARN] [--worker-role spotrun-worker]
-    python -m tasks.providers.aws_iam worker --storage s3://BUCKET/jobs/my-job [--s3-key KEY-ARN]
+    python -m tasks.providers.aws.iam worker --storage s3://BUCKET/jobs/my-job [--s3-key KEY-ARN]
 
 The controller's document names this host's installation id (SPOTRUN_HOME): generate it there.
 """
@@ -29,8 +29,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_launch import TAG_INSTALLATION, TAG_JOB, TAG_LEASE
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.launch import TAG_INSTALLATION, TAG_JOB, TAG_LEASE
 from trainer.errors import ConfigError
 
 Statement = dict[str, Any]
@@ -44,7 +44,7 @@ class Scope:
     """What the controller's policy names beyond the provider settings."""
 
     account: str  # the 12-digit AWS account id
-    installation: str  # this installation's id (aws_installation.py)
+    installation: str  # this installation's id (installation.py)
     storage: str  # s3://bucket/prefix: every job's storage lies under it
     s3_key: str | None = None  # the KMS key ARN the bucket encrypts with (SSE-KMS)
     worker_role: str = "spotrun-worker"  # the role behind `instance_profile`
@@ -233,7 +233,7 @@ def _ebs_key(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
 def main(argv: list[str] | None = None) -> int:
     """Print one policy document as JSON; bad input is one line on stderr and exit code 2."""
     parser = argparse.ArgumentParser(
-        prog="python -m tasks.providers.aws_iam", description="Print a least-privilege IAM policy (JSON)."
+        prog="python -m tasks.providers.aws.iam", description="Print a least-privilege IAM policy (JSON)."
     )
     sub = parser.add_subparsers(dest="role", required=True)
     ctl = sub.add_parser("controller", help="the identity the flow and the sweeper run as")
@@ -266,7 +266,7 @@ def _provider(path: Path) -> AwsProviderConfig:
 
 
 def _scope(args: argparse.Namespace) -> Scope:
-    from tasks.providers.aws_installation import installation_id
+    from tasks.providers.aws.installation import installation_id
     from tasks.settings import spotrun_home
 
     home = spotrun_home()

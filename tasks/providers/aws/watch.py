@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_errors import error_code
-from tasks.providers.aws_launch import TAG_LEASE, lease_value
-from tasks.providers.aws_policy import Placement
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.errors import error_code
+from tasks.providers.aws.launch import TAG_LEASE, lease_value
+from tasks.providers.aws.policy import Placement
 from tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
 from trainer.errors import StorageError
 from trainer.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat

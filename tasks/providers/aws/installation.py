@@ -1,6 +1,6 @@
 """This spotrun installation's id: the `spotrun:installation` tag on every instance it launches, which
 its sweeper requires (it never touches another installation's instances in the same account) and its
-IAM policy's launch and terminate conditions name (aws_iam.py).
+IAM policy's launch and terminate conditions name (iam.py).
 
 Generated once, at the first EC2 launch or sweep, and kept in a 0600 file under SPOTRUN_HOME: the
 controller and the sweeper of one installation share the home, so they share the id.

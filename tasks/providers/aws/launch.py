@@ -29,14 +29,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_policy import Market, Placement
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.policy import Market, Placement
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
 TRAINER_USER = "spotrun"  # the unprivileged user the trainer runs as on an instance
-TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (aws_watch.py)
-TAG_INSTALLATION = "spotrun:installation"  # which spotrun installation launched it (aws_installation.py)
+TAG_LEASE = "spotrun:lease-until"  # epoch seconds; renewed by the watching flow (watch.py)
+TAG_INSTALLATION = "spotrun:installation"  # which spotrun installation launched it (installation.py)
 TAG_JOB, TAG_ATTEMPT, TAG_FLOW_RUN, TAG_WORKER, TAG_NODE = (
     "spotrun:job",
     "spotrun:attempt",

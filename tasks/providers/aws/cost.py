@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.providers.aws_policy import Market
-from tasks.providers.aws_watch import AwsWorkerState
+from tasks.providers.aws.policy import Market
+from tasks.providers.aws.watch import AwsWorkerState
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

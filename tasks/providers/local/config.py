@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import random
-from typing import Literal
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.providers.trainer_env import trainer_env
+from trainer.signing import KEY_ENV
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from trainer.spec import JobSpec
 
 
 class PlannedPreemption(BaseModel):
@@ -104,6 +114,31 @@ class LocalProviderConfig(BaseModel):
         default_factory=SpotSimulatorConfig,
         description="when simulated spot reclaims happen: a schedule, random ones, or none",
     )
+
+    # What the controller asks of any provider's settings (tasks/providers/base.py ProviderSettings).
+    workers_here: ClassVar[bool] = True
+
+    def workers_dir(self, default: Path) -> Path:
+        """`workdir` if set, else `default`."""
+        return Path(self.workdir) if self.workdir else default
+
+    def placed(self, workdir: Path) -> Self:
+        """These settings with `workdir` set."""
+        return self.model_copy(update={"workdir": str(workdir)})
+
+    def endpoints(self) -> dict[str, str | None]:
+        """None: local workers call no API."""
+        return {}
+
+    def deployment_refusal(self, is_loopback: Callable[[str], bool]) -> str | None:
+        """None: nothing here is refused beyond what the trust check asks of every provider."""
+        return None
+
+    def signing_refusal(self, job: JobSpec, environ: Mapping[str, str]) -> str | None:
+        """The key reaches the trainers through their environment, unless the job's `env` replaces it."""
+        if trainer_env(environ, job.env).get(KEY_ENV) != environ.get(KEY_ENV):
+            return f"{KEY_ENV} is set here but would not reach the trainers; leave it out of the job's env"
+        return None
 
 
 def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:

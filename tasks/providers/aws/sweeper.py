@@ -2,7 +2,7 @@
 machine) between launching an instance and releasing it.
 
 Only this installation's instances are considered: those tagged `spotrun:flow-run` and with its id in
-`spotrun:installation` (aws_installation.py). Another spotrun installation in the same account has its
+`spotrun:installation` (installation.py). Another spotrun installation in the same account has its
 own server, which knows nothing of this one's flow runs: their instances would all look dead here.
 `is_live(flow_run_id)` is given (the caller asks
 Prefect), so this module knows nothing of Prefect. A flow process killed outright leaves its run
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.providers.aws_launch import TAG_FLOW_RUN, TAG_INSTALLATION, TAG_LEASE
+from tasks.providers.aws.launch import TAG_FLOW_RUN, TAG_INSTALLATION, TAG_LEASE
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

@@ -18,9 +18,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tasks.providers.aws import AwsProvider
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_watch import AwsWorkerState
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.provider import AwsProvider
+from tasks.providers.aws.watch import AwsWorkerState
 from tasks.providers.base import LogCallback, StatusCallback, StopCause, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from tasks.providers.trainer_env import trainer_env
@@ -101,6 +101,10 @@ class RehearsalProvider:
 
     def stop(self, worker: Worker, cause: StopCause) -> WatchResult:
         return self.inner.stop(worker, cause)
+
+    def stop_leftovers(self, flow_run_id: str) -> list[str]:
+        """[]: the instances a dead controller played were its own processes, and died with it."""
+        return []
 
     def release(self, worker: Worker) -> None:
         state: AwsWorkerState = worker.handle

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.signing import KEY_ENV
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from trainer.spec import JobSpec
 
 RESERVED_TAG_PREFIX = "spotrun:"
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
@@ -209,3 +218,38 @@ class AwsProviderConfig(BaseModel):
                 "set placement_group: false to rehearse"
             )
         return self
+
+    # What the controller asks of any provider's settings (tasks/providers/base.py ProviderSettings).
+    workers_here: ClassVar[bool] = False  # an EC2 image may hold what this machine lacks
+
+    def workers_dir(self, default: Path) -> Path:
+        """`default`: `workdir` is a directory on the instance, not here."""
+        return default
+
+    def placed(self, workdir: Path) -> Self:
+        """Unchanged: the instances keep their files on their own disks."""
+        return self
+
+    def endpoints(self) -> dict[str, str | None]:
+        """The EC2 endpoint (None: AWS's own)."""
+        return {"provider.endpoint_url": self.endpoint_url}
+
+    def deployment_refusal(self, is_loopback: Callable[[str], bool]) -> str | None:
+        """A local rehearsal only against a loopback test endpoint: it runs instances' user data here."""
+        if self.rehearse_locally and not (self.endpoint_url and is_loopback(self.endpoint_url)):
+            return (
+                "provider.rehearse_locally: only against a loopback test endpoint (moto on 127.0.0.1); "
+                "set provider.endpoint_url to one, or turn rehearse_locally off"
+            )
+        return None
+
+    def signing_refusal(self, job: JobSpec, environ: Mapping[str, str]) -> str | None:
+        """The instance reads the key from its own file (the operator's word that it is there), or never
+        gets it."""
+        if self.manifest_key_file:
+            return None
+        return (
+            f"{KEY_ENV} is set here, but EC2 workers do not get it (spotrun puts no secret in user data): "
+            f"they would write checkpoints this controller cannot verify; set provider.manifest_key_file "
+            f"to a file on the instance that holds it, or unset {KEY_ENV}"
+        )

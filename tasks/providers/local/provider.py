@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from tasks.providers import fork_server
 from tasks.providers.base import (
     KillReason,
     LogCallback,
@@ -40,10 +39,9 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from tasks.providers.local_config import (
+from tasks.providers.local import fork_server
+from tasks.providers.local.config import (
     LocalProviderConfig,
-    PlannedPreemption,
-    SpotSimulatorConfig,
     plan_preemption,
     simulator_rng,
 )
@@ -63,17 +61,7 @@ from trainer.storage.base import local_dir_name
 if TYPE_CHECKING:
     from trainer.spec import JobSpec
 
-__all__ = [  # the settings and the process helpers live beside this module; importable from here too
-    "LocalProvider",
-    "LocalProviderConfig",
-    "PlannedPreemption",
-    "SpotSimulatorConfig",
-    "die_with_parent",
-    "on_spawner_thread",
-    "plan_preemption",
-    "simulator_rng",
-    "worker_dir",
-]
+__all__ = ["OMP_WAIT", "LocalProvider", "build", "worker_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +148,10 @@ class LocalProvider:
         """SIGTERM the trainer (its emergency checkpoint), read its lines, including all it wrote while
         nobody watched, for up to `stop_grace_s`, then SIGKILL what is left: an interrupted watch's stop."""
         return _Watch(self.cfg, worker, None, None).stop(cause)
+
+    def stop_leftovers(self, flow_run_id: str) -> list[str]:
+        """[]: a dead controller's local trainer is found by its pid file (tasks/adoption.py), not here."""
+        return []
 
     def release(self, worker: Worker) -> None:
         """SIGKILL whatever is left of the worker's session, reap it, close its pipes. Idempotent."""
@@ -356,6 +348,12 @@ def _read_lines(pipe: IO[str], stream: str, events: queue.Queue[_Event]) -> None
         pass
     finally:
         events.put(_Event(stream, None, time.monotonic(), time.time()))
+
+
+def build(cfg: LocalProviderConfig, workdir: Path, flow_run_id: str | None) -> LocalProvider:
+    """The registry's factory (tasks/providers/registry.py): workers keep their files under `workdir`
+    unless the settings name a directory."""
+    return LocalProvider(cfg if cfg.workdir is not None else cfg.placed(workdir), flow_run_id)
 
 
 def worker_dir(workdir: Path, job: JobSpec) -> Path:

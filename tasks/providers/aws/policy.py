@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from tasks.providers.aws_config import AwsProviderConfig
+from tasks.providers.aws.config import AwsProviderConfig
 
 Market = Literal["spot", "on-demand"]
 NEVER = float("-inf")

@@ -1,13 +1,13 @@
 """The `aws` provider: each attempt runs on a fresh EC2 spot instance in one pinned region, or for a
 multi-node job (`distributed.nnodes` = K) on K instances launched and released together.
 
-provision ranks the (subnet, instance type) pools with the re-provision policy (aws_policy.py) and
+provision ranks the (subnet, instance type) pools with the re-provision policy (policy.py) and
 launches into the best one that has capacity, by RunInstances pool after pool or by one instant EC2
 Fleet over all of them; the instance boots a user-data script that writes the job file and execs the
-trainer. watch polls EC2 and the trainer's heartbeat object (aws_watch.py). release terminates the
-instance. Every EC2 error is mapped in aws_errors.py. Instances carry `spotrun:*` tags, so that the
-sweeper (aws_sweeper.py) can terminate those of this installation whose flow run has died, and IAM can
-scope permissions (aws_iam.py).
+trainer. watch polls EC2 and the trainer's heartbeat object (watch.py). release terminates the
+instance. Every EC2 error is mapped in errors.py. Instances carry `spotrun:*` tags, so that the
+sweeper (sweeper.py) can terminate those of this installation whose flow run has died, and IAM can
+scope permissions (iam.py).
 
 Several nodes: node 0 is launched as above; once it runs, its private IP (where torchrun meets) goes
 into the other nodes' user data and they are launched into node 0's pool, its subnet (one zone: no
@@ -15,7 +15,7 @@ cross-zone traffic, and a placement group's zone) and its instance type (the sam
 Launching node 0 first costs one launch-to-running wait before the others start; their rendezvous
 waits for the slowest boot anyway. If the others find no capacity there, every node of the try is
 terminated and the whole gang tries the next pool. One Worker holds every instance: the end of any one
-ends the attempt (aws_watch.py), and release terminates them all. With `placement_group: true` each
+ends the attempt (watch.py), and release terminates them all. With `placement_group: true` each
 try gets a cluster placement group of its own, deleted once its instances are terminated.
 
 The EC2 client is given (`make_ec2_client` builds one); the provider never builds one itself.
@@ -36,11 +36,11 @@ import boto3
 from botocore import exceptions as bce
 from botocore.config import Config
 
-from tasks.providers import aws_launch as launch
-from tasks.providers.aws_config import AwsProviderConfig
-from tasks.providers.aws_cost import Cost, attempt_cost, spot_price
-from tasks.providers.aws_errors import ErrorKind, LaunchContext, classify_code, classify_error, error_code
-from tasks.providers.aws_policy import (
+from tasks.providers.aws import launch
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.cost import Cost, attempt_cost, spot_price
+from tasks.providers.aws.errors import ErrorKind, LaunchContext, classify_code, classify_error, error_code
+from tasks.providers.aws.policy import (
     Market,
     Placement,
     PlacementEvent,
@@ -48,8 +48,8 @@ from tasks.providers.aws_policy import (
     choose_market,
     rank_placements,
 )
-from tasks.providers.aws_sweeper import sweep_flow_run
-from tasks.providers.aws_watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
+from tasks.providers.aws.sweeper import sweep_flow_run
+from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
 from trainer.heartbeat import HEARTBEAT_EVERY_S
 from trainer.records import Notice, Record
@@ -165,7 +165,7 @@ class AwsProvider:
         text = self._job_text(job, spec_path)
         nnodes = job.distributed.nnodes if job.distributed is not None else 1
         # The controller names the worker it released (node 0) for the storage lease; torchrun may have
-        # put global rank 0, the lease holder, on another node (aws_watch.py), released as surely.
+        # put global rank 0, the lease holder, on another node (watch.py), released as surely.
         extra_args = [*extra_args, *(a for p in self._released_peers for a in ("--lease-takeover", p))]
         if self.prewarm and nnodes == 1:  # train through the 2-minute notice while the replacement boots
             # the controller sees the notice at its next look at the heartbeat (written at once)

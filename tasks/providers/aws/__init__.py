@@ -1,0 +1,58 @@
+"""The `aws` provider (`kind: aws`): each attempt on fresh EC2 spot instances in one pinned region.
+
+- `config`: its settings (`AwsProviderConfig`, `LaunchTemplateRef`).
+- `provider`: `AwsProvider` (launch, watch, release a gang of instances) and its EC2 client
+  (`ec2_client`, `make_ec2_client`); `factory`: the registry's `build`.
+- `policy`: which (subnet, instance type) pool to try next; `launch`: user data, tags and the launch
+  calls; `watch`: an instance's end and its trainer's heartbeat; `cost`: what an attempt cost;
+  `errors`: every EC2 error mapped to a kind and a line.
+- `installation`: this installation's id, on every instance's tags; `sweeper`: terminates the instances
+  of dead flow runs; `iam`: least-privilege policies (`python -m tasks.providers.aws.iam`).
+- `rehearsal`: `RehearsalProvider`, instances played by local processes against a test endpoint (moto).
+
+The names of modules that load boto3 (provider, rehearsal, factory) are imported on first use (PEP 562),
+so that reading settings loads no AWS SDK.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tasks.providers.aws.config import AwsProviderConfig, LaunchTemplateRef
+from tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
+from tasks.providers.aws.sweeper import sweep, sweep_flow_run
+
+if TYPE_CHECKING:
+    from tasks.providers.aws.factory import build
+    from tasks.providers.aws.provider import AwsProvider, ec2_client, make_ec2_client
+    from tasks.providers.aws.rehearsal import RehearsalProvider
+
+_LAZY = {
+    "AwsProvider": "provider",
+    "ec2_client": "provider",
+    "make_ec2_client": "provider",
+    "RehearsalProvider": "rehearsal",
+    "build": "factory",
+}
+
+__all__ = [
+    "INSTALLATION_FILE",
+    "AwsProvider",
+    "AwsProviderConfig",
+    "LaunchTemplateRef",
+    "RehearsalProvider",
+    "build",
+    "ec2_client",
+    "installation_id",
+    "make_ec2_client",
+    "sweep",
+    "sweep_flow_run",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """A name of a module that loads boto3, imported on its first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
