@@ -37,7 +37,8 @@ from tasks.outcome import resharded
 from tasks.policy import RetryPolicy, decide
 from tasks.prewarm import Prewarm
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
-from tasks.runlog import JobRunLog, Summary
+from tasks.run_summary import Summary
+from tasks.runlog import JobRunLog
 from tasks.settings import Settings
 from trainer.errors import ConfigError, StorageError
 from trainer.handover import write_standby

@@ -100,6 +100,38 @@ def tracking_markdown(s: Summary) -> str:
     return "\n\n" + "\n".join(lines) if lines else ""
 
 
+def make_summary(
+    end: Ending,
+    records: list[AttemptRecord],
+    figures: goodput.GoodputReport,
+    timeline: str,
+    tracking: TrackingInfo | None,
+    promotion: dict[str, Any] | None,
+    run_key: str | None,
+) -> Summary:
+    """The Summary of a job run from its attempts and its goodput figures."""
+    checks = resume_checks(records)
+    cost_usd, on_demand_usd = total_cost(records)
+    return Summary(
+        status=end.status,
+        message=end.message,
+        attempts=len(records),
+        final_step=max((r.last_step for r in records), default=0),
+        goodput=figures.goodput or 0.0,
+        # the wall time the goodput divides by (first attempt's start to the job's end), as the report's
+        wall_s=figures.wall_s if figures.started_at is not None else end.wall_s,
+        timeline=timeline,
+        cost_usd=cost_usd,
+        on_demand_usd=on_demand_usd,
+        checkpoint_interval=report.checkpoint_interval(records),
+        resume_checks=checks,
+        resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
+        mlflow=tracking.as_dict() if tracking is not None else None,
+        run_key=run_key,
+        promotion=promotion,
+    )
+
+
 def attempt_trace(record: AttemptRecord, worker: Worker, result: WatchResult) -> AttemptTrace:
     """One attempt's line on the timeline: its step samples, with its last step (step lines come once a
     second, so the last one may be missing)."""
@@ -146,27 +178,7 @@ class RunReport:
             gpus_per_worker=self.job.world_size,
         )
         figures = goodput.compute(records, info, end.ended_at)  # what `spotrun report` computes from SQL
-        # the wall time the goodput divides by (first attempt's start to the job's end), as the report's
-        wall_s = figures.wall_s if figures.started_at is not None else end.wall_s
-        checks = resume_checks(records)
-        cost_usd, on_demand_usd = total_cost(records)
-        summary = Summary(
-            status=end.status,
-            message=end.message,
-            attempts=len(records),
-            final_step=max((r.last_step for r in records), default=0),
-            goodput=figures.goodput or 0.0,
-            wall_s=wall_s,
-            timeline=timeline,
-            cost_usd=cost_usd,
-            on_demand_usd=on_demand_usd,
-            checkpoint_interval=report.checkpoint_interval(records),
-            resume_checks=checks,
-            resume_fidelity=worst_verdict([c["verdict"] for c in checks]),
-            mlflow=tracking.as_dict() if tracking is not None else None,
-            run_key=self.job.run_key,
-            promotion=promotion,
-        )
+        summary = make_summary(end, records, figures, timeline, tracking, promotion, self.job.run_key)
         png = (self.dir / "timeline.png").read_bytes() if timeline else None
         markdown = report.summary_markdown(self.job.name, end.status, records, figures, timeline, png)
         self.sink.summary(self.job.name, markdown + tracking_markdown(summary))

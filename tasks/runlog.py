@@ -29,7 +29,7 @@ from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.run_keys import keyed_record, lineage_of
 from tasks.run_summary import Ending, RunReport, Summary
-from tasks.run_tracking import RunTracking, resume_checks
+from tasks.run_tracking import RunTracking
 from tasks.settings import Settings
 from tasks.trainer_args import trainer_args
 from trainer.ckpt_format import COMPLETED, checkpoint_uri
@@ -267,11 +267,6 @@ class JobRunLog:
             self.sink.attempts(self.job.name, self.records)
         except Exception as e:  # an artifact is a view; the row above is the record
             logging.getLogger(__name__).warning("attempts table artifact not updated: %s", e)
-
-    @property
-    def resume_checks(self) -> list[dict[str, Any]]:
-        """Every resume check made in this job run, oldest first."""
-        return resume_checks(self.records)
 
     def finish(self, status: str, message: str, wall_s: float) -> Summary:
         """Store the job run's end, then its views: MLflow, the promotion decision, the summary."""
