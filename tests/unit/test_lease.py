@@ -115,7 +115,7 @@ def test_acquire_refuses_live_holder_until_expiry_by_the_stores_clock(tmp_path: 
     first = Lease.acquire(store, other(), ttl_s=30, clock=Clock())
     with pytest.raises(LeaseHeld, match=r"held by worker w-other .* until .* \(in 31 s\)"):
         Lease.acquire(store, ME, ttl_s=30)
-    age(tmp_path, 30.5)  # past the TTL, not past the store clock's granularity
+    age(tmp_path, 30.7)  # past the TTL, not past the store clock's granularity (0.3 s left: rounds to 0)
     with pytest.raises(LeaseHeld, match=r"\(in 0 s\)"):
         Lease.acquire(store, ME, ttl_s=30)
     age(tmp_path, 31.5)
