@@ -55,7 +55,7 @@ def spotrun_root() -> Path:
 
 
 def worker_path(cwd: Path, pythonpath: str | None, ours: Path) -> list[str]:
-    """A local worker's import path, as tasks/providers/local.py starts it: `python -m trainer` puts its
+    """A local worker's import path, as tasks/providers/local/ starts it: `python -m trainer` puts its
     working directory (the controller's) first, then PYTHONPATH: spotrun's root, then the trainer
     environment's own. Keep in step with how local workers start."""
     return [str(cwd), str(ours), *(p for p in (pythonpath or "").split(os.pathsep) if p)]

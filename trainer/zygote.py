@@ -22,7 +22,7 @@ server (which has the same tie to the provider's process, so a controller that d
 trainers along), stdin from /dev/null, the request's stdout, stderr, environment, working directory and
 argv, and default signal handlers. What a process fixes at start-up (sys.flags, stdio buffering, how many
 OpenMP threads, their wait policy) is the same by construction: the client keeps one server per
-interpreter and load-time environment (tasks/providers/fork_server.py).
+interpreter and load-time environment (tasks/providers/local/fork_server.py).
 
 The server runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C in the terminal or a
 cancel's SIGTERM is the controller's to handle (it stops its trainers gracefully, and they save); the

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.attempts import AttemptRecord, Outcome
+from tasks.providers.registry import capacity
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
 from tasks.tracking.steps import committed_step, read_steps
@@ -340,7 +341,7 @@ def _capacity(record: AttemptRecord, provider: str) -> str:
     market = (record.extra.get("cost") or {}).get("market")
     if market:
         return str(market)
-    return "spot (simulated)" if provider == "local" else "unknown"
+    return capacity(provider)
 
 
 @contextmanager
