@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -112,6 +113,18 @@ class UserSession:
     def finish(self, reason: str = "") -> None:
         """End the job here as completed (early stopping)."""
         self._s.finish(reason)
+
+    def fence(self) -> None:
+        """Wait until a background save has copied the parameters and optimizer state: call it before
+        writing them outside `optimizer.step()` (every optimizer step does it by itself)."""
+        self._s.ckpt.fence()
+
+    @contextmanager
+    def modifying(self) -> Iterator[None]:
+        """`with s.modifying():` around writes to parameters outside `optimizer.step()` (an EMA swapped
+        in for an evaluation pass): the block waits for a background save's copy first."""
+        self.fence()
+        yield
 
     def log(self, **metrics: float) -> None:
         """Log metrics in the trainer's log, at this step."""
