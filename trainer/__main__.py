@@ -182,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         die_with_agent()
     who = f"rank {env.rank} " if env.ranks is not None else ""
     logging.basicConfig(  # a forked rank replaces the handler it inherited from its worker
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s", stream=sys.stderr,
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
+        stream=sys.stderr,
         force=env.ranks is not None,
-    )  # fmt: skip
+    )
     stop = StopRequest()
     install_signal_handlers(stop)
     # ranks: only rank 0 speaks (the launcher relays it), and the launcher writes the exit record

@@ -321,8 +321,14 @@ class Checkpointer(BackgroundSaver):
             self.on_durable(step, sidecars_written)
         log.info(
             "checkpoint step %d durable in %s (snapshot %.3fs, write %.2fs, upload %.2fs, verify %.2fs; %s)",
-            step, self.storage.uri, t.snapshot_s, t.write_s, t.upload_s, t.verify_s, where,
-        )  # fmt: skip
+            step,
+            self.storage.uri,
+            t.snapshot_s,
+            t.write_s,
+            t.upload_s,
+            t.verify_s,
+            where,
+        )
 
 
 def lower_thread_priority() -> None:

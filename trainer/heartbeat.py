@@ -164,10 +164,14 @@ class HeartbeatWriter:
     def _payload(self) -> tuple[int, dict[str, Any]]:
         with self._state:
             body = {
-                "worker_id": self.worker_id, "t": self.clock(), "pid": self.pid,
-                "last_step": self.last_step, "durable_step": self.durable_step,
-                "losses": [list(x) for x in self.losses], "records": dict(self.records),
-            }  # fmt: skip
+                "worker_id": self.worker_id,
+                "t": self.clock(),
+                "pid": self.pid,
+                "last_step": self.last_step,
+                "durable_step": self.durable_step,
+                "losses": [list(x) for x in self.losses],
+                "records": dict(self.records),
+            }
             return self._seq, body
 
     def _run(self) -> None:
@@ -198,5 +202,9 @@ class HeartbeatWriter:
             self._last_error_log = now
             log.warning(
                 "heartbeat write to %s/%s failed (%d so far): %s: %s",
-                self.storage.uri, self.key, self.failures, type(e).__name__, e,
-            )  # fmt: skip
+                self.storage.uri,
+                self.key,
+                self.failures,
+                type(e).__name__,
+                e,
+            )

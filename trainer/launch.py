@@ -117,9 +117,12 @@ def read_rank_exits(directory: Path) -> dict[int, RankExit]:
         try:
             rank, body = int(p.stem[4:]), json.loads(p.read_text())
             found[rank] = RankExit(
-                rank, ExitCode(int(body["code"])), str(body.get("error", "")),
-                body.get("step"), body.get("durable_step"),
-            )  # fmt: skip
+                rank=rank,
+                code=ExitCode(int(body["code"])),
+                error=str(body.get("error", "")),
+                step=body.get("step"),
+                durable_step=body.get("durable_step"),
+            )
         except (ValueError, KeyError, TypeError):
             continue  # unreadable: that rank counts as missing
     return found
@@ -156,9 +159,13 @@ def torchrun_args(
     else:
         addr, port, rank = env.get(MASTER_ADDR, LOOPBACK), opts.port, node_rank(env)
     return [
-        *args, f"--nnodes={opts.nnodes}", f"--node_rank={rank}", "--rdzv_backend=static",
-        f"--master_addr={addr}", f"--master_port={port}",
-    ]  # fmt: skip
+        *args,
+        f"--nnodes={opts.nnodes}",
+        f"--node_rank={rank}",
+        "--rdzv_backend=static",
+        f"--master_addr={addr}",
+        f"--master_port={port}",
+    ]
 
 
 def loopback_listener() -> socket.socket:
@@ -233,9 +240,14 @@ def start_ranks(
         else:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainer.agent", *torchrun, "-m", "trainer", *argv],
-                stdout=subprocess.PIPE, text=True, errors="replace", env=env, process_group=0,
-                preexec_fn=arm_pdeathsig, pass_fds=(listener.fileno(),) if listener else (),
-            )  # fmt: skip
+                stdout=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                env=env,
+                process_group=0,
+                preexec_fn=arm_pdeathsig,
+                pass_fds=(listener.fileno(),) if listener else (),
+            )
     finally:
         if listener is not None:
             listener.close()  # the agent holds its own copy

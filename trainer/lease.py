@@ -559,8 +559,11 @@ def held(
 ) -> Iterator[FencedStorage]:
     """Acquire (waiting up to `wait_s` for the holder to let go), renew while the block runs, release
     after it: the block writes through the result."""
-    lease = (wait_for_lease(storage, me, ttl_s, released, wait_s) if wait_s > 0 else
-             Lease.acquire(storage, me, ttl_s, released)).start()  # fmt: skip
+    lease = (
+        wait_for_lease(storage, me, ttl_s, released, wait_s)
+        if wait_s > 0
+        else Lease.acquire(storage, me, ttl_s, released)
+    ).start()
     try:
         yield FencedStorage(storage, lease)
     finally:

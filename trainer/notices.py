@@ -224,8 +224,11 @@ class NoticeWatcher:
                 "%s metadata service at %s did not answer (%s): interruption notices will be missed until "
                 "it does. Set preemption.endpoint in the job spec or SPOTRUN_IMDS_ENDPOINT on the worker, "
                 "or preemption.notice: none where this is not %s",
-                self.cloud, self.base_url, what, self.cloud,
-            )  # fmt: skip
+                self.cloud,
+                self.base_url,
+                what,
+                self.cloud,
+            )
         elif now - self._last_error_log >= ERROR_LOG_EVERY_S:
             log.warning("%s notice poll failed (%d in a row): %s", self.cloud, self._failures, what)
         else:

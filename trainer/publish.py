@@ -129,8 +129,10 @@ def put_sidecars(storage: Storage, sidecars: Sidecars) -> bool:
     except Exception as e:  # storage trouble: the checkpoint's own writes retry or fail on their own
         log.warning(
             "%s not written (%s: %s); sent again with the next checkpoint",
-            ", ".join(sorted(sidecars)), type(e).__name__, e,
-        )  # fmt: skip
+            ", ".join(sorted(sidecars)),
+            type(e).__name__,
+            e,
+        )
         return False
     return True
 

@@ -195,9 +195,12 @@ def mark_completed(
 ) -> None:
     """Write COMPLETED.json (signed where a key is set), with the `eval` block of trainer/evaluation.py."""
     body = {
-        "job": spec.name, "step": step, "spec_hash": spec.spec_hash(), "finished_at": time.time(),
+        "job": spec.name,
+        "step": step,
+        "spec_hash": spec.spec_hash(),
+        "finished_at": time.time(),
         "spec": spec.public_dump(),  # what completed_for compares a later run against
-    }  # fmt: skip
+    }
     if evaluation is not None:
         body["eval"] = evaluation
     write_marker(storage, COMPLETED, body)

@@ -35,10 +35,17 @@ def _names() -> dict[Any, str]:
     import torch
 
     return {
-        torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
-        torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
-        torch.float64: "F64", torch.int64: "I64",
-    }  # fmt: skip
+        torch.bool: "BOOL",
+        torch.uint8: "U8",
+        torch.int8: "I8",
+        torch.int16: "I16",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int32: "I32",
+        torch.float32: "F32",
+        torch.float64: "F64",
+        torch.int64: "I64",
+    }
 
 
 def header(

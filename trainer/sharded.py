@@ -97,9 +97,11 @@ def load_sharded(path: Path, registry: Registry, ranks: Ranks) -> None:
         process_group=ranks.ckpt_group,
     )
     set_state_dict(
-        registry["model"], registry["optimizer"],  # type: ignore[arg-type]
-        model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-    )  # fmt: skip
+        registry["model"],  # type: ignore[arg-type]
+        registry["optimizer"],  # type: ignore[arg-type]
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
 
 
 class DcpStateCache:
@@ -207,9 +209,13 @@ class ShardStager:
             self._staged[path] = buf
             if isinstance(state, DTensor):
                 self._staged[path] = DTensor.from_local(
-                    buf, state.device_mesh, state.placements, run_check=False, shape=state.shape,
+                    buf,
+                    state.device_mesh,
+                    state.placements,
+                    run_check=False,
+                    shape=state.shape,
                     stride=state.stride(),
-                )  # fmt: skip
+                )
         if id(state) in later:  # known by id: the state dict is DcpStateCache's, kept between saves
             self.later.defer(buf, local.detach())
         else:
@@ -279,9 +285,12 @@ class ShardedCheckpointer(BackgroundSaver):
                 copy = self.timed_copy(self._copy_later, timings) if self.shard_stager.later.pending else None
             elif background:
                 future = dcp.async_save(
-                    shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group,
-                    async_stager=self.stager, planner=_planner(),
-                )  # fmt: skip
+                    shards,
+                    checkpoint_id=str(tmp),
+                    process_group=self.ranks.ckpt_group,
+                    async_stager=self.stager,
+                    planner=_planner(),
+                )
             else:
                 dcp.save(
                     shards, checkpoint_id=str(tmp), process_group=self.ranks.ckpt_group, planner=_planner()
@@ -292,9 +301,19 @@ class ShardedCheckpointer(BackgroundSaver):
             raise
         timings.snapshot_s = time.perf_counter() - t0
         self._persist_in(
-            background, self._commit, future, staged, tmp, staging, snap, manifest_base, sidecars or {},
-            timings, nice=False, copy=copy,
-        )  # fmt: skip
+            background,
+            self._commit,
+            future,
+            staged,
+            tmp,
+            staging,
+            snap,
+            manifest_base,
+            sidecars or {},
+            timings,
+            nice=False,
+            copy=copy,
+        )
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -374,8 +393,11 @@ class ShardedCheckpointer(BackgroundSaver):
         if error is not None and error.torn:  # every rank skips this one, and copies all at the save on
             self.overlap = False
             if rank == 0:
-                log.warning("checkpoint step %d skipped: %s; later checkpoints copy them at the step "
-                            "boundary", step, error.why)  # fmt: skip
+                log.warning(
+                    "checkpoint step %d skipped: %s; later checkpoints copy them at the step boundary",
+                    step,
+                    error.why,
+                )
             return
         if error is not None:  # on every rank; a refusing store is one line, not retried (as alone)
             raise CheckpointError(error.why) from (StorageError(error.why) if error.refused else None)
@@ -388,9 +410,15 @@ class ShardedCheckpointer(BackgroundSaver):
         if rank == 0:
             log.info(
                 "checkpoint step %d durable in %s (%d ranks; stage %.3fs, write %.2fs, upload %.2fs, "
-                "verify %.2fs)", durable, self.storage.uri, self.ranks.world_size,
-                t.snapshot_s, t.write_s, t.upload_s, t.verify_s,
-            )  # fmt: skip
+                "verify %.2fs)",
+                durable,
+                self.storage.uri,
+                self.ranks.world_size,
+                t.snapshot_s,
+                t.write_s,
+                t.upload_s,
+                t.verify_s,
+            )
             apply_retention(self.storage, durable, self.keep)
         if self.ranks.local_rank == 0:
             prune_local(self.cache, {durable})

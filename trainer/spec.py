@@ -260,10 +260,21 @@ class ResumeOptions(BaseModel):
 # The controller's secrets: never in a trainer's environment, even when a job names them (the trainer
 # never talks to Prefect, the history database, Slack or MLflow; its AWS access is its own profile or role).
 NEVER_PASSED = frozenset(
-    {"PREFECT_API_AUTH_STRING", "PREFECT_API_KEY", "SPOTRUN_DATABASE_URL", "DATABASE_URL", "PGPASSWORD",
-     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"}
-)  # fmt: skip
+    {
+        "PREFECT_API_AUTH_STRING",
+        "PREFECT_API_KEY",
+        "SPOTRUN_DATABASE_URL",
+        "DATABASE_URL",
+        "PGPASSWORD",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_TOKEN",
+    }
+)
 NEVER_PASSED_PREFIXES = ("PREFECT_", "SPOTRUN_SLACK_", "SLACK_")
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 

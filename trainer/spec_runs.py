@@ -27,8 +27,10 @@ def key_problem(key: str) -> str | None:
     """Why a filled run key cannot name a run (None: it can)."""
     if re.match(RUN_KEY, key):
         return None
-    return (f"run key {key!r} is not one path component of letters, digits and _.=- (at most 64, "
-            "starting with a letter or digit); change run_key or --run-key")  # fmt: skip
+    return (
+        f"run key {key!r} is not one path component of letters, digits and _.=- (at most 64, "
+        "starting with a letter or digit); change run_key or --run-key"
+    )
 
 
 class RunSource(BaseModel):
@@ -116,8 +118,9 @@ def check_run_key_template(v: str | None) -> str | None:
         except ConfigError as e:  # pydantic reports a ValueError as this field's error
             raise ValueError(str(e).removeprefix("template: ")) from None
         if "{run_key}" in v:
-            raise ValueError("run_key cannot use {run_key}; use {scheduled_date}, {scheduled_time} or "
-                             "{flow_run_name}")  # fmt: skip
+            raise ValueError(
+                "run_key cannot use {run_key}; use {scheduled_date}, {scheduled_time} or {flow_run_name}"
+            )
     return v
 
 

@@ -164,10 +164,18 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     Anything else (a device tensor, a subclass such as DTensor, a strided view, a lazy conj or neg)
     goes through copy_."""
     if (
-        type(src) in _PLAIN and type(dst) in _PLAIN and src.device.type == "cpu" and dst.device.type == "cpu"
-        and src.dtype == dst.dtype and src.shape == dst.shape and src.layout == torch.strided
-        and src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not src.is_neg()
-    ):  # fmt: skip
+        type(src) in _PLAIN
+        and type(dst) in _PLAIN
+        and src.device.type == "cpu"
+        and dst.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+        and src.layout == torch.strided
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    ):
         n = src.numel() * src.element_size()
         if n:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # releases the GIL, like copy_

@@ -243,31 +243,37 @@ def check_compat(saved: Mapping[str, Any], m: Manifest, expect: Expectation) -> 
     changes = spec_changes(saved, expect.spec, expect.shape_args)
     shape = [c for c in changes if c.kind == "shape"]
     if shape:
-        return [(
-            "compat",
-            f"made by a job with different shape settings ({describe_changes(shape)}); restore them, "
-            "or use a new storage URI for a changed model",
-        )]  # fmt: skip
+        return [
+            (
+                "compat",
+                f"made by a job with different shape settings ({describe_changes(shape)}); restore them, "
+                "or use a new storage URI for a changed model",
+            )
+        ]
     trajectory = [c for c in changes if c.kind == "trajectory"]
     if trajectory and not expect.allow_changes:
-        return [(
-            "compat",
-            f"made with different training settings ({describe_changes(trajectory)}); restore them, or "
-            "pass --allow-changes (or set resume.allow_changes: true) to go on with the new ones (the "
-            "run is then no longer bitwise equal to an uninterrupted one)",
-        )]  # fmt: skip
+        return [
+            (
+                "compat",
+                f"made with different training settings ({describe_changes(trajectory)}); restore them, or "
+                "pass --allow-changes (or set resume.allow_changes: true) to go on with the new ones (the "
+                "run is then no longer bitwise equal to an uninterrupted one)",
+            )
+        ]
     return _check_world(m, expect)
 
 
 def _check_world(m: Manifest, expect: Expectation) -> list[Finding]:
     if expect.world_size is None or m.world_size == expect.world_size or expect.allow_reshard:
         return []
-    return [(
-        "compat",
-        f"was written by {m.world_size} rank(s) and this run has {expect.world_size}; set "
-        f"distributed.allow_reshard: true to resume it resharded (not bitwise), or run "
-        f"{m.world_size} rank(s)",
-    )]  # fmt: skip
+    return [
+        (
+            "compat",
+            f"was written by {m.world_size} rank(s) and this run has {expect.world_size}; set "
+            f"distributed.allow_reshard: true to resume it resharded (not bitwise), or run "
+            f"{m.world_size} rank(s)",
+        )
+    ]
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,10 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.writer_proc", str(theirs.fileno()), str(os.getpid())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
         theirs.close()
         self.conn = Connection(ours.detach())
         self.generation = 0

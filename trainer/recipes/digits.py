@@ -96,10 +96,14 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     if lr <= 0:
         raise ValueError(f"lr {lr} must be > 0")
     model = nn.Sequential(
-        nn.Linear(64, hidden), nn.GELU(), nn.Dropout(dropout),
-        nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
+        nn.Linear(64, hidden),
+        nn.GELU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Dropout(dropout),
         nn.Linear(hidden, 10),
-    ).to(ctx.device)  # fmt: skip
+    ).to(ctx.device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(ctx.total_steps, arg(args, "warmup", int, 10))

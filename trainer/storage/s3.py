@@ -394,8 +394,10 @@ class S3Storage:
                     self._put_if(full, b"2", if_version)
                 except PreconditionFailed:
                     continue
-                return (f"storage {self.uri}: the store at {endpoint} ignored {header} on PutObject, so "
-                        f"two trainers could both take the storage lease; {fix}")  # fmt: skip
+                return (
+                    f"storage {self.uri}: the store at {endpoint} ignored {header} on PutObject, so "
+                    f"two trainers could both take the storage lease; {fix}"
+                )
         finally:  # an error (access denied, the store down) is no answer: raised, probed again next time
             with contextlib.suppress(StorageError, FileNotFoundError):
                 self._retry(functools.partial(self._delete_batch, [full]))
