@@ -55,8 +55,10 @@ def _promotion_facts() -> dict[str, str]:
     """The flow's `promotion` parameter: each PromotionFacts field from the event's payload
     (tasks/promotion.py event_payload), its type kept (a one-expression template), a default where an
     event lacks one."""
-    empty = {f.name: repr(f.default) if isinstance(f.default, str) else str(f.default).lower()
-             for f in dataclasses.fields(PromotionFacts)}  # fmt: skip
+    empty = {
+        f.name: repr(f.default) if isinstance(f.default, str) else str(f.default).lower()
+        for f in dataclasses.fields(PromotionFacts)
+    }
     empty = {k: "none" if v == "none" else v for k, v in empty.items()}
     return {name: f"{{{{ event.payload.{name} | default({e}) }}}}" for name, e in empty.items()}
 
@@ -158,8 +160,10 @@ def build_missed_run_automations(
             reason="{{ flow_run.state.name | default('') }}",  # where the run is now
             training_flow_run_id=_THE_RUN,
         )
-        description = (f"a run of {d.deployment} ({d.job}) has not ended {deadline:g} s after its slot "
-                       "(one alert per run)")  # fmt: skip
+        description = (
+            f"a run of {d.deployment} ({d.job}) has not ended {deadline:g} s after its slot "
+            "(one alert per run)"
+        )
         out.append(
             automation(MISSED_RUN + d.deployment, description, trigger, alert_deployment_id, parameters)
         )

@@ -70,9 +70,13 @@ class LocalWorker:
         def popen() -> subprocess.Popen[bytes]:  # dies with this process: no worker pulls runs for nobody
             with open(self.log, "ab") as out:
                 return subprocess.Popen(
-                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                     preexec_fn=die_with_parent(),
-                )  # fmt: skip
+                )
 
         before = self.heartbeat()  # a restart keeps the name: registered means a newer heartbeat
         self.proc = on_spawner_thread(popen)
@@ -154,8 +158,10 @@ def supervise(
             continue
         uptime = time.monotonic() - worker.started
         delay = backoff.next_delay(uptime)
-        say(f"worker {worker.name} exited with {code} after {uptime:.0f} s (see {worker.log}); "
-            f"restarting in {delay:g} s (restart {backoff.failures})")  # fmt: skip
+        say(
+            f"worker {worker.name} exited with {code} after {uptime:.0f} s (see {worker.log}); "
+            f"restarting in {delay:g} s (restart {backoff.failures})"
+        )
         while not stop.wait(delay):
             try:
                 worker.start(stop=stop)

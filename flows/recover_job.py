@@ -45,13 +45,26 @@ def recover_job(crashed_flow_run_id: str, limit: int = 3, window_s: float = 3600
         times = restart_times(client, crashed.job)
     window = timedelta(seconds=window_s)
     decision = decide_controller_restart(times, datetime.now(UTC), limit, window, crashed.cancel_requested)
-    logger.info("job %s: flow run %s crashed -> %s (%s)", crashed.job, crashed_id, decision.action,
-                decision.reason)  # fmt: skip
-    report.emit(JOB_CRASHED, crashed.job, crashed_flow_run_id=str(crashed_id), restarts=decision.restarts,
-                limit=limit, action=str(decision.action), reason=decision.reason)  # fmt: skip
+    logger.info(
+        "job %s: flow run %s crashed -> %s (%s)", crashed.job, crashed_id, decision.action, decision.reason
+    )
+    report.emit(
+        JOB_CRASHED,
+        crashed.job,
+        crashed_flow_run_id=str(crashed_id),
+        restarts=decision.restarts,
+        limit=limit,
+        action=str(decision.action),
+        reason=decision.reason,
+    )
     if decision.action is RestartAction.GIVE_UP:
-        report.emit(report.JOB_GAVE_UP, crashed.job, reason=decision.reason, checkpoint="",
-                    flow_run_id=str(crashed_id))  # fmt: skip
+        report.emit(
+            report.JOB_GAVE_UP,
+            crashed.job,
+            reason=decision.reason,
+            checkpoint="",
+            flow_run_id=str(crashed_id),
+        )
         close_job_run_of(crashed.job, str(crashed_id), Ending(JobStatus.CRASHED, decision.reason))
     elif decision.action is RestartAction.LEAVE:
         close_job_run_of(crashed.job, str(crashed_id), Ending(JobStatus.CANCELLED, decision.reason))

@@ -64,8 +64,9 @@ def resilient_training(
     run_id = str(flow_run.get_id() or "")
     workers = build_provider(provider, settings.job_dir(job.name, job.run_key) / "workers", run_id)
     recovers = recovered_run(flow_run.get_tags())  # started by recover-job: continue that job run
-    result = run_job(job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id,
-                     recovers=recovers)  # fmt: skip
+    result = run_job(
+        job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id, recovers=recovers
+    )
     _link_mlflow(job, result.summary.mlflow)
     state = Completed if result.completed else Failed
     return state(message=result.message, data=result.summary.as_dict())

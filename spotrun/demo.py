@@ -194,9 +194,12 @@ def _run_and_check(
     if not failures:
         ref = settings.home / "reference"
         failures = compare_final(
-            Path(job.storage), ref / "checkpoints", (result.metrics, ref / "metrics.jsonl"),
-            job.total_steps, settings.home / "compare",
-        )  # fmt: skip
+            Path(job.storage),
+            ref / "checkpoints",
+            (result.metrics, ref / "metrics.jsonl"),
+            job.total_steps,
+            settings.home / "compare",
+        )
     if not failures:
         failures = show_mlflow(result, settings.home / "reference" / "metrics.jsonl", job.total_steps)
     _verdict(job, result, failures)

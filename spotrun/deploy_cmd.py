@@ -104,12 +104,17 @@ def print_report(report: DeployReport, ui_url: str, as_json: bool) -> None:
         autos.add_row(escape(a.name), a.change, str(a.id))
     out.print(autos)
     r = report.recovery
-    out.print(f"a training run silent for {r.zombie_after_s:g} s is marked Crashed and rerun, at most "
-              f"{r.controller_restarts} times per job within {r.restart_window_s:g} s")  # fmt: skip
+    out.print(
+        f"a training run silent for {r.zombie_after_s:g} s is marked Crashed and rerun, at most "
+        f"{r.controller_restarts} times per job within {r.restart_window_s:g} s"
+    )
     if report.allowed is not None:
-        out.print(f"deployment runs on this host may name what {report.allowed} allows "
-                  "(built-in recipes, the deployments' defaults and your own additions)",
-                  markup=False, soft_wrap=True)  # fmt: skip
+        out.print(
+            f"deployment runs on this host may name what {report.allowed} allows "
+            "(built-in recipes, the deployments' defaults and your own additions)",
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -153,8 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             pid = worker.proc.pid if worker.proc else "?"
             # soft_wrap: one line however long the log path (people and tests grep for it)
-            out.print(f"worker {worker.name} (pid {pid}) runs the pool's flow runs (log: {worker.log}); "
-                      "Ctrl-C stops it", markup=False, soft_wrap=True)  # fmt: skip
+            out.print(
+                f"worker {worker.name} (pid {pid}) runs the pool's flow runs (log: {worker.log}); "
+                "Ctrl-C stops it",
+                markup=False,
+                soft_wrap=True,
+            )
             supervise(worker, stop, lambda line: out.print(line, markup=False, soft_wrap=True))
         except KeyboardInterrupt:
             pass
@@ -165,22 +174,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _alert_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--restart-threshold", type=int, default=3, metavar="N",
-                   help="restarts of one job that raise a restart-storm alert (default 3)")  # fmt: skip
-    p.add_argument("--restart-window", default="1h", metavar="DURATION",
-                   help="... within this window, e.g. 30m, 1h, 2d (default 1h)")  # fmt: skip
-    p.add_argument("--no-recovery-note", action="store_true",
-                   help="do not post a note when a job that alerted completes")  # fmt: skip
-    p.add_argument("--alert-retries", type=int, default=3, metavar="N",
-                   help="delivery retries of an alert when Slack fails (default 3)")  # fmt: skip
-    p.add_argument("--alert-retry-delay", default="30s", metavar="DURATION",
-                   help="wait between delivery retries (default 30s)")  # fmt: skip
-    p.add_argument("--controller-restarts", type=int, default=3, metavar="N",
-                   help="rerun a training run whose controller died at most N times per job within "
-                   "--restart-window, then alert that it gave up (default 3; 0: never)")  # fmt: skip
-    p.add_argument("--zombie-after", default="90s", metavar="DURATION",
-                   help="mark a training run Crashed after this long without a heartbeat (default 90s, "
-                   "at least 60s: runs beat every 30 s)")  # fmt: skip
+    p.add_argument(
+        "--restart-threshold",
+        type=int,
+        default=3,
+        metavar="N",
+        help="restarts of one job that raise a restart-storm alert (default 3)",
+    )
+    p.add_argument(
+        "--restart-window",
+        default="1h",
+        metavar="DURATION",
+        help="... within this window, e.g. 30m, 1h, 2d (default 1h)",
+    )
+    p.add_argument(
+        "--no-recovery-note", action="store_true", help="do not post a note when a job that alerted completes"
+    )
+    p.add_argument(
+        "--alert-retries",
+        type=int,
+        default=3,
+        metavar="N",
+        help="delivery retries of an alert when Slack fails (default 3)",
+    )
+    p.add_argument(
+        "--alert-retry-delay",
+        default="30s",
+        metavar="DURATION",
+        help="wait between delivery retries (default 30s)",
+    )
+    p.add_argument(
+        "--controller-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="rerun a training run whose controller died at most N times per job within "
+        "--restart-window, then alert that it gave up (default 3; 0: never)",
+    )
+    p.add_argument(
+        "--zombie-after",
+        default="90s",
+        metavar="DURATION",
+        help="mark a training run Crashed after this long without a heartbeat (default 90s, "
+        "at least 60s: runs beat every 30 s)",
+    )
     p.add_argument(
         "--missed-run-after",
         metavar="DURATION",

@@ -63,8 +63,10 @@ class RunMonitor:
         doing = (
             f"training, loss {self.loss:.4f}"
             if now - self.stepped_at < TRAINING_GAP_S
-            else "starting a worker" if not self.attempts else "restarting: worker start-up and restore"
-        )  # fmt: skip
+            else "starting a worker"
+            if not self.attempts
+            else "restarting: worker start-up and restore"
+        )
         if self.history_error:
             return f"{doing} | history: {self.history_error}"
         last = self.attempts[-1] if self.attempts else None

@@ -58,8 +58,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except OSError as e:  # only the --plot path is written here: the user's to fix
         why = e.strerror or str(e)
         return error_exit(ValueError(f"--plot {args.plot}: cannot write there ({why}); give a writable path"))
-    keyed = {"run_key": run.run_key, "run_values": run.run_values, "lineage": run.lineage,
-             "promotion": run.promotion}  # fmt: skip
+    keyed = {
+        "run_key": run.run_key,
+        "run_values": run.run_values,
+        "lineage": run.lineage,
+        "promotion": run.promotion,
+    }
     if args.json:
         print(json.dumps({**report.as_dict(), **keyed, "plot": str(plot) if plot else None}, indent=2))
     else:
@@ -88,8 +92,10 @@ def _job_run(
         keyed = [r for r in runs if r.run_key == run_key]
         if not keyed:
             keys = list(dict.fromkeys(r.run_key for r in reversed(runs) if r.run_key))[:KNOWN_JOBS_SHOWN]
-            raise UnknownJob(f"--run-key {run_key!r}: no job run of {job!r} has it; its newest keys: "
-                             f"{', '.join(keys) or 'none (the job is not keyed)'}")  # fmt: skip
+            raise UnknownJob(
+                f"--run-key {run_key!r}: no job run of {job!r} has it; its newest keys: "
+                f"{', '.join(keys) or 'none (the job is not keyed)'}"
+            )
         runs = keyed
     if not runs:
         names = list(
@@ -163,9 +169,16 @@ def _attempts_table(report: GoodputReport) -> Table:
         trained = f.outcome != "provision_failed"  # no worker: no steps to show
         steps, kept = (f"{f.start_step}->{f.last_step}", str(f.kept_step)) if trained else ("-", "-")
         table.add_row(
-            str(f.attempt), f.outcome, steps, kept, str(f.lost_steps),
-            num(f.s_per_step, 3), num(f.effective_s), num(f.lost_gpu_s), recovery,
-        )  # fmt: skip
+            str(f.attempt),
+            f.outcome,
+            steps,
+            kept,
+            str(f.lost_steps),
+            num(f.s_per_step, 3),
+            num(f.effective_s),
+            num(f.lost_gpu_s),
+            recovery,
+        )
     return table
 
 

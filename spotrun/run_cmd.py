@@ -104,9 +104,11 @@ def run_one(
     adopting = adoption.read_controller(settings.job_dir(job.name, job.run_key)) is not None
     done = None if adopting else completed_at(job)
     if done is not None:  # no server, no flow run, no history row for a run with nothing to do
-        out.print(f"{which} already completed at step {done} in {job.storage}: nothing to run "
-                  "(a larger --total-steps trains on; a new --storage starts over)",
-                  markup=False)  # fmt: skip
+        out.print(
+            f"{which} already completed at step {done} in {job.storage}: nothing to run "
+            "(a larger --total-steps trains on; a new --storage starts over)",
+            markup=False,
+        )
         return EXIT_OK
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
         out.print(server_line(api), markup=False)
@@ -118,8 +120,11 @@ def run_one(
             return EXIT_INTERRUPTED
         print_result(out, result, api.flow_run_url(result.flow_run_id))
     if api.server is not None:
-        out.print("the temporary Prefect server has stopped, and the flow run link with it; "
-                  f"`{spotrun_command()} server start` keeps one running", markup=False)  # fmt: skip
+        out.print(
+            "the temporary Prefect server has stopped, and the flow run link with it; "
+            f"`{spotrun_command()} server start` keeps one running",
+            markup=False,
+        )
     last = result.attempts[-1] if result.attempts else None
     if not result.completed and last is not None and last.trainer_code == "CONFIG_ERROR":
         # bad input the trainer found (a recipe that cannot be built): exit 2 with its one line, like ours

@@ -236,9 +236,13 @@ class PrefectServer:
         def popen() -> subprocess.Popen[bytes]:
             with open(self.log, "wb") as out:
                 return subprocess.Popen(
-                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                     preexec_fn=preexec,
-                )  # fmt: skip
+                )
 
         self.proc = on_spawner_thread(popen)
         return self.proc

@@ -81,13 +81,16 @@ def add_server(sub: Subparsers) -> None:
         "--port", type=int, metavar="N", help="port on 127.0.0.1 (default 4200 when free; 0: any free port)"
     )
     start.add_argument(
-        "--host", default="127.0.0.1", metavar="ADDR",
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDR",
         help="listen here (default 127.0.0.1); off loopback only with --public-url (else exit 2)",
-    )  # fmt: skip
+    )
     start.add_argument(
-        "--public-url", metavar="URL",
+        "--public-url",
+        metavar="URL",
         help="the https address of the TLS proxy in front of it (needed for a --host off loopback)",
-    )  # fmt: skip
+    )
     start.add_argument("--timeout", type=float, default=90, metavar="S", help="wait this long for it")
     start.set_defaults(handler=cmd_start)
     stop = actions.add_parser("stop", help="stop it (SIGTERM, then SIGKILL); its database stays")
