@@ -211,12 +211,19 @@ class Campaign:
 
     def job(self, n: int) -> tuple[JobSpec, Path]:
         spec = {
-            "name": f"chaos-{n}", "recipe": "digits", "args": {"hidden": 32, "dropout": 0.1},
-            "total_steps": self.rng.choice([36, 48, 60]), "batch_size": 64, "seed": n, "threads": 1,
-            "num_workers": self.rng.choice([0, 0, 1]), "log_every": 1,
+            "name": f"chaos-{n}",
+            "recipe": "digits",
+            "args": {"hidden": 32, "dropout": 0.1},
+            "total_steps": self.rng.choice([36, 48, 60]),
+            "batch_size": 64,
+            "seed": n,
+            "threads": 1,
+            "num_workers": self.rng.choice([0, 0, 1]),
+            "log_every": 1,
             "checkpoint": {"every_steps": 3, "keep": 2},
-            "storage": f"s3://{self.bucket}/ep{n}", "s3": {"endpoint_url": self.proxy.endpoint},
-        }  # fmt: skip
+            "storage": f"s3://{self.bucket}/ep{n}",
+            "s3": {"endpoint_url": self.proxy.endpoint},
+        }
         job = parse_spec(spec, f"chaos episode {n}")
         path = self.root / f"ep{n}" / "job.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,9 +252,11 @@ class Campaign:
             self.tally.attempts += 1
             killed_at = self.judge(fault, results, expected, attempt, n)
             exits = ",".join(r.exit.name or "?" if r.exit else f"sig{r.signal}" for r in results)
-            say(f"  ep {n} attempt {attempt}: {fault:<18} resumed {expected} -> {exits} at step "
+            say(
+                f"  ep {n} attempt {attempt}: {fault:<18} resumed {expected} -> {exits} at step "
                 f"{results[0].last_step}, {sum(self.tally.faults.values()) - before} faults, "
-                f"{time.monotonic() - t0:.1f} s")  # fmt: skip
+                f"{time.monotonic() - t0:.1f} s"
+            )
             for r in results:
                 if r.exit is not None and r.exit.error:
                     say(f"    {r.exit.name}: {r.exit.error[:200]}")
@@ -312,8 +321,16 @@ class Campaign:
 
         return on_status
 
-    def _second(self, provider: LocalProvider, job: JobSpec, attempt: int, spec_path: Path,
-                workers: list[Worker], watch: Any, late: list[threading.Thread]) -> Any:  # fmt: skip
+    def _second(
+        self,
+        provider: LocalProvider,
+        job: JobSpec,
+        attempt: int,
+        spec_path: Path,
+        workers: list[Worker],
+        watch: Any,
+        late: list[threading.Thread],
+    ) -> Any:
         def on_status(rec: Record) -> None:
             if isinstance(rec, Started) and len(workers) == 1:  # the first trains and holds the lease
                 workers.append(provider.provision(job, attempt, spec_path, []))
@@ -335,8 +352,9 @@ class Campaign:
             got = r.resumed_from
             if got != expected:
                 self.tally.bad_resumes += 1
-                self.tally.bad(f"episode {n} attempt {attempt} ({fault}): resumed from {got}, "
-                               f"newest verified {expected}")  # fmt: skip
+                self.tally.bad(
+                    f"episode {n} attempt {attempt} ({fault}): resumed from {got}, newest verified {expected}"
+                )
         ends = [r.ended_at for r in started]
         begins = [r.started_training_at or 0.0 for r in started]
         if len(started) == 2 and min(ends) > max(begins):
@@ -412,11 +430,19 @@ def _exists(storage: S3Storage, key: str) -> bool:
 
 def _record(attempt: int, r: WatchResult) -> AttemptRecord:
     return AttemptRecord(
-        attempt=attempt, worker_id="chaos", provider="local", started_at=r.started_at, ended_at=r.ended_at,
-        outcome=Outcome.CRASHED, cause="chaos", exit_code=r.exit_code, signal=r.signal,
-        resumed_from=r.resumed_from, last_step=r.last_step,
+        attempt=attempt,
+        worker_id="chaos",
+        provider="local",
+        started_at=r.started_at,
+        ended_at=r.ended_at,
+        outcome=Outcome.CRASHED,
+        cause="chaos",
+        exit_code=r.exit_code,
+        signal=r.signal,
+        resumed_from=r.resumed_from,
+        last_step=r.last_step,
         last_durable_step=r.last_durable_step,
-    )  # fmt: skip
+    )
 
 
 def table(tally: Tally) -> list[str]:
@@ -478,8 +504,10 @@ def _run(
             else:
                 camp.episode(n)
             total = sum(camp.tally.faults.values())
-            say(f"episode {n}: {total}/{faults} faults, {camp.tally.attempts} attempts, "
-                f"{len(camp.tally.problems)} violations, {time.monotonic() - t0:.0f} s")  # fmt: skip
+            say(
+                f"episode {n}: {total}/{faults} faults, {camp.tally.attempts} attempts, "
+                f"{len(camp.tally.problems)} violations, {time.monotonic() - t0:.0f} s"
+            )
     finally:
         proxy.stop()
         if db is not None:

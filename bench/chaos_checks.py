@@ -42,11 +42,15 @@ class Tally:
     def summary(self) -> dict[str, Any]:
         mean = sum(self.lost_steps) / len(self.lost_steps) if self.lost_steps else 0.0
         return {
-            "faults": sum(self.faults.values()), "bad_resumes": self.bad_resumes,
-            "unreadable_latest": self.unreadable_latest, "lost_history_rows": self.lost_history_rows,
-            "leaked_processes": self.leaked_processes, "duplicate_writers": self.duplicate_writers,
-            "bad_adoptions": self.bad_adoptions, "mean_lost_steps": round(mean, 2),
-        }  # fmt: skip
+            "faults": sum(self.faults.values()),
+            "bad_resumes": self.bad_resumes,
+            "unreadable_latest": self.unreadable_latest,
+            "lost_history_rows": self.lost_history_rows,
+            "leaked_processes": self.leaked_processes,
+            "duplicate_writers": self.duplicate_writers,
+            "bad_adoptions": self.bad_adoptions,
+            "mean_lost_steps": round(mean, 2),
+        }
 
 
 def interleaved_writers(pids: Iterable[int]) -> int:
@@ -81,8 +85,10 @@ def writer_runs(writes: Sequence[dict[str, Any]]) -> list[str]:
             runs[-1].append(w)
         else:
             runs.append([w])
-    return [f"pid {r[0]['pid']}: {len(r)} writes, {r[0]['op']} {r[0]['key']} .. {r[-1]['op']} {r[-1]['key']}"
-            for r in runs]  # fmt: skip
+    return [
+        f"pid {r[0]['pid']}: {len(r)} writes, {r[0]['op']} {r[0]['key']} .. {r[-1]['op']} {r[-1]['key']}"
+        for r in runs
+    ]
 
 
 def history_gaps(written: Iterable[int], present: Iterable[int]) -> int:

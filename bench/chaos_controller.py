@@ -92,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     provider = LocalProvider(LocalProviderConfig(python=args.python, workdir=args.workdir), args.flow_run_id)
     # every kill leaves a lost attempt, an error to the policy: the budgets must outlast the campaign's
     policy = RetryPolicy(max_errors=100, same_error_limit=100, backoff_base_s=0.1, backoff_max_s=0.5)
-    result = run_job(load_spec(Path(args.spec)), provider, policy, PlainSink(), settings=settings,
-                     flow_run_id=args.flow_run_id)  # fmt: skip
+    result = run_job(
+        load_spec(Path(args.spec)),
+        provider,
+        policy,
+        PlainSink(),
+        settings=settings,
+        flow_run_id=args.flow_run_id,
+    )
     print(f"controller: {result.message}", file=sys.stderr, flush=True)
     return 0 if result.completed else 1
 
@@ -123,8 +129,10 @@ def episode(camp: Campaign, n: int) -> None:
                 note = f", left worker {after_run[-1] or '-'}"
             else:
                 note = ", before it started or adopted the job run"
-        say(f"  ep {n} controller {k}: {where:<8} -> {'SIGKILL' if killed else f'exit {rc}'}{note}, "
-            f"{sum(camp.tally.faults.values()) - before} faults, {time.monotonic() - t0:.1f} s")  # fmt: skip
+        say(
+            f"  ep {n} controller {k}: {where:<8} -> {'SIGKILL' if killed else f'exit {rc}'}{note}, "
+            f"{sum(camp.tally.faults.values()) - before} faults, {time.monotonic() - t0:.1f} s"
+        )
         if rc == 0:
             break
         if not killed:  # restarted all the same, as the crashed-run automation would
@@ -140,23 +148,45 @@ def _controller(
     camp: Campaign, n: int, k: int, where: str, spec_path: Path, ep: Path
 ) -> tuple[int, list[str]]:
     """Run one controller until it exits or is killed at `where`; its return code and last lines."""
-    plan: dict[str, Any] = {"publog": str(ep / "writes.jsonl"), "resumes": {
-        "log": str(ep / "resumes.jsonl"), "endpoint": camp.moto, "bucket": camp.bucket,
-        "prefix": f"ep{n}", "cache": str(ep / "resume-cache")}}  # fmt: skip
+    plan: dict[str, Any] = {
+        "publog": str(ep / "writes.jsonl"),
+        "resumes": {
+            "log": str(ep / "resumes.jsonl"),
+            "endpoint": camp.moto,
+            "bucket": camp.bucket,
+            "prefix": f"ep{n}",
+            "cache": str(ep / "resume-cache"),
+        },
+    }
     if where in ("save", "between"):
-        plan["kill"] = {"signal": "SIGKILL" if where == "save" else "SIGTERM",
-                        "phase": camp.rng.choice(PHASES), "nth": camp.rng.randint(1, 3),
-                        "delay_s": camp.rng.uniform(0, 0.03)}  # fmt: skip
+        plan["kill"] = {
+            "signal": "SIGKILL" if where == "save" else "SIGTERM",
+            "phase": camp.rng.choice(PHASES),
+            "nth": camp.rng.randint(1, 3),
+            "delay_s": camp.rng.uniform(0, 0.03),
+        }
         if where == "save":
             plan["kill"]["target"] = "parent"
     plan_path = ep / f"plan-{k}.json"
     plan_path.write_text(json.dumps(plan))
     env = {**os.environ, PLAN_ENV: str(plan_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--spec", str(spec_path), "--home",
-           str(ep / "home"), "--workdir", str(ep / "work"), "--python", str(camp.python),
-           "--flow-run-id", _flow_run_id(n, k)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--spec",
+        str(spec_path),
+        "--home",
+        str(ep / "home"),
+        "--workdir",
+        str(ep / "work"),
+        "--python",
+        str(camp.python),
+        "--flow-run-id",
+        _flow_run_id(n, k),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     timers: list[threading.Timer] = []
 
     def kill_in(delay: float) -> None:
@@ -174,8 +204,10 @@ def _controller(
         try:
             rc = proc.wait(timeout=CONTROLLER_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            camp.tally.bad(f"episode {n} controller {k} ({where}) still running after "
-                           f"{CONTROLLER_TIMEOUT_S:.0f} s: {' | '.join(tail)}")  # fmt: skip
+            camp.tally.bad(
+                f"episode {n} controller {k} ({where}) still running after "
+                f"{CONTROLLER_TIMEOUT_S:.0f} s: {' | '.join(tail)}"
+            )
             proc.kill()
             rc = proc.wait()
             rc = 124  # not a fault of the campaign's making
@@ -243,8 +275,7 @@ def _check_history(camp: Campaign, n: int, settings: Any, job: str, kills: list[
     if (gaps := checks.history_gaps(range(1, max(numbers, default=0) + 1), numbers)) > 0:
         camp.tally.lost_history_rows += gaps
         camp.tally.bad(f"episode {n}: attempt numbers in SQL {numbers}")
-    say(f"  ep {n}: job runs {summary}, attempts "
-        f"{[(r.attempt, r.outcome.value) for r in rows]}")  # fmt: skip
+    say(f"  ep {n}: job runs {summary}, attempts {[(r.attempt, r.outcome.value) for r in rows]}")
 
 
 def _check_resumes(camp: Campaign, n: int, log: Path) -> None:
@@ -254,8 +285,10 @@ def _check_resumes(camp: Campaign, n: int, log: Path) -> None:
     for entry in map(json.loads, lines):
         if entry["resumed_from"] != entry["expected"]:
             camp.tally.bad_resumes += 1
-            camp.tally.bad(f"episode {n}: trainer {entry['pid']} resumed from {entry['resumed_from']}, "
-                           f"newest verified {entry['expected']}")  # fmt: skip
+            camp.tally.bad(
+                f"episode {n}: trainer {entry['pid']} resumed from {entry['resumed_from']}, "
+                f"newest verified {entry['expected']}"
+            )
 
 
 def say(msg: str) -> None:

@@ -42,8 +42,10 @@ def install(directory: Path) -> Path:
     """Write an executable `chaos-python` into `directory` and return its path."""
     exe = directory / "chaos-python"
     repo = str(Path(__file__).resolve().parents[1])
-    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {repo!r})\n"
-                   "from bench.chaos_hook import main\nmain()\n")  # fmt: skip
+    exe.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {repo!r})\n"
+        "from bench.chaos_hook import main\nmain()\n"
+    )
     exe.chmod(0o755)
     return exe
 
@@ -65,8 +67,13 @@ def _wrap(plan: dict[str, Any]) -> None:
     from trainer.storage import s3
 
     kill, disk, publog = plan.get("kill"), plan.get("disk"), plan.get("publog")
-    names = {"write": "write_checkpoint_dir", "upload": "upload", "verify": "verify_remote",
-             "publish": "write_latest", "retention": "apply_retention"}  # fmt: skip
+    names = {
+        "write": "write_checkpoint_dir",
+        "upload": "upload",
+        "verify": "verify_remote",
+        "publish": "write_latest",
+        "retention": "apply_retention",
+    }
     entries = dict.fromkeys(PHASES, 0)
     for phase, attr in names.items():
         # the pipeline looks its phases up in publish.py, the writer thread its retention in

@@ -66,11 +66,18 @@ class TrainerMeta:
     def state_dict(self) -> dict[str, Any]:
         s = self.spec
         return {
-            "step": self.step, "position": {"epoch": 0, "batch": self.step}, "best_metric": 0.0,
-            "spec": s.model_dump(mode="json"), "spec_hash": s.spec_hash(), "shape_hash": s.shape_hash(),
-            "torch_version": str(torch.__version__), "threads": torch.get_num_threads(),
-            "rank": self.ranks.rank, "world_size": self.ranks.world_size, "device": "cpu",
-        }  # fmt: skip
+            "step": self.step,
+            "position": {"epoch": 0, "batch": self.step},
+            "best_metric": 0.0,
+            "spec": s.model_dump(mode="json"),
+            "spec_hash": s.spec_hash(),
+            "shape_hash": s.shape_hash(),
+            "torch_version": str(torch.__version__),
+            "threads": torch.get_num_threads(),
+            "rank": self.ranks.rank,
+            "world_size": self.ranks.world_size,
+            "device": "cpu",
+        }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         self.step = int(meta["step"])
@@ -78,9 +85,12 @@ class TrainerMeta:
     def manifest_base(self) -> dict[str, Any]:
         s = self.spec
         return {
-            "step": self.step, "spec_hash": s.spec_hash(), "shape_hash": s.shape_hash(),
-            "world_size": self.ranks.world_size, "metrics": {},
-        }  # fmt: skip
+            "step": self.step,
+            "spec_hash": s.spec_hash(),
+            "shape_hash": s.shape_hash(),
+            "world_size": self.ranks.world_size,
+            "metrics": {},
+        }
 
 
 class Trainee:
@@ -90,9 +100,14 @@ class Trainee:
         args = {"d_model": cli.d_model, "n_layers": cli.n_layers, "seq_len": 64, "dropout": 0.0}
         self.args = args
         self.spec = JobSpec(
-            name="bench-fsdp", recipe="charlm", args=args, total_steps=100_000, batch_size=cli.batch_size,
-            threads=1, distributed=DistributedOptions(nproc_per_node=ranks.world_size, strategy="fsdp"),
-        )  # fmt: skip
+            name="bench-fsdp",
+            recipe="charlm",
+            args=args,
+            total_steps=100_000,
+            batch_size=cli.batch_size,
+            threads=1,
+            distributed=DistributedOptions(nproc_per_node=ranks.world_size, strategy="fsdp"),
+        )
         torch.manual_seed(0)  # the same init on every rank: FSDP2 shards one model
         ctx = recipes.RecipeContext(0, self.spec.total_steps, cli.batch_size, torch.device("cpu"))
         self.parts = recipes.build("charlm", args, ctx)
@@ -166,8 +181,12 @@ def spotrun_stall(t: Trainee, ckpt: ShardedCheckpointer, plain_step_s: float) ->
     fence = t.train_step(ckpt.fence)
     t2 = time.perf_counter()
     ckpt.wait()
-    return {"stall": t1 - t0 + fence, "save_call": t1 - t0, "fence": fence,
-            "step_slowdown_s": t2 - t1 - plain_step_s}  # fmt: skip
+    return {
+        "stall": t1 - t0 + fence,
+        "save_call": t1 - t0,
+        "fence": fence,
+        "step_slowdown_s": t2 - t1 - plain_step_s,
+    }
 
 
 def sync_save(t: Trainee, ckpt: ShardedCheckpointer) -> float:
@@ -193,9 +212,12 @@ def gathered_save(t: Trainee, ranks: Ranks, root: Path) -> dict[str, float]:
     if ranks.rank == 0:
         assert p.scheduler is not None
         full = {
-            "model": msd, "optimizer": osd, "scheduler": p.scheduler.state_dict(),
-            "rng": RngState(torch.device("cpu")).state_dict(), "trainer": t.meta.state_dict(),
-        }  # fmt: skip
+            "model": msd,
+            "optimizer": osd,
+            "scheduler": p.scheduler.state_dict(),
+            "rng": RngState(torch.device("cpu")).state_dict(),
+            "trainer": t.meta.state_dict(),
+        }
         with open(path, "wb") as f:
             torch.save(full, f)
             f.flush()
@@ -288,11 +310,19 @@ def main() -> None:
         base = gathered_save(t, ranks, remote.root)
         t.train_step()
         sync = sync_save(t, ckpt)
-        reps.append({
-            **spot, "stage": timings.snapshot_s, "write_hash": timings.write_s,
-            "upload": timings.upload_s, "commit": timings.verify_s, "sync_durable": sync,
-            "base_gather": base["gather"], "base_save": base["save"], "base_total": base["total"],
-        })  # fmt: skip
+        reps.append(
+            {
+                **spot,
+                "stage": timings.snapshot_s,
+                "write_hash": timings.write_s,
+                "upload": timings.upload_s,
+                "commit": timings.verify_s,
+                "sync_durable": sync,
+                "base_gather": base["gather"],
+                "base_save": base["save"],
+                "base_total": base["total"],
+            }
+        )
     ckpt.close()
     profile = phase_profile(t, ranks, cli.dir)
     mine = {"reps": reps, "profile": profile, "shard_bytes": t.shard_bytes(), "build_s": build_s}
@@ -313,15 +343,22 @@ def summarize(per_rank: list[dict[str, Any]], t: Trainee, ckpt_bytes: int, base_
     med = {k: statistics.median(w[k] for w in worst) for k in worst[0]}
     best = {k: min(w[k] for w in worst) for k in worst[0]}
     return {
-        "world_size": len(per_rank), "args": t.args, "batch_size": t.spec.batch_size,
-        "state_bytes": sum(r["shard_bytes"] for r in per_rank), "estimate_bytes": state_bytes(t.args),
-        "checkpoint_bytes": ckpt_bytes, "baseline_file_bytes": base_bytes,
-        "build_s": max(r["build_s"] for r in per_rank), "reps": n, "median": med, "best": best,
+        "world_size": len(per_rank),
+        "args": t.args,
+        "batch_size": t.spec.batch_size,
+        "state_bytes": sum(r["shard_bytes"] for r in per_rank),
+        "estimate_bytes": state_bytes(t.args),
+        "checkpoint_bytes": ckpt_bytes,
+        "baseline_file_bytes": base_bytes,
+        "build_s": max(r["build_s"] for r in per_rank),
+        "reps": n,
+        "median": med,
+        "best": best,
         "worst_rank_each": worst,
         "profile": {k: max(r["profile"][k] for r in per_rank) for k in per_rank[0]["profile"]},
         "stall_ratio": med["base_total"] / med["stall"],
         "durable_ratio": med["durable"] / med["base_total"],
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

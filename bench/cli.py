@@ -77,11 +77,19 @@ def make_history(home: Path) -> None:
                 store.record_attempt(
                     run,
                     AttemptRecord(
-                        attempt=n, worker_id=f"local-{n}", provider="local", started_at=t, ended_at=t + 5,
-                        outcome=outcome, cause=outcome.value, resumed_from=None, last_step=7 * n,
-                        lost_steps=0, wall_s=5.0,
+                        attempt=n,
+                        worker_id=f"local-{n}",
+                        provider="local",
+                        started_at=t,
+                        ended_at=t + 5,
+                        outcome=outcome,
+                        cause=outcome.value,
+                        resumed_from=None,
+                        last_step=7 * n,
+                        lost_steps=0,
+                        wall_s=5.0,
                     ),
-                )  # fmt: skip
+                )
             status = JobStatus.COMPLETED if outcomes[-1] is Outcome.COMPLETED else JobStatus.FAILED
             store.finish_job_run(run, status, outcomes[-1].value)
 

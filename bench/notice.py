@@ -71,12 +71,19 @@ def say(msg: str) -> None:
 
 
 def write_job(path: Path, notice: str) -> Path:
-    spec = parse_spec({
-        "name": "bench-notice", "recipe": "digits", "args": {"hidden": 256, "dropout": 0.1, "lr": 0.003},
-        "total_steps": 1_000_000, "batch_size": 64, "threads": 1, "log_every": 1_000_000,
-        "checkpoint": {"every_steps": EVERY_STEPS, "keep": 2},
-        "preemption": {"notice": notice, "poll_s": 0.5},
-    })  # fmt: skip
+    spec = parse_spec(
+        {
+            "name": "bench-notice",
+            "recipe": "digits",
+            "args": {"hidden": 256, "dropout": 0.1, "lr": 0.003},
+            "total_steps": 1_000_000,
+            "batch_size": 64,
+            "threads": 1,
+            "log_every": 1_000_000,
+            "checkpoint": {"every_steps": EVERY_STEPS, "keep": 2},
+            "preemption": {"notice": notice, "poll_s": 0.5},
+        }
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     return path
@@ -137,11 +144,18 @@ def lost_with_notice(work: Path, rng: random.Random) -> list[dict[str, Any]]:
         exit_ = next(r for r in records if r["kind"] == "exit")
         stopping = next(r for r in records if r["kind"] == "stopping")
         lost = exit_["step"] - (exit_["durable_step"] or 0)
-        out.append({
-            "after": after, "step": exit_["step"], "durable": exit_["durable_step"], "lost": lost,
-            "code": exit_["name"], "notice_to_exit_s": gone, "save": stopping.get("save"),
-            "save_reason": stopping.get("save_reason"),
-        })  # fmt: skip
+        out.append(
+            {
+                "after": after,
+                "step": exit_["step"],
+                "durable": exit_["durable_step"],
+                "lost": lost,
+                "code": exit_["name"],
+                "notice_to_exit_s": gone,
+                "save": stopping.get("save"),
+                "save_reason": stopping.get("save_reason"),
+            }
+        )
         say(
             f"(a) notice after {after} steps: stopped at {exit_['step']}, durable {exit_['durable_step']}, "
             f"lost {lost}, {exit_['name']} {gone:.2f}s after the notice ({stopping.get('save_reason')})"
@@ -178,9 +192,12 @@ def bandwidth(t: Trainee, storage: Storage, cache: Path) -> dict[str, float]:
     last = ckpt.history[-1]
     combined = 1 / (1 / write + 1 / upload)
     return {
-        "write_mbps": write / MB, "upload_mbps": upload / MB, "combined_mbps": combined / MB,
-        "durable_s": last.total_s, "checkpoint_mb": last.nbytes / MB,
-    }  # fmt: skip
+        "write_mbps": write / MB,
+        "upload_mbps": upload / MB,
+        "combined_mbps": combined / MB,
+        "durable_s": last.total_s,
+        "checkpoint_mb": last.nbytes / MB,
+    }
 
 
 def step_seconds(t: Trainee, n: int = 3) -> float:
@@ -243,8 +260,14 @@ def main() -> None:
     }
     wall = time.perf_counter() - t0
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    detail = {"summary": summary, "with_notice": with_, "without_notice": without, "bandwidth": bw,
-              "step_s": step_s, "wall_s": wall}  # fmt: skip
+    detail = {
+        "summary": summary,
+        "with_notice": with_,
+        "without_notice": without,
+        "bandwidth": bw,
+        "step_s": step_s,
+        "wall_s": wall,
+    }
     OUT.write_text(json.dumps(detail, indent=2))
     say(f"wall {wall:.0f}s; {machine_load()}; details in {OUT}")
     print(json.dumps(summary), flush=True)

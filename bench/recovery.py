@@ -113,8 +113,13 @@ def bench_job(storage: Path, size: Size, total_steps: int) -> JobSpec:
     took 130 s of training with 2 threads and 14 s with 1 at load average ~4)."""
     data = yaml.safe_load(DEMO_JOB.read_text())
     keep = data.get("checkpoint", {}).get("keep", 3)
-    data.update(name="bench-recovery", storage=str(storage), total_steps=total_steps, threads=1,
-                checkpoint={"every_steps": None, "every_seconds": size.every_s, "keep": keep})  # fmt: skip
+    data.update(
+        name="bench-recovery",
+        storage=str(storage),
+        total_steps=total_steps,
+        threads=1,
+        checkpoint={"every_steps": None, "every_seconds": size.every_s, "keep": keep},
+    )
     return parse_spec(data, f"the benchmark's job (from {DEMO_JOB.name})")
 
 
@@ -182,10 +187,17 @@ def phases(run: FlowRun) -> dict[str, Any]:
     t1, _ = first_step(run, run.attempts[0], pace)
     assert t1 is not None, f"{run.label}: the first attempt's first step is in neither metrics nor log"
     tn = run.steps[max(run.steps)].t
-    return {"wall_s": run.wall_s, "startup_s": t1 - run.begin, "training_s": tn - t1,
-            "finish_s": run.end - tn, "cold_start_s": t1 - run.attempts[0].started_at,
-            "cold_split": start_split(run, run.attempts[0], t1), "step_ms": 1000 * pace,
-            "steps": max(run.steps), "attempts": len(run.attempts)}  # fmt: skip
+    return {
+        "wall_s": run.wall_s,
+        "startup_s": t1 - run.begin,
+        "training_s": tn - t1,
+        "finish_s": run.end - tn,
+        "cold_start_s": t1 - run.attempts[0].started_at,
+        "cold_split": start_split(run, run.attempts[0], t1),
+        "step_ms": 1000 * pace,
+        "steps": max(run.steps),
+        "attempts": len(run.attempts),
+    }
 
 
 def at_pace(p: dict[str, Any], step_ms: float) -> float:
@@ -222,13 +234,19 @@ def reclaims(run: FlowRun) -> list[dict[str, Any]]:
         old_first, _ = first_step(run, old, pace)
         new_first, source = first_step(run, new, pace)
         row: dict[str, Any] = {
-            "attempt": old.n, "outcome": old.outcome, "cause": old.cause,
-            "notice": sim.notice if sim else None, "after_s": sim.after_s if sim else None,
-            "resumed_from": resumed, "last_step": old.last_step, "lost_steps": old.lost_steps,
-            "prewarmed": new.started_at < old.ended_at, "first_step_from": source,
+            "attempt": old.n,
+            "outcome": old.outcome,
+            "cause": old.cause,
+            "notice": sim.notice if sim else None,
+            "after_s": sim.after_s if sim else None,
+            "resumed_from": resumed,
+            "last_step": old.last_step,
+            "lost_steps": old.lost_steps,
+            "prewarmed": new.started_at < old.ended_at,
+            "first_step_from": source,
             "recovery_s": new_first - old.ended_at if new_first is not None else None,  # death seen -> step
             "start_split": start_split(run, new, new_first),
-        }  # fmt: skip
+        }
         if sim is not None and sim.notice and before is not None and resumed == old.last_step:
             row |= {
                 "cost_s": sub(new_first, before.t),
@@ -506,10 +524,19 @@ def summarize(
         "overhead_s": round(over, 2) if over is not None else None,
         "reclaims": len(rows),
     }
-    detail = {"summary": summary, "seed": seed, "baseline": base, "baseline_at_b_pace_s": matched,
-              "accounting": w, "phases": ps, "reclaims": rows, "overhead": gaps,
-              "cold_process_start_s": cold_process_s, "forked_starts_s": forked,
-              "runs": [asdict(r) for r in runs]}  # fmt: skip
+    detail = {
+        "summary": summary,
+        "seed": seed,
+        "baseline": base,
+        "baseline_at_b_pace_s": matched,
+        "accounting": w,
+        "phases": ps,
+        "reclaims": rows,
+        "overhead": gaps,
+        "cold_process_start_s": cold_process_s,
+        "forked_starts_s": forked,
+        "runs": [asdict(r) for r in runs],
+    }
     return summary, detail
 
 

@@ -204,12 +204,31 @@ def run_flow(
     with HistoryStore.open(db) as store:
         rows = sorted(store.attempts(job=job.name), key=lambda a: a.attempt)
     attempts = [
-        Attempt(a.attempt, a.worker_id, a.started_at, a.ended_at, a.outcome.value, a.cause, a.resumed_from,
-                a.last_step, a.lost_steps)
+        Attempt(
+            n=a.attempt,
+            worker_id=a.worker_id,
+            started_at=a.started_at,
+            ended_at=a.ended_at,
+            outcome=a.outcome.value,
+            cause=a.cause,
+            resumed_from=a.resumed_from,
+            last_step=a.last_step,
+            lost_steps=a.lost_steps,
+        )
         for a in rows
-    ]  # fmt: skip
-    return FlowRun(label, begin, end, state.name or "", state.message or "", attempts,
-                   read_steps(Path(job.storage)), list(sim.reclaims), dict(lines.marks), tasks)  # fmt: skip
+    ]
+    return FlowRun(
+        label=label,
+        begin=begin,
+        end=end,
+        state=state.name or "",
+        message=state.message or "",
+        attempts=attempts,
+        steps=read_steps(Path(job.storage)),
+        reclaims=list(sim.reclaims),
+        marks=dict(lines.marks),
+        tasks=tasks,
+    )
 
 
 def task_runs(flow_run_id: Any) -> list[tuple[str, float, float]]:
