@@ -61,10 +61,15 @@ class Trainer:
             self.proc: Any = server.spawn("trainer", args, env, str(cwd))
         except fork_server.ForkServerUnavailable:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer", *args], cwd=cwd, env=env, text=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                [sys.executable, "-m", "trainer", *args],
+                cwd=cwd,
+                env=env,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self.pid: int = self.proc.pid
         self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._drains = [self._drain(self.proc.stdout, "stdout"), self._drain(self.proc.stderr, "stderr")]

@@ -115,9 +115,16 @@ def seed_restarts(stack: Stack, job_name: str, n: int) -> None:
         store.record_attempt(run, record)
     store.close()
     for i in range(1, n + 1):
-        report.emit(report.JOB_RESTARTED, job_name, attempt=i, cause=f"spot notice {i}",
-                    checkpoint=f"/tmp/store/step-{100 * i - 25:010d}", lost_steps=25,
-                    flow_run_id=str(uuid.uuid4()), restarts=i)  # fmt: skip
+        report.emit(
+            report.JOB_RESTARTED,
+            job_name,
+            attempt=i,
+            cause=f"spot notice {i}",
+            checkpoint=f"/tmp/store/step-{100 * i - 25:010d}",
+            lost_steps=25,
+            flow_run_id=str(uuid.uuid4()),
+            restarts=i,
+        )
     flush_to_api()
 
 
@@ -204,8 +211,16 @@ def test_storms_alert_once_per_job_and_two_restarts_do_not(stack: Stack) -> None
     body = json.dumps(msg_a[0])
     # the checkpoint comes from whichever restart event crossed the threshold (the server may evaluate
     # events that occurred within microseconds in either order)
-    for expected in (a, "3", "spot notice 1 (SIGTERM)", "spot notice 3", "reclaimed by the spot market",
-                     "/tmp/store/step-0000000", "75", "/runs/flow-run/"):  # fmt: skip
+    for expected in (
+        a,
+        "3",
+        "spot notice 1 (SIGTERM)",
+        "spot notice 3",
+        "reclaimed by the spot market",
+        "/tmp/store/step-0000000",
+        "75",
+        "/runs/flow-run/",
+    ):
         assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
     assert msg_a[0]["blocks"][0]["type"] == "header"
     with stack.store() as store:
@@ -240,10 +255,19 @@ def test_a_resume_mismatch_alerts_once_naming_the_attempt_and_the_difference(sta
     """The event as the run log emits it (tests/integration/test_tracking.py makes a real one); an
     `exact` verdict about another job alerts nobody."""
     name, fine = f"mismatch-{uuid.uuid4().hex[:6]}", f"exact-{uuid.uuid4().hex[:6]}"
-    check = {"attempt": 2, "method": "replay", "resumed_from": 50, "steps": 10, "span": "steps 51-60",
-             "first_diff": 53, "diff": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
-             "max_rel": 0.0083, "detail": "10 step(s) computed twice (steps 51-60): step 53 differs",
-             "checkpoint": "/tmp/store/step-0000000050", "flow_run_id": str(uuid.uuid4())}  # fmt: skip
+    check = {
+        "attempt": 2,
+        "method": "replay",
+        "resumed_from": 50,
+        "steps": 10,
+        "span": "steps 51-60",
+        "first_diff": 53,
+        "diff": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+        "max_rel": 0.0083,
+        "detail": "10 step(s) computed twice (steps 51-60): step 53 differs",
+        "checkpoint": "/tmp/store/step-0000000050",
+        "flow_run_id": str(uuid.uuid4()),
+    }
     for job_name, verdict in ((fine, "exact"), (name, "mismatch")):
         labels = {report.VERDICT_LABEL: verdict}
         report.emit_labeled(report.RESUME_CHECKED, job_name, labels, {**check, "verdict": verdict})
@@ -254,8 +278,12 @@ def test_a_resume_mismatch_alerts_once_naming_the_attempt_and_the_difference(sta
     (message,) = messages_about(stack, name)
     body = json.dumps(message)
     assert "attempt 2 resumed with different results" in message["text"]
-    for expected in ("steps 51-60", "step 53: loss 0.6931 before the reclaim, 0.6874 after",
-                     "/tmp/store/step-0000000050", "/runs/flow-run/"):  # fmt: skip
+    for expected in (
+        "steps 51-60",
+        "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+        "/tmp/store/step-0000000050",
+        "/runs/flow-run/",
+    ):
         assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
     assert messages_about(stack, fine) == [] and alert_runs(fine, timeout_s=0) == []
     with stack.store() as store:
@@ -290,8 +318,13 @@ def test_checkpoints_that_cannot_be_verified_alert_once_with_the_fix(stack: Stac
     assert f"{name} has a checkpoint it cannot verify (step " in message["text"], message["text"]
     body = json.dumps(message)
     reporter = f"/runs/flow-run/{state.state_details.flow_run_id}"  # the run whose check found them
-    for expected in (UNSIGNED, "nothing quarantined or deleted", "the same SPOTRUN_MANIFEST_KEY",
-                     "SPOTRUN_MANIFEST_KEYS_OLD", reporter):  # fmt: skip
+    for expected in (
+        UNSIGNED,
+        "nothing quarantined or deleted",
+        "the same SPOTRUN_MANIFEST_KEY",
+        "SPOTRUN_MANIFEST_KEYS_OLD",
+        reporter,
+    ):
         assert expected in body, f"{expected!r} missing from the Slack message: {body[:2000]}"
     with stack.store() as store:
         sent = store.alerts(job=name)
@@ -304,8 +337,12 @@ def slack_down_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> It
     dead = f"http://127.0.0.1:{free_port()}/services/T/B/X"
     Secret(value=dead).save(WEBHOOK_SECRET, overwrite=True)
     try:
-        spec = job(tmp_path_factory.mktemp("down"), name=f"down-{uuid.uuid4().hex[:6]}", total_steps=1500,
-                   args={"hidden": 64})  # fmt: skip
+        spec = job(
+            tmp_path_factory.mktemp("down"),
+            name=f"down-{uuid.uuid4().hex[:6]}",
+            total_steps=1500,
+            args={"hidden": 64},
+        )
         state = run_flow(spec, schedule((0.3, True), (0.3, False), (0.3, True)))
         flush_to_api()
         runs = alert_runs(spec.name, count=2)  # the storm and the recovery note
@@ -362,8 +399,18 @@ def test_ui_shows_the_job_form_and_the_attempts_table(
 
 def test_serve_deploys_runs_a_worker_and_stops_on_sigterm(stack: Stack, tmp_path: Path) -> None:
     env = {**os.environ, "SPOTRUN_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
-    cmd = [sys.executable, "-m", "spotrun.cli", "serve", "--poll", "1", "--alert-retries", "1",
-           "--alert-retry-delay", "1"]  # the module's rules: nothing changes on the server  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotrun.cli",
+        "serve",
+        "--poll",
+        "1",
+        "--alert-retries",
+        "1",
+        "--alert-retry-delay",
+        "1",
+    ]  # the module's rules: nothing changes on the server
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

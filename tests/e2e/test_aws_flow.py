@@ -51,9 +51,14 @@ def imds(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIMDS]:
 
 def ec2_job(tmp_path: Path, s3_bucket: tuple[str, str], **overrides: Any) -> JobSpec:
     endpoint, bucket = s3_bucket
-    return job(tmp_path, name=f"ec2-{uuid.uuid4().hex[:6]}", storage=f"s3://{bucket}/job",
-               s3={"endpoint_url": endpoint}, preemption={"notice": "aws", "poll_s": 0.2},
-               **overrides)  # fmt: skip
+    return job(
+        tmp_path,
+        name=f"ec2-{uuid.uuid4().hex[:6]}",
+        storage=f"s3://{bucket}/job",
+        s3={"endpoint_url": endpoint},
+        preemption={"notice": "aws", "poll_s": 0.2},
+        **overrides,
+    )
 
 
 def provider(world: Ec2World, tmp_path: Path) -> AwsProviderConfig:
@@ -113,9 +118,13 @@ def reclaim_first(world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS
 
 
 def test_notice_checkpoints_then_another_zone_resumes_bitwise(
-    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    prefect_api: str,
+    home: Path,
+    tmp_path: Path,
+    ec2_world: Ec2World,
+    s3_bucket: tuple[str, str],
     imds: FakeIMDS,
-) -> None:  # fmt: skip
+) -> None:
     spec = ec2_job(tmp_path, s3_bucket, total_steps=1200)
     store = open_storage(spec.storage, spec.s3)
     errors: list[str] = []
@@ -147,9 +156,13 @@ resilient_training(spec, cfg)
 
 
 def test_sweeper_terminates_the_worker_of_a_killed_flow_process(
-    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    prefect_api: str,
+    home: Path,
+    tmp_path: Path,
+    ec2_world: Ec2World,
+    s3_bucket: tuple[str, str],
     imds: FakeIMDS,
-) -> None:  # fmt: skip
+) -> None:
     spec = ec2_job(tmp_path, s3_bucket, total_steps=100_000)
     cfg = provider(ec2_world, tmp_path)
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
@@ -200,21 +213,34 @@ def reclaim_second_node(world: Ec2World, spec: JobSpec, store: Storage, errors: 
             "two nodes", lambda: len(ids(world, spec.name)) == 2 and instances(world, spec.name)
         )
         node0, node1 = by_node(listed)
-        wait_for("a durable checkpoint", lambda: any(  # on the node that hosts global rank 0
-            (read_heartbeat(store, i["InstanceId"]) or {}).get("durable_step") for i in (node0, node1)
-        ))  # fmt: skip
+        wait_for(
+            "a durable checkpoint",
+            lambda: any(  # on the node that hosts global rank 0
+                (read_heartbeat(store, i["InstanceId"]) or {}).get("durable_step") for i in (node0, node1)
+            ),
+        )
         spot_interrupt(node1["InstanceId"], world.region)
     except Exception as e:  # reported by the test, not lost in a thread
         errors.append(repr(e))
 
 
 def test_two_nodes_one_reclaimed_both_released_then_resumed_on_two_new_ones(
-    prefect_api: str, home: Path, tmp_path: Path, ec2_world: Ec2World, s3_bucket: tuple[str, str],
+    prefect_api: str,
+    home: Path,
+    tmp_path: Path,
+    ec2_world: Ec2World,
+    s3_bucket: tuple[str, str],
     imds: FakeIMDS,
-) -> None:  # fmt: skip
+) -> None:
     ddp = {"nproc_per_node": 1, "nnodes": 2, "strategy": "ddp", "port": free_port()}
-    spec = ec2_job(tmp_path, s3_bucket, total_steps=160, batch_size=32, distributed=ddp,
-                   checkpoint={"every_steps": 10, "keep": 2})  # fmt: skip
+    spec = ec2_job(
+        tmp_path,
+        s3_bucket,
+        total_steps=160,
+        batch_size=32,
+        distributed=ddp,
+        checkpoint={"every_steps": 10, "keep": 2},
+    )
     store = open_storage(spec.storage, spec.s3)
     errors: list[str] = []
     reclaimer = threading.Thread(target=reclaim_second_node, args=(ec2_world, spec, store, errors))
@@ -228,8 +254,10 @@ def test_two_nodes_one_reclaimed_both_released_then_resumed_on_two_new_ones(
     assert "node 1: Server.SpotInstanceTermination" in rows[0].cause, rows[0].cause
     # the row's durable step is the last the watch saw; a later one may have landed before the kill
     assert rows[0].last_durable_step and (rows[1].resumed_from or 0) >= rows[0].last_durable_step
-    first, second = (by_node(i for i in instances(ec2_world, spec.name) if tag(i, "spotrun:attempt") == a)
-                     for a in ("1", "2"))  # fmt: skip
+    first, second = (
+        by_node(i for i in instances(ec2_world, spec.name) if tag(i, "spotrun:attempt") == a)
+        for a in ("1", "2")
+    )
     assert [tag(i, "spotrun:node") for i in first + second] == ["0", "1", "0", "1"]
     assert [r.worker_id for r in rows] == [
         first[0]["InstanceId"],

@@ -59,7 +59,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     env.pop("SPOTRUN_DATABASE_URL")
     history = subprocess.run(
         [sys.executable, "-m", "spotrun.cli", "history", "digits", "--json"],
-        env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert history.returncode == 0, history.stderr
     assert [r["outcome"] for r in json.loads(history.stdout)][-1] == "completed"

@@ -50,8 +50,15 @@ DDP: dict[str, Any] = {
 FSDP: dict[str, Any] = {
     "name": "fsdpjob",
     "recipe": "charlm",
-    "args": {"d_model": 32, "n_layers": 2, "seq_len": 32, "dropout": 0.1, "lr": 0.002, "warmup": 5,
-             "max_corpus_mb": 0.2},
+    "args": {
+        "d_model": 32,
+        "n_layers": 2,
+        "seq_len": 32,
+        "dropout": 0.1,
+        "lr": 0.002,
+        "warmup": 5,
+        "max_corpus_mb": 0.2,
+    },
     "total_steps": 60,
     "batch_size": 6,
     "seed": 3,
@@ -60,7 +67,7 @@ FSDP: dict[str, Any] = {
     "log_every": 20,
     "distributed": {"nproc_per_node": 2, "strategy": "fsdp"},
     "tracking": {"mlflow": False},
-}  # fmt: skip
+}
 
 
 def _spec(path: Path, base: dict[str, Any], **over: Any) -> Path:
@@ -103,11 +110,17 @@ def test_killed_rank_then_notice_through_the_flow_resume_bitwise(
     monkeypatch.setenv("SPOTRUN_TEST_FAULT_PLAN", str(plan))
     spec = JobSpec.model_validate({**base, "storage": str(tmp_path / "store")})
     provider = LocalProviderConfig(
-        python=str(install(tmp_path)), workdir=str(tmp_path / "local"), notice_s=30, heartbeat_timeout_s=120,
-        simulator=SpotSimulatorConfig(schedule=[
-            PlannedPreemption(after_s=3600, notice=True), PlannedPreemption(after_s=0.3, notice=True),
-        ]),
-    )  # fmt: skip
+        python=str(install(tmp_path)),
+        workdir=str(tmp_path / "local"),
+        notice_s=30,
+        heartbeat_timeout_s=120,
+        simulator=SpotSimulatorConfig(
+            schedule=[
+                PlannedPreemption(after_s=3600, notice=True),
+                PlannedPreemption(after_s=0.3, notice=True),
+            ]
+        ),
+    )
     state = resilient_training(
         spec, provider, RetryPolicy(backoff_base_s=0.1, backoff_max_s=0.2), return_state=True
     )

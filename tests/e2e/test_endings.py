@@ -86,8 +86,9 @@ def test_ctrl_c_under_spotrun_run_checkpoints_records_and_resumes(
     cmd = [sys.executable, "-m", "spotrun.cli", "run", str(path)]
     # a terminal's foreground job takes Ctrl-C; one started by a shell with `&` inherits SIGINT ignored
     # (POSIX), and so would `spotrun run` here if this test process was started that way
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             preexec_fn=_sigint_default)  # fmt: skip
+    child = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_sigint_default
+    )
     try:
         # 400: well after the watch has begun (a Ctrl-C before it: tests/integration/test_control_loop.py)
         _wait_for_steps(home, "ctrlc", 400)
@@ -155,8 +156,13 @@ def test_flow_killed_while_the_database_is_down_then_adopted(
     relay = Relay(free_port())
     url = pg_database.replace(":5432/", f":{relay.port}/")
     spec = job(tmp_path, name="dbdown", total_steps=3000)
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO),
-           "SPOTRUN_HOME": str(home), "SPOTRUN_DATABASE_URL": url}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "PYTHONPATH": str(REPO),
+        "SPOTRUN_HOME": str(home),
+        "SPOTRUN_DATABASE_URL": url,
+    }
     flow_proc = subprocess.Popen([sys.executable, "-c", PREEMPTING_FLOW, spec.model_dump_json()], env=env)
     try:
         deadline = time.monotonic() + 180

@@ -288,8 +288,10 @@ def test_recipe_that_cannot_be_built_stops_at_once_with_one_line(
         r = subprocess.run(
             [sys.executable, "-m", "spotrun.cli", "run", str(path)],
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.startswith("spotrun: error: attempt 1: recipe 'digits' could not be built"), r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

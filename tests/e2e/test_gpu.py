@@ -42,9 +42,15 @@ def test_pinned_snapshot_copies_device_tensors() -> None:
 @pytest.mark.parametrize("amp", [False, True])
 def test_resume_on_cuda_is_exact(tmp_path: Path, amp: bool) -> None:
     spec = JobSpec.model_validate(
-        {"name": "gpu", "recipe": "digits", "total_steps": 40, "device": "cuda", "amp": amp,
-         "checkpoint": {"every_steps": 10, "keep": 2}}
-    )  # fmt: skip
+        {
+            "name": "gpu",
+            "recipe": "digits",
+            "total_steps": 40,
+            "device": "cuda",
+            "amp": amp,
+            "checkpoint": {"every_steps": 10, "keep": 2},
+        }
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     run_attempt(spec, LocalStorage(tmp_path / "full"), AttemptOptions(cache=tmp_path / "c1"))
     for _ in range(3):
@@ -63,11 +69,17 @@ def test_one_rank_nccl_dcp_async_pinned_resume_is_exact(tmp_path: Path) -> None:
     from tests.trainer_runs import assert_sharded_equal, losses, trainer
 
     spec = {
-        "name": "gpu-dcp", "recipe": "charlm", "device": "cuda", "total_steps": 40, "threads": 1, "seed": 2,
+        "name": "gpu-dcp",
+        "recipe": "charlm",
+        "device": "cuda",
+        "total_steps": 40,
+        "threads": 1,
+        "seed": 2,
         "args": {"d_model": 256, "n_layers": 4, "seq_len": 64, "max_corpus_mb": 0.5},
-        "batch_size": 8, "checkpoint": {"every_steps": 10, "keep": 2},
+        "batch_size": 8,
+        "checkpoint": {"every_steps": 10, "keep": 2},
         "distributed": {"nproc_per_node": 1, "strategy": "ddp", "backend": "nccl"},
-    }  # fmt: skip
+    }
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(spec))
     full, parts = tmp_path / "full", tmp_path / "parts"

@@ -47,8 +47,16 @@ class Serve:
     """`spotrun serve` in its own session, killed with everything under it, as a lost host."""
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
-        cmd = [sys.executable, "-m", "spotrun.cli", "serve", "--poll", "1", "--zombie-after",
-               f"{ZOMBIE_AFTER_S}s"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "spotrun.cli",
+            "serve",
+            "--poll",
+            "1",
+            "--zombie-after",
+            f"{ZOMBIE_AFTER_S}s",
+        ]
         self.log = log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -109,11 +117,21 @@ def training_runs(deployment_id: uuid.UUID) -> list[FlowRun]:
 
 
 def test_host_loss_is_detected_and_the_job_resumes_by_itself(server: PrefectServer, tmp_path: Path) -> None:
-    spec = job(tmp_path, name=f"hostloss-{uuid.uuid4().hex[:6]}", total_steps=2500, args={"hidden": 64},
-               checkpoint={"every_steps": 100, "keep": 3})  # fmt: skip
+    spec = job(
+        tmp_path,
+        name=f"hostloss-{uuid.uuid4().hex[:6]}",
+        total_steps=2500,
+        args={"hidden": 64},
+        checkpoint={"every_steps": 100, "keep": 3},
+    )
     store = Path(spec.storage)
-    env = {**os.environ, **server.env(), "SPOTRUN_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO),
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        **server.env(),
+        "SPOTRUN_HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("SPOTRUN_DATABASE_URL", None)
     first = Serve(env, tmp_path / "serve-1.log")
     second: Serve | None = None

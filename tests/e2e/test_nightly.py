@@ -106,9 +106,11 @@ def test_three_nights(
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(resilient_training)
         deployment = client.create_deployment(
-            flow_id, "nightly", entrypoint="flows/resilient_training.py:resilient_training",
+            flow_id,
+            "nightly",
+            entrypoint="flows/resilient_training.py:resilient_training",
             parameters={"job": nightly(tmp_path, name)},
-        )  # fmt: skip
+        )
 
     run_here(slot(deployment, NIGHTS[0], total_steps=300))  # night 1: a short first model
     night2 = slot(deployment, NIGHTS[1])

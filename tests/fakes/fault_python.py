@@ -45,8 +45,10 @@ def corrupt_newest(storage: Path) -> None:
 def install(directory: Path) -> Path:
     """Write an executable `python` wrapper into `directory` and return its path."""
     exe = directory / "fault-python"
-    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
-                   "from tests.fakes.fault_python import main\nsys.exit(main())\n")  # fmt: skip
+    exe.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
+        "from tests.fakes.fault_python import main\nsys.exit(main())\n"
+    )
     exe.chmod(0o755)
     return exe
 

@@ -162,8 +162,12 @@ class FakeAzureEvents(FakeServer):
             "" if in_seconds is None else email.utils.formatdate(time.time() + in_seconds, usegmt=True)
         )
         event = {
-            "EventId": f"event-{len(self.events)}", "EventType": kind, "ResourceType": "VirtualMachine",
-            "Resources": ["vm-0"], "EventStatus": "Scheduled", "NotBefore": not_before,
-        }  # fmt: skip
+            "EventId": f"event-{len(self.events)}",
+            "EventType": kind,
+            "ResourceType": "VirtualMachine",
+            "Resources": ["vm-0"],
+            "EventStatus": "Scheduled",
+            "NotBefore": not_before,
+        }
         with self.lock:
             self.events.append(event)

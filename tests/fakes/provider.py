@@ -218,8 +218,16 @@ class FakeProvider:
             )
             if code is ExitCode.COMPLETED and self.write_marker:
                 mark_completed(open_storage(h.job.storage, h.job.s3), h.job, step)
-            emit(Exit(t=clock.now(), code=int(code), name=code.name, error=s.error, step=step,
-                      durable_step=r.last_durable_step))  # fmt: skip
+            emit(
+                Exit(
+                    t=clock.now(),
+                    code=int(code),
+                    name=code.name,
+                    error=s.error,
+                    step=step,
+                    durable_step=r.last_durable_step,
+                )
+            )
             r.exit_code = int(code)
 
     def _graceful_exit(self, r: WatchResult, clock: _Clock, emit: Callable[[Record], None]) -> None:

@@ -448,8 +448,11 @@ def run_tagged(ec2: Any, tags: dict[str, str]) -> str:
 
 
 def states(ec2: Any) -> dict[str, str]:
-    return {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"]
-            for i in r["Instances"]}  # fmt: skip
+    return {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+    }
 
 
 def test_sweeper_terminates_its_own_workers_of_dead_flow_runs(
@@ -521,8 +524,15 @@ def test_sweeper_terminates_a_live_runs_worker_once_its_lease_ran_out(
     now = time.time()
 
     def launch(lease: str) -> str:
-        return run_tagged(ec2, {"spotrun:job": "l", "spotrun:flow-run": "run-zombie",
-                                "spotrun:installation": ME, "spotrun:lease-until": lease})  # fmt: skip
+        return run_tagged(
+            ec2,
+            {
+                "spotrun:job": "l",
+                "spotrun:flow-run": "run-zombie",
+                "spotrun:installation": ME,
+                "spotrun:lease-until": lease,
+            },
+        )
 
     fresh, expired, garbled = launch(str(int(now + 600))), launch(str(int(now - 1))), launch("soon")
     assert sorted(sweep(ec2, lambda run: True, ME, now=now)) == sorted([expired, garbled])

@@ -121,7 +121,7 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
      "storage directory {t}/missing does not exist"),
     ("verify --spec whose storage is missing", ["checkpoints", "verify", "--spec", "{t}/job.yaml"], {},
      "{t}/home/ckpt does not exist"),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -225,10 +225,18 @@ def attempt(
 ) -> AttemptRecord:
     start = T0 + 10 * n + after
     return AttemptRecord(
-        attempt=n, worker_id=f"local-{100 + n}", provider="local", started_at=start, ended_at=start + 5,
-        outcome=outcome, cause=cause, resumed_from=resumed_from, last_step=last_step,
-        lost_steps=3 if outcome is Outcome.PREEMPTED else 0, wall_s=5.0,
-    )  # fmt: skip
+        attempt=n,
+        worker_id=f"local-{100 + n}",
+        provider="local",
+        started_at=start,
+        ended_at=start + 5,
+        outcome=outcome,
+        cause=cause,
+        resumed_from=resumed_from,
+        last_step=last_step,
+        lost_steps=3 if outcome is Outcome.PREEMPTED else 0,
+        wall_s=5.0,
+    )
 
 
 @pytest.fixture
@@ -258,8 +266,10 @@ def test_history_table(capsys: pytest.CaptureFixture[str], history: tuple[str, s
     assert code == 0
     rows = table_rows(out)
     assert [(r[0], r[2], r[3]) for r in rows] == [
-        ("digits", "1", "preempted"), ("digits", "2", "completed"), ("other", "1", "crashed")
-    ]  # fmt: skip
+        ("digits", "1", "preempted"),
+        ("digits", "2", "completed"),
+        ("other", "1", "crashed"),
+    ]
     assert rows[0][1] == history[1][:8]
     assert rows[0][4:8] == ["reclaimed without notice (SIGKILL)", "scratch", "40", "3"]
     assert rows[1][5:7] == ["25", "300"]
@@ -272,8 +282,9 @@ def test_history_json(capsys: pytest.CaptureFixture[str], history: tuple[str, st
     assert code == 0
     rows = json.loads(out)
     assert [(r["attempt"], r["outcome"], r["resumed_from"], r["last_step"]) for r in rows] == [
-        (1, "preempted", None, 40), (2, "completed", 25, 300)
-    ]  # fmt: skip
+        (1, "preempted", None, 40),
+        (2, "completed", 25, 300),
+    ]
     assert {r["job_run_id"] for r in rows} == {history[1]}
     assert rows[0]["cause"] == "reclaimed without notice (SIGKILL)" and rows[0]["started_at"] == T0 + 10
 

@@ -121,15 +121,20 @@ def _publish_without_latest(pristine: dict[str, bytes]) -> Callable[[Storage, Pa
 CASES: dict[str, tuple[Callable[..., None], int | None, str]] = {
     "truncated file": (
         lambda s, t: put_bytes(s, f"{S30}/model.safetensors", get_bytes(s, f"{S30}/model.safetensors")[:999]),
-        20, "size 999 != manifest",
+        20,
+        "size 999 != manifest",
     ),
     "flipped byte in tensor data": (
-        lambda s, t: _flip_middle_byte(s, f"{S30}/optimizer.pt"), 20, "xxh3_128 mismatch in optimizer.pt",
+        lambda s, t: _flip_middle_byte(s, f"{S30}/optimizer.pt"),
+        20,
+        "xxh3_128 mismatch in optimizer.pt",
     ),
     "missing file": (lambda s, t: s.delete([f"{S30}/scheduler.pt"]), 20, "file missing in scheduler.pt"),
     "missing manifest": (lambda s, t: s.delete([f"{S30}/{MANIFEST}"]), 20, "missing manifest"),
     "garbage manifest": (
-        lambda s, t: put_bytes(s, f"{S30}/{MANIFEST}", b"{not json"), 20, "malformed manifest",
+        lambda s, t: put_bytes(s, f"{S30}/{MANIFEST}", b"{not json"),
+        20,
+        "malformed manifest",
     ),
     "NaN tensor": (lambda s, t: _with_model(s, _nan, t), 20, "NaN/Inf in 0.weight"),
     "wrong shape": (lambda s, t: _with_model(s, _reshape, t), 20, "0.weight: (16, 64)"),
@@ -139,9 +144,10 @@ CASES: dict[str, tuple[Callable[..., None], int | None, str]] = {
     "malformed latest marker": (lambda s, t: put_bytes(s, "latest", b"\x00garbage"), 30, ""),
     "every checkpoint corrupt": (
         lambda s, t: [_flip_middle_byte(s, f"{step_dir(n)}/model.safetensors") for n in (10, 20, 30)],
-        None, "xxh3_128 mismatch in model.safetensors",
+        None,
+        "xxh3_128 mismatch in model.safetensors",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,8 +24,13 @@ from trainer.resume import completed_for, mark_completed
 from trainer.spec import JobSpec, parse_spec
 from trainer.storage import LocalStorage
 
-BASE: dict[str, Any] = {"name": "done", "recipe": "digits", "total_steps": 5, "storage": "ckpt",
-                        "args": {"hidden": 32}}  # fmt: skip
+BASE: dict[str, Any] = {
+    "name": "done",
+    "recipe": "digits",
+    "total_steps": 5,
+    "storage": "ckpt",
+    "args": {"hidden": 32},
+}
 
 
 def _spec(**over: Any) -> JobSpec:
@@ -42,10 +47,10 @@ def _spec(**over: Any) -> JobSpec:
         (5, _spec(args={"hidden": 64}), "(args.hidden 32 -> 64)"),
         (5, _spec(seed=1), "(seed 0 -> 1)"),
         (5, _spec(name="other"), "(name done -> other)"),
-        (5, _spec(recipe="charlm", args={}), "recipe \"digits\" -> \"charlm\""),
+        (5, _spec(recipe="charlm", args={}), 'recipe "digits" -> "charlm"'),
         (5, _spec(log_every=7, storage="elsewhere"), 5),  # what does not make the job another one
     ],
-)  # fmt: skip
+)
 def test_completed_for(tmp_path: Path, marker: int | None, spec: JobSpec, expect: int | str | None) -> None:
     store = LocalStorage(tmp_path)
     if marker is not None:
@@ -69,8 +74,12 @@ def test_a_marker_without_the_spec_is_trusted_and_a_malformed_one_ignored(tmp_pa
 def _cli(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRUN_", "PREFECT_", "AWS_"))}
     # a run that got past the storage check would fail on this API rather than start a server
-    full_env |= {"PYTHONPATH": str(REPO), "SPOTRUN_HOME": str(tmp_path / "home"),
-                 "PREFECT_API_URL": "http://127.0.0.1:9/api", **(env or {})}  # fmt: skip
+    full_env |= {
+        "PYTHONPATH": str(REPO),
+        "SPOTRUN_HOME": str(tmp_path / "home"),
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+        **(env or {}),
+    }
     cmd = [sys.executable, "-m", "spotrun.cli", *argv]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
@@ -140,12 +149,23 @@ def test_the_control_loop_outlives_a_storage_that_is_down(
     }.items():
         monkeypatch.setenv(k, v)
     settings = Settings.from_env({"SPOTRUN_HOME": str(tmp_path / "home")})
-    job = settings.resolve(_spec(storage="s3://spotrun-down/job", s3={"endpoint_url": "http://127.0.0.1:9"},
-                                 tracking={"mlflow": False}))  # fmt: skip
+    job = settings.resolve(
+        _spec(
+            storage="s3://spotrun-down/job",
+            s3={"endpoint_url": "http://127.0.0.1:9"},
+            tracking={"mlflow": False},
+        )
+    )
     crash = FakeAttempt(until=3, exit_code=ExitCode.CRASHED, error="TransientStorageError: down")
     sink = PlainSink()
-    result = run_job(job, FakeProvider([crash, crash]), RetryPolicy(max_errors=2, backoff_base_s=0.0),
-                     sink, settings=settings, sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        job,
+        FakeProvider([crash, crash]),
+        RetryPolicy(max_errors=2, backoff_base_s=0.0),
+        sink,
+        settings=settings,
+        sleep=lambda s: None,
+    )
     assert not result.completed and result.summary.attempts == 2, result.message
     assert result.message == "same error at step 3 twice: TransientStorageError: down", result.message
 

@@ -160,8 +160,17 @@ def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
     new: subprocess.Popen[bytes] | None = None
     try:
         wait_for_latest(store, old, 7)
-        new = start(spec, uri, tmp_path / "new", "--prewarm-wait", "120", "--max-steps", "5", python=hooked,
-                    stdout=subprocess.PIPE)  # fmt: skip
+        new = start(
+            spec,
+            uri,
+            tmp_path / "new",
+            "--prewarm-wait",
+            "120",
+            "--max-steps",
+            "5",
+            python=hooked,
+            stdout=subprocess.PIPE,
+        )
         deadline = time.monotonic() + WAIT_S
         while "prewarmed: waiting" not in (tmp_path / "new" / "stderr").read_text():
             assert new.poll() is None and time.monotonic() < deadline, (
@@ -181,8 +190,11 @@ def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
                 p.wait()
     old_err = (tmp_path / "old" / "stderr").read_text()
     stopped = int(old_err.split("stopped on SIGTERM at step ")[1].split(";")[0])
-    started = [json.loads(line[len("@spotrun ") :]) for line in out.decode().splitlines()
-               if line.startswith('@spotrun {"kind":"started"')]  # fmt: skip
+    started = [
+        json.loads(line[len("@spotrun ") :])
+        for line in out.decode().splitlines()
+        if line.startswith('@spotrun {"kind":"started"')
+    ]
     assert new.returncode == ExitCode.STOPPED, (tmp_path / "new" / "stderr").read_text()[-3000:]
     assert started[0]["resumed_from"] == stopped  # the emergency checkpoint, not an older one
     assert started[0]["t"] >= durable_at - 1.0  # it waited for it (the old one exited once durable)

@@ -323,8 +323,12 @@ def test_the_controllers_secrets_never_reach_a_trainer(
     for k, v in {**secrets, "PROBE_NAMED": "named", "PROBE_UNNAMED": "unnamed"}.items():
         monkeypatch.setenv(k, v)
     out = tmp_path / "env.json"
-    job, spec = _job(tmp_path, recipe="tests.fakes.env_probe_recipe:build", args={"out": str(out)},
-                     env={"pass": ["PROBE_NAMED"], "set": {"PROBE_SET": "by the job"}})  # fmt: skip
+    job, spec = _job(
+        tmp_path,
+        recipe="tests.fakes.env_probe_recipe:build",
+        args={"out": str(out)},
+        env={"pass": ["PROBE_NAMED"], "set": {"PROBE_SET": "by the job"}},
+    )
     provider = _provider(tmp_path, fork_server=forked)
     result, _, _ = _watch(provider, provider.provision(job, 1, spec, []))
     assert result.trainer_code == "CONFIG_ERROR", result.log_tail

@@ -74,9 +74,11 @@ def fake_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> 
 def local_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> Case:
     plan = [PlannedPreemption(after_s=0.3)] if scenario == "notice" else []
     cfg = LocalProviderConfig(
-        workdir=str(tmp_path / "work"), heartbeat_timeout_s=1.0, notice_s=30,
+        workdir=str(tmp_path / "work"),
+        heartbeat_timeout_s=1.0,
+        notice_s=30,
         simulator=SpotSimulatorConfig(schedule=plan),
-    )  # fmt: skip
+    )
     job, spec = _job(tmp_path, total_steps=TOTAL if scenario == "complete" else 5000)
     extra = ["--inject-fault", "hang@3"] if scenario == "hang" else []
     return Case(LocalProvider(cfg), job, spec, extra, training=lambda w: _first_checkpoint(job))
@@ -97,14 +99,25 @@ def aws_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest) -> C
     t = iter(range(1, 100))
     started = Started(t=next(t), step=0, total_steps=TOTAL)
     records: list[Record] = {
-        "complete": [started, Step(t=next(t), step=7), Durable(t=next(t), step=7), Step(t=next(t), step=14),
-                     Durable(t=next(t), step=14), Exit(t=next(t), code=0, name="COMPLETED", step=14)],
-        "notice": [started, Step(t=next(t), step=7), Durable(t=next(t), step=7),
-                   Notice(t=next(t), cloud="aws", action="terminate", stop=True, deadline=200.0),
-                   Stopping(t=next(t), reason="aws terminate notice", step=9, save=True),
-                   Durable(t=next(t), step=9), Exit(t=next(t), code=75, name="PREEMPTED", step=9)],
+        "complete": [
+            started,
+            Step(t=next(t), step=7),
+            Durable(t=next(t), step=7),
+            Step(t=next(t), step=14),
+            Durable(t=next(t), step=14),
+            Exit(t=next(t), code=0, name="COMPLETED", step=14),
+        ],
+        "notice": [
+            started,
+            Step(t=next(t), step=7),
+            Durable(t=next(t), step=7),
+            Notice(t=next(t), cloud="aws", action="terminate", stop=True, deadline=200.0),
+            Stopping(t=next(t), reason="aws terminate notice", step=9, save=True),
+            Durable(t=next(t), step=9),
+            Exit(t=next(t), code=75, name="PREEMPTED", step=9),
+        ],
         "hang": [started, Step(t=next(t), step=3)],
-    }[scenario]  # fmt: skip
+    }[scenario]
     base = 1_700_000_000.0  # the heartbeat keeps the last of each kind; order comes from `t`
     typed = [replace(r, t=base + r.t) for r in records]
 
@@ -124,14 +137,26 @@ def rehearsal_case(tmp_path: Path, scenario: str, request: pytest.FixtureRequest
         )
     world: Ec2World = request.getfixturevalue("ec2_world")
     endpoint, bucket = request.getfixturevalue("s3_bucket")
-    path = write_spec(tmp_path / "job.yaml", name="contract", storage=f"s3://{bucket}/job",
-                      s3={"endpoint_url": endpoint}, total_steps=TOTAL)  # fmt: skip
+    path = write_spec(
+        tmp_path / "job.yaml",
+        name="contract",
+        storage=f"s3://{bucket}/job",
+        s3={"endpoint_url": endpoint},
+        total_steps=TOTAL,
+    )
     cfg = AwsProviderConfig(
-        region=world.region, instance_types=["g6.xlarge"], subnets=world.subnets, image_id=world.image_id,
-        security_groups=[world.security_group], endpoint_url=world.endpoint, workdir=str(tmp_path / "i"),
+        region=world.region,
+        instance_types=["g6.xlarge"],
+        subnets=world.subnets,
+        image_id=world.image_id,
+        security_groups=[world.security_group],
+        endpoint_url=world.endpoint,
+        workdir=str(tmp_path / "i"),
         python=sys.executable,
-        poll_s=0.1, heartbeat_timeout_s=60, rehearse_locally=True,
-    )  # fmt: skip
+        poll_s=0.1,
+        heartbeat_timeout_s=60,
+        rehearse_locally=True,
+    )
     return Case(RehearsalProvider(cfg, tmp_path / "instances", None), load_spec(path), path)
 
 

@@ -30,9 +30,15 @@ def job(tmp_path: Path, **args: object) -> Path:
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "ridge.py").write_text(recipe_source())
-    spec = {"name": "ridge", "recipe": "myrecipes.ridge:build", "args": {"width": 16, **args},
-            "total_steps": STEPS, "threads": 1, "seed": 3,
-            "checkpoint": {"every_steps": 10, "keep": 2}}  # fmt: skip
+    spec = {
+        "name": "ridge",
+        "recipe": "myrecipes.ridge:build",
+        "args": {"width": 16, **args},
+        "total_steps": STEPS,
+        "threads": 1,
+        "seed": 3,
+        "checkpoint": {"every_steps": 10, "keep": 2},
+    }
     path = tmp_path / "ridge.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path

@@ -122,8 +122,13 @@ def test_an_allowed_change_is_recorded_reported_and_needed_only_once(tmp_path: P
     _run(SPEC, tmp_path / "s", tmp_path / "c", max_steps=20)
     changed = {**SPEC, "seed": 3, "args": {"hidden": 32, "lr": 0.001}}
     stream = io.StringIO()
-    result = _run({**changed, "resume": {"allow_changes": True}}, tmp_path / "s", tmp_path / "c",
-                  max_steps=5, reporter=StatusReporter(stream))  # fmt: skip
+    result = _run(
+        {**changed, "resume": {"allow_changes": True}},
+        tmp_path / "s",
+        tmp_path / "c",
+        max_steps=5,
+        reporter=StatusReporter(stream),
+    )
     assert (result.resumed_from, result.step) == (20, 25)
     assert _started(stream)["changes"] == [
         {"field": "args.lr", "old": "(unset)", "new": "0.001"},
@@ -144,8 +149,11 @@ def test_fork_into_a_new_store_with_a_new_learning_rate(tmp_path: Path) -> None:
     source = ResumeSource(20, LocalStorage(tmp_path / "old"))
     with pytest.raises(ResumeIncompatible, match=r"args\.lr \(unset\) -> 0\.001"):
         _run(changed, tmp_path / "new", tmp_path / "c2", resume_from=source)
-    forked = _run({**changed, "resume": {"allow_changes": True}}, tmp_path / "new", tmp_path / "c2",
-                  resume_from=source)  # fmt: skip
+    forked = _run(
+        {**changed, "resume": {"allow_changes": True}}, tmp_path / "new", tmp_path / "c2", resume_from=source
+    )
     assert (forked.code, forked.resumed_from, [c.field for c in forked.changes]) == (
-        ExitCode.COMPLETED, 20, ["args.lr"]
-    )  # fmt: skip
+        ExitCode.COMPLETED,
+        20,
+        ["args.lr"],
+    )

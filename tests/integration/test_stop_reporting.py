@@ -47,11 +47,18 @@ class StopAt:
     ],
 )
 def test_every_stop_is_reported(tmp_path: Path, kind: str, at: int) -> None:
-    spec = JobSpec.model_validate({
-        "name": "stops", "recipe": "digits", "args": {"hidden": 16}, "total_steps": 200, "threads": 1,
-        "checkpoint": {"every_steps": BATCHES_PER_EPOCH, "async_upload": False},
-        "storage": str(tmp_path / "store"), "log_every": 1,
-    })  # fmt: skip
+    spec = JobSpec.model_validate(
+        {
+            "name": "stops",
+            "recipe": "digits",
+            "args": {"hidden": 16},
+            "total_steps": 200,
+            "threads": 1,
+            "checkpoint": {"every_steps": BATCHES_PER_EPOCH, "async_upload": False},
+            "storage": str(tmp_path / "store"),
+            "log_every": 1,
+        }
+    )
     stop = StopRequest()
     if kind == "none":
         stop.notice("SIGTERM")

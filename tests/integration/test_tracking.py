@@ -97,8 +97,14 @@ def _reference(spec: JobSpec, tmp_path: Path) -> subprocess.Popen[str]:
     cfg.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     cmd = [sys.executable, "-m", "trainer", "--config", str(cfg), "--storage", str(work / "store")]
     cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache")]
-    return subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
@@ -255,9 +261,20 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[su
     the first test), waited for by whoever needs it (`_ready`)."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
-           "--port", str(port), "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-           "--artifacts-destination", str(root / "artifacts"), "--workers", "1"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).with_name("mlflow")),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{root / 'server.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--workers",
+        "1",
+    ]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     with open(root / "server.log", "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -318,8 +335,14 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
     job = _job(tmp_path, total_steps=400, tracking={"uri": uri, "register": False})
     provider = _provider(tmp_path, (0.3, True))
     try:
-        result = run_job(job, provider, RetryPolicy(), OutageSink(relay), settings=_settings(tmp_path),
-                         sleep=lambda s: None)  # fmt: skip
+        result = run_job(
+            job,
+            provider,
+            RetryPolicy(),
+            OutageSink(relay),
+            settings=_settings(tmp_path),
+            sleep=lambda s: None,
+        )
     finally:
         relay.down()
     assert result.completed, result.message
@@ -352,8 +375,12 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
 def test_a_recipe_that_breaks_determinism_is_a_mismatch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = _job(tmp_path, recipe="tests.fakes.nondeterministic_recipe:build", total_steps=300,
-               tracking={"mlflow": False})  # fmt: skip
+    job = _job(
+        tmp_path,
+        recipe="tests.fakes.nondeterministic_recipe:build",
+        total_steps=300,
+        tracking={"mlflow": False},
+    )
     sink = PlainSink()
     # killed at a step, not after a time: steps past the newest checkpoint are lost, to be replayed
     plan = tmp_path / "plan.json"

@@ -33,9 +33,13 @@ def make_state(step: int, width: int = 64) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     meta = {"step": step, "position": {"epoch": 0, "batch": step}, "rank": 0, "world_size": 1}
     return {
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-        "scaler": None, "rng": capture_rng(torch.device("cpu")), "trainer": meta,
-    }  # fmt: skip
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "scaler": None,
+        "rng": capture_rng(torch.device("cpu")),
+        "trainer": meta,
+    }
 
 
 def base(step: int) -> dict[str, Any]:
@@ -242,9 +246,13 @@ def test_the_update_waits_for_the_copy_of_what_it_changes(
     train_step()
     for step in (1, 2):  # the second reuses the buffers (and the process writer's arena)
         state: dict[str, Any] = {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "scaler": None,
-            "rng": capture_rng(torch.device("cpu")), "trainer": {"step": step, "rank": 0, "world_size": 1},
-        }  # fmt: skip
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": {},
+            "scaler": None,
+            "rng": capture_rng(torch.device("cpu")),
+            "trainer": {"step": step, "rank": 0, "world_size": 1},
+        }
         at_save = {k: v.clone() for k, v in model.state_dict().items()}
         exp_avg = opt.state_dict()["state"][0]["exp_avg"].clone()
         ckpt.save(state, base(step))
@@ -283,9 +291,13 @@ def test_a_model_that_writes_its_weights_in_forward_loses_one_checkpoint_not_its
 
     def state(step: int) -> dict[str, Any]:
         return {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "scaler": None,
-            "rng": capture_rng(torch.device("cpu")), "trainer": {"step": step, "rank": 0, "world_size": 1},
-        }  # fmt: skip
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": {},
+            "scaler": None,
+            "rng": capture_rng(torch.device("cpu")),
+            "trainer": {"step": step, "rank": 0, "world_size": 1},
+        }
 
     ckpt.save(state(1), base(1))
     model(torch.arange(16)).sum().backward()  # renormalizes every row in place

@@ -158,7 +158,7 @@ DECISIONS: list[tuple[str, AlertKind, str | None, list[AlertRow], Action, str, s
      NEW_UNVERIFIED_KEY, "new"),
     ("nothing to recover from but a full disk", RECOVERED, "run-1", [alert(DISK, OLD_DISK, SENT, 60)],
      SUPPRESS, RECOVERED_1, "no alert to recover from"),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(
@@ -185,7 +185,7 @@ MISMATCHES: list[tuple[str, str | None, int, list[AlertRow], Action, str, str]] 
      "resume-mismatch:digits:run-1:3", "attempt 3"),
     ("a storm is no mismatch", "run-1", 2, [alert(STORM, OLD, SENT, 60)], SEND, MISMATCH_2, "first"),
     ("run unknown", None, 2, [], SEND, "resume-mismatch:digits:20231115T010000Z:2", "first"),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(
@@ -428,20 +428,44 @@ def mismatch(**kw: Any) -> AlertContext:
 
 MISMATCH_FIELDS: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     # (case, context changes, fields expected)
-    ("replay", {}, {"*Job*": "digits", "*Attempt*": "2", "*Resumed from*": "/store/digits/step-0000000050",
-                    "*Steps compared*": "steps 51-60 (computed twice)",
-                    "*First difference*": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
-                    "*Largest relative difference*": "0.0083"}),
-    ("continuity", {"resume": ResumeFacts(attempt=3, method="continuity", resumed_from=40, steps=1,
-                                          span="step 41", first_diff=41,
-                                          diff="step 41: learning rate at step 41 0.0005, scheduled 0.001")},
-     {"*Attempt*": "3", "*Steps compared*": "step 41 (the first step after the resume)",
-      "*First difference*": "step 41: learning rate at step 41 0.0005, scheduled 0.001"}),
+    (
+        "replay",
+        {},
+        {
+            "*Job*": "digits",
+            "*Attempt*": "2",
+            "*Resumed from*": "/store/digits/step-0000000050",
+            "*Steps compared*": "steps 51-60 (computed twice)",
+            "*First difference*": "step 53: loss 0.6931 before the reclaim, 0.6874 after",
+            "*Largest relative difference*": "0.0083",
+        },
+    ),
+    (
+        "continuity",
+        {
+            "resume": ResumeFacts(
+                attempt=3,
+                method="continuity",
+                resumed_from=40,
+                steps=1,
+                span="step 41",
+                first_diff=41,
+                diff="step 41: learning rate at step 41 0.0005, scheduled 0.001",
+            )
+        },
+        {
+            "*Attempt*": "3",
+            "*Steps compared*": "step 41 (the first step after the resume)",
+            "*First difference*": "step 41: learning rate at step 41 0.0005, scheduled 0.001",
+        },
+    ),
     ("checkpoint not in the event", {"checkpoint": None}, {"*Resumed from*": "step 50"}),
-    ("a check recorded before span and diff",
-     {"resume": ResumeFacts(attempt=2, method="replay", resumed_from=50, steps=4, first_diff=52)},
-     {"*Steps compared*": "4 steps (computed twice)", "*First difference*": "step 52"}),
-]  # fmt: skip
+    (
+        "a check recorded before span and diff",
+        {"resume": ResumeFacts(attempt=2, method="replay", resumed_from=50, steps=4, first_diff=52)},
+        {"*Steps compared*": "4 steps (computed twice)", "*First difference*": "step 52"},
+    ),
+]
 
 
 @pytest.mark.parametrize(("changes", "expected"), [pytest.param(*c[1:], id=c[0]) for c in MISMATCH_FIELDS])
@@ -465,8 +489,11 @@ def test_mismatch_fallback_and_markdown() -> None:
         "step 53: loss 0.6931 before the reclaim, 0.6874 after"
     )
     md = to_markdown(ctx)
-    for part in ("- **Steps compared:** steps 51-60 (computed twice)", "- **Attempt:** 2",
-                 "- **Check:** 10 step(s) computed twice (steps 51-60): step 53 differs"):  # fmt: skip
+    for part in (
+        "- **Steps compared:** steps 51-60 (computed twice)",
+        "- **Attempt:** 2",
+        "- **Check:** 10 step(s) computed twice (steps 51-60): step 53 differs",
+    ):
         assert part in md
     assert "Restarts in the last" not in md
 
@@ -500,16 +527,20 @@ def test_cannot_verify_says_nothing_was_quarantined_and_how_to_fix_it() -> None:
     assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]
     md = to_markdown(unverified())
     assert md.startswith(f"### {UNVERIFIED_TITLE}\n")
-    for part in (f"- **Problem:** {PROBLEM}", "- **Done:** nothing quarantined or deleted",
-                 "- **Fix:** give the workers and the controller the same SPOTRUN_MANIFEST_KEY"):  # fmt: skip
+    for part in (
+        f"- **Problem:** {PROBLEM}",
+        "- **Done:** nothing quarantined or deleted",
+        "- **Fix:** give the workers and the controller the same SPOTRUN_MANIFEST_KEY",
+    ):
         assert part in md
     assert "Restarts in the last" not in md and "Last log lines" not in md
 
 
 def test_cannot_verify_is_told_once_a_window_and_recorded(tmp_path: Path) -> None:
     """Through raise_alert and a real SQLite history: two checkpoints, ten minutes apart, one alert."""
-    request = AlertRequest(kind=UNVERIFIED, job="digits", window_s=HOUR, threshold=3, reason=PROBLEM,
-                           checkpoint="step 20")  # fmt: skip
+    request = AlertRequest(
+        kind=UNVERIFIED, job="digits", window_s=HOUR, threshold=3, reason=PROBLEM, checkpoint="step 20"
+    )
     with HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}") as store:
         first = raise_alert(store, request, None, now=NOW)
         second = raise_alert(store, replace(request, checkpoint="step 10"), None, now=NOW + 600)
@@ -530,13 +561,20 @@ def test_cannot_verify_is_told_once_a_window_and_recorded(tmp_path: Path) -> Non
 
 UNVERIFIED_GAPS: list[tuple[str, dict[str, Any], str, dict[str, str]]] = [
     # (case, context changes, the fallback text, fields expected)
-    ("no step", {"checkpoint": None}, f"spotrun: digits has a checkpoint it cannot verify: kept, not "
-     f"quarantined: {PROBLEM}", {"*Checkpoint*": "not known"}),
+    (
+        "no step",
+        {"checkpoint": None},
+        f"spotrun: digits has a checkpoint it cannot verify: kept, not quarantined: {PROBLEM}",
+        {"*Checkpoint*": "not known"},
+    ),
     ("no problem", {"reason": ""}, UNVERIFIED_TITLE, {"*Problem*": "not known"}),
-    ("a problem over lines", {"reason": "cannot verify:\n  signed with key id 'ab'"},
-     f"{UNVERIFIED_TITLE}: cannot verify: signed with key id 'ab'",
-     {"*Problem*": "cannot verify: signed with key id 'ab'"}),
-]  # fmt: skip
+    (
+        "a problem over lines",
+        {"reason": "cannot verify:\n  signed with key id 'ab'"},
+        f"{UNVERIFIED_TITLE}: cannot verify: signed with key id 'ab'",
+        {"*Problem*": "cannot verify: signed with key id 'ab'"},
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -601,7 +639,7 @@ DISK_GAPS: list[tuple[str, dict[str, Any], str, dict[str, str]]] = [
     # (case, context changes, the fallback text, fields expected)
     ("an older event: no where", {"checkpoint": None}, f"{DISK_TITLE}: {NO_SPACE}", {"*Where*": "not known"}),
     ("no problem", {"reason": ""}, DISK_TITLE, {"*Problem*": "not known", "*Where*": WHERE}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("changes", "text", "expected"), [pytest.param(*c[1:], id=c[0]) for c in DISK_GAPS])
@@ -783,7 +821,7 @@ PER_RUN: list[tuple[str, AlertKind, str | None, str | None, bool, list[AlertRow]
      [_of_run(alert(GAVE_UP, GAVE_UP_1, FAILED, 30), "run-1")], SUPPRESS, FAILED_KEY, GAVE_UP_1),
     ("another run gave up", RUN_FAILED, "run-2", "fr-1", False, [RUN_1_GAVE_UP], SEND, FAILED_KEY, "first"),
     ("refused before a job run", RUN_FAILED, None, "fr-1", False, [RUN_1_GAVE_UP], SEND, FAILED_KEY, "first"),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(
@@ -806,27 +844,68 @@ def test_decide_per_run(
 
 
 WON = PromotionFacts(
-    promoted=True, reason="promoted: eval_loss 1.18 < 1.25 (champion v3 of 2026-12-04; min)",
-    metric="eval_loss", mode="min", alias="champion", challenger=1.18, champion=1.25, champion_version="3",
-    champion_run="2026-12-04", model="digits", version="4", alias_moved=True, run_key="2026-12-05",
+    promoted=True,
+    reason="promoted: eval_loss 1.18 < 1.25 (champion v3 of 2026-12-04; min)",
+    metric="eval_loss",
+    mode="min",
+    alias="champion",
+    challenger=1.18,
+    champion=1.25,
+    champion_version="3",
+    champion_run="2026-12-04",
+    model="digits",
+    version="4",
+    alias_moved=True,
+    run_key="2026-12-05",
     job_run_id="run-1",
-)  # fmt: skip
-LOST = replace(WON, promoted=False, reason="kept: eval_loss 1.3 > 1.25 (champion v3 of 2026-12-04; min)",
-               challenger=1.3, alias_moved=False)  # fmt: skip
+)
+LOST = replace(
+    WON,
+    promoted=False,
+    reason="kept: eval_loss 1.3 > 1.25 (champion v3 of 2026-12-04; min)",
+    challenger=1.3,
+    alias_moved=False,
+)
 PROMOTIONS: list[tuple[str, PromotionFacts, str, dict[str, str]]] = [
     # (case, the decision, the header, fields expected)
-    ("promoted", WON, ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion",
-     {"*Decision*": "promoted", "*New model*": "1.18 (v4)", "*Champion*": "1.25 (v3 of 2026-12-04)",
-      "*Rule*": "eval_loss (lower is better)"}),
-    ("kept", LOST, ":information_source: spotrun: digits 2026-12-05: champion v3 kept",
-     {"*Decision*": "kept", "*New model*": "1.3 (v4)", "*Why*": slack_escape(LOST.reason)}),
-    ("first version, no MLflow", replace(WON, version=None, champion=None, champion_version=None,
-     champion_run=None, alias_moved=False, reason="promoted: first version"),
-     ":trophy: spotrun: digits 2026-12-05: the new model promoted to champion", {"*Champion*": "none"}),
-    ("promoted, alias not moved", replace(WON, alias_moved=False, better_by=0.05, mode="max"),
-     ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion (alias not moved: see the run's log)",
-     {"*Rule*": "eval_loss (higher is better, by at least 0.05)"}),
-]  # fmt: skip
+    (
+        "promoted",
+        WON,
+        ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion",
+        {
+            "*Decision*": "promoted",
+            "*New model*": "1.18 (v4)",
+            "*Champion*": "1.25 (v3 of 2026-12-04)",
+            "*Rule*": "eval_loss (lower is better)",
+        },
+    ),
+    (
+        "kept",
+        LOST,
+        ":information_source: spotrun: digits 2026-12-05: champion v3 kept",
+        {"*Decision*": "kept", "*New model*": "1.3 (v4)", "*Why*": slack_escape(LOST.reason)},
+    ),
+    (
+        "first version, no MLflow",
+        replace(
+            WON,
+            version=None,
+            champion=None,
+            champion_version=None,
+            champion_run=None,
+            alias_moved=False,
+            reason="promoted: first version",
+        ),
+        ":trophy: spotrun: digits 2026-12-05: the new model promoted to champion",
+        {"*Champion*": "none"},
+    ),
+    (
+        "promoted, alias not moved",
+        replace(WON, alias_moved=False, better_by=0.05, mode="max"),
+        ":trophy: spotrun: digits 2026-12-05: v4 promoted to champion (alias not moved: see the run's log)",
+        {"*Rule*": "eval_loss (higher is better, by at least 0.05)"},
+    ),
+]
 
 
 @pytest.mark.parametrize(("facts", "header", "expected"), [pytest.param(*c[1:], id=c[0]) for c in PROMOTIONS])
@@ -881,8 +960,9 @@ def test_alerts_about_a_run_find_its_job_run_and_its_give_up(tmp_path: Path) -> 
         gave_up = AlertRequest(kind=GAVE_UP, job="digits", window_s=HOUR, threshold=3, flow_run_id="fr-1")
         failed = replace(gave_up, kind=RUN_FAILED, reason="gave up after 3 errors")
         refused = replace(failed, flow_run_id="fr-2", reason="refused: bad key")
-        promo = AlertRequest(kind=PROMOTION, job="digits", window_s=HOUR, threshold=3,
-                             promotion=replace(WON, job_run_id=run))  # fmt: skip
+        promo = AlertRequest(
+            kind=PROMOTION, job="digits", window_s=HOUR, threshold=3, promotion=replace(WON, job_run_id=run)
+        )
         results = [
             raise_alert(store, r, None, now=NOW + i)
             for i, r in enumerate([gave_up, failed, refused, promo, promo])
@@ -890,6 +970,8 @@ def test_alerts_about_a_run_find_its_job_run_and_its_give_up(tmp_path: Path) -> 
         rows = [(r.kind, r.status, r.dedup_key, r.job_run_id) for r in store.alerts(job="digits")]
     assert [r.status for r in results] == [LOGGED, SUPPRESSED, LOGGED, LOGGED, SUPPRESSED]
     assert "the give-up alert gave-up:digits:" in results[1].reason
-    assert rows[1:3] == [("run-failed", SUPPRESSED, "run-failed:digits:fr-1", run),
-                         ("run-failed", LOGGED, "run-failed:digits:fr-2", None)]  # fmt: skip
+    assert rows[1:3] == [
+        ("run-failed", SUPPRESSED, "run-failed:digits:fr-1", run),
+        ("run-failed", LOGGED, "run-failed:digits:fr-2", None),
+    ]
     assert rows[3][2:] == ("promotion:digits:2026-12-05", run)

@@ -48,9 +48,18 @@ def resources(s: dict[str, Any]) -> list[str]:
     return [s["Resource"]] if isinstance(s["Resource"], str) else list(s["Resource"])
 
 
-CORE = ["LaunchAllowedTypes", "LaunchTaggedVolumes", "LaunchFromThese", "TagOnlyAtLaunch",
-        "EndOwnWorkers", "RenewLeasesOfOwnWorkers", "Look", "CheckpointList", "CheckpointUploads",
-        "CheckpointObjects"]  # fmt: skip
+CORE = [
+    "LaunchAllowedTypes",
+    "LaunchTaggedVolumes",
+    "LaunchFromThese",
+    "TagOnlyAtLaunch",
+    "EndOwnWorkers",
+    "RenewLeasesOfOwnWorkers",
+    "Look",
+    "CheckpointList",
+    "CheckpointUploads",
+    "CheckpointObjects",
+]
 
 
 @pytest.mark.parametrize(
@@ -58,15 +67,27 @@ CORE = ["LaunchAllowedTypes", "LaunchTaggedVolumes", "LaunchFromThese", "TagOnly
     [
         ({}, SCOPE, ["HandWorkersTheirRole"], ["ec2:RunInstances"]),
         ({"instance_profile": None}, SCOPE, [], ["ec2:RunInstances"]),
-        ({"allocation": "fleet"}, SCOPE, ["FleetTemplates", "HandWorkersTheirRole"],
-         ["ec2:RunInstances", "ec2:CreateFleet"]),
+        (
+            {"allocation": "fleet"},
+            SCOPE,
+            ["FleetTemplates", "HandWorkersTheirRole"],
+            ["ec2:RunInstances", "ec2:CreateFleet"],
+        ),
         ({"placement_group": True}, SCOPE, ["PlacementGroups", "HandWorkersTheirRole"], ["ec2:RunInstances"]),
-        ({"kms_key_id": "alias/ebs"}, SCOPE,
-         ["HandWorkersTheirRole", "EncryptedRootVolumes", "EncryptedRootVolumeGrants"], ["ec2:RunInstances"]),
-        ({}, Scope(ACCOUNT, ID, "s3://bucket/jobs", KEY),
-         ["HandWorkersTheirRole", "CheckpointKey"], ["ec2:RunInstances"]),
+        (
+            {"kms_key_id": "alias/ebs"},
+            SCOPE,
+            ["HandWorkersTheirRole", "EncryptedRootVolumes", "EncryptedRootVolumeGrants"],
+            ["ec2:RunInstances"],
+        ),
+        (
+            {},
+            Scope(ACCOUNT, ID, "s3://bucket/jobs", KEY),
+            ["HandWorkersTheirRole", "CheckpointKey"],
+            ["ec2:RunInstances"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_setting_brings_its_statements(
     over: dict[str, Any], scope: Scope, extra: list[str], launch_actions: list[str]
 ) -> None:
@@ -91,7 +112,7 @@ def test_each_setting_brings_its_statements(
         ("HandWorkersTheirRole", "StringEquals", "iam:PassedToService", "ec2.amazonaws.com"),
         ("CheckpointList", "StringLike", "s3:prefix", ["jobs/*"]),
     ],
-)  # fmt: skip
+)
 def test_conditions(sid: str, operator: str, key: str, value: object) -> None:
     assert by_sid(controller_policy(cfg(), SCOPE))[sid]["Condition"][operator][key] == value
 
@@ -127,10 +148,13 @@ def test_every_launch_terminate_and_retag_names_this_installation(over: dict[str
         (KEY, KEY, None),
         ("k-1", KEY, None),
         ("alias/ebs", "arn:aws:kms:ca-central-1:123456789012:key/*", ["alias/ebs"]),
-        ("arn:aws:kms:ca-central-1:123456789012:alias/ebs", "arn:aws:kms:ca-central-1:123456789012:key/*",
-         ["alias/ebs"]),
+        (
+            "arn:aws:kms:ca-central-1:123456789012:alias/ebs",
+            "arn:aws:kms:ca-central-1:123456789012:key/*",
+            ["alias/ebs"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_root_volume_key(key: str, resource: str, condition: list[str] | None) -> None:
     found = by_sid(controller_policy(cfg(kms_key_id=key), SCOPE))
     use, grant = found["EncryptedRootVolumes"], found["EncryptedRootVolumeGrants"]

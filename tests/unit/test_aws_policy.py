@@ -471,10 +471,13 @@ NODE1_RECLAIMED = (SPOT_INTERRUPTION, KillReason.RECLAIMED, "node 1: Server.Spot
         # someone terminated node 2 by hand: gone, not a release, and it outranks node 0's release
         ([USER, RUN, USER], False, (None, KillReason.INSTANCE_GONE, "Client.UserInitiatedShutdown")),
         ([RUN, RUN, GONE], False, (None, KillReason.INSTANCE_GONE, "node 2: not-found")),
-        ([RUN, ("stopped", "Server.SpotInstanceShutdown")], False,
-         (SPOT_INTERRUPTION, KillReason.RECLAIMED, "node 1: Server.SpotInstanceShutdown")),
+        (
+            [RUN, ("stopped", "Server.SpotInstanceShutdown")],
+            False,
+            (SPOT_INTERRUPTION, KillReason.RECLAIMED, "node 1: Server.SpotInstanceShutdown"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_gang_end(nodes: list[tuple[str, str]], released: bool, expected: tuple[object, ...] | None) -> None:
     assert gang_end(nodes, released) == expected
 
@@ -483,20 +486,32 @@ def test_gang_end(nodes: list[tuple[str, str]], released: bool, expected: tuple[
     ("node", "home", "says", "not_says"),
     [
         (None, "SPOTRUN_HOME=/opt/spotrun/ ", [], ["SPOTRUN_NODE_RANK", "SPOTRUN_MASTER_ADDR"]),
-        (launch.NodeRole(0, 2, None), "SPOTRUN_HOME=/opt/spotrun/node0 ",
-         ["meta-data/local-ipv4", "export SPOTRUN_NODE_RANK=0 SPOTRUN_MASTER_ADDR"], []),
-        (launch.NodeRole(3, 4, "10.0.1.7"), "SPOTRUN_HOME=/opt/spotrun/node3 ",
-         ["SPOTRUN_MASTER_ADDR=${SPOTRUN_MASTER_ADDR:-10.0.1.7}", "export SPOTRUN_NODE_RANK=3 "],
-         ["local-ipv4"]),
+        (
+            launch.NodeRole(0, 2, None),
+            "SPOTRUN_HOME=/opt/spotrun/node0 ",
+            ["meta-data/local-ipv4", "export SPOTRUN_NODE_RANK=0 SPOTRUN_MASTER_ADDR"],
+            [],
+        ),
+        (
+            launch.NodeRole(3, 4, "10.0.1.7"),
+            "SPOTRUN_HOME=/opt/spotrun/node3 ",
+            ["SPOTRUN_MASTER_ADDR=${SPOTRUN_MASTER_ADDR:-10.0.1.7}", "export SPOTRUN_NODE_RANK=3 "],
+            ["local-ipv4"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_user_data_of_each_node(
     node: launch.NodeRole | None, home: str, says: list[str], not_says: list[str]
 ) -> None:
     script = launch.build_user_data(
-        SPEC, ["--lease-takeover", "i-1"], python="python3", workdir="/opt/spotrun/", job="demo", attempt=2,
+        SPEC,
+        ["--lease-takeover", "i-1"],
+        python="python3",
+        workdir="/opt/spotrun/",
+        job="demo",
+        attempt=2,
         node=node,
-    )  # fmt: skip
+    )
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
     assert home in script and all(s in script for s in says) and not any(s in script for s in not_says)
     assert (
@@ -507,8 +522,15 @@ def test_user_data_of_each_node(
 
 def test_node_address_already_set_wins(tmp_path: Any) -> None:
     """Run the node lines of the user data: a rehearsal's 127.0.0.1 wins over the private IP."""
-    peer = launch.build_user_data(SPEC, [], python="true", workdir=str(tmp_path), job="d", attempt=1,
-                                  node=launch.NodeRole(1, 2, "10.0.1.7"))  # fmt: skip
+    peer = launch.build_user_data(
+        SPEC,
+        [],
+        python="true",
+        workdir=str(tmp_path),
+        job="d",
+        attempt=1,
+        node=launch.NodeRole(1, 2, "10.0.1.7"),
+    )
     show = peer.replace('exec "$@" true -m trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
     env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
@@ -530,17 +552,22 @@ STUBS = {  # stand-ins that record their arguments: the test must not add a user
 @pytest.mark.parametrize(
     ("trainer_user", "calls", "home"),
     [
-        (None, [
-            "id -u spotrun",
-            "useradd --system --user-group --no-create-home --home-dir {h} --shell /usr/sbin/nologin spotrun",
-            "chown -R spotrun: {h}",
-            "chmod 0700 {h}",
-            "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -m trainer "
-            "--config job.yaml --worker-id i-1",
-        ], "{h}"),
+        (
+            None,
+            [
+                "id -u spotrun",
+                "useradd --system --user-group --no-create-home --home-dir {h} "
+                "--shell /usr/sbin/nologin spotrun",
+                "chown -R spotrun: {h}",
+                "chmod 0700 {h}",
+                "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -m trainer "
+                "--config job.yaml --worker-id i-1",
+            ],
+            "{h}",
+        ),
         ("", [], "/root-home"),  # a rehearsal: the current user runs the trainer
     ],
-)  # fmt: skip
+)
 def test_user_data_runs_the_trainer_as_an_unprivileged_user(
     tmp_path: Path, trainer_user: str | None, calls: list[str], home: str
 ) -> None:
@@ -586,9 +613,15 @@ def test_node_tags_and_placement_group_requests() -> None:
 def test_multi_node_attempt_cost_counts_every_instance(tmp_path: Any) -> None:
     """provision stores the attempt's price (per instance x nodes): the cost needs no node count."""
     state = AwsWorkerState(
-        "i-1", Placement(A, AZS[A], "g5.xlarge"), "x", 0.0, 2 * 0.36, 2 * 1.2, LocalStorage(tmp_path),
+        instance_id="i-1",
+        placement=Placement(A, AZS[A], "g5.xlarge"),
+        launch_id="x",
+        launched_at=0.0,
+        price_per_h=2 * 0.36,
+        on_demand_price_per_h=2 * 1.2,
+        storage=LocalStorage(tmp_path),
         peers=["i-2"],
-    )  # fmt: skip
+    )
     assert state.instance_ids == ["i-1", "i-2"]
     assert attempt_cost(state, 1800) == Cost(
         usd=0.36, price_per_h=0.72, market="spot", on_demand_usd=1.2, hours=0.5

@@ -49,7 +49,7 @@ ALL_THREE = [(30, PARTIAL), (20, QUARANTINED), (10, SHA)]
         ({10: "ok", 20: "damaged"}, 20, None, [(20, SHA)]),
         ({10: "ok"}, 99, None, []),  # no such step: nothing to choose, nothing rejected
     ],
-)  # fmt: skip
+)
 def test_select(
     tmp_path: Path,
     dirs: dict[int, str],
@@ -134,7 +134,7 @@ def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
         ({10: "damaged", 20: "ok", 30: "ok"}, [30], []),  # older damage waits until it is next in line
         ({10: "damaged", 20: "damaged", 30: "partial"}, [20, 10], [10, 20]),
     ],
-)  # fmt: skip
+)
 def test_the_controller_hashes_down_to_the_newest_intact_checkpoint(
     tmp_path: Path, dirs: dict[int, str], checked: list[int], quarantined: list[int]
 ) -> None:

@@ -26,9 +26,20 @@ print("HEAVY", heavy)
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["history"], ["checkpoints", "list"], ["checkpoints", "verify"], ["run"], ["deploy"], ["serve"],
-     ["report"], ["server"], ["server", "start"], ["server", "status"]],
-)  # fmt: skip
+    [
+        [],
+        ["history"],
+        ["checkpoints", "list"],
+        ["checkpoints", "verify"],
+        ["run"],
+        ["deploy"],
+        ["serve"],
+        ["report"],
+        ["server"],
+        ["server", "start"],
+        ["server", "status"],
+    ],
+)
 def test_help_imports_neither_torch_nor_prefect(argv: list[str]) -> None:
     out = subprocess.run(
         [sys.executable, "-c", PROBE, *argv, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
@@ -56,9 +67,13 @@ def test_checkpoint_commands_that_load_no_tensor_import_no_torch(argv: list[str]
     (tmp_path / "empty").mkdir()
     args = [a.format(empty=tmp_path / "empty") for a in argv]
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", PROBE, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "SPOTRUN_HOME": str(tmp_path / "home")},
-    )  # fmt: skip
+    )
     assert "'torch'" not in out.stdout.splitlines()[-1], out.stdout + out.stderr
 
 
@@ -68,6 +83,9 @@ def test_a_missing_job_file_is_refused_before_sqlalchemy_or_prefect_load(tmp_pat
     code = PROBE.replace('"sklearn")', '"sklearn", "sqlalchemy")')
     out = subprocess.run(
         [sys.executable, "-c", code, "run", str(tmp_path / "nosuch.yaml")],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "cannot read job file" in out.stderr and "HEAVY []" in out.stdout, out.stdout + out.stderr

@@ -20,10 +20,15 @@ from trainer.spec import JobSpec
 
 
 def _job(tmp_path: Path) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "scripted", "recipe": "digits", "total_steps": 100, "storage": str(tmp_path / "store"),
-        "checkpoint": {"every_steps": 10, "keep": 2},
-    })  # fmt: skip
+    return JobSpec.model_validate(
+        {
+            "name": "scripted",
+            "recipe": "digits",
+            "total_steps": 100,
+            "storage": str(tmp_path / "store"),
+            "checkpoint": {"every_steps": 10, "keep": 2},
+        }
+    )
 
 
 def _history(settings: Settings) -> tuple[list[Any], list[Any]]:
@@ -48,8 +53,14 @@ def test_preempted_lost_and_crashed_attempts_then_completed(tmp_path: Path, sett
         FakeAttempt(),
     ]
     sink = PlainSink()
-    result = run_job(_job(tmp_path), FakeProvider(script, checkpoint_every=10), RetryPolicy(), sink,
-                     settings=settings, sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        _job(tmp_path),
+        FakeProvider(script, checkpoint_every=10),
+        RetryPolicy(),
+        sink,
+        settings=settings,
+        sleep=lambda s: None,
+    )
     assert result.completed, result.message
     runs, rows = _history(settings)
     assert [r.status for r in runs] == [JobStatus.COMPLETED]
@@ -60,8 +71,14 @@ def test_preempted_lost_and_crashed_attempts_then_completed(tmp_path: Path, sett
 def test_the_same_error_twice_gives_up_with_one_line(tmp_path: Path, settings: Settings) -> None:
     crash = FakeAttempt(until=20, exit_code=ExitCode.CRASHED, error="RuntimeError: bad batch at step 20")
     policy = RetryPolicy(same_error_limit=2)
-    result = run_job(_job(tmp_path), FakeProvider([crash, crash]), policy, PlainSink(), settings=settings,
-                     sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        _job(tmp_path),
+        FakeProvider([crash, crash]),
+        policy,
+        PlainSink(),
+        settings=settings,
+        sleep=lambda s: None,
+    )
     assert not result.completed and "same error at step 20 twice" in result.message
     runs, _ = _history(settings)
     assert [(r.status, r.message) for r in runs] == [(JobStatus.FAILED, result.message)]
@@ -92,8 +109,14 @@ def test_a_bug_in_the_loop_is_recorded_as_crashed(
                 raise ValueError("a bug")
 
     with pytest.raises(ValueError), caplog.at_level(logging.WARNING):
-        run_job(_job(tmp_path), FakeProvider([FakeAttempt(until=30, ending=Ending.NOTICE), FakeAttempt()]),
-                RetryPolicy(), Broken(), settings=settings, sleep=lambda s: None)  # fmt: skip
+        run_job(
+            _job(tmp_path),
+            FakeProvider([FakeAttempt(until=30, ending=Ending.NOTICE), FakeAttempt()]),
+            RetryPolicy(),
+            Broken(),
+            settings=settings,
+            sleep=lambda s: None,
+        )
     runs, rows = _history(settings)
     assert [(r.status, r.message) for r in runs] == [
         (JobStatus.CRASHED, "the controller failed: ValueError: a bug")

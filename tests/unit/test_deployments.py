@@ -128,8 +128,11 @@ def test_restart_storm_counts_per_job_within_the_window() -> None:
     storm = _by_name(AlertRules(restart_threshold=5, restart_window_s=1800))[STORM]
     t = storm.trigger
     assert (t.expect, t.for_each, t.threshold, t.within) == (
-        {JOB_RESTARTED}, {"prefect.resource.id"}, 5, timedelta(seconds=1800),
-    )  # fmt: skip
+        {JOB_RESTARTED},
+        {"prefect.resource.id"},
+        5,
+        timedelta(seconds=1800),
+    )
     assert t.match.root == {"prefect.resource.id": "spotrun.job.*"}
     params = storm.actions[0].parameters
     assert params["kind"] == "restart-storm" and (params["window_s"], params["threshold"]) == (1800, 5)
@@ -147,8 +150,14 @@ def test_gave_up_and_recovery_fire_on_the_first_event() -> None:
 
 def test_recovery_note_can_be_switched_off() -> None:
     assert set(_by_name(AlertRules(recovery_note=False))) == {
-        STORM, GAVE_UP, MISMATCH, UNVERIFIED, DISK_FULL, PROMOTION, RUN_FAILED
-    }  # fmt: skip
+        STORM,
+        GAVE_UP,
+        MISMATCH,
+        UNVERIFIED,
+        DISK_FULL,
+        PROMOTION,
+        RUN_FAILED,
+    }
 
 
 def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
@@ -174,8 +183,12 @@ def test_what_the_check_between_attempts_finds_alerts_once_a_window_per_job(name
         DISK_FULL: (CONTROLLER_DISK_FULL, "disk-full"),
     }[name]
     assert (t.expect, t.for_each, t.posture, t.threshold, t.within) == (
-        {event}, {"prefect.resource.id"}, "Reactive", 1, timedelta(seconds=1800),
-    )  # fmt: skip
+        {event},
+        {"prefect.resource.id"},
+        "Reactive",
+        1,
+        timedelta(seconds=1800),
+    )
     assert t.match.root == {"prefect.resource.id": "spotrun.job.*"}  # PrefectSink.event's resource
     assert auto.actions[0].parameters["kind"] == kind  # stored in the history, searched for
 
@@ -218,11 +231,14 @@ def test_the_unverified_event_renders_into_the_alert_flows_parameters(in_a_run: 
 CACHE = "/home/ops/.spotrun/jobs/digits/flow-cache"
 DISK_FULL_EVENTS: list[tuple[str, dict[str, Any], str]] = [
     # (case, the payload besides the job, the rendered `checkpoint`: where)
-    ("cache and host", {"problem": f"No space left on device under {CACHE}", "cache": CACHE, "host": "ctl-1"},
-     f"{CACHE} on ctl-1"),
+    (
+        "cache and host",
+        {"problem": f"No space left on device under {CACHE}", "cache": CACHE, "host": "ctl-1"},
+        f"{CACHE} on ctl-1",
+    ),
     ("an older event: the problem only", {"problem": f"Disk quota exceeded under {CACHE}"}, ""),
     ("nothing", {}, ""),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("payload", "where"), [pytest.param(*c[1:], id=c[0]) for c in DISK_FULL_EVENTS])
@@ -340,9 +356,16 @@ def test_bad_duration_says_what_to_write(text: str) -> None:
 
 
 def _args(**overrides: Any) -> argparse.Namespace:
-    values = dict(restart_threshold=3, restart_window="1h", no_recovery_note=False, alert_retries=3,
-                  alert_retry_delay="30s", controller_restarts=3, zombie_after="90s",
-                  missed_run_after=None)  # fmt: skip
+    values = dict(
+        restart_threshold=3,
+        restart_window="1h",
+        no_recovery_note=False,
+        alert_retries=3,
+        alert_retry_delay="30s",
+        controller_restarts=3,
+        zombie_after="90s",
+        missed_run_after=None,
+    )
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -355,11 +378,13 @@ def test_alert_rules_from_flags() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
-    [({"restart_threshold": 0}, "--restart-threshold: Input should be greater than or equal to 1"),
-     ({"restart_window": "0"}, "--restart-window: Input should be greater than 0"),
-     ({"alert_retries": -1}, "--alert-retries: Input should be greater than or equal to 0"),
-     ({"missed_run_after": "30s"}, "--missed-run-after: Input should be greater than or equal to 60")],
-)  # fmt: skip
+    [
+        ({"restart_threshold": 0}, "--restart-threshold: Input should be greater than or equal to 1"),
+        ({"restart_window": "0"}, "--restart-window: Input should be greater than 0"),
+        ({"alert_retries": -1}, "--alert-retries: Input should be greater than or equal to 0"),
+        ({"missed_run_after": "30s"}, "--missed-run-after: Input should be greater than or equal to 60"),
+    ],
+)
 def test_bad_alert_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         alert_rules(_args(**overrides))
@@ -372,9 +397,11 @@ def test_recovery_rules_from_flags() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
-    [({"controller_restarts": -1}, "--controller-restarts: Input should be greater than or equal to 0"),
-     ({"zombie_after": "45s"}, "--zombie-after: Input should be greater than or equal to 60")],
-)  # fmt: skip
+    [
+        ({"controller_restarts": -1}, "--controller-restarts: Input should be greater than or equal to 0"),
+        ({"zombie_after": "45s"}, "--zombie-after: Input should be greater than or equal to 60"),
+    ],
+)
 def test_bad_recovery_flags_name_the_flag(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         recovery_rules(_args(**overrides))
@@ -537,10 +564,17 @@ def test_a_promotion_event_renders_into_the_alert_flows_parameters(promoted: boo
     held = {"job": "nightly", "run_key": "2026-12-04", "storage": "/s/2026-12-04", "step": 10, "version": "3"}
     rule = Promotion(better_by=0.01, champion=held)
     decision = decide_promotion(rule, {"eval_loss": 1.1 if promoted else 1.3}, {"eval_loss": 1.2})
-    payload, labels = event_payload(decision.registered("nightly", "4", promoted), run_key="2026-12-05",
-                                    job_run_id="jr-1", flow_run_id="fr-1")  # fmt: skip
-    event = {"event": MODEL_PROMOTION, "resource": job_resource("nightly", **labels),
-             "payload": {"job": "nightly"} | payload}  # fmt: skip
+    payload, labels = event_payload(
+        decision.registered("nightly", "4", promoted),
+        run_key="2026-12-05",
+        job_run_id="jr-1",
+        flow_run_id="fr-1",
+    )
+    event = {
+        "event": MODEL_PROMOTION,
+        "resource": job_resource("nightly", **labels),
+        "payload": {"job": "nightly"} | payload,
+    }
     auto = _by_name(AlertRules())[PROMOTION]
     t = auto.trigger
     assert (t.expect, t.threshold, t.posture) == ({MODEL_PROMOTION}, 1, "Reactive")
@@ -577,8 +611,12 @@ FLOW_RUN = "0b7f9c1e-2a43-4a4e-9d0c-1f2e3d4c5b6a"
 
 def _state_event(state: str, **labels: str) -> dict[str, Any]:
     """A flow run's state event as the server makes it (prefect/server/models/events.py)."""
-    resource = {"prefect.resource.id": f"prefect.flow-run.{FLOW_RUN}", "prefect.state-name": state,
-                "prefect.resource.name": "crafty-lemur", "prefect.state-type": state.upper()}  # fmt: skip
+    resource = {
+        "prefect.resource.id": f"prefect.flow-run.{FLOW_RUN}",
+        "prefect.state-name": state,
+        "prefect.resource.name": "crafty-lemur",
+        "prefect.state-type": state.upper(),
+    }
     return {"event": f"prefect.flow-run.{state}", "resource": resource | labels}
 
 
@@ -592,8 +630,11 @@ def test_a_failed_training_run_alerts_after_a_wait_unless_started_again() -> Non
     auto = _by_name(AlertRules())[RUN_FAILED]
     t = auto.trigger
     assert (t.posture, t.after, t.threshold, t.within) == (
-        "Proactive", {"prefect.flow-run.Failed"}, 1, timedelta(seconds=FAILED_WAIT_S),
-    )  # fmt: skip
+        "Proactive",
+        {"prefect.flow-run.Failed"},
+        1,
+        timedelta(seconds=FAILED_WAIT_S),
+    )
     assert "prefect.flow-run.Running" in t.expect and "prefect.flow-run.Failed" not in t.expect
     assert t.for_each == {"prefect.resource.id"}  # one clock per flow run
     assert _related(t) == [
@@ -617,7 +658,7 @@ SCHEDULES: list[tuple[str, dict[str, Any], float | None]] = [
     ("interval in seconds", {"interval": 600}, 600),
     ("interval as a timedelta", {"interval": timedelta(hours=6)}, 21600),
     ("rrule: not known here", {"rrule": "FREQ=DAILY"}, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("schedule", "period"), [pytest.param(*c[1:], id=c[0]) for c in SCHEDULES])

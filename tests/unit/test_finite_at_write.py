@@ -34,9 +34,13 @@ def _write(parent: Path, model: torch.nn.Module, poison: str | None = None) -> P
         weights[poison].view(-1)[0] = float("inf")
     meta = {"step": 7, "rank": 0, "world_size": 1, "spec": {}, "shape_hash": SHAPE_HASH}
     snap: dict[str, Any] = {
-        "model": weights, "optimizer": opt.state_dict(), "scheduler": {"last_epoch": 7},
-        "scaler": None, "rng": capture_rng(torch.device("cpu")), "trainer": meta,
-    }  # fmt: skip
+        "model": weights,
+        "optimizer": opt.state_dict(),
+        "scheduler": {"last_epoch": 7},
+        "scaler": None,
+        "rng": capture_rng(torch.device("cpu")),
+        "trainer": meta,
+    }
     base = {"step": 7, "spec_hash": "s" * 8, "shape_hash": SHAPE_HASH, "world_size": 1}
     return write_checkpoint_dir(parent, snap, base)[0]
 
@@ -53,9 +57,12 @@ def _files(d: Path) -> dict[str, dict[str, Any]]:
 def test_a_finite_checkpoint_is_marked_file_by_file_and_validates(tmp_path: Path) -> None:
     d = _write(tmp_path, _model())
     assert {f: e.get("finite") for f, e in _files(d).items()} == {
-        "model.safetensors": True, "optimizer.pt": True, "scheduler.pt": True,
-        "rng.rank0.pt": True, "trainer.pt": True,
-    }  # fmt: skip
+        "model.safetensors": True,
+        "optimizer.pt": True,
+        "scheduler.pt": True,
+        "rng.rank0.pt": True,
+        "trainer.pt": True,
+    }
     assert validate_dir(d, _expect()) == []
 
 

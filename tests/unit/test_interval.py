@@ -59,9 +59,16 @@ def _attempt(
     outcome: Outcome, wall_s: float, provider: str = "aws", code: str | None = None
 ) -> AttemptRecord:
     return AttemptRecord(
-        attempt=1, worker_id="w", provider=provider, started_at=0.0, ended_at=wall_s, outcome=outcome,
-        cause="", wall_s=wall_s, trainer_code=code,
-    )  # fmt: skip
+        attempt=1,
+        worker_id="w",
+        provider=provider,
+        started_at=0.0,
+        ended_at=wall_s,
+        outcome=outcome,
+        cause="",
+        wall_s=wall_s,
+        trainer_code=code,
+    )
 
 
 @pytest.mark.parametrize(

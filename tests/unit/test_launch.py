@@ -19,9 +19,13 @@ from trainer.launch import (
 from trainer.spec import DistributedOptions, parse_spec
 
 C, P, S, K, CFG, LH = (
-    ExitCode.COMPLETED, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.CRASHED, ExitCode.CONFIG_ERROR,
+    ExitCode.COMPLETED,
+    ExitCode.PREEMPTED,
+    ExitCode.STOPPED,
+    ExitCode.CRASHED,
+    ExitCode.CONFIG_ERROR,
     ExitCode.LEASE_HELD,
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(

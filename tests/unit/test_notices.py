@@ -78,9 +78,18 @@ PLANS = [
     ("label", "mb", "w", "u", "left", "margin", "measured", "in_flight", "save", "est", "needle"), PLANS
 )
 def test_plan_emergency_save(
-    label: str, mb: float, w: float, u: float, left: float, margin: float,
-    measured: bool, in_flight: bool, save: bool, est: float, needle: str,
-) -> None:  # fmt: skip
+    label: str,
+    mb: float,
+    w: float,
+    u: float,
+    left: float,
+    margin: float,
+    measured: bool,
+    in_flight: bool,
+    save: bool,
+    est: float,
+    needle: str,
+) -> None:
     plan = plan_emergency_save(int(mb * MB), w * MB, u * MB, NOW, NOW + left, margin, measured, in_flight)
     assert (plan.save, round(plan.estimate_s, 3)) == (save, est), label
     assert needle in plan.reason, plan.reason

@@ -90,9 +90,15 @@ def test_manifest_round_trip_and_rejects_garbage() -> None:
 
 @pytest.mark.parametrize(
     ("code", "retryable"),
-    [(ExitCode.COMPLETED, False), (ExitCode.CRASHED, True), (ExitCode.CONFIG_ERROR, False),
-     (ExitCode.DIVERGED, False), (ExitCode.STOPPED, False), (ExitCode.PREEMPTED, True)],
-)  # fmt: skip
+    [
+        (ExitCode.COMPLETED, False),
+        (ExitCode.CRASHED, True),
+        (ExitCode.CONFIG_ERROR, False),
+        (ExitCode.DIVERGED, False),
+        (ExitCode.STOPPED, False),
+        (ExitCode.PREEMPTED, True),
+    ],
+)
 def test_exit_codes(code: ExitCode, retryable: bool) -> None:
     assert code.retryable is retryable
 
@@ -119,9 +125,14 @@ def test_format_1_manifests_still_read_and_verify(tmp_path: Path) -> None:
         (d / name).write_bytes(data)
     listed = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}
     v1 = {
-        "format": "spotrun/1", "format_version": 1, "step": 5, "spec_hash": "a", "shape_hash": "b",
-        "world_size": 1, "files": listed,
-    }  # fmt: skip
+        "format": "spotrun/1",
+        "format_version": 1,
+        "step": 5,
+        "spec_hash": "a",
+        "shape_hash": "b",
+        "world_size": 1,
+        "files": listed,
+    }
     (d / "manifest.json").write_text(json.dumps(v1))
     m = Manifest.from_json((d / "manifest.json").read_bytes())
     assert m.format_version == 1 and m.layout == "single" and m.files["trainer.pt"].algo == "sha256"

@@ -68,7 +68,7 @@ CASES: list[tuple[str, Promotion, dict[str, Any] | None, dict[str, Any] | None, 
     ("champion NaN", _rule(), {"eval_loss": 1.4}, {"eval_loss": math.nan}, True, ["without a comparison"]),
     ("champion lacks the metric", _rule(), {"eval_loss": 1.4}, {"loss": 1.0}, True, ["without a comparison"]),
     ("no champion, no metric: still kept", _rule(held=False), {}, None, False, ["kept:", "returned nothing"]),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(
@@ -97,14 +97,40 @@ def test_the_notes_say_why_figures_are_missing() -> None:
 BLOCKS: list[tuple[str, dict[str, Any] | None, bool, str]] = [
     # (case, COMPLETED.json's eval block, promoted, in the reason)
     ("none written", None, False, "has no evaluation"),
-    ("skipped", {"metrics": {}, "champion": None, "skipped": "the recipe has no evaluate()"}, False,
-     "evaluation skipped: the recipe has no evaluate()"),
-    ("both evaluated", {"metrics": {"eval_loss": 1.1}, "champion": {"metrics": {"eval_loss": 1.2},
-     "job": "nightly", "run_key": "2026-12-04", "step": 200, "version": "3", "reason": ""}, "skipped": ""},
-     True, "1.1 < 1.2"),
-    ("champion unloadable", {"metrics": {"eval_loss": 1.1}, "champion": {"metrics": None, "version": "3",
-     "reason": "its checkpoint failed validation"}, "skipped": ""}, True, "its checkpoint failed validation"),
-]  # fmt: skip
+    (
+        "skipped",
+        {"metrics": {}, "champion": None, "skipped": "the recipe has no evaluate()"},
+        False,
+        "evaluation skipped: the recipe has no evaluate()",
+    ),
+    (
+        "both evaluated",
+        {
+            "metrics": {"eval_loss": 1.1},
+            "champion": {
+                "metrics": {"eval_loss": 1.2},
+                "job": "nightly",
+                "run_key": "2026-12-04",
+                "step": 200,
+                "version": "3",
+                "reason": "",
+            },
+            "skipped": "",
+        },
+        True,
+        "1.1 < 1.2",
+    ),
+    (
+        "champion unloadable",
+        {
+            "metrics": {"eval_loss": 1.1},
+            "champion": {"metrics": None, "version": "3", "reason": "its checkpoint failed validation"},
+            "skipped": "",
+        },
+        True,
+        "its checkpoint failed validation",
+    ),
+]
 
 
 @pytest.mark.parametrize(("block", "promoted", "words"), [pytest.param(*c[1:], id=c[0]) for c in BLOCKS])
@@ -114,8 +140,11 @@ def test_decide_from_the_eval_block(block: dict[str, Any] | None, promoted: bool
 
 
 def test_a_champion_only_the_trainer_names_still_counts_as_held() -> None:
-    block = {"metrics": {"eval_loss": 1.5}, "champion": {"metrics": {"eval_loss": 1.2}, "version": "7",
-             "run_key": "2026-12-01"}, "skipped": ""}  # fmt: skip
+    block = {
+        "metrics": {"eval_loss": 1.5},
+        "champion": {"metrics": {"eval_loss": 1.2}, "version": "7", "run_key": "2026-12-01"},
+        "skipped": "",
+    }
     d = decide_from_eval(_rule(held=False), block)
     assert not d.promoted and (d.champion_version, d.champion_run) == ("7", "2026-12-01")
 
@@ -205,8 +234,11 @@ def test_finish_version_logs_tags_describes_and_moves_the_alias_only_when_it_win
 ) -> None:
     job = _keyed(tmp_path, promote={"champion": SOURCE.model_dump()})
     store = LocalStorage(tmp_path / "s")
-    block = {"metrics": {"eval_loss": new, "acc": 0.5}, "champion": {"metrics": {"eval_loss": 1.2},
-             "version": "3", "run_key": "2026-12-04", "reason": ""}, "skipped": ""}  # fmt: skip
+    block = {
+        "metrics": {"eval_loss": new, "acc": 0.5},
+        "champion": {"metrics": {"eval_loss": 1.2}, "version": "3", "run_key": "2026-12-04", "reason": ""},
+        "skipped": "",
+    }
     _completed(store, block)
     client = FakeClient()
     run = MlflowRun(client, RunRef("sqlite:///x.db", "1", "r1"), {})
@@ -240,8 +272,11 @@ def test_without_a_version_the_decision_is_still_made(tmp_path: Path) -> None:
 
 def test_lineage_of_a_fresh_start_and_of_an_unkeyed_job(tmp_path: Path) -> None:
     fresh = _job(tmp_path, run_key="k1", run_values={"run_key": "k1"}, init_from={"job": "nightly"})
-    assert lineage_tags(fresh) == {"spotrun.run_key": "k1", "spotrun.init_from": "none: fresh start",
-                                   "spotrun.init_from.parts": "model"}  # fmt: skip
+    assert lineage_tags(fresh) == {
+        "spotrun.run_key": "k1",
+        "spotrun.init_from": "none: fresh start",
+        "spotrun.init_from.parts": "model",
+    }
     assert "a fresh start" in description(fresh, "jr", None)
     assert lineage_tags(_job(tmp_path)) == {}
     assert description(_job(tmp_path), "jr", None) == "job nightly (job run jr)"

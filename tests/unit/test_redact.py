@@ -39,10 +39,15 @@ def test_redact(text: str, shown: str) -> None:
 
 def test_the_spec_as_stored_has_no_credentials_and_the_spec_itself_keeps_them() -> None:
     spec = JobSpec.model_validate(
-        {"name": "j", "recipe": "digits", "total_steps": 10, "storage": "/tmp/x",
-         "tracking": {"uri": "http://spot:s3cret@127.0.0.1:5000"},
-         "s3": {"endpoint_url": "https://k:s3cret@minio.example"}}
-    )  # fmt: skip
+        {
+            "name": "j",
+            "recipe": "digits",
+            "total_steps": 10,
+            "storage": "/tmp/x",
+            "tracking": {"uri": "http://spot:s3cret@127.0.0.1:5000"},
+            "s3": {"endpoint_url": "https://k:s3cret@minio.example"},
+        }
+    )
     public = spec.public_dump()
     assert "s3cret" not in repr(public)
     assert public["tracking"]["uri"] == "http://spot:***@127.0.0.1:5000"

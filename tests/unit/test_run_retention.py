@@ -65,7 +65,7 @@ CASES: list[tuple[str, list[RunRecord], int, set[str], set[str], list[str]]] = [
      ["2026-12-01"]),
     ("equal start times: the key breaks the tie", [_run("a", 1), _run("b", 1), _run("c", 1)], 1, set(), set(),
      ["a", "b"]),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(

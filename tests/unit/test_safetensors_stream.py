@@ -20,9 +20,21 @@ def streamed(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) 
 
 EVERY_DTYPE = {
     f"t{i}": torch.arange(6).reshape(2, 3).to(dt)
-    for i, dt in enumerate([torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16,
-                            torch.int32, torch.float32, torch.float64, torch.int64])
-}  # fmt: skip
+    for i, dt in enumerate(
+        [
+            torch.bool,
+            torch.uint8,
+            torch.int8,
+            torch.int16,
+            torch.float16,
+            torch.bfloat16,
+            torch.int32,
+            torch.float32,
+            torch.float64,
+            torch.int64,
+        ]
+    )
+}
 
 
 @pytest.mark.parametrize(

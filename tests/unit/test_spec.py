@@ -126,9 +126,13 @@ def test_example_jobs_are_valid() -> None:
 
 
 SAVED: dict[str, Any] = {
-    "recipe": "digits", "args": {"hidden": 32, "lr": 0.003}, "seed": 0, "batch_size": 64, "amp": False,
+    "recipe": "digits",
+    "args": {"hidden": 32, "lr": 0.003},
+    "seed": 0,
+    "batch_size": 64,
+    "amp": False,
     "total_steps": 100,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(

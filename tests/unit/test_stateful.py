@@ -81,8 +81,13 @@ def test_required_files_are_the_v1_list() -> None:
 
 
 V1 = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng.rank0.pt", "trainer.pt"]
-WANT = {"model": "model.safetensors", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt",
-        "rng": "rng.rank0.pt", "trainer": "trainer.pt"}  # fmt: skip
+WANT = {
+    "model": "model.safetensors",
+    "optimizer": "optimizer.pt",
+    "scheduler": "scheduler.pt",
+    "rng": "rng.rank0.pt",
+    "trainer": "trainer.pt",
+}
 
 
 @pytest.mark.parametrize(
@@ -113,10 +118,20 @@ _SAVED = {"recipe": "digits", "args": {"hidden": 32, "lr": 0.003}, "seed": 0, "b
     ("new", "world", "allow", "reshard", "found"),
     [
         ({}, 1, False, False, None),
-        ({"args": {"hidden": 64, "lr": 0.003}}, 1, True, False,
-         "different shape settings (args.hidden 32 -> 64)"),
-        ({"args": {"hidden": 32, "lr": 0.001}}, 1, False, False,
-         "different training settings (args.lr 0.003 -> 0.001); restore them, or pass --allow-changes"),
+        (
+            {"args": {"hidden": 64, "lr": 0.003}},
+            1,
+            True,
+            False,
+            "different shape settings (args.hidden 32 -> 64)",
+        ),
+        (
+            {"args": {"hidden": 32, "lr": 0.001}},
+            1,
+            False,
+            False,
+            "different training settings (args.lr 0.003 -> 0.001); restore them, or pass --allow-changes",
+        ),
         ({"seed": 7}, 1, False, False, "different training settings (seed 0 -> 7)"),
         ({"seed": 7, "batch_size": 32}, 1, True, False, None),  # allowed
         ({}, 2, False, False, "was written by 1 rank(s) and this run has 2; set distributed.allow_reshard"),
@@ -124,15 +139,18 @@ _SAVED = {"recipe": "digits", "args": {"hidden": 32, "lr": 0.003}, "seed": 0, "b
         ({"seed": 7}, 2, True, False, "was written by 1 rank(s)"),  # allow_changes is not allow_reshard
         ({"args": {"hidden": 64, "lr": 0.003}}, 2, True, True, "different shape settings"),  # shape wins
     ],
-)  # fmt: skip
+)
 def test_compat_refuses_shape_always_trajectory_unless_allowed(
     new: dict[str, Any], world: int, allow: bool, reshard: bool, found: str | None
 ) -> None:
     m = Manifest(step=5, spec_hash="a", shape_hash="b", world_size=1, files={})
     expect = Expectation(
-        spec={**_SAVED, **new}, shape_args=frozenset({"hidden"}), allow_changes=allow,
-        world_size=world, allow_reshard=reshard,
-    )  # fmt: skip
+        spec={**_SAVED, **new},
+        shape_args=frozenset({"hidden"}),
+        allow_changes=allow,
+        world_size=world,
+        allow_reshard=reshard,
+    )
     findings = check_compat(_SAVED, m, expect)
     if found is None:
         assert findings == []

@@ -77,9 +77,14 @@ def test_ec2_user_data_reads_the_manifest_key_from_the_instances_file(tmp_path: 
     (stubs / "python").chmod(0o755)
     (tmp_path / "key").write_text("s3cret\n")
     script = build_user_data(
-        "name: d\n", [], python="python", workdir=str(tmp_path / "w"), job="d", attempt=1,
+        "name: d\n",
+        [],
+        python="python",
+        workdir=str(tmp_path / "w"),
+        job="d",
+        attempt=1,
         manifest_key_file=str(tmp_path / "key"),
-    )  # fmt: skip
+    )
     assert "s3cret" not in script
     boot = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=boot, check=True)

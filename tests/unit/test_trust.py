@@ -112,7 +112,7 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
      Allowed(keep_runs=frozenset({"7"})), "keep_runs: 1 would delete"),
     ("keep_runs at or above the host's", job(run_key="{scheduled_date}", keep_runs=9), LOCAL,
      Allowed(keep_runs=frozenset({"7"})), None),
-]  # fmt: skip
+]  # fmt: skip  # one case per line: a table
 
 
 @pytest.mark.parametrize(
@@ -129,10 +129,15 @@ def test_refusal(case: str, spec: JobSpec, provider: Any, allowed: Allowed, expe
 
 def test_what_a_deployments_defaults_name() -> None:
     params = {
-        "job": {"name": "j", "recipe": "team.models:build", "env": {"pass": ["HF_TOKEN"], "set": {"A": "1"}},
-                "s3": {"endpoint_url": "http://minio:9000"}, "tracking": {"uri": "sqlite:///t.db"}},
+        "job": {
+            "name": "j",
+            "recipe": "team.models:build",
+            "env": {"pass": ["HF_TOKEN"], "set": {"A": "1"}},
+            "s3": {"endpoint_url": "http://minio:9000"},
+            "tracking": {"uri": "sqlite:///t.db"},
+        },
         "provider": {"kind": "aws", "python": "/opt/py", "endpoint_url": "https://ec2.example.com"},
-    }  # fmt: skip
+    }
     assert named(params) == Allowed(
         python=frozenset({"/opt/py"}),
         recipes=frozenset({"team.models:build"}),
