@@ -95,7 +95,7 @@ def test_slot_values_follow_the_schedules_timezone(slot: Slot, date: str, time: 
         ),
         ("{flow_run_name}", "eager-otter", {"flow_run_name": "eager-otter"}),
     ],
-)  # fmt: skip (one case per line reads as a table)
+)
 def test_a_literal_key_reads_back_into_its_slot(template: str, key: str, expected: dict[str, str]) -> None:
     values = values_for_key(template, key)
     assert {k: values[k] for k in expected} == expected
