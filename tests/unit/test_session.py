@@ -27,7 +27,7 @@ def attempt(tmp_path: Path, loop: str, **spec: Any) -> AttemptResult:
         "checkpoint": {"every_steps": 5, "keep": 2},
         "tracking": {"mlflow": False},
         **spec,
-    }  # fmt: skip (a job as a job file reads)
+    }
     store = LocalStorage(tmp_path / "store")
     return run_attempt(JobSpec.model_validate(job), store, AttemptOptions(cache=tmp_path / "cache"))
 
