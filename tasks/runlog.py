@@ -25,7 +25,6 @@ from tasks.history import HistoryStore, StoreUnavailable
 from tasks.history.models import JobRunRow
 from tasks.lost_steps import lost_steps, walk
 from tasks.outcome import add_facts, classify, provision_failed_record, to_record
-from tasks.providers.aws import AwsProvider
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.run_keys import keyed_record, lineage_of
 from tasks.run_summary import Ending, RunReport, Summary
@@ -147,9 +146,8 @@ class JobRunLog:
         run's instances, by tag, from any host), record that attempt as lost (controller died), and let
         the next trainer take over its storage lease at once."""
         left, self.leftover = self.leftover, None
-        swept: list[str] = []
-        if isinstance(provider, AwsProvider) and self.adopted_from:  # by tag: the file may be elsewhere
-            swept = provider.stop_leftovers(self.adopted_from)
+        # by tag where the provider can (EC2, from any host: the pid file may be elsewhere); [] locally
+        swept = provider.stop_leftovers(self.adopted_from) if self.adopted_from else []
         run = adoption.Leftover(self.job_run_id, self.adopted_from, self.provider_name, self.records)
         warn = partial(self.sink.log, logging.WARNING)
         worker_id, lost = adoption.close_leftover(self.job, left, swept, run, warn)
