@@ -123,8 +123,11 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
             sink.event(CHECKPOINT_UNVERIFIED, job.name, {"step": r.step, "problem": r.problems[0]})
     point = choose(reports, job.storage)
     prune_local(cache, set() if point.step is None else {point.step})  # what the next check may reuse
-    sink.log(logging.INFO, f"{len(damaged)} damaged checkpoint(s) quarantined; "
-                           f"the next attempt likely resumes from {point.uri or 'scratch'}")  # fmt: skip
+    sink.log(
+        logging.INFO,
+        f"{len(damaged)} damaged checkpoint(s) quarantined; "
+        f"the next attempt likely resumes from {point.uri or 'scratch'}",
+    )
     return point
 
 

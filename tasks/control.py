@@ -174,15 +174,26 @@ def _loop(
             if decision.action == "done":
                 restarted = {report.RESTARTED_LABEL: str(attempt > 1).lower()}
                 # the checkpoint the last attempt resumed from: the recovery note names it
-                payload = {"attempts": attempt, "step": record.last_step, "flow_run_id": runlog.flow_run_id,
-                           "checkpoint": record.resumed_checkpoint or ""}  # fmt: skip
+                payload = {
+                    "attempts": attempt,
+                    "step": record.last_step,
+                    "flow_run_id": runlog.flow_run_id,
+                    "checkpoint": record.resumed_checkpoint or "",
+                }
                 sink.event(report.JOB_COMPLETED, job.name, payload, restarted)
                 return _finish(runlog, "completed", "", started)
             sink.event(report.attempt_event(record), job.name, _event_payload(record, runlog))
             if decision.action == "give_up":
-                sink.event(report.JOB_GAVE_UP, job.name, {
-                    "attempts": attempt, "reason": decision.reason, "checkpoint": runlog.resume_uri or "",
-                    "flow_run_id": runlog.flow_run_id})  # fmt: skip
+                sink.event(
+                    report.JOB_GAVE_UP,
+                    job.name,
+                    {
+                        "attempts": attempt,
+                        "reason": decision.reason,
+                        "checkpoint": runlog.resume_uri or "",
+                        "flow_run_id": runlog.flow_run_id,
+                    },
+                )
                 return _finish(runlog, "failed", decision.reason, started)
             sink.event(
                 report.JOB_RESTARTED, job.name, {**_event_payload(record, runlog), "restarts": attempt}
@@ -370,8 +381,11 @@ def _check_checkpoints(
             raise
         empty_cache(cache)
         problem = f"{e.strerror or e} under {cache}"
-        sink.log(logging.ERROR, f"checkpoints not checked: the controller's disk is full ({problem}); "
-                                "emptied its flow cache, the next check tries again")  # fmt: skip
+        sink.log(
+            logging.ERROR,
+            f"checkpoints not checked: the controller's disk is full ({problem}); "
+            "emptied its flow cache, the next check tries again",
+        )
         where = {"cache": str(cache), "host": socket.gethostname()}  # the alert names the disk to free
         sink.event(CONTROLLER_DISK_FULL, job.name, {"problem": problem, **where})
         return None

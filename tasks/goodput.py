@@ -143,12 +143,21 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
             prev_end = r.ended_at
         figures.append(
             AttemptFigures(
-                attempt=r.attempt, outcome=r.outcome.value, start_step=start, last_step=r.last_step,
-                kept_step=keep, lost_steps=lost, s_per_step=sps, s_per_step_from=sps_from,
-                effective_s=effective, lost_gpu_s=lost_gpu, recovery_s=recovery, recovery_to=to,
+                attempt=r.attempt,
+                outcome=r.outcome.value,
+                start_step=start,
+                last_step=r.last_step,
+                kept_step=keep,
+                lost_steps=lost,
+                s_per_step=sps,
+                s_per_step_from=sps_from,
+                effective_s=effective,
+                lost_gpu_s=lost_gpu,
+                recovery_s=recovery,
+                recovery_to=to,
                 checkpoint_overhead_s=_checkpoint_overhead_s(r),
             )
-        )  # fmt: skip
+        )
 
     started_at, ended_at, wall_end = _wall(rows, run, now)
     wall_s = max(0.0, ended_at - started_at) if started_at is not None and ended_at is not None else 0.0
@@ -194,16 +203,32 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
         (int(t) for r in reversed(rows) if (t := r.extra.get("total_steps")) is not None), None
     )
     return GoodputReport(
-        job=run.job, job_run_id=run.job_run_id, status=run.status,
-        started_at=started_at, ended_at=ended_at, wall_end=wall_end, wall_s=wall_s,
-        effective_s=effective_s, goodput=goodput,
-        final_step=max((r.last_step for r in rows), default=0), total_steps=total_steps,
-        lost_steps=sum(f.lost_steps for f in figures), lost_gpu_s=lost_gpu_s, gpus_per_worker=gpus,
+        job=run.job,
+        job_run_id=run.job_run_id,
+        status=run.status,
+        started_at=started_at,
+        ended_at=ended_at,
+        wall_end=wall_end,
+        wall_s=wall_s,
+        effective_s=effective_s,
+        goodput=goodput,
+        final_step=max((r.last_step for r in rows), default=0),
+        total_steps=total_steps,
+        lost_steps=sum(f.lost_steps for f in figures),
+        lost_gpu_s=lost_gpu_s,
+        gpus_per_worker=gpus,
         lost_by_cause=_by_cause(figures),
-        recoveries=len(recs), recovery_s=recovery_s, recovery_max_s=recovery_max_s,
-        checkpoint_overhead_s=overhead_s, cost_usd=cost_usd, on_demand_usd=on_demand_usd, saved=saved,
-        attempts=figures, unavailable=unavailable, notes=notes,
-    )  # fmt: skip
+        recoveries=len(recs),
+        recovery_s=recovery_s,
+        recovery_max_s=recovery_max_s,
+        checkpoint_overhead_s=overhead_s,
+        cost_usd=cost_usd,
+        on_demand_usd=on_demand_usd,
+        saved=saved,
+        attempts=figures,
+        unavailable=unavailable,
+        notes=notes,
+    )
 
 
 # -- steps --------------------------------------------------------------------------------------
@@ -217,8 +242,11 @@ def _own_s_per_step(r: AttemptRecord, start: int) -> float | None:
 
 
 def _pooled_s_per_step(rows: list[AttemptRecord], starts: list[int]) -> float | None:
-    timed = [(r.productive_s, (r.last_durable_step or 0) - s) for r, s in zip(rows, starts, strict=True)
-             if _own_s_per_step(r, s) is not None]  # fmt: skip
+    timed = [
+        (r.productive_s, (r.last_durable_step or 0) - s)
+        for r, s in zip(rows, starts, strict=True)
+        if _own_s_per_step(r, s) is not None
+    ]
     return sum(t for t, _ in timed) / sum(n for _, n in timed) if timed else None
 
 

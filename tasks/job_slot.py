@@ -194,16 +194,22 @@ def _wait_for_slot(name: str, job: str, me: str, job_dir: Path) -> None:
         if holder is not None and _holder_dead_here(job_dir, runs, job, me, holder.id):
             get_run_logger().warning(
                 "job %s: the controller of flow run %s (%s) ran on this host and is gone; freeing %s now "
-                "instead of waiting for its lease to lapse", job, holder.name, holder.id, name,
-            )  # fmt: skip
+                "instead of waiting for its lease to lapse",
+                job,
+                holder.name,
+                holder.id,
+                name,
+            )
             _free(name)
             continue
         if action == "free":
             get_run_logger().warning(
                 "job %s: %s stayed taken %.0f s with no running flow run of the job (its lease was lost, "
                 "e.g. by a server restart); freeing it",
-                job, name, ORPHAN_S,
-            )  # fmt: skip
+                job,
+                name,
+                ORPHAN_S,
+            )
             _free(name)
             continue
         time.sleep(POLL_S)

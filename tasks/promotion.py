@@ -104,8 +104,12 @@ def decide_promotion(
     old, why_old = _value(champion, rule.metric, champion_note)
     holder = _holder(base)
     if old is None:
-        return replace(base, promoted=True, reason=f"promoted without a comparison: {holder} could not be "
-                       f"evaluated ({why_old}); {rule.metric} {new:.6g}")  # fmt: skip
+        return replace(
+            base,
+            promoted=True,
+            reason=f"promoted without a comparison: {holder} could not be "
+            f"evaluated ({why_old}); {rule.metric} {new:.6g}",
+        )
     base = replace(base, champion=old)
     gain = old - new if rule.mode == "min" else new - old
     wins = gain > 0 and (gain >= rule.better_by or math.isclose(gain, rule.better_by, rel_tol=_FLOAT_TOL))

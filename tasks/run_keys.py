@@ -76,8 +76,9 @@ def values_for_key(template: str, key: str, flow_run_name: str = "") -> dict[str
     m = re.fullmatch(pattern, key)
     if m is None:
         example = fill(template, slot_values(Slot(datetime.now(UTC))) | {"flow_run_name": "name"})
-        raise ConfigError(f"run key {key!r} does not fit run_key {template!r} (e.g. {example!r}); "
-                          "give a key of that form")  # fmt: skip
+        raise ConfigError(
+            f"run key {key!r} does not fit run_key {template!r} (e.g. {example!r}); give a key of that form"
+        )
     found = {k: v for k, v in m.groupdict().items() if v is not None}
     when = _when(found)
     values = slot_values(Slot(when)) if when is not None else {"scheduled_date": "", "scheduled_time": ""}
@@ -89,8 +90,10 @@ def keys_to_run(job: JobSpec, text: str | None, now: datetime | None = None) -> 
     TEXT) the key of now in UTC; [None] for an unkeyed job."""
     if job.run_key is None:
         if text:
-            raise ConfigError(f"--run-key {text}: job {job.name} has no run_key; add run_key to the job "
-                              "(e.g. {scheduled_date}) or drop --run-key")  # fmt: skip
+            raise ConfigError(
+                f"--run-key {text}: job {job.name} has no run_key; add run_key to the job "
+                "(e.g. {scheduled_date}) or drop --run-key"
+            )
         return [None]
     if not text:
         return [fill(job.run_key, slot_values(Slot(now or datetime.now(UTC))), "run_key")]
@@ -100,15 +103,18 @@ def keys_to_run(job: JobSpec, text: str | None, now: datetime | None = None) -> 
     first, last = (_date_of(job.run_key, k) for k in text.split("..", 1))
     days = (last - first).days + 1
     if not 1 <= days <= MAX_BACKFILL_DAYS:
-        raise ConfigError(f"--run-key {text}: give FIRST..LAST with FIRST <= LAST, at most "
-                          f"{MAX_BACKFILL_DAYS} days apart")  # fmt: skip
+        raise ConfigError(
+            f"--run-key {text}: give FIRST..LAST with FIRST <= LAST, at most {MAX_BACKFILL_DAYS} days apart"
+        )
     return [fill(job.run_key, slot_values(Slot(first + timedelta(days=i))), "run_key") for i in range(days)]
 
 
 def _date_of(template: str, key: str) -> datetime:
     if "{scheduled_date}" not in template or "{flow_run_name}" in template:
-        raise ConfigError(f"a FIRST..LAST range needs a run_key of dates such as {{scheduled_date}}, not "
-                          f"{template!r}; give the keys one at a time")  # fmt: skip
+        raise ConfigError(
+            f"a FIRST..LAST range needs a run_key of dates such as {{scheduled_date}}, not "
+            f"{template!r}; give the keys one at a time"
+        )
     values = values_for_key(template, key)
     return datetime.strptime(values["scheduled_date"], DATE).replace(tzinfo=UTC)
 
@@ -224,8 +230,14 @@ def source_of(row: JobRunRow, job: JobSpec, sleep: Callable[[float], None] = tim
     if step is None:
         return None
     version = (row.promotion or {}).get("version")
-    return RunSource(job=row.job, run_key=row.run_key, storage=row.storage_uri, step=step,
-                     job_run_id=row.id, version=str(version) if version else None)  # fmt: skip
+    return RunSource(
+        job=row.job,
+        run_key=row.run_key,
+        storage=row.storage_uri,
+        step=step,
+        job_run_id=row.id,
+        version=str(version) if version else None,
+    )
 
 
 def pick_lineage(job: JobSpec, runs_of: Callable[[str], Sequence[JobRunRow]], key: str | None) -> Lineage:
@@ -235,8 +247,11 @@ def pick_lineage(job: JobSpec, runs_of: Callable[[str], Sequence[JobRunRow]], ke
         w = job.init_from
         row = pick_source(runs_of(w.job), w.which, key if w.job == job.name else None)
         init = source_of(row, job) if row is not None else None
-        note = (f"{w.which} of {w.job}: " + (f"run {row.run_key or row.id} step {init.step}" if init and row
-                else "no completed run with a final checkpoint"))  # fmt: skip
+        note = f"{w.which} of {w.job}: " + (
+            f"run {row.run_key or row.id} step {init.step}"
+            if init and row
+            else "no completed run with a final checkpoint"
+        )
     champion = None
     if job.promote is not None:
         row = pick_source(runs_of(job.name), BEST, key)
@@ -256,8 +271,11 @@ def keyed_record(job: JobSpec) -> KeyedRun | None:
     unkeyed job with neither a warm start nor a promotion gate)."""
     if job.run_key is None and job.init_from is None and job.promote is None:
         return None
-    return KeyedRun(run_key=job.run_key if job.resolved else None, run_values=dict(job.run_values),
-                    lineage=lineage_of(job).as_json())  # fmt: skip
+    return KeyedRun(
+        run_key=job.run_key if job.resolved else None,
+        run_values=dict(job.run_values),
+        lineage=lineage_of(job).as_json(),
+    )
 
 
 class History(Protocol):

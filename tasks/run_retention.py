@@ -90,8 +90,11 @@ def runs_to_prune(
         if r.run_key:
             by_key.setdefault(r.run_key, []).append(r)
     order = {k: (_rank(rs), k) for k, rs in by_key.items()}
-    done = sorted((k for k, rs in by_key.items() if any(r.status == COMPLETED for r in rs)),
-                  key=order.__getitem__, reverse=True)  # fmt: skip
+    done = sorted(
+        (k for k, rs in by_key.items() if any(r.status == COMPLETED for r in rs)),
+        key=order.__getitem__,
+        reverse=True,
+    )
     if len(done) <= keep:
         return []
     oldest_kept = order[done[keep - 1]]

@@ -104,11 +104,15 @@ def refusal(
 
     python_ok = {None, own_python, type(provider).model_fields["python"].default} | allowed.python
     if provider.python not in python_ok:
-        return (f"provider.python: {provider.python!r} is not an interpreter this host lets a deployment "
-                f"run name; {fix('python')}")  # fmt: skip
+        return (
+            f"provider.python: {provider.python!r} is not an interpreter this host lets a deployment "
+            f"run name; {fix('python')}"
+        )
     if job.recipe is not None and ":" in job.recipe and job.recipe not in allowed.recipes:
-        return (f"recipe: {job.recipe!r} is a module this host does not let a deployment run import; "
-                f"{fix('recipes')}")  # fmt: skip
+        return (
+            f"recipe: {job.recipe!r} is a module this host does not let a deployment run import; "
+            f"{fix('recipes')}"
+        )
     if job.entrypoint is not None and job.entrypoint not in allowed.entrypoints:
         what = f"entrypoint: {job.entrypoint!r} is code this host does not let a deployment run import"
         return f"{what}; {fix('entrypoints')}"
@@ -119,33 +123,41 @@ def refusal(
     endpoints = {"s3.endpoint_url": job.s3.endpoint_url, **provider.endpoints()}
     for field, url in endpoints.items():
         if url is not None and not endpoint_allowed(url, allowed):
-            return (f"{field}: {url!r} is not https; {fix('endpoints')} "
-                    f"(a loopback test server: {OPERATOR}.loopback: true)")  # fmt: skip
+            return (
+                f"{field}: {url!r} is not https; {fix('endpoints')} "
+                f"(a loopback test server: {OPERATOR}.loopback: true)"
+            )
     if why := provider.deployment_refusal(is_loopback):
         return why
     if why := _keyed_refusal(job, allowed, fix("keep_runs")):
         return why
     uri = job.tracking.uri
     if uri is not None and uri not in allowed.tracking:
-        return (f"tracking.uri: {uri!r} is not a tracking URI this host lets a deployment run name; "
-                f"{fix('tracking')}")  # fmt: skip
+        return (
+            f"tracking.uri: {uri!r} is not a tracking URI this host lets a deployment run name; "
+            f"{fix('tracking')}"
+        )
     return None
 
 
 def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
     """What spotrun fills (the run's values and sources) a form may not set; `keep_runs` deletes older
     runs' checkpoints, so a form may keep as many as the host's settings name, or more, never fewer."""
-    filled = [("run_values", bool(job.run_values)),
-              ("init_from.source", job.init_from is not None and job.init_from.source is not None),
-              ("promote.champion", job.promote is not None and job.promote.champion is not None)]  # fmt: skip
+    filled = [
+        ("run_values", bool(job.run_values)),
+        ("init_from.source", job.init_from is not None and job.init_from.source is not None),
+        ("promote.champion", job.promote is not None and job.promote.champion is not None),
+    ]
     for field, given in filled:
         if given:
             return f"{field} is filled by spotrun when a run key starts; leave it empty in the parameters"
     least = min((int(v) for v in allowed.keep_runs if v.isdigit()), default=None)
     if job.keep_runs is not None and (least is None or job.keep_runs < least):
         floor = f"at least {least}" if least is not None else "no keep_runs"
-        return (f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host's settings "
-                f"let a deployment run set {floor}; {fix}")  # fmt: skip
+        return (
+            f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host's settings "
+            f"let a deployment run set {floor}; {fix}"
+        )
     return None
 
 

@@ -167,8 +167,13 @@ def _subject(request: AlertRequest) -> str | None:
 
 
 _ABOUT_A_FLOW_RUN = (AlertKind.MISSED_RUN, AlertKind.RUN_FAILED)
-_NO_COUNTS = (*_ABOUT_A_FLOW_RUN, AlertKind.PROMOTION, AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY,
-              AlertKind.DISK_FULL)  # fmt: skip
+_NO_COUNTS = (
+    *_ABOUT_A_FLOW_RUN,
+    AlertKind.PROMOTION,
+    AlertKind.RESUME_MISMATCH,
+    AlertKind.CANNOT_VERIFY,
+    AlertKind.DISK_FULL,
+)
 
 
 def _unavailable_note(kind: AlertKind) -> str:

@@ -92,8 +92,15 @@ class Worker:
 
 
 # WatchResult attribute holding the last record of each kind.
-_SLOT = {"started": "started", "step": "progress", "durable": "durable", "notice": "notice",
-         "stopping": "stopping", "interval": "interval", "exit": "exit"}  # fmt: skip
+_SLOT = {
+    "started": "started",
+    "step": "progress",
+    "durable": "durable",
+    "notice": "notice",
+    "stopping": "stopping",
+    "interval": "interval",
+    "exit": "exit",
+}
 
 
 @dataclass

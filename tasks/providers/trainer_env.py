@@ -20,14 +20,14 @@ PASSED = frozenset(
      "MASTER_PORT",
      "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
      "http_proxy", "https_proxy", "no_proxy"}
-)  # fmt: skip
+)  # fmt: skip  # a packed list of names, grouped by purpose
 # What the trainer itself reads (SPOTRUN_HOME, SPOTRUN_MANIFEST_KEY, SPOTRUN_IMDS_ENDPOINT, ...), the
 # interpreter's, CUDA's and NCCL's settings, torch's and torchrun's, thread and allocator settings, the
 # locale, and AWS settings (not its keys: never_passed wins)
 PASSED_PREFIXES = (
     "SPOTRUN_", "PYTHON", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "TORCH", "PYTORCH_", "TRITON_", "OMP_",
     "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "GLIBC_TUNABLES", "LC_", "AWS_",
-)  # fmt: skip
+)  # fmt: skip  # a packed list of names, grouped by purpose
 
 
 def passes(name: str, named: frozenset[str] = frozenset()) -> bool:

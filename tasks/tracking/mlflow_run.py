@@ -238,8 +238,13 @@ class MlflowRun:
                 self.ref.experiment_id, name=name, source_run_id=run_id, tags=tags
             )
             meta = mlflow.models.Model(run_id=run_id, model_id=model.model_id)
-            meta.add_flavor("spotrun", weights="model.safetensors", spec="job.yaml", format="safetensors",
-                            step=tags.get("spotrun.step", ""))  # fmt: skip
+            meta.add_flavor(
+                "spotrun",
+                weights="model.safetensors",
+                spec="job.yaml",
+                format="safetensors",
+                step=tags.get("spotrun.step", ""),
+            )
             meta.save(str(out / "MLmodel"))
             client.log_model_artifacts(model.model_id, str(out))
             client.finalize_logged_model(model.model_id, "READY")

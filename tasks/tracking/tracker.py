@@ -157,10 +157,12 @@ class Tracker:
                 self.info.pending = True
                 log.warning(
                     "MLflow at %s %s: metrics after step %d wait in %s/metrics/ and are sent when this job "
-                    "runs again", self.where.shown,
+                    "runs again",
+                    self.where.shown,
                     f"unreachable ({self._down_reason})" if down is not None else "too slow",
-                    self.info.sent_through, self.job.storage,
-                )  # fmt: skip
+                    self.info.sent_through,
+                    self.job.storage,
+                )
                 break
         self._stop = True
         self._wake.set()
@@ -300,8 +302,12 @@ class Tracker:
         in MLflow; say so once."""
         if (first, last) not in self._gaps:
             self._gaps.add((first, last))
-            log.warning("no per-step metrics for steps %d-%d in %s/metrics/: MLflow's history skips them",
-                        first, last, self.job.storage)  # fmt: skip
+            log.warning(
+                "no per-step metrics for steps %d-%d in %s/metrics/: MLflow's history skips them",
+                first,
+                last,
+                self.job.storage,
+            )
 
     def _down(self, e: Exception) -> None:
         reason = " ".join(redact(f"{type(e).__name__}: {e}").split())[:300]
@@ -309,8 +315,11 @@ class Tracker:
             self._down_since, self._down_reason = time.monotonic(), reason
             log.warning(
                 "MLflow at %s unavailable (%s): training continues; metrics wait in %s/metrics/ and are sent "
-                "when it answers", self.where.shown, reason, self.job.storage,
-            )  # fmt: skip
+                "when it answers",
+                self.where.shown,
+                reason,
+                self.job.storage,
+            )
         else:
             log.debug("MLflow still unavailable: %s", reason)
 

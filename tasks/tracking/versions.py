@@ -52,8 +52,10 @@ def description(job: JobSpec, job_run_id: str, decision: PromotionDecision | Non
     if w is not None and w.source is not None:
         s = w.source
         version = f", version {s.version}" if s.version else ""
-        lines.append(f"warm start: {' and '.join(w.parts)} from {s.job} {s.run_key or s.job_run_id} "
-                     f"step {s.step}{version} ({s.storage})")  # fmt: skip
+        lines.append(
+            f"warm start: {' and '.join(w.parts)} from {s.job} {s.run_key or s.job_run_id} "
+            f"step {s.step}{version} ({s.storage})"
+        )
     elif w is not None:
         lines.append(f"warm start: none ({w.which} of {w.job} had no completed run): a fresh start")
     if decision is not None:

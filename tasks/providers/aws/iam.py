@@ -108,17 +108,29 @@ def s3_statements(storage: str, s3_key: str | None, sid: str) -> list[Statement]
         },
     ]
     if s3_key is not None:
-        out.append({"Sid": f"{sid}Key", "Effect": "Allow", "Action": ["kms:GenerateDataKey", "kms:Decrypt"],
-                    "Resource": s3_key})  # fmt: skip
+        out.append(
+            {
+                "Sid": f"{sid}Key",
+                "Effect": "Allow",
+                "Action": ["kms:GenerateDataKey", "kms:Decrypt"],
+                "Resource": s3_key,
+            }
+        )
     return out
 
 
 def controller_policy(cfg: AwsProviderConfig, scope: Scope) -> dict[str, Any]:
     """The controller's permissions for these provider settings (the flow and the sweeper)."""
     return document(
-        [*_launch(cfg, scope), *_own_workers(cfg, scope), _look(cfg), *_pass_role(cfg, scope),
-         *_ebs_key(cfg, scope), *s3_statements(scope.storage, scope.s3_key, "Checkpoint")]
-    )  # fmt: skip
+        [
+            *_launch(cfg, scope),
+            *_own_workers(cfg, scope),
+            _look(cfg),
+            *_pass_role(cfg, scope),
+            *_ebs_key(cfg, scope),
+            *s3_statements(scope.storage, scope.s3_key, "Checkpoint"),
+        ]
+    )
 
 
 def _arn(cfg: AwsProviderConfig, scope: Scope, resource: str) -> str:
@@ -145,29 +157,65 @@ def _launch(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
     ]
     created = [_arn(cfg, scope, "volume/*"), *([_arn(cfg, scope, "fleet/*")] if fleet else [])]
     out: list[Statement] = [
-        {"Sid": "LaunchAllowedTypes", "Effect": "Allow", "Action": actions,
-         "Resource": _arn(cfg, scope, "instance/*"),
-         "Condition": {"StringEquals": {**tagged, "ec2:InstanceType": list(cfg.instance_types)}, **has_job}},
-        {"Sid": "LaunchTaggedVolumes", "Effect": "Allow", "Action": actions, "Resource": created,
-         "Condition": {"StringEquals": tagged, **has_job}},
-        {"Sid": "LaunchFromThese", "Effect": "Allow", "Action": actions, "Resource": referenced,
-         "Condition": {"StringEquals": region}},
-    ]  # fmt: skip
+        {
+            "Sid": "LaunchAllowedTypes",
+            "Effect": "Allow",
+            "Action": actions,
+            "Resource": _arn(cfg, scope, "instance/*"),
+            "Condition": {
+                "StringEquals": {**tagged, "ec2:InstanceType": list(cfg.instance_types)},
+                **has_job,
+            },
+        },
+        {
+            "Sid": "LaunchTaggedVolumes",
+            "Effect": "Allow",
+            "Action": actions,
+            "Resource": created,
+            "Condition": {"StringEquals": tagged, **has_job},
+        },
+        {
+            "Sid": "LaunchFromThese",
+            "Effect": "Allow",
+            "Action": actions,
+            "Resource": referenced,
+            "Condition": {"StringEquals": region},
+        },
+    ]
     creates = ["RunInstances", *(["CreateFleet", "CreateLaunchTemplate"] if fleet else [])]
     taggable = [_arn(cfg, scope, "instance/*"), *created]
     if fleet:
         taggable.append(_arn(cfg, scope, "launch-template/*"))
-        out.append({"Sid": "FleetTemplates", "Effect": "Allow", "Action": "ec2:CreateLaunchTemplate",
-                    "Resource": _arn(cfg, scope, "launch-template/*"),
-                    "Condition": {"StringEquals": tagged, **has_job}})  # fmt: skip
+        out.append(
+            {
+                "Sid": "FleetTemplates",
+                "Effect": "Allow",
+                "Action": "ec2:CreateLaunchTemplate",
+                "Resource": _arn(cfg, scope, "launch-template/*"),
+                "Condition": {"StringEquals": tagged, **has_job},
+            }
+        )
     if cfg.placement_group:
         creates.append("CreatePlacementGroup")
         taggable.append(_arn(cfg, scope, "placement-group/*"))
-        out.append({"Sid": "PlacementGroups", "Effect": "Allow", "Action": "ec2:CreatePlacementGroup",
-                    "Resource": _arn(cfg, scope, "placement-group/*"),
-                    "Condition": {"StringEquals": tagged, **has_job}})  # fmt: skip
-    out.append({"Sid": "TagOnlyAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags", "Resource": taggable,
-                "Condition": {"StringEquals": {"ec2:CreateAction": creates, **region}}})  # fmt: skip
+        out.append(
+            {
+                "Sid": "PlacementGroups",
+                "Effect": "Allow",
+                "Action": "ec2:CreatePlacementGroup",
+                "Resource": _arn(cfg, scope, "placement-group/*"),
+                "Condition": {"StringEquals": tagged, **has_job},
+            }
+        )
+    out.append(
+        {
+            "Sid": "TagOnlyAtLaunch",
+            "Effect": "Allow",
+            "Action": "ec2:CreateTags",
+            "Resource": taggable,
+            "Condition": {"StringEquals": {"ec2:CreateAction": creates, **region}},
+        }
+    )
     return out
 
 
@@ -180,30 +228,55 @@ def _own_workers(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
     if cfg.placement_group:
         ends.append(("ec2:DeletePlacementGroup", "placement-group/*"))
     return [
-        {"Sid": "EndOwnWorkers", "Effect": "Allow", "Action": [a for a, _ in ends],
-         "Resource": sorted({_arn(cfg, scope, r) for _, r in ends}), "Condition": {"StringEquals": own}},
-        {"Sid": "RenewLeasesOfOwnWorkers", "Effect": "Allow", "Action": "ec2:CreateTags",
-         "Resource": _arn(cfg, scope, "instance/*"),
-         "Condition": {"StringEquals": own, "ForAllValues:StringEquals": {"aws:TagKeys": [TAG_LEASE]}}},
-    ]  # fmt: skip
+        {
+            "Sid": "EndOwnWorkers",
+            "Effect": "Allow",
+            "Action": [a for a, _ in ends],
+            "Resource": sorted({_arn(cfg, scope, r) for _, r in ends}),
+            "Condition": {"StringEquals": own},
+        },
+        {
+            "Sid": "RenewLeasesOfOwnWorkers",
+            "Effect": "Allow",
+            "Action": "ec2:CreateTags",
+            "Resource": _arn(cfg, scope, "instance/*"),
+            "Condition": {"StringEquals": own, "ForAllValues:StringEquals": {"aws:TagKeys": [TAG_LEASE]}},
+        },
+    ]
 
 
 def _look(cfg: AwsProviderConfig) -> Statement:
     """Describe* calls cannot be scoped to resources; the region condition still applies."""
-    actions = ["ec2:DescribeInstances", "ec2:DescribeSubnets", "ec2:DescribeImages",
-               "ec2:DescribeSpotPriceHistory", "ec2:DescribeSpotInstanceRequests"]  # fmt: skip
+    actions = [
+        "ec2:DescribeInstances",
+        "ec2:DescribeSubnets",
+        "ec2:DescribeImages",
+        "ec2:DescribeSpotPriceHistory",
+        "ec2:DescribeSpotInstanceRequests",
+    ]
     if cfg.allocation == "fleet" or cfg.launch_template:
         actions.append("ec2:DescribeLaunchTemplateVersions")
-    return {"Sid": "Look", "Effect": "Allow", "Action": actions, "Resource": "*",
-            "Condition": {"StringEquals": {"aws:RequestedRegion": cfg.region}}}  # fmt: skip
+    return {
+        "Sid": "Look",
+        "Effect": "Allow",
+        "Action": actions,
+        "Resource": "*",
+        "Condition": {"StringEquals": {"aws:RequestedRegion": cfg.region}},
+    }
 
 
 def _pass_role(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
     if not cfg.instance_profile:
         return []
-    return [{"Sid": "HandWorkersTheirRole", "Effect": "Allow", "Action": "iam:PassRole",
-             "Resource": f"arn:aws:iam::{scope.account}:role/{scope.worker_role}",
-             "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}}]  # fmt: skip
+    return [
+        {
+            "Sid": "HandWorkersTheirRole",
+            "Effect": "Allow",
+            "Action": "iam:PassRole",
+            "Resource": f"arn:aws:iam::{scope.account}:role/{scope.worker_role}",
+            "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
+        }
+    ]
 
 
 def _ebs_key(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
@@ -223,11 +296,21 @@ def _ebs_key(cfg: AwsProviderConfig, scope: Scope) -> list[Statement]:
     use = ["kms:Decrypt", "kms:DescribeKey", "kms:GenerateDataKeyWithoutPlaintext", "kms:ReEncrypt*"]
     grant = {"Bool": {"kms:GrantIsForAWSResource": "true"}, **by_alias}
     return [
-        {"Sid": "EncryptedRootVolumes", "Effect": "Allow", "Action": use, "Resource": resource,
-         **({"Condition": by_alias} if by_alias else {})},
-        {"Sid": "EncryptedRootVolumeGrants", "Effect": "Allow", "Action": "kms:CreateGrant",
-         "Resource": resource, "Condition": grant},
-    ]  # fmt: skip
+        {
+            "Sid": "EncryptedRootVolumes",
+            "Effect": "Allow",
+            "Action": use,
+            "Resource": resource,
+            **({"Condition": by_alias} if by_alias else {}),
+        },
+        {
+            "Sid": "EncryptedRootVolumeGrants",
+            "Effect": "Allow",
+            "Action": "kms:CreateGrant",
+            "Resource": resource,
+            "Condition": grant,
+        },
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,9 +174,16 @@ class AwsProvider:
 
         def script(node: launch.NodeRole | None) -> str:
             s = launch.build_user_data(
-                text, extra_args, python=self.cfg.python, workdir=self.cfg.workdir, job=job.name,
-                attempt=attempt, node=node, env=job.env.set_, manifest_key_file=self.cfg.manifest_key_file,
-            )  # fmt: skip
+                text,
+                extra_args,
+                python=self.cfg.python,
+                workdir=self.cfg.workdir,
+                job=job.name,
+                attempt=attempt,
+                node=node,
+                env=job.env.set_,
+                manifest_key_file=self.cfg.manifest_key_file,
+            )
             if problem := launch.check_user_data(s):
                 raise ProvisionError(problem, retryable=False)
             return s
@@ -199,9 +206,18 @@ class AwsProvider:
             od = self.cfg.on_demand_price_per_h.get(where.instance_type)
             price = spot_price(self.ec2, where.instance_type, where.az) if where.market == "spot" else od
             state = AwsWorkerState(
-                gang.ids[0], where, launch_id, time.time(), _times(price, nnodes), _times(od, nnodes), store,
-                gang.fleet, peers=gang.ids[1:], master_addr=gang.master_addr, placement_group=gang.group,
-            )  # fmt: skip
+                instance_id=gang.ids[0],
+                placement=where,
+                launch_id=launch_id,
+                launched_at=time.time(),
+                price_per_h=_times(price, nnodes),
+                on_demand_price_per_h=_times(od, nnodes),
+                storage=store,
+                fleet_id=gang.fleet,
+                peers=gang.ids[1:],
+                master_addr=gang.master_addr,
+                placement_group=gang.group,
+            )
             nodes = (
                 f"{nnodes} nodes {', '.join(gang.ids)} at {gang.master_addr}" if nnodes > 1 else gang.ids[0]
             )
@@ -382,8 +398,9 @@ class AwsProvider:
             if not gang.master_addr:
                 raise ProvisionError(
                     f"instance {gang.ids[0]} has no private IP address for the other nodes to reach; "
-                    "terminated it", retryable=True,
-                )  # fmt: skip
+                    "terminated it",
+                    retryable=True,
+                )
             for rank in range(1, plan.nnodes):
                 launched = self._run_one(pool, plan, rank, gang.master_addr, f"{token}-n{rank}", gang.group)
                 if launched is None:

@@ -47,15 +47,24 @@ class LocalInstances:
         # what a local trainer may see of this environment, and the test endpoint's AWS keys in place of
         # the instance profile a real instance has (a rehearsal runs against a loopback endpoint).
         stand_in = {k: os.environ[k] for k in INSTANCE_CREDENTIALS if k in os.environ}
-        env = {**trainer_env(os.environ, EnvOptions()), **stand_in, "SPOTRUN_WORKER_ID": instance_id,
-               "SPOTRUN_MASTER_ADDR": LOOPBACK, "SPOTRUN_TRAINER_USER": ""}  # fmt: skip
+        env = {
+            **trainer_env(os.environ, EnvOptions()),
+            **stand_in,
+            "SPOTRUN_WORKER_ID": instance_id,
+            "SPOTRUN_MASTER_ADDR": LOOPBACK,
+            "SPOTRUN_TRAINER_USER": "",
+        }
 
         def start() -> subprocess.Popen[bytes]:
             with open(home / "console.log", "wb") as out:
                 return subprocess.Popen(
-                    ["bash", str(home / "user-data.sh")], env=env, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=die_with_parent(),
-                )  # fmt: skip
+                    ["bash", str(home / "user-data.sh")],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),
+                )
 
         self.procs[instance_id] = on_spawner_thread(start)
         log.info("rehearsal: %s played by local process %d", instance_id, self.procs[instance_id].pid)
@@ -87,9 +96,12 @@ class RehearsalProvider:
         self.prewarm = cfg.prewarm
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
-            cfg, flow_run_id=flow_run_id, installation=installation, launcher=self.instances.launch,
+            cfg,
+            flow_run_id=flow_run_id,
+            installation=installation,
+            launcher=self.instances.launch,
             exit_status=self.instances.exit_status,
-        )  # fmt: skip
+        )
 
     def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
         return self.inner.provision(job, attempt, spec_path, extra_args)

@@ -37,7 +37,7 @@ PRELOAD = ("torch", "torch._dynamo", "trainer.__main__")
 LOAD_TIME_PREFIXES = (
     "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "LANG", "LC_",
     "TORCH", "PYTORCH_", "CUDA_",
-)  # fmt: skip
+)  # fmt: skip  # a packed list of names, grouped by purpose
 READY_TIMEOUT_S = 120.0  # the imports on a cold page cache of a slow disk
 SPAWN_TIMEOUT_S = 30.0
 

@@ -215,8 +215,12 @@ class _Watch:
         self.result.stopped_by = cause
         self.on_status = self.on_log = None  # the flow is being torn down: only fold records from here on
         if not exited(self.h.proc):
-            log.warning("%s: stopping the trainer (SIGTERM, %.0f s grace): %s", self.worker.id,
-                        self.cfg.stop_grace_s, cause)  # fmt: skip
+            log.warning(
+                "%s: stopping the trainer (SIGTERM, %.0f s grace): %s",
+                self.worker.id,
+                self.cfg.stop_grace_s,
+                cause,
+            )
             signal_group(self.h.proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.cfg.stop_grace_s
             try:
