@@ -97,6 +97,11 @@ class BackgroundSaver:
         if err is not None:
             raise CheckpointError(f"checkpoint failed: {type(err).__name__}: {err}") from err
 
+    @property
+    def failed(self) -> bool:
+        """Whether a background save ended in an error that `check()` would raise."""
+        return self._error is not None
+
     def wait(self) -> None:
         """Block until the in-flight checkpoint is durable (or failed: then raise)."""
         if self._done is not None:

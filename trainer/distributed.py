@@ -40,11 +40,12 @@ CKPT_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class Agreement:
-    """What all ranks decided after a step's forward pass."""
+    """What all ranks decided at a step boundary."""
 
     loss: float  # the mean over ranks (one rank: its own loss, untouched)
     stop: bool  # some rank has a stop request
     due: bool  # some rank's clock says a checkpoint is due
+    failed: bool = False  # some rank's background save ended in an error (a lost lease, a failed save)
 
 
 @dataclass
@@ -89,13 +90,18 @@ class Ranks:
     def is_zero(self) -> bool:
         return self.rank == 0
 
-    def agree(self, loss: float, stop: bool, due: bool) -> Agreement:
+    def agree(self, loss: float, stop: bool, due: bool, failed: bool = False) -> Agreement:
+        """One all-reduce a step. `failed`: this rank's saver holds an error; the verdict of a sharded
+        save reaches every rank's saver in one broadcast, so the others wait for theirs and all stop at
+        the same step (one rank stopping alone would leave the rest in the next collective)."""
         if not self.distributed:
-            return Agreement(loss, stop, due)
-        t = torch.tensor([loss, float(stop), float(due)], dtype=torch.float64, device=_device())
+            return Agreement(loss, stop, due, failed)
+        t = torch.tensor(
+            [loss, float(stop), float(due), float(failed)], dtype=torch.float64, device=_device()
+        )
         dist.all_reduce(t)
-        total, stops, dues = t.tolist()
-        return Agreement(total / self.world_size, stops > 0, dues > 0)
+        total, stops, dues, failures = t.tolist()
+        return Agreement(total / self.world_size, stops > 0, dues > 0, failures > 0)
 
     def all_true(self, flag: bool) -> bool:
         """Whether every rank says yes (an emergency save only if every rank can finish it in time)."""

@@ -97,7 +97,9 @@ class Session(SessionState):
             if isinstance(loss, torch.Tensor)
             else (math.nan if loss is None else float(loss))
         )
-        agreed = self.ranks.agree(0.0 if loss is None else value, self.opts.stop.requested, self._time_due())
+        agreed = self.ranks.agree(
+            0.0 if loss is None else value, self.opts.stop.requested, self._time_due(), self.ckpt.failed
+        )
         if loss is not None and not math.isfinite(agreed.loss):
             raise TrainingDiverged(
                 f"loss is {agreed.loss} at step {self.step + 1}; lower the learning rate or check the data"
@@ -109,7 +111,8 @@ class Session(SessionState):
         self._record(agreed.loss if loss is not None else math.nan, metrics)
         if self.opts.fault is not None:
             self.opts.fault.maybe_fire(self.step, self.ranks.rank)
-        self.ckpt.check()  # a background failure stops training here, not later
+        if agreed.failed:  # a background failure, as the ranks agreed on it: all stop at this step
+            self.ckpt.wait()  # raises it (another rank's saver may have it first: this one waits for it)
         if agreed.stop if self.ranks.distributed else self._stop_now():
             self.stop_agreed = True
             self._stopping()
