@@ -111,9 +111,9 @@ def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
     tmp_path: Path, mlflow_server: tuple[subprocess.Popen[bytes], int]
 ) -> None:
     """(`mlflow_server` only starts the next test's server now, so that its start overlaps this run.)"""
-    job = _job(
-        tmp_path, s3={"endpoint_url": "https://spot:s3cret@127.0.0.1:9"}
-    )  # unused: credentials to hide
+    # 1,200 steps: three reclaims at 0.3 s of training each, plus up to 1 s of training through each of
+    # the two notices while the replacement starts (longer on a busy machine), all before the last step
+    job = _job(tmp_path, total_steps=1200, s3={"endpoint_url": "https://spot:s3cret@127.0.0.1:9"})
     reference = _reference(job, tmp_path)
     settings = _settings(tmp_path)
     sink = PlainSink()
@@ -158,9 +158,9 @@ def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
     assert stored["run_id"] == m["run_id"]
 
     version = client.get_model_version("tracked", "1")
-    assert version.run_id == m["run_id"] and version.tags["spotrun.checkpoint"].endswith(step_dir(600))
+    assert version.run_id == m["run_id"] and version.tags["spotrun.checkpoint"].endswith(step_dir(job.total_steps))
     registered = load_file(str(Path(version.source.removeprefix("file://")) / "model.safetensors"))
-    final = load_file(str(Path(job.storage) / step_dir(600) / MODEL_FILE))
+    final = load_file(str(Path(job.storage) / step_dir(job.total_steps) / MODEL_FILE))
     assert registered.keys() == final.keys() and all(torch.equal(registered[k], final[k]) for k in final)
 
     # the endpoint's credentials reach none of: the bucket's markers and checkpoint specs, MLflow
