@@ -158,7 +158,8 @@ def test_three_reclaims_make_one_run_with_the_uninterrupted_history_and_a_model(
     assert stored["run_id"] == m["run_id"]
 
     version = client.get_model_version("tracked", "1")
-    assert version.run_id == m["run_id"] and version.tags["spotrun.checkpoint"].endswith(step_dir(job.total_steps))
+    final_dir = step_dir(job.total_steps)
+    assert version.run_id == m["run_id"] and version.tags["spotrun.checkpoint"].endswith(final_dir)
     registered = load_file(str(Path(version.source.removeprefix("file://")) / "model.safetensors"))
     final = load_file(str(Path(job.storage) / step_dir(job.total_steps) / MODEL_FILE))
     assert registered.keys() == final.keys() and all(torch.equal(registered[k], final[k]) for k in final)
