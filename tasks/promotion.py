@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from trainer.catalog import read_marker
-from trainer.ckpt_format import COMPLETED
 from trainer.errors import ConfigError, StorageError
+from trainer.resume import completed_eval
 from trainer.spec import JobSpec
 from trainer.spec_runs import Promotion
 from trainer.storage import Storage, open_storage
@@ -152,16 +151,8 @@ def _holder(d: PromotionDecision) -> str:
 # -- from the trainer's evaluation ------------------------------------------------------------------
 
 
-def read_eval(storage: Storage) -> dict[str, Any] | None:
-    """COMPLETED.json's `eval` block: {"metrics", "champion": {"metrics", "version", "reason", ...} |
-    None, "skipped"}; None when the job has not completed or its trainer wrote none."""
-    found = read_marker(storage, COMPLETED)
-    block = found[1].get("eval") if found is not None else None
-    return block if isinstance(block, dict) else None
-
-
 def decide_from_eval(rule: Promotion, block: dict[str, Any] | None) -> PromotionDecision:
-    """The decision from what the trainer evaluated (`read_eval`)."""
+    """The decision from what the trainer evaluated (trainer.resume.completed_eval)."""
     if block is None:
         return decide_promotion(rule, None, None, challenger_note="COMPLETED.json has no evaluation")
     skipped = str(block.get("skipped") or "")
@@ -195,7 +186,7 @@ def promotion_for(job: JobSpec, storage: Storage | None = None) -> PromotionDeci
     if job.promote is None:
         return None
     try:
-        block = read_eval(storage or open_storage(job.storage, job.s3, create=False))
+        block = completed_eval(storage or open_storage(job.storage, job.s3, create=False))
     except (StorageError, ConfigError, OSError) as e:  # a missing directory, an S3 outage: "kept"
         log.warning("evaluation of %s not read from %s: %s", job.name, job.storage, e)
         return decide_promotion(job.promote, None, None, challenger_note=f"COMPLETED.json not read: {e}")

@@ -15,8 +15,9 @@ import logging
 import time
 from typing import Any
 
-from tasks.promotion import PromotionDecision, decide_from_eval, read_eval
+from tasks.promotion import PromotionDecision, decide_from_eval
 from tasks.tracking.mlflow_run import MlflowRun, import_mlflow
+from trainer.resume import completed_eval
 from trainer.spec import JobSpec
 from trainer.storage import Storage
 
@@ -96,7 +97,7 @@ def finish_version(
 ) -> PromotionDecision | None:
     """Log the evaluation, decide the promotion (with `job.promote`), move the alias when it wins, and
     tag and describe the version `model` ("name/version"; None: none was registered)."""
-    block = read_eval(storage)
+    block = completed_eval(storage)
     sent = log_eval(run, block, step)
     if sent:
         log.info("evaluation of %s: %d metric(s) sent to MLflow", job.name, sent)

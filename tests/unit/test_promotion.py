@@ -19,10 +19,10 @@ from tasks.promotion import (
     decide_promotion,
     event_payload,
     promotion_for,
-    read_eval,
 )
 from tasks.tracking.mlflow_run import MlflowRun, RunRef
 from tasks.tracking.versions import EVAL_TAG, description, finish_version, lineage_tags
+from trainer.resume import completed_eval
 from trainer.spec import JobSpec
 from trainer.spec_runs import Promotion, RunSource
 from trainer.storage import LocalStorage, put_bytes
@@ -166,7 +166,7 @@ def test_promotion_for_reads_completed_json(tmp_path: Path) -> None:
     assert promotion_for(_job(tmp_path)) is None  # no gate
     job = _job(tmp_path, promote={"metric": "eval_loss"})
     store = LocalStorage(tmp_path / "s")
-    assert read_eval(store) is None
+    assert completed_eval(store) is None
     d = promotion_for(job)
     assert d is not None and not d.promoted and "has no evaluation" in d.reason  # not completed yet
     _completed(store, {"metrics": {"eval_loss": 0.5}, "champion": None, "skipped": ""})
