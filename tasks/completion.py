@@ -84,14 +84,8 @@ def _retain(job: JobSpec, store: Store, sink: Sink, job_run_id: str, decision: d
         sink.log(logging.WARNING, f"retention skipped: the job's runs could not be read ({e})")
         return
     in_flight, protected = keys_in_use(job, rows, job_run_id, decision)
-    first: dict[
-        str | None, float
-    ] = {}  # a key is as old as its first job run (a later no-op run of it makes it no newer)
-    for r in sorted(rows, key=lambda r: r.started_at):
-        first.setdefault(r.run_key, r.started_at)
-    records = [
-        RunRecord(r.job, r.run_key, r.storage_uri, r.status.value, first[r.run_key], r.id) for r in rows
-    ]
+    # runs_to_prune ranks a key by the job run that completed it: each row as it is
+    records = [RunRecord(r.job, r.run_key, r.storage_uri, r.status.value, r.started_at, r.id) for r in rows]
     done = prune_runs(job, records, in_flight=in_flight, protected=protected)
     sink.log(logging.WARNING if done.errors else logging.INFO, done.line())
 
