@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.catalog import Catalog
+from trainer.checkpoint.catalog import Catalog
 from trainer.storage import Storage
 
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import random
 
     from tasks.history import HistoryStore
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 
 class Campaign(Protocol):
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(name, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    from tasks.control import PlainSink, run_job
-    from tasks.policy import RetryPolicy
+    from tasks.control.loop import PlainSink, run_job
+    from tasks.decisions.policy import RetryPolicy
     from tasks.providers.local import LocalProvider, LocalProviderConfig
     from tasks.settings import Settings
-    from trainer.spec import load_spec
+    from trainer.spec.job import load_spec
 
     home = Path(args.home)
     settings = Settings(home, f"sqlite:///{home / 'history.db'}")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def episode(camp: Campaign, n: int) -> None:
     """Kill 1-3 controllers of one job, then let one complete it; check the history and the resumes."""
-    from tasks.adoption import read_worker
+    from tasks.ownership.adoption import read_worker
     from tasks.settings import Settings
 
     job, spec_path = camp.job(n)

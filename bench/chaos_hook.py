@@ -61,9 +61,9 @@ def main() -> None:
 
 
 def _wrap(plan: dict[str, Any]) -> None:
-    import trainer.checkpointer as ck
-    import trainer.ckpt_format as fmt
-    import trainer.publish as pub
+    import trainer.checkpoint.format as fmt
+    import trainer.saving.checkpointer as ck
+    import trainer.saving.publish as pub
     from trainer.storage import s3
 
     kill, disk, publog = plan.get("kill"), plan.get("disk"), plan.get("publog")
@@ -140,7 +140,7 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
 
 def _log_writes(cls: Any, publog: Path) -> None:
-    from trainer.lease import needs_lease
+    from trainer.preemption.lease import needs_lease
 
     def note(op: str, key: str) -> None:
         if not needs_lease(key):
@@ -168,10 +168,10 @@ def _log_writes(cls: Any, publog: Path) -> None:
 
 def _log_resumes(where: dict[str, str]) -> None:
     from bench.chaos_checks import newest_verified
-    from trainer.records import Started
-    from trainer.spec import S3Options
-    from trainer.status import StatusReporter
     from trainer.storage.s3 import S3Storage, make_s3_client
+    from trainer.storage.s3_options import S3Options
+    from trainer.telemetry.records import Started
+    from trainer.telemetry.status import StatusReporter
 
     opts = S3Options(endpoint_url=where["endpoint"])
     direct = S3Storage(make_s3_client(opts), where["bucket"], where["prefix"], opts)
@@ -180,7 +180,7 @@ def _log_resumes(where: dict[str, str]) -> None:
     def logged_report(self: Any, rec: Any) -> None:
         if isinstance(rec, Started):
             # read now, with the lease held: a trainer started at a notice waits while the one it
-            # replaces trains on and checkpoints (trainer/handover.py); what it must resume from is
+            # replaces trains on and checkpoints (trainer/preemption/handover.py); what it must resume from is
             # the newest checkpoint when it took over, not when its process started
             expected = newest_verified(direct, Path(where["cache"]) / str(os.getpid()))
             line = json.dumps({"pid": os.getpid(), "resumed_from": rec.resumed_from, "expected": expected})

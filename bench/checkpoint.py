@@ -92,15 +92,16 @@ from safetensors.torch import load_file
 
 from spotrun.server import free_port
 from trainer import recipes
-from trainer.checkpointer import Checkpointer
-from trainer.ckpt_format import MODEL_FILE, sha256_file
+from trainer.checkpoint.format import MODEL_FILE, sha256_file
+from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
+from trainer.checkpoint.state import capture_rng, update_only_views
+from trainer.checkpoint.validate import Expectation, read_manifest, validate_dir
 from trainer.recipes.charlm import state_bytes
-from trainer.signing import KEY_ENV, OLD_KEYS_ENV
-from trainer.spec import JobSpec, S3Options
-from trainer.state import capture_rng, update_only_views
+from trainer.saving.checkpointer import Checkpointer
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, Storage
 from trainer.storage.s3 import S3Storage, make_s3_client
-from trainer.validate import Expectation, read_manifest, validate_dir
+from trainer.storage.s3_options import S3Options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is scripts, not a package
 from bench.session_case import measure_session, report_session
@@ -169,7 +170,7 @@ class Trainee:
         return cls(spec, parts, batches)
 
     def train_step(self, ckpt: Checkpointer | None = None) -> float:
-        """One step, as trainer/loop.py's: a save in flight may still be copying the parameters and
+        """One step, as trainer/session/loop.py's: a save in flight may still be copying the parameters and
         optimizer state during its forward and backward, and its update waits for that (`fence`).
         Returns the seconds waited there."""
         p = self.parts
@@ -185,14 +186,15 @@ class Trainee:
         return waited
 
     def checkpointer(self, storage: Storage, cache: Path, **kw: Any) -> Checkpointer:
-        """A Checkpointer as trainer/loop.py makes one: it copies what only the update changes later."""
+        """A Checkpointer as trainer/session/loop.py makes one: it copies what only the update
+        changes later."""
         p = self.parts
         return Checkpointer(
             storage, cache, keep=2, update_only=lambda: update_only_views(p.model, p.optimizer), **kw
         )
 
     def capture(self) -> dict[str, Any]:
-        """The state as trainer/loop.py captures it."""
+        """The state as trainer/session/loop.py captures it."""
         p = self.parts
         assert p.scheduler is not None
         meta = {
@@ -244,7 +246,7 @@ def measure_stall(t: Trainee, s3: S3, prefix: str, work: Path, reps: int) -> dic
         ckpt.wait()
     bg = ckpt.history[-1]
     # A notice at a step boundary, nothing in flight: the emergency save blocks until durable
-    # (snapshot, write, upload, confirm, `latest`), as trainer/loop.py runs it.
+    # (snapshot, write, upload, confirm, `latest`), as trainer/session/loop.py runs it.
     t.train_step()
     notice_s = t.save(ckpt, wait=True)
     writer = "process" if ckpt.uses_process else "thread"

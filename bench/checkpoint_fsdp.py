@@ -1,6 +1,6 @@
 """One rank of the 2-rank FSDP2 checkpoint case of bench/checkpoint.py (run under torchrun, gloo on CPU).
 
-Each rank builds charlm, shards it with FSDP2 (trainer.distributed.wrap) and takes two AdamW steps so
+Each rank builds charlm, shards it with FSDP2 (trainer.distributed.ranks.wrap) and takes two AdamW steps so
 the optimizer state exists. Then, interleaved `--reps` times (a change in machine load hits both):
 
   spotrun   ShardedCheckpointer(LocalStorage, background=True).save(wait=False): the stall is the
@@ -46,19 +46,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import recipes
-from trainer.digests import digest_file
-from trainer.distributed import Ranks, wrap
+from trainer.checkpoint.state import RngState, iter_tensors, local_of
+from trainer.checkpoint.stateful import Registry, Stateful
+from trainer.distributed.ranks import Ranks, wrap
 from trainer.recipes.charlm import state_bytes
-from trainer.sharded import ShardedCheckpointer, dcp_state
-from trainer.spec import DistributedOptions, JobSpec
-from trainer.state import RngState, iter_tensors, local_of
-from trainer.stateful import Registry, Stateful
+from trainer.saving.sharded import ShardedCheckpointer, dcp_state
+from trainer.spec.job import DistributedOptions, JobSpec
 from trainer.storage import LocalStorage
+from trainer.storage.digests import digest_file
 from trainer.storage.local import copy_durable, fsync_dir
 
 
 class TrainerMeta:
-    """The registry's `trainer` part, as trainer/loop.py's `_Run` holds it (step, position, spec...)."""
+    """The registry's `trainer` part, as trainer/session/loop.py's `_Run` holds it
+    (step, position, spec...)."""
 
     def __init__(self, spec: JobSpec, ranks: Ranks) -> None:
         self.spec, self.ranks, self.step = spec, ranks, 0
@@ -125,7 +126,8 @@ class Trainee:
         self.registry = Registry(ranks.rank, held, {}, sharded=True)
 
     def train_step(self, fence: Callable[[], float] = lambda: 0.0) -> float:
-        """One step, as trainer/loop.py's: `fence` just before the update. Returns the fence's wait."""
+        """One step, as trainer/session/loop.py's: `fence` just before the update.
+        Returns the fence's wait."""
         p = self.parts
         loss = p.loss_fn(p.model, self.batches[self.meta.step % len(self.batches)])
         p.optimizer.zero_grad(set_to_none=True)

@@ -63,7 +63,7 @@ def make_store(root: Path, env: dict[str, str]) -> Path:
 def make_history(home: Path) -> None:
     """Two job runs in the home's SQLite history: preempted then completed, and one crashed."""
     sys.path.insert(0, str(REPO))
-    from tasks.attempts import AttemptRecord, Outcome
+    from tasks.decisions.attempts import AttemptRecord, Outcome
     from tasks.history import HistoryStore, JobStatus, default_url
 
     with HistoryStore.open(default_url(home)) as store:

@@ -46,12 +46,12 @@ sys.path.insert(0, str(REPO))  # the stand-in IMDS lives with the tests, the cha
 
 from bench.checkpoint import S3, Size, Trainee, machine_load, moto_endpoint  # noqa: E402
 from tests.fakes.imds import FakeIMDS  # noqa: E402
-from trainer.catalog import list_checkpoints  # noqa: E402
-from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.spec import parse_spec  # noqa: E402
-from trainer.state import state_nbytes  # noqa: E402
-from trainer.status import parse_status_line  # noqa: E402
+from trainer.checkpoint.catalog import list_checkpoints  # noqa: E402
+from trainer.checkpoint.state import state_nbytes  # noqa: E402
+from trainer.saving.checkpointer import Checkpointer  # noqa: E402
+from trainer.spec.job import parse_spec  # noqa: E402
 from trainer.storage import LocalStorage, Storage  # noqa: E402
+from trainer.telemetry.status import parse_status_line  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "notice.json"
 MB = 1e6

@@ -73,7 +73,7 @@ from tasks.providers.local import (  # noqa: E402
     plan_preemption,
     simulator_rng,
 )
-from trainer.spec import JobSpec, parse_spec  # noqa: E402
+from trainer.spec.job import JobSpec, parse_spec  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "recovery.json"
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
@@ -132,7 +132,7 @@ def provider(size: Size, seed: int | None, fork_server: bool = True) -> LocalPro
         else SpotSimulatorConfig(seed=seed, mean_interval_s=size.mean_s, no_notice_fraction=NO_NOTICE)
     )
     # a 30 s notice, GCP's and Azure's (AWS gives 120 s): the old worker trains through it until its
-    # replacement stands by (trainer/handover.py); the SIGKILL comes at its end
+    # replacement stands by (trainer/preemption/handover.py); the SIGKILL comes at its end
     return LocalProviderConfig(keep_cache=False, simulator=sim, notice_s=NOTICE_S, fork_server=fork_server)
 
 

@@ -6,7 +6,7 @@ none of them patched into the product:
   - the attempts, from the run's own SQL history (provision time, end seen, outcome, resume point,
     last step);
   - every step's wall time as the trainer itself stamped it, from the per-step metrics objects the
-    trainers publish to storage once a checkpoint covers them (trainer/metrics_log.py). Each step is
+    trainers publish to storage once a checkpoint covers them (trainer/telemetry/metrics_log.py). Each step is
     written once, by the attempt whose work survived, and an attempt's first step carries no `sps`;
     so the surviving timeline shows each reclaim as one gap, timed on the trainers' clocks (ms);
   - each reclaim's moment, from the local provider's own log line (`spot simulator: ...`), emitted
@@ -39,13 +39,13 @@ from flows.resilient_training import resilient_training
 from spotrun.server import PrefectServer, patched_environ
 from tasks.history import HistoryStore
 from tasks.providers.local import LocalProviderConfig
-from trainer.metrics_log import PREFIX, parse_metrics_key
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
+from trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
 
 PROVIDER_LOGGER = "tasks.providers.local.provider"  # where the simulator says what it does, and when
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where the flow forwards the workers' log lines
 # trainer/__main__.py's log format, as the flow forwards it:
-# "[local-123] 2026-01-02 03:04:05,678 INFO trainer.loop: step 2000/6000 loss ..."
+# "[local-123] 2026-01-02 03:04:05,678 INFO trainer.session.loop: step 2000/6000 loss ..."
 LOG_LINE = re.compile(
     r"^\[(?P<worker>[^\]]+)\] (?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}) [A-Z]+ "
     r"(?:rank \d+ )?(?P<name>[\w.]+): (?P<msg>.*)$"
@@ -133,12 +133,12 @@ class _WorkerLines(logging.Handler):
             return
         t = time.mktime(time.strptime(m["ts"], "%Y-%m-%d %H:%M:%S")) + int(m["ms"]) / 1000
         marks = self.marks.setdefault(m["worker"], {})
-        step = STEP_MSG.match(m["msg"]) if m["name"] == "trainer.loop" else None
+        step = STEP_MSG.match(m["msg"]) if m["name"] == "trainer.session.loop" else None
         if step is not None:
             if "first_step" not in marks:
                 marks |= {"first_step": int(step[1]), "first_step_t": t}
             marks |= {"last_step": int(step[1]), "last_step_t": t}
-        elif m["name"] == "trainer.lease" and " taken (token " in m["msg"]:
+        elif m["name"] == "trainer.preemption.lease" and " taken (token " in m["msg"]:
             marks.setdefault("lease_taken_t", t)
 
 

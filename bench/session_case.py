@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from trainer import recipes
-from trainer.checkpointer import Checkpointer
+from trainer.saving.checkpointer import Checkpointer
 from trainer.session import AttemptOptions, Session
-from trainer.spec import CheckpointPolicy, JobSpec, S3Options
+from trainer.spec.job import CheckpointPolicy, JobSpec
 from trainer.storage import Storage
+from trainer.storage.s3_options import S3Options
 
 
 @dataclass(frozen=True)

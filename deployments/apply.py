@@ -1,6 +1,6 @@
 """Apply spotrun to a Prefect server: the work pool, the deployments of prefect.yaml, the automations.
 
-Also writes this host's trust settings ($SPOTRUN_HOME/allowed.yaml, tasks/trust.py): what the
+Also writes this host's trust settings ($SPOTRUN_HOME/allowed.yaml, tasks/admission/trust.py): what the
 deployments' defaults name, which a deployment run may name too.
 
 Idempotent: the pool is created only when missing, `prefect deploy` updates deployments in place by
@@ -35,7 +35,7 @@ from deployments.automations import (
     build_recovery_automations,
 )
 from deployments.schedules import scheduled_training
-from tasks.trust import Allowed, named, write_allowed
+from tasks.admission.trust import Allowed, named, write_allowed
 from trainer.errors import SpotrunError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def run_prefect_deploy(
 
 def allowed_by_defaults(doc: dict[str, Any]) -> Allowed:
     """What the deployments' own default parameters name (interpreters, recipe modules, ...), pure: a
-    deployment run may name these on this host (tasks/trust.py)."""
+    deployment run may name these on this host (tasks/admission/trust.py)."""
     allowed = Allowed()
     for d in doc.get("deployments", []):
         allowed |= named(d.get("parameters") or {})

@@ -40,8 +40,8 @@ from deployments.alert_parts import (
 from deployments.run_alerts import build_run_automations
 from deployments.schedules import ScheduledTraining
 from tasks.alerts.message import AlertKind, ResumeFacts
-from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
-from tasks.reporting import (
+from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from tasks.reports.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
     JOB_RESTARTED,
@@ -160,7 +160,7 @@ _EMITTING_RUN = "{{ flow_run.id | default('') | string }}"
 
 
 def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
-    """A checkpoint whose signature the controller cannot check (tasks/checkpoints.py)."""
+    """A checkpoint whose signature the controller cannot check (tasks/control/checkpoints.py)."""
     parameters = alert_parameters(
         AlertKind.CANNOT_VERIFY.value,
         rules,
@@ -179,7 +179,7 @@ def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
 
 
 def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
-    """The controller's disk filled up during its check (tasks/control.py): `checkpoint` says where,
+    """The controller's disk filled up during its check (tasks/control/loop.py): `checkpoint` says where,
     the flow cache and its host (an older event without them: what it has)."""
     where = (
         "{{ event.payload.cache | default('') }}"

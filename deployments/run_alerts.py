@@ -1,7 +1,7 @@
 """The alert automations of scheduled retraining: a promotion decision, a training run that ended Failed,
 a scheduled run not finished by its deadline (the alert flow dedups each once per run in SQL).
 
-  - promotion (`spotrun.model.promotion`, tasks/promotion.py): every decision, moved or kept;
+  - promotion (`spotrun.model.promotion`, tasks/decisions/promotion.py): every decision, moved or kept;
   - run failed: `FAILED_WAIT_S` after a deployment's training run ended Failed, unless it was started
     again meanwhile; the alert flow stays silent when the run's job run already raised a gave-up alert
     (a give-up ends the run Failed too, seconds after its own alert: the wait lets that alert be
@@ -30,8 +30,8 @@ from deployments.alert_parts import (
 )
 from deployments.schedules import ScheduledTraining
 from tasks.alerts.message import AlertKind, PromotionFacts
-from tasks.promotion import KEPT, PROMOTED, PROMOTION_LABEL
-from tasks.reporting import MODEL_PROMOTION
+from tasks.decisions.promotion import KEPT, PROMOTED, PROMOTION_LABEL
+from tasks.reports.reporting import MODEL_PROMOTION
 
 PROMOTION = f"{NAME_PREFIX}: model promotion"
 RUN_FAILED = f"{NAME_PREFIX}: training run failed"
@@ -53,8 +53,8 @@ def build_run_automations(
 
 def _promotion_facts() -> dict[str, str]:
     """The flow's `promotion` parameter: each PromotionFacts field from the event's payload
-    (tasks/promotion.py event_payload), its type kept (a one-expression template), a default where an
-    event lacks one."""
+    (tasks/decisions/promotion.py event_payload), its type kept (a one-expression template), a default where
+    an event lacks one."""
     empty = {
         f.name: repr(f.default) if isinstance(f.default, str) else str(f.default).lower()
         for f in dataclasses.fields(PromotionFacts)
@@ -64,7 +64,7 @@ def _promotion_facts() -> dict[str, str]:
 
 
 def _promotion(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
-    """Every promotion decision of a keyed run (tasks/promotion.py), moved or kept."""
+    """Every promotion decision of a keyed run (tasks/decisions/promotion.py), moved or kept."""
     return automation(
         PROMOTION,
         "a keyed run's model was promoted to the alias, or the alias kept (with both values)",

@@ -1,8 +1,8 @@
 """Recover a training job whose controller died: run by the crashed automation (deployments/automations.py)
 when a training run goes Crashed, including a zombie the heartbeat automation marked Crashed.
 
-Reads the crashed run, decides (tasks/recovery.py), says so with `spotrun.job.crashed`, then either runs
-the same deployment again with the same parameters (the new run adopts the job and resumes from its
+Reads the crashed run, decides (tasks/ownership/recovery.py), says so with `spotrun.job.crashed`, then either
+runs the same deployment again with the same parameters (the new run adopts the job and resumes from its
 newest checkpoint) or, past the bound, emits `spotrun.job.gave-up` for the gave-up alert.
 """
 
@@ -14,10 +14,9 @@ from prefect import flow, get_client, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
-from tasks import reporting as report
-from tasks.endings import Ending, close_job_run_of
 from tasks.history.models import JobStatus
-from tasks.recovery import (
+from tasks.ownership.endings import Ending, close_job_run_of
+from tasks.ownership.recovery import (
     JOB_CRASHED,
     RESTART_TAG,
     RestartAction,
@@ -30,6 +29,7 @@ from tasks.recovery import (
     restart_of,
     restart_times,
 )
+from tasks.reports import reporting as report
 
 
 @flow(name="recover-job", description="Rerun a training run whose controller died, within a bound.")

@@ -1,11 +1,11 @@
 """The resilient training flow: a thin Prefect wrapper over the plain-Python control loop.
 
-The loop (tasks/control.py `run_job`) provisions, trains, releases, checks, records and decides; this
+The loop (tasks/control/loop.py `run_job`) provisions, trains, releases, checks, records and decides; this
 flow gives it a Prefect sink (task runs, events, artifacts, the run's log), one slot per job (a second
 run of the same job waits or is refused), and hooks that close the job run's SQL row if the flow is
 cancelled or crashes before the loop could. When the job is tracked in MLflow, the flow run links to
 its MLflow run (an artifact). A deployment run (the UI's form, the API, an automation) whose parameters
-name what this worker host does not allow (tasks/trust.py) fails at once, before any of that.
+name what this worker host does not allow (tasks/admission/trust.py) fails at once, before any of that.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from tasks.control import run_job
-from tasks.endings import record_ending
-from tasks.job_slot import one_run_per_job
-from tasks.policy import RetryPolicy
-from tasks.prefect_sink import PrefectSink
+from tasks.admission.trust import refuse_untrusted_parameters
+from tasks.control.loop import run_job
+from tasks.decisions.policy import RetryPolicy
+from tasks.ownership.endings import record_ending
+from tasks.ownership.job_slot import one_run_per_job
+from tasks.ownership.recovery import recovered_run
 from tasks.providers.local import LocalProviderConfig
 from tasks.providers.registry import ProviderConfig, build_provider
-from tasks.recovery import recovered_run
-from tasks.reporting import artifact_key
-from tasks.run_key_start import per_run_key
+from tasks.reports.prefect_sink import PrefectSink
+from tasks.reports.reporting import artifact_key
+from tasks.retraining.run_key_start import per_run_key
 from tasks.settings import Settings
-from tasks.trust import refuse_untrusted_parameters
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 
 @flow(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.alerting import publish_alert, send_alert, slack_target
 from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
+from tasks.alerts.prefect_tasks import publish_alert, send_alert, slack_target
 from tasks.alerts.service import AlertRequest
 from tasks.settings import Settings
 

@@ -34,7 +34,7 @@ from spotrun.run_cmd import add_run
 from spotrun.server_cmd import add_server
 from tasks.settings import spotrun_home
 from trainer.errors import SpotrunError
-from trainer.locks import private_home
+from trainer.storage.locks import private_home
 
 if TYPE_CHECKING:  # imported where used: most commands need not load SQLAlchemy
     from tasks.history import HistoryStore

@@ -40,18 +40,18 @@ from spotrun.console import spotrun_command, wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.live import metrics_record
 from spotrun.server import PrefectApi, prefect_api, running_server, server_home
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import default_url
-from tasks.policy import RetryPolicy
 from tasks.providers.local import OMP_WAIT, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tasks.settings import Settings, spotrun_home
-from trainer.catalog import fetch
-from trainer.ckpt_format import MODEL_FILE, load_part
+from trainer.checkpoint.catalog import fetch
+from trainer.checkpoint.format import MODEL_FILE, load_part
+from trainer.checkpoint.state import iter_tensors
 from trainer.errors import SpotrunError
-from trainer.locks import private_home
-from trainer.spec import JobSpec, load_spec
-from trainer.state import iter_tensors
+from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import open_storage
+from trainer.storage.locks import private_home
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
@@ -59,8 +59,8 @@ REFERENCE_TIMEOUT_S = 300.0
 # The demo trains digits.yaml for TOTAL_STEPS, reclaiming each of the first three attempts after
 # SCHEDULE's seconds of training (counted from its first step). Seconds, not steps, because that is
 # how a spot market behaves. A noticed worker trains on until its replacement stands by (at most half
-# the NOTICE_S window: trainer/handover.py), so TOTAL_STEPS must outlast 1.6 s + 2 x 3 s of training
-# on a fast machine (2 idle cores run 150-450 steps/s, depending on what else runs): at 500 steps/s
+# the NOTICE_S window: trainer/preemption/handover.py), so TOTAL_STEPS must outlast 1.6 s + 2 x 3 s of
+# training on a fast machine (2 idle cores run 150-450 steps/s, depending on what else runs): at 500 steps/s
 # the third reclaim still comes before step 3,800.
 TOTAL_STEPS = 4000
 SCHEDULE = [

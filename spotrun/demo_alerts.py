@@ -76,7 +76,7 @@ def show_alert(console: Console, job: str, alert: AlertRow | None) -> list[str]:
 def _artifact(job: str) -> str | None:
     from prefect.artifacts import Artifact
 
-    from tasks.reporting import artifact_key
+    from tasks.reports.reporting import artifact_key
 
     found = cast("Artifact | None", Artifact.get(artifact_key(job, "alert")))  # sync here
     return str(found.data) if found is not None and found.data else None

@@ -1,4 +1,5 @@
-"""`spotrun report JOB`: goodput of a job run from the SQL history alone (tasks/goodput.py computes it).
+"""`spotrun report JOB`: goodput of a job run from the SQL history alone
+(tasks/reports/goodput.py computes it).
 
 Reads the job's newest job run (or `--run ID`, a prefix) and its attempts; prints a short table, or one
 JSON object with `--json`; `--plot PATH` writes step against wall time with the lost work shaded. An
@@ -19,8 +20,8 @@ from rich.table import Table
 from spotrun.console import EXIT_OK, Subparsers, error_exit, missing_sqlite, safe_url, wide_console
 
 if TYPE_CHECKING:  # imported where used: the other commands need not load SQLAlchemy
-    from tasks.goodput import GoodputReport
     from tasks.history import AttemptRow, HistoryStore, JobRunRow
+    from tasks.reports.goodput import GoodputReport
 
 KNOWN_JOBS_SHOWN = 20  # names in the unknown-job line; more are counted
 RUNS_SCANNED = 10_000  # job runs read to list the known job names (newest first)
@@ -33,8 +34,8 @@ class UnknownJob(ValueError):
 def cmd_report(args: argparse.Namespace) -> int:
     from sqlalchemy import exc as sa_exc
 
-    from tasks.goodput import RunInfo, compute
     from tasks.history import HistoryStore, StoreUnavailable
+    from tasks.reports.goodput import RunInfo, compute
     from tasks.settings import Settings
 
     settings = Settings.from_env()
@@ -118,8 +119,8 @@ def _job_run(
 
 
 def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
-    from tasks.goodput import progress
-    from tasks.timeline import AttemptTrace, plot_timeline
+    from tasks.reports.goodput import progress
+    from tasks.reports.timeline import AttemptTrace, plot_timeline
 
     # The step kept is where the shaded lost work begins (the timeline shades above `durable_step`).
     traces = [
@@ -133,7 +134,7 @@ def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
 
 
 def _print(report: GoodputReport, plot: Path | None, keyed: list[str]) -> None:
-    from tasks.goodput import summary_rows
+    from tasks.reports.goodput import summary_rows
 
     console = wide_console()
     for line in keyed:

@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, load_spec
+from trainer.spec.job import JobSpec, load_spec
 
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
     from spotrun.server import PrefectApi
+    from tasks.decisions.policy import RetryPolicy
     from tasks.history import AttemptRow
-    from tasks.policy import RetryPolicy
     from tasks.providers.registry import ProviderConfig
     from tasks.settings import Settings
 
@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed. A keyed
     job runs its keys one after another (a backfill), the exit code the worst of them."""
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
-    from tasks.run_keys import keys_to_run
+    from tasks.retraining.run_keys import keys_to_run
 
     codes = []
     for key in keys_to_run(job, args.run_key):
@@ -84,10 +84,10 @@ def run_one(
 ) -> int:
     """One flow run of the job (of one run key)."""
     from spotrun.server import prefect_api
-    from tasks import adoption
-    from tasks.checkpoints import completed_at
+    from tasks.control.checkpoints import completed_at
     from tasks.history.engine import check_database_url  # SQLAlchemy: 0.65 s, after the job file's check
-    from tasks.run_keys import preview
+    from tasks.ownership import adoption
+    from tasks.retraining.run_keys import preview
     from tasks.settings import Settings
     from trainer.storage import check_local_path
 
@@ -145,7 +145,7 @@ def server_line(api: PrefectApi) -> str:
 
 def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, ProviderConfig, RetryPolicy]:
     """The job (with overrides), provider and retry policy of `spotrun run`, each validated."""
-    from tasks.policy import RetryPolicy
+    from tasks.decisions.policy import RetryPolicy
     from tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
 
     spec = load_spec(args.job)
@@ -175,7 +175,7 @@ def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, ProviderConfig, Retry
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
     if spec.recipe is not None:
         check_recipe(spec.recipe, spec.args, local=provider.workers_here)
-    from tasks.trust import signing_refusal
+    from tasks.admission.trust import signing_refusal
 
     if (why := signing_refusal(spec, provider, os.environ)) is not None:
         raise ConfigError(why)
@@ -197,8 +197,8 @@ def check_recipe(name: str, args: dict[str, Any], local: bool) -> None:
 def check_entrypoint(spec: JobSpec, python: str | None) -> None:
     """ConfigError now, not after a worker crashed on it: a local job's entry point that does not import
     with a local worker's interpreter and path, or sits beside a module named like spotrun's packages.
-    Imported in a subprocess (tasks/entrypoint_check.py): this process loads no user code."""
-    from tasks.entrypoint_check import entrypoint_refusal
+    Imported in a subprocess (tasks/admission/entrypoint_check.py): this process loads no user code."""
+    from tasks.admission.entrypoint_check import entrypoint_refusal
 
     if (why := entrypoint_refusal(spec, python, os.environ, Path.cwd())) is not None:
         raise ConfigError(why)

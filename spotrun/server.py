@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.errors import ConfigError, SpotrunError
-from trainer.locks import flock_within
+from trainer.storage.locks import flock_within
 
 
 class ServerStartError(SpotrunError):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from trainer.home import spotrun_home  # shared with `python -m trainer`
 
 if TYPE_CHECKING:
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 
 @dataclass(frozen=True)

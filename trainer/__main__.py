@@ -1,7 +1,8 @@
 """`python -m trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py.
 
-With a `distributed` spec the same command starts this machine's ranks under torchrun (trainer/launch.py)
-and each rank comes back here: `main` is then a rank, told apart by torchrun's environment."""
+With a `distributed` spec the same command starts this machine's ranks under torchrun
+(trainer/launch/start.py) and each rank comes back here: `main` is then a rank, told apart by
+torchrun's environment."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ckpt_format import parse_step_dir
-from trainer.distributed import Ranks, rank_env
+from trainer.checkpoint.format import parse_step_dir
+from trainer.distributed.ranks import Ranks, rank_env
 from trainer.errors import (
     CheckpointError,
     ConfigError,
@@ -29,11 +30,8 @@ from trainer.errors import (
     is_echo,
 )
 from trainer.exitcodes import ExitCode
-from trainer.faults import Fault
-from trainer.handover import ANNOUNCE_S
-from trainer.heartbeat import HeartbeatWriter
 from trainer.home import spotrun_home
-from trainer.launch import (
+from trainer.launch.start import (
     LAUNCHER_ID,
     RANK_EXITS,
     RankExit,
@@ -43,15 +41,18 @@ from trainer.launch import (
     under_torchrun,
     write_rank_exit,
 )
-from trainer.lease import DEFAULT_TTL_S, Holder, held
-from trainer.locks import private_home
-from trainer.loop import AttemptOptions, ResumeSource, _device, run_attempt
-from trainer.notices import Notice, make_watcher
-from trainer.preemption import StopRequest, install_signal_handlers
-from trainer.spec import JobSpec, load_spec, parse_spec
-from trainer.status import StatusReporter, open_status
+from trainer.preemption.handover import ANNOUNCE_S
+from trainer.preemption.lease import DEFAULT_TTL_S, Holder, held
+from trainer.preemption.notices import Notice, make_watcher
+from trainer.preemption.requests import StopRequest, install_signal_handlers
+from trainer.session.faults import Fault
+from trainer.session.loop import AttemptOptions, ResumeSource, _device, run_attempt
+from trainer.spec.job import JobSpec, load_spec, parse_spec
 from trainer.storage import open_storage, resolve_uri
 from trainer.storage.base import local_dir_name
+from trainer.storage.locks import private_home
+from trainer.telemetry.heartbeat import HeartbeatWriter
+from trainer.telemetry.status import StatusReporter, open_status
 
 log = logging.getLogger("trainer")
 
@@ -300,7 +301,7 @@ def _run(
     launched = None
     try:
         if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
-            # before the heartbeat's thread: torchrun forks from here on CPU (trainer/launch.py)
+            # before the heartbeat's thread: torchrun forks from here on CPU (trainer/launch/start.py)
             launcher_id = env.worker_id or f"local-{os.getpid()}"  # what the local provider calls it
             on_cpu = _device(spec).type == "cpu"
             out = reporter.stream  # --status fd:N or FILE: the supervisor's alone, not the ranks'
@@ -329,7 +330,9 @@ def _run(
     if watcher is not None:
         watcher.start()
     me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
-    if env.ranks is None:  # ranks agree on their stop every step: no handover there (trainer/handover.py)
+    if (
+        env.ranks is None
+    ):  # ranks agree on their stop every step: no handover there (trainer/preemption/handover.py)
         opts.handover_s, opts.worker_id = max(args.handover_s, 0.0), me.worker_id
         opts.sigterm_window_s, opts.announce_s = max(args.sigterm_window_s, 0.0), max(args.announce_s, 0.0)
     try:

@@ -17,8 +17,8 @@ class ExitCode(IntEnum):
     CONFIG_ERROR = 2
     DIVERGED = 3  # loss became NaN/Inf: a retry from the same checkpoint will likely repeat it
     STOPPED = 4  # reached --max-steps before the end; checkpoint durable, run again to continue
-    # another live trainer holds the storage lease (trainer/lease.py): two writers would corrupt each
-    # other; stop that run or wait until its lease expires. Nothing was published.
+    # another live trainer holds the storage lease (trainer/preemption/lease.py): two writers would corrupt
+    # each other; stop that run or wait until its lease expires. Nothing was published.
     LEASE_HELD = 5
     # the lease was taken over by another worker while this one trained; it stopped without publishing
     # more. Retrying would only fight the new holder. (A lease that merely ran out unrenewed exits CRASHED.)

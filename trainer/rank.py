@@ -1,4 +1,4 @@
-"""One rank forked by torchrun (`--run-path`, trainer/launch.py): `python -m trainer` with torch and the
+"""One rank forked by torchrun (`--run-path`, trainer/launch/start.py): `python -m trainer` with torch and the
 training stack already imported. torchrun runs this file as `__main__` in the forked child and takes
 a normal return as success; a non-zero exit code leaves as SystemExit, as a fresh rank's would.
 

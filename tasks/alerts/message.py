@@ -26,9 +26,9 @@ from tasks.alerts.text import human_duration, utc
 from tasks.alerts.text import one_line as _one_line
 from tasks.alerts.text import times as _times
 from tasks.history import AttemptRow
+from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
 from trainer.home import HOME_SETTING
 from trainer.redact import redact
-from trainer.signing import KEY_ENV, OLD_KEYS_ENV
 
 
 class AlertKind(StrEnum):

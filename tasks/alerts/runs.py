@@ -17,7 +17,8 @@ TERMINAL_STATES = frozenset({"Completed", "Failed", "Cancelled", "Crashed"})  # 
 
 @dataclass(frozen=True, kw_only=True)
 class PromotionFacts:
-    """A promotion decision, as the `spotrun.model.promotion` event carries it (tasks/promotion.py)."""
+    """A promotion decision, as the `spotrun.model.promotion` event carries it
+    (tasks/decisions/promotion.py)."""
 
     promoted: bool = False
     reason: str = ""  # the decision's one line, with both values

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tasks.history.ops import Op
-from trainer.locks import flock_within
+from trainer.storage.locks import flock_within
 
 LOCK_WAIT_S = 60.0  # an append is a write and an fsync: a minute is a hung holder, not a slow one
 

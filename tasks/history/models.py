@@ -27,7 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -102,7 +102,7 @@ class JobRun(Base):
     controller_restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     # The MLflow run of this job run (tasks/tracking/), once its controller created or re-attached it.
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
-    # A keyed job (trainer/spec_runs.py): the run key, the template values it was filled with and the
+    # A keyed job (trainer/spec/runs.py): the run key, the template values it was filled with and the
     # runs it was resolved against (warm start, champion), fixed at the key's first flow run; the
     # promotion decision at its end. None for unkeyed jobs and runs before revision 0005.
     run_key: Mapped[str | None] = mapped_column(String(64))
@@ -112,7 +112,7 @@ class JobRun(Base):
 
 
 class Attempt(Base):
-    """One attempt (append-only): the columns of `tasks.attempts.AttemptRecord`, plus its job."""
+    """One attempt (append-only): the columns of `tasks.decisions.attempts.AttemptRecord`, plus its job."""
 
     __tablename__ = "attempts"
     __table_args__ = (
@@ -215,7 +215,7 @@ class JobRunRow:
 
 @dataclass(frozen=True)
 class KeyedRun:
-    """What a keyed job run is fixed to at its first flow run (tasks/run_keys.py)."""
+    """What a keyed job run is fixed to at its first flow run (tasks/retraining/run_keys.py)."""
 
     run_key: str | None  # None: an unkeyed job with a warm start or a promotion gate
     run_values: dict[str, str]

@@ -9,7 +9,7 @@ from typing import TypeVar
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
 from tasks.history.models import (
     Alert,
     AlertRow,

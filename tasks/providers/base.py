@@ -1,8 +1,8 @@
 """The worker seam: provision a machine running one trainer attempt, watch it until it is gone, release it.
 
 A provider knows how to start `python -m trainer` somewhere and how that somewhere dies; it does not
-judge the outcome (tasks/outcome.py does, from the `WatchResult` and the completion marker) and it does
-not decide what happens next (tasks/policy.py). The caller owns cleanup:
+judge the outcome (tasks/decisions/outcome.py does, from the `WatchResult` and the completion marker) and it
+does not decide what happens next (tasks/decisions/policy.py). The caller owns cleanup:
 
     worker = provider.provision(job, attempt, spec_path, extra_args)
     try:
@@ -19,13 +19,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from trainer.heartbeat import MAX_LOSSES
-from trainer.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
+from trainer.telemetry.heartbeat import MAX_LOSSES
+from trainer.telemetry.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 StatusCallback = Callable[[Record], None]
 LogCallback = Callable[[str], None]
@@ -106,7 +106,8 @@ _SLOT = {
 @dataclass
 class WatchResult:
     """What a provider saw of one attempt, from start to the worker being gone. Times are epoch seconds
-    on the watcher's clock; step numbers come from the trainer's status records (trainer/records.py)."""
+    on the watcher's clock; step numbers come from the trainer's status records
+    (trainer/telemetry/records.py)."""
 
     started_at: float  # the process started
     ended_at: float = 0.0  # the process was seen gone
@@ -197,7 +198,7 @@ class Provider(Protocol):
     from its settings (`ProviderSettings`) by the registry (tasks/providers/registry.py)."""
 
     name: str
-    prewarm: bool  # start the next attempt's worker at a notice (tasks/prewarm.py)
+    prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
 
     def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
         """Start the trainer for `attempt` (1-based) on a fresh worker; raise ProvisionError if none."""
@@ -222,12 +223,13 @@ class Provider(Protocol):
     def stop_leftovers(self, flow_run_id: str) -> list[str]:
         """After adopting a job run whose controller died: stop the workers that controller's flow run
         left which this provider can find from any host (EC2: by tag), and return their ids, the newest
-        last; [] when it finds them no other way than the controller's pid file (tasks/adoption.py)."""
+        last; [] when it finds them no other way than the controller's pid file
+        (tasks/ownership/adoption.py)."""
         ...
 
 
 class ProviderSettings(Protocol):
-    """What the controller asks of a provider's settings without knowing its kind (tasks/trust.py,
+    """What the controller asks of a provider's settings without knowing its kind (tasks/admission/trust.py,
     spotrun run): each kind's pydantic model implements it, and the registry names the models."""
 
     workers_here: ClassVar[bool]  # workers run this machine's interpreter and files (recipes checked here)

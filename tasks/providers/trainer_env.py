@@ -3,7 +3,7 @@
 The controller holds secrets a trainer never needs (the Prefect auth string, the history database's URL,
 Slack tokens, its AWS keys): a trainer runs the job's recipe and whatever that imports, so it gets only
 the variables named here, those the job's `env.pass` names, and the job's `env.set`. The secrets
-(trainer/spec.py `never_passed`) stay out even when named. S3 storage from a local trainer uses the AWS
+(trainer/spec/job.py `never_passed`) stay out even when named. S3 storage from a local trainer uses the AWS
 settings that pass (a profile, the credentials and config files, the region), never the keys.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trainer.spec import EnvOptions, never_passed
+from trainer.spec.job import EnvOptions, never_passed
 
 PASSED = frozenset(
     {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG",

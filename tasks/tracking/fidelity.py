@@ -20,8 +20,8 @@ Where the values come from: the local provider's trainers append every step's lo
 per job (`--metrics`), so a lost attempt's steps are all there. Other providers (EC2) keep no file the
 controller can read after the instance is gone: the lost attempt's `step` status records (at most 4 a
 second) are the samples compared, every one the controller saw and every one the trainer's last
-heartbeat carried (those after its newest durable checkpoint: trainer/heartbeat.py), each against the
-resumed attempt's value for that step from storage. Steps after the last heartbeat write (at most 5 s
+heartbeat carried (those after its newest durable checkpoint: trainer/telemetry/heartbeat.py), each against
+the resumed attempt's value for that step from storage. Steps after the last heartbeat write (at most 5 s
 of training) are not compared.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.providers.base import WatchResult, Worker
 from tasks.tracking.steps import StepMetrics, read_steps
 from trainer.storage import Storage

@@ -27,7 +27,7 @@ import yaml
 
 from tasks.tracking.steps import StepMetrics
 from trainer.redact import redact
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 

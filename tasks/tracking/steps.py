@@ -1,4 +1,5 @@
-"""The per-step metrics the trainers published to the job's storage (trainer/metrics_log.py), read back.
+"""The per-step metrics the trainers published to the job's storage
+(trainer/telemetry/metrics_log.py), read back.
 
 Each object `metrics/step_<S>.jsonl` holds the steps up to the checkpoint step S that the object before
 it did not; it is written before that checkpoint's manifest. Only steps up to the newest committed
@@ -14,9 +15,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from trainer.catalog import list_checkpoints
-from trainer.metrics_log import PREFIX, parse_metrics_key
+from trainer.checkpoint.catalog import list_checkpoints
 from trainer.storage import Storage, get_bytes
+from trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
 
 log = logging.getLogger(__name__)
 

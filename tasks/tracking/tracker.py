@@ -3,7 +3,8 @@
 Nothing here is on the restart path. The thread imports MLflow (2-4 s) and opens the store while the
 first trainer starts; the control loop only hands it attempt records and resume checks (a list append)
 and waits for it at the end. Every POLL_S it sends what the trainers published to the job's storage
-(`metrics/`, trainer/metrics_log.py): steps covered by a durable checkpoint, each once (mlflow_run.py).
+(`metrics/`, trainer/telemetry/metrics_log.py): steps covered by a durable checkpoint,
+each once (mlflow_run.py).
 
 The run's id is created once and kept with the job: `tracking.json` in the job's storage (so whichever
 controller, on whichever host, continues the job re-attaches) and `job_runs.mlflow_run_id` in SQL.
@@ -28,19 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.providers.registry import capacity
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
 from tasks.tracking.steps import committed_step, read_steps
 from tasks.tracking.versions import finish_version, lineage_tags
-from trainer.catalog import Catalog
-from trainer.ckpt_format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
+from trainer.checkpoint.catalog import Catalog
+from trainer.checkpoint.completion import completed_step
+from trainer.checkpoint.format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
+from trainer.checkpoint.stateful import DCP_METADATA
 from trainer.errors import StorageError
 from trainer.redact import redact
-from trainer.resume import completed_step
-from trainer.spec import JobSpec
-from trainer.stateful import DCP_METADATA
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage, get_bytes, open_storage, put_bytes
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ class TrackingInfo:
     model: str | None = None  # "name/version" registered at completion
     sent_through: int = 0  # the last step whose metrics MLflow has
     pending: bool = False  # something is still to be sent (the server did not answer in time)
-    # with `promote`: the gate's decision (tasks/promotion.py PromotionDecision.as_dict), with the version
-    # and whether the alias moved; None: no gate, or the run did not complete in time to decide
+    # with `promote`: the gate's decision (tasks/decisions/promotion.py PromotionDecision.as_dict), with the
+    # version and whether the alias moved; None: no gate, or the run did not complete in time to decide
     promotion: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -358,7 +359,8 @@ def _final_weights(storage: Storage, step: int) -> Iterator[Path | None]:
     """The final checkpoint's weights as one local safetensors file, removed on exit; None when the
     checkpoint has no model or fails its checks. The checkpoint is fetched and checked like any
     resume (safe names, digests, and with SPOTRUN_MANIFEST_KEY its signature) before a byte of it is
-    loaded; a sharded one's model is merged from its DCP shards without unpickling (trainer/safe_load.py)."""
+    loaded; a sharded one's model is merged from its DCP shards without unpickling
+    (trainer/checkpoint/safe_load.py)."""
     with tempfile.TemporaryDirectory(prefix="spotrun-weights-") as d:
         out = Path(d)
         weights: Path | None = None
@@ -383,7 +385,7 @@ def _gather_dcp(checkpoint: Path, listed: Collection[str], out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from trainer.safe_load import load_full_state
+    from trainer.checkpoint.safe_load import load_full_state
 
     state = load_full_state(checkpoint, listed, keys=("model",))
     model = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}

@@ -3,8 +3,8 @@
 After the tracker registers a completed run's final weights as a version of the model named after the
 job (mlflow_run.py `register`), `finish_version` logs the evaluation the trainer wrote to COMPLETED.json
 to the MLflow run, tags the version with its run key, job run and lineage (the warm start's source),
-writes the lineage into the version's description, and, with `promote`, decides (tasks/promotion.py) and
-points the alias at the version when it wins. Every write is idempotent (a tag marks the metrics as
+writes the lineage into the version's description, and, with `promote`, decides (tasks/decisions/promotion.py)
+and points the alias at the version when it wins. Every write is idempotent (a tag marks the metrics as
 logged; tags, description and alias are set to the same values again), so a controller that dies and is
 replaced repeats it harmlessly.
 """
@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any
 
-from tasks.promotion import PromotionDecision, decide_from_eval
+from tasks.decisions.promotion import PromotionDecision, decide_from_eval
 from tasks.tracking.mlflow_run import MlflowRun, import_mlflow
-from trainer.resume import completed_eval
-from trainer.spec import JobSpec
+from trainer.checkpoint.completion import completed_eval
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage
 
 log = logging.getLogger(__name__)

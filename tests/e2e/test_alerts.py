@@ -36,11 +36,11 @@ from deployments.apply import ALERT_DEPLOYMENT, DeployReport, deploy
 from deployments.automations import AlertRules, delete_automations, spotrun_automations
 from deployments.worker import LocalWorker
 from spotrun.server import flush_to_api, free_port, patched_environ
-from tasks import reporting as report
-from tasks.attempts import AttemptRecord, Outcome
-from tasks.checkpoints import CHECKPOINT_UNVERIFIED
+from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.history import AlertStatus, HistoryStore
-from tasks.prefect_sink import PrefectSink
+from tasks.reports import reporting as report
+from tasks.reports.prefect_sink import PrefectSink
 from tests.e2e.test_flow import job, run_flow, schedule
 from tests.prefect_server import PrefectServer
 from tests.servers import SlackFake
@@ -296,7 +296,7 @@ UNSIGNED = "cannot verify: not signed (SPOTRUN_MANIFEST_KEY is set here)"
 
 
 def _check(job_name: str, sink: PrefectSink) -> None:
-    for step in (20, 10):  # newest first, as tasks/checkpoints.py reports them
+    for step in (20, 10):  # newest first, as tasks/control/checkpoints.py reports them
         sink.event(CHECKPOINT_UNVERIFIED, job_name, {"step": step, "problem": UNSIGNED})
 
 

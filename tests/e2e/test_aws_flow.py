@@ -22,21 +22,21 @@ from typing import Any
 
 import pytest
 
+from tasks.control.sweeping import flow_run_is_live
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.installation import installation_id
 from tasks.providers.aws.sweeper import sweep
-from tasks.sweeping import flow_run_is_live
 from tests.aws_backdoor import spot_interrupt
 from tests.conftest import Ec2World
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow
 from tests.fakes.imds import FakeIMDS
 from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal
-from trainer.catalog import fetch, read_latest
-from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, step_dir
-from trainer.heartbeat import read_heartbeat
-from trainer.spec import JobSpec
+from trainer.checkpoint.catalog import fetch, read_latest
+from trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, step_dir
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage, get_bytes, open_storage
+from trainer.telemetry.heartbeat import read_heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def reclaim_first(world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS
         imds.interrupt(in_seconds=120)
         # Once its trainer has the notice, take it back: the next instance has its own metadata service,
         # and this one is shared. The controller provisions that instance only when the heartbeat shows
-        # the notice, and the old trainer trains on until it stands by (trainer/handover.py).
+        # the notice, and the old trainer trains on until it stands by (trainer/preemption/handover.py).
         wait_for("the notice seen", lambda: "notice" in (read_heartbeat(store, iid) or {}).get("records", {}))
         imds.clear_notice()
         wait_for("its exit record", lambda: "exit" in (read_heartbeat(store, iid) or {}).get("records", {}))
@@ -149,7 +149,7 @@ FLOW_SCRIPT = """
 import sys
 from flows.resilient_training import resilient_training
 from tasks.providers.aws.config import AwsProviderConfig
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 spec, cfg = JobSpec.model_validate_json(sys.argv[1]), AwsProviderConfig.model_validate_json(sys.argv[2])
 resilient_training(spec, cfg)
 """

@@ -16,7 +16,7 @@ from tasks.history import HistoryStore, default_url
 from tests.integration.test_cli import table_rows
 from tests.prefect_server import seed
 from tests.trainer_runs import REPO
-from trainer.ckpt_format import MANIFEST, step_dir
+from trainer.checkpoint.format import MANIFEST, step_dir
 
 
 @pytest.mark.slow

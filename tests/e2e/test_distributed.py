@@ -17,19 +17,19 @@ import pytest
 import torch
 
 from flows.resilient_training import resilient_training
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
-from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
 from tests.integration.test_loopback_store import LOOPBACK, listeners_of
 from tests.procs import descendants, wait_gone
 from tests.trainer_runs import REPO, Trainer, assert_sharded_equal, losses, trainer
-from trainer.catalog import list_checkpoints, read_latest
-from trainer.ckpt_format import MANIFEST, Manifest, step_dir
+from trainer.checkpoint.catalog import list_checkpoints, read_latest
+from trainer.checkpoint.format import MANIFEST, Manifest, step_dir
 from trainer.exitcodes import ExitCode
-from trainer.launch import RANK_START
-from trainer.lease import LEASE_KEY, Holder, read_lease
-from trainer.spec import JobSpec
+from trainer.launch.start import RANK_START
+from trainer.preemption.lease import LEASE_KEY, Holder, read_lease
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
 
 DDP: dict[str, Any] = {
@@ -168,8 +168,8 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_a_damaged_shard_is_passed
     assert r.returncode == ExitCode.PREEMPTED, r.stderr[-3000:]
     stopping = _records(r.stdout, "stopping")
     assert len(stopping) == 1 and stopping[0]["step"] == 16  # rank 0 stopped with rank 1, on its word
-    assert "rank 0 trainer.loop: stopped on a stop request of another rank at step 16" in r.stderr
-    assert "rank 1 trainer.loop: stopped on SIGTERM at step 16" in r.stderr
+    assert "rank 0 trainer.session.loop: stopped on a stop request of another rank at step 16" in r.stderr
+    assert "rank 1 trainer.session.loop: stopped on SIGTERM at step 16" in r.stderr
     m = Manifest.from_json((store / step_dir(16) / MANIFEST).read_bytes())
     assert m.world_size == 2 and m.sharded and {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(m.files)
     # rank 1's shard of the newest checkpoint goes bad; a fresh machine (no local copy) falls back to 12

@@ -20,14 +20,14 @@ from prefect import get_client
 from prefect.states import Cancelling
 
 from spotrun.console import spotrun_command
-from tasks import adoption
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
+from tasks.ownership import adoption
 from tasks.providers.local import LocalProviderConfig
 from tests.e2e import test_flow
 from tests.e2e.test_flow import FLOW_SCRIPT, job, reference_dir
 from tests.trainer_runs import REPO, assert_states_equal
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.format import step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 pg_database = test_flow.pg_database  # a fresh PostgreSQL database (URL), dropped afterwards
@@ -138,7 +138,7 @@ PREEMPTING_FLOW = """
 import sys
 from flows.resilient_training import resilient_training
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 plan = [PlannedPreemption(after_s=0.3, notice=True)] * 2
 spec = JobSpec.model_validate_json(sys.argv[1])
 resilient_training(spec, LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=plan), notice_s=2))

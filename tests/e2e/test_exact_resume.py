@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_runs import assert_states_equal, losses, trainer, trainer_killed_after, write_spec
-from trainer.catalog import fetch
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.catalog import fetch
+from trainer.checkpoint.format import step_dir
 from trainer.exitcodes import ExitCode
-from trainer.spec import S3Options
 from trainer.storage import open_storage
+from trainer.storage.s3_options import S3Options
 
 # 28 batches per epoch, checkpoints every 7 steps. Each chain mixes both kinds of death:
 #   sigkill@29 resumes from 28 (an epoch boundary), sigkill@45 from 42 (mid-epoch);

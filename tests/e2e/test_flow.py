@@ -16,14 +16,14 @@ import psycopg
 import pytest
 
 from flows.resilient_training import resilient_training
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
-from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tests.fakes.fault_python import install
 from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal, trainer
-from trainer.ckpt_format import step_dir
-from trainer.spec import JobSpec
+from trainer.checkpoint.format import step_dir
+from trainer.spec.job import JobSpec
 
 PG = "postgresql://postgres@127.0.0.1:5432"
 
@@ -75,7 +75,7 @@ def schedule(
     *entries: tuple[float, bool], notice_s: float = 2, fork_server: bool = True
 ) -> LocalProviderConfig:
     """Reclaims after these seconds of training, with a notice or not. A 2 s notice lets the old worker
-    train through at most 1 s of it (trainer/handover.py): the attempts end as planned."""
+    train through at most 1 s of it (trainer/preemption/handover.py): the attempts end as planned."""
     plan = [PlannedPreemption(after_s=s, notice=n) for s, n in entries]
     return LocalProviderConfig(
         simulator=SpotSimulatorConfig(schedule=plan),
@@ -179,7 +179,7 @@ FLOW_SCRIPT = """
 import sys
 from flows.resilient_training import resilient_training
 from tasks.providers.local import LocalProviderConfig
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 spec = JobSpec.model_validate_json(sys.argv[1])
 resilient_training(spec, LocalProviderConfig())
 """

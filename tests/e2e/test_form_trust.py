@@ -12,7 +12,7 @@ from prefect.flow_engine import run_flow
 from prefect.states import State
 
 from flows.resilient_training import resilient_training
-from tasks.trust import Allowed, settings_path, write_allowed
+from tasks.admission.trust import Allowed, settings_path, write_allowed
 from tests.e2e.test_flow import job
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.trainer_runs import assert_states_equal
-from trainer.ckpt_format import step_dir
-from trainer.loop import AttemptOptions, run_attempt
-from trainer.spec import JobSpec
-from trainer.state import Snapshotter, capture_rng, restore_rng
+from trainer.checkpoint.format import step_dir
+from trainer.checkpoint.state import Snapshotter, capture_rng, restore_rng
+from trainer.session.loop import AttemptOptions, run_attempt
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
 
 pytestmark = [

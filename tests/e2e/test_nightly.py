@@ -29,10 +29,10 @@ from prefect.states import Scheduled, State
 from flows.recover_job import recover_job
 from flows.resilient_training import resilient_training
 from spotrun.cli import main
+from tasks.admission.trust import named, write_allowed
 from tasks.history import HistoryStore
-from tasks.trust import named, write_allowed
 from tests.trainer_runs import assert_states_equal, trainer
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.slow
 

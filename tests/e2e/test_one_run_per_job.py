@@ -18,14 +18,14 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.exceptions import ObjectNotFound
 
 from spotrun.server import flush_to_api
-from tasks import job_slot
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
-from tasks.job_slot import limit_name
-from tasks.policy import RetryPolicy
+from tasks.ownership import job_slot
+from tasks.ownership.job_slot import limit_name
 from tasks.providers.local import LocalProviderConfig
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow, schedule
 from tests.trainer_runs import assert_states_equal
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.format import step_dir
 
 
 def active_slots(name: str) -> int:

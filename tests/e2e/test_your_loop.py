@@ -17,9 +17,9 @@ import yaml
 
 from tests.e2e.test_flow import run_flow, schedule
 from tests.trainer_runs import assert_sharded_equal, assert_states_equal, losses, trainer
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.format import step_dir
 from trainer.exitcodes import ExitCode
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
 

@@ -36,13 +36,13 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
+from trainer.checkpoint.completion import mark_completed
 from trainer.exitcodes import ExitCode
-from trainer.records import Durable, Exit, Record, Started, Step, Stopping
-from trainer.resume import mark_completed
 from trainer.storage import open_storage
+from trainer.telemetry.records import Durable, Exit, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 KILL = int(signal.SIGKILL)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.history import HistoryStore
 from tasks.history.engine import normalize_url
 

@@ -1,7 +1,7 @@
 """The aws provider against moto's EC2 on 127.0.0.1 (a real HTTP endpoint; no boto3 patching): launch
-requests as EC2 stores them, each way a worker ends as tasks/outcome.py classifies it, re-provisioning
-after a reclaim, errors as moto raises them, and the sweeper. The job's storage is a local directory
-that the tests (playing the trainer) write heartbeats into."""
+requests as EC2 stores them, each way a worker ends as tasks/decisions/outcome.py classifies it,
+re-provisioning after a reclaim, errors as moto raises them, and the sweeper. The job's storage is a local
+directory that the tests (playing the trainer) write heartbeats into."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from typing import Any
 import boto3
 import pytest
 
-from tasks.attempts import Outcome
-from tasks.outcome import classify
+from tasks.decisions.attempts import Outcome
+from tasks.decisions.outcome import classify
 from tasks.providers.aws import AwsProvider, make_ec2_client
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.errors import NO_CREDENTIALS
@@ -33,10 +33,10 @@ from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResu
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from trainer.errors import ConfigError
-from trainer.heartbeat import heartbeat_key
-from trainer.records import Record
-from trainer.spec import JobSpec, load_spec
+from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import LocalStorage, put_bytes
+from trainer.telemetry.heartbeat import heartbeat_key
+from trainer.telemetry.records import Record
 
 pytestmark = pytest.mark.timeout(60)
 

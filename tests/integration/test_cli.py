@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from spotrun.cli import main
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.history import HistoryStore, default_url
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.ckpt_format import MANIFEST, step_dir
-from trainer.spec import S3Options
+from trainer.checkpoint.format import MANIFEST, step_dir
 from trainer.storage import open_storage
+from trainer.storage.s3_options import S3Options
 
 STEPS = (28, 30)  # total_steps 30, a checkpoint every 7, keep 2: the final one and the one before
 

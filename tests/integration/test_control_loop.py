@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from tasks import adoption
-from tasks.control import PlainSink, run_job
+from tasks.control.loop import PlainSink, run_job
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
-from tasks.policy import RetryPolicy
+from tasks.ownership import adoption
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tasks.settings import Settings
-from trainer.catalog import Catalog
-from trainer.spec import JobSpec
+from trainer.checkpoint.catalog import Catalog
+from trainer.spec.job import JobSpec
 from trainer.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,7 +48,8 @@ def _job(tmp_path: Path, **overrides: Any) -> JobSpec:
 
 def _provider(tmp_path: Path, *plan: PlannedPreemption) -> LocalProvider:
     sim = SpotSimulatorConfig(schedule=list(plan))
-    # a 2 s notice: at most 1 s of training through it (trainer/handover.py), the attempts stay as planned
+    # a 2 s notice: at most 1 s of training through it (trainer/preemption/handover.py),
+    # the attempts stay as planned
     return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, notice_s=2))
 
 

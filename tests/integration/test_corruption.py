@@ -13,15 +13,16 @@ import torch
 from safetensors.torch import load, save
 
 from trainer import recipes
-from trainer.catalog import Catalog, list_checkpoints, write_latest
-from trainer.ckpt_format import MANIFEST, Manifest, sha256_file, step_dir
-from trainer.digests import digest_file
+from trainer.checkpoint.catalog import Catalog, list_checkpoints, write_latest
+from trainer.checkpoint.format import MANIFEST, Manifest, sha256_file, step_dir
+from trainer.checkpoint.validate import Expectation
 from trainer.errors import ResumeIncompatible
-from trainer.loop import AttemptOptions, run_attempt
-from trainer.spec import JobSpec, S3Options
-from trainer.status import StatusReporter, parse_status_line
+from trainer.session.loop import AttemptOptions, run_attempt
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes
-from trainer.validate import Expectation
+from trainer.storage.digests import digest_file
+from trainer.storage.s3_options import S3Options
+from trainer.telemetry.status import StatusReporter, parse_status_line
 
 SPEC = {
     "name": "matrix",

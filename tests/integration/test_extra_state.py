@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from tests.fakes import extra_recipe
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, load_part, step_dir
-from trainer.digests import digest_file
+from trainer.checkpoint.format import MANIFEST, FileEntry, Manifest, load_part, step_dir
+from trainer.checkpoint.state import RngState
+from trainer.checkpoint.stateful import Expectation, Registry
+from trainer.checkpoint.validate import validate_dir
 from trainer.errors import ResumeIncompatible
 from trainer.exitcodes import ExitCode
-from trainer.loop import AttemptOptions, run_attempt
 from trainer.recipes import RecipeContext
-from trainer.resume import load_state
-from trainer.spec import JobSpec
-from trainer.state import RngState
-from trainer.stateful import Expectation, Registry
+from trainer.session.loop import AttemptOptions, run_attempt
+from trainer.session.resume import load_state
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
-from trainer.validate import validate_dir
+from trainer.storage.digests import digest_file
 
 SPEC: dict[str, Any] = {
     "name": "extra",

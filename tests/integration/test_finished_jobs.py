@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from tasks.control import PlainSink, run_job
-from tasks.policy import RetryPolicy
+from tasks.control.loop import PlainSink, run_job
+from tasks.decisions.policy import RetryPolicy
 from tasks.settings import Settings
 from tests.fakes.provider import FakeAttempt, FakeProvider
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.ckpt_format import COMPLETED
+from trainer.checkpoint.completion import completed_for, mark_completed
+from trainer.checkpoint.format import COMPLETED
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
-from trainer.resume import completed_for, mark_completed
-from trainer.spec import JobSpec, parse_spec
+from trainer.spec.job import JobSpec, parse_spec
 from trainer.storage import LocalStorage
 
 BASE: dict[str, Any] = {

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.checkpoints import CONTROLLER_DISK_FULL, ResumePoint, check_integrity
-from tasks.control import PlainSink, _check_checkpoints
-from trainer.ckpt_format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
-from trainer.spec import JobSpec
+from tasks.control.checkpoints import CONTROLLER_DISK_FULL, ResumePoint, check_integrity
+from tasks.control.loop import PlainSink, _check_checkpoints
+from trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage, open_storage, put_bytes
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
-"""The trainer fork server (trainer/zygote.py, tasks/providers/local/fork_server.py): a forked child is what a
-fresh `python -m MODULE` would have been, and dies as a fresh one would. Real processes, no mocks; most
+"""The trainer fork server (trainer/launch/zygote.py, tasks/providers/local/fork_server.py): a forked child is
+what a fresh `python -m MODULE` would have been, and dies as a fresh one would. Real processes, no mocks; most
 servers here preload nothing, so they start in milliseconds."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, inspect
 
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
 from tasks.history import (
     AlertStatus,
     HistoryStore,

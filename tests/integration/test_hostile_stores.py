@@ -27,15 +27,16 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spotrun.cli import main
-from tasks.checkpoints import validate_newest
+from tasks.control.checkpoints import validate_newest
 from tasks.tracking.tracker import _final_weights
-from trainer.catalog import Catalog
-from trainer.ckpt_format import MANIFEST, REQUIRED_FILES, model_metadata, step_dir
-from trainer.resume import select
-from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_full_state
-from trainer.spec import JobSpec, S3Options
+from trainer.checkpoint.catalog import Catalog
+from trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, model_metadata, step_dir
+from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_full_state
+from trainer.checkpoint.validate import Expectation
+from trainer.session.resume import select
+from trainer.spec.job import JobSpec
 from trainer.storage import open_storage
-from trainer.validate import Expectation
+from trainer.storage.s3_options import S3Options
 
 GOOD, HOSTILE = 50, 100
 

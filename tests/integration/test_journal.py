@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
 from tasks.history import AlertStatus, HistoryStore, JobStatus
 from tasks.history.engine import normalize_url
 from tasks.history.journal import FileJournal, journal_path
@@ -249,7 +249,7 @@ CHILD = """
 import sys, time
 from datetime import UTC, datetime
 from pathlib import Path
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.history import HistoryStore, JobStatus
 
 url, journal_dir = sys.argv[1], Path(sys.argv[2])
@@ -389,7 +389,7 @@ def test_a_hung_journal_holder_never_blocks_forever(tmp_path: Path, monkeypatch:
     import fcntl
 
     from tasks.history import journal as journal_module
-    from trainer.locks import LockTimeout
+    from trainer.storage.locks import LockTimeout
 
     monkeypatch.setattr(journal_module, "LOCK_WAIT_S", 0.2)
     journal = FileJournal(tmp_path / "j.jsonl")

@@ -18,14 +18,14 @@ from bench.chaos_checks import interleaved_writers, publog
 from bench.chaos_hook import PLAN_ENV, install
 from tests.servers import FaultProxy
 from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
-from trainer.catalog import list_checkpoints, read_latest
-from trainer.ckpt_format import step_dir
+from trainer.checkpoint.catalog import list_checkpoints, read_latest
+from trainer.checkpoint.format import step_dir
 from trainer.errors import ConfigError, LeaseHeld
 from trainer.exitcodes import ExitCode
-from trainer.handover import read_standby
-from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
-from trainer.spec import S3Options
+from trainer.preemption.handover import read_standby
+from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.storage import LocalStorage, Storage, open_storage
+from trainer.storage.s3_options import S3Options
 
 WAIT_S = 120  # generous: two cores shared with other test runs
 

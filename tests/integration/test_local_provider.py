@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tasks.attempts import Outcome
-from tasks.outcome import classify, to_record
+from tasks.decisions.attempts import Outcome
+from tasks.decisions.outcome import classify, to_record
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.providers.local import (
     LocalProvider,
@@ -27,12 +27,12 @@ from tasks.providers.local import (
 )
 from tests.procs import gone, wait_gone
 from tests.trainer_runs import REPO, write_spec
-from trainer.ckpt_format import COMPLETED
+from trainer.checkpoint.format import COMPLETED
 from trainer.exitcodes import ExitCode
-from trainer.lease import read_lease
-from trainer.records import Record, Step
-from trainer.spec import JobSpec, load_spec
+from trainer.preemption.lease import read_lease
+from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import LocalStorage
+from trainer.telemetry.records import Record, Step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,7 +229,7 @@ PARENT = """
 import sys, time
 from pathlib import Path
 from tasks.providers.local import LocalProvider, LocalProviderConfig
-from trainer.spec import load_spec
+from trainer.spec.job import load_spec
 spec, workdir, python, forked = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "forked"
 provider = LocalProvider(LocalProviderConfig(workdir=workdir, python=python, fork_server=forked))
 worker = provider.provision(load_spec(spec), 1, spec, [])

@@ -1,7 +1,7 @@
 """A one-node job's torchrun store listens on loopback only (Linux: /proc/net/tcp*).
 
 torchrun's static rendezvous creates its store as `TCPStore(addr, port, ..., multi_tenant=True)`;
-`trainer.agent.loopback_store` serves that port first, from the socket the launcher bound to
+`trainer.distributed.agent.loopback_store` serves that port first, from the socket the launcher bound to
 127.0.0.1, so the rendezvous shares it. Checked here in-process, the way the agent does it; the
 distributed end-to-end tests run the same through torchrun.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from trainer.agent import loopback_store
-from trainer.launch import STORE_FD, loopback_listener
+from trainer.distributed.agent import loopback_store
+from trainer.launch.start import STORE_FD, loopback_listener
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net has them

@@ -17,11 +17,11 @@ import pytest
 
 from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, FakeServer
 from tests.trainer_runs import REPO, write_spec
-from trainer.catalog import list_checkpoints, read_latest
+from trainer.checkpoint.catalog import list_checkpoints, read_latest
 from trainer.exitcodes import ExitCode
-from trainer.heartbeat import read_heartbeat
-from trainer.status import parse_status_line
 from trainer.storage import LocalStorage
+from trainer.telemetry.heartbeat import read_heartbeat
+from trainer.telemetry.status import parse_status_line
 
 
 @dataclass

@@ -31,8 +31,8 @@ from spotrun.server import PrefectServer as Server  # what start() returns
 from tests.prefect_server import PrefectServer, seed
 from tests.trainer_runs import REPO, trainer, write_spec
 from trainer.errors import TransientStorageError
-from trainer.locks import LockTimeout, flock_within
 from trainer.storage.local import LocalStorage
+from trainer.storage.locks import LockTimeout, flock_within
 
 OLD_KEY = Fernet.generate_key().decode()  # what Prefect generated into prefect.db before this version
 EVIL = "http://evil.example"

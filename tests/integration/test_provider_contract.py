@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tasks.attempts import Outcome
-from tasks.outcome import classify
+from tasks.decisions.attempts import Outcome
+from tasks.decisions.outcome import classify
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.rehearsal import RehearsalProvider
 from tasks.providers.base import KillReason, Provider, StopCause, WatchResult, Worker
@@ -29,11 +29,11 @@ from tests.conftest import Ec2World
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
 from tests.integration.test_aws_provider import beat, make_provider
 from tests.trainer_runs import write_spec
-from trainer.catalog import Catalog
+from trainer.checkpoint.catalog import Catalog
 from trainer.exitcodes import ExitCode
-from trainer.records import Durable, Exit, Notice, Record, Started, Step, Stopping
-from trainer.spec import JobSpec, load_spec
+from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import open_storage
+from trainer.telemetry.records import Durable, Exit, Notice, Record, Started, Step, Stopping
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -255,7 +255,7 @@ def test_a_hung_worker_is_lost(make_case: Callable[[str], Case]) -> None:
 
 
 def test_stop_before_watch(make_case: Callable[[str], Case]) -> None:
-    """An interrupt between provisioning and the watch (tasks/control.py): the trainer still stops
+    """An interrupt between provisioning and the watch (tasks/control/loop.py): the trainer still stops
     gracefully, with its emergency checkpoint at the step it reached."""
     case = make_case("notice")  # the local trainer's job is long; its simulated notice needs a watch
     worker = case.provider.provision(case.job, 1, case.spec, case.extra)

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, update
 
 from spotrun.cli import main
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
 from tasks.history import HistoryStore, JobStatus, default_url
 from tasks.history.engine import normalize_url
 from tasks.history.models import JobRun

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from tests.trainer_runs import assert_states_equal
-from trainer.ckpt_format import COMPLETED, load_part, step_dir
+from trainer.checkpoint.format import COMPLETED, load_part, step_dir
 from trainer.errors import ConfigError, ResumeIncompatible
 from trainer.exitcodes import ExitCode
-from trainer.loop import AttemptOptions, ResumeSource, run_attempt
-from trainer.spec import JobSpec
-from trainer.status import StatusReporter, parse_status_line
+from trainer.session.loop import AttemptOptions, ResumeSource, run_attempt
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
+from trainer.telemetry.status import StatusReporter, parse_status_line
 
 SPEC: dict[str, Any] = {
     "name": "opts",

@@ -21,7 +21,7 @@ from tasks.alerts import (
     deliver,
     raise_alert,
 )
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.history import HistoryStore, JobStatus
 
 HOOK = "/services/T000/B000/s3cretPath"

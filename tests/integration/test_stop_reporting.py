@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from trainer.loop import AttemptOptions, run_attempt
-from trainer.preemption import StopRequest
-from trainer.records import Stopping
-from trainer.spec import JobSpec
-from trainer.status import StatusReporter, parse_status_line
+from trainer.preemption.requests import StopRequest
+from trainer.session.loop import AttemptOptions, run_attempt
+from trainer.spec.job import JobSpec
 from trainer.storage import open_storage
+from trainer.telemetry.records import Stopping
+from trainer.telemetry.status import StatusReporter, parse_status_line
 
 BATCHES_PER_EPOCH = 28  # digits: 1,797 samples, batch 64, the last partial batch dropped
 

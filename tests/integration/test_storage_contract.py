@@ -22,7 +22,6 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 from tests.fakes.memory_store import MemoryStorage
 from tests.servers import Fault, FaultProxy
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.spec import S3Options
 from trainer.storage import (
     Backend,
     LocalStorage,
@@ -37,6 +36,7 @@ from trainer.storage import (
 )
 from trainer.storage.local import TMP_MARK
 from trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
+from trainer.storage.s3_options import S3Options
 
 MB = 1024 * 1024
 PREFIX = "runs/job-1"
@@ -289,7 +289,7 @@ def test_a_backend_is_one_module_and_one_registry_line(memory_scheme: None, tmp_
     """Through the registry: a name opened again sees the same objects, a reader's missing store is one
     line, messages list the new form; another process cannot open it, so its checkpoints stay in a
     thread (the store says so: `reopener`)."""
-    from trainer.writer_proc import opener_of
+    from trainer.saving.writer_proc import opener_of
 
     store = open_storage("memory://registry")
     put_bytes(store, "k", b"v")
@@ -511,8 +511,8 @@ def test_confirm_stored_checks_what_was_written(backend: Contract, tmp_path: Pat
     """After a put, `confirm_stored` accepts the object by its size and the backend's check on receipt
     (S3: a checksum S3 verified; a HEAD, no download) or its digest read back (local); a wrong size or
     digest is named; a missing object is FileNotFoundError."""
-    from trainer.digests import digest_file
     from trainer.storage import confirm_stored
+    from trainer.storage.digests import digest_file
 
     for key, size in (("ckpt/small.bin", 1000), ("ckpt/big.bin", 12 * MB + 123)):  # single put, multipart
         src = write_random(tmp_path / key.replace("/", "-"), size)

@@ -25,18 +25,18 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tasks.control import PlainSink, run_job
+from tasks.control.loop import PlainSink, run_job
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
-from tasks.policy import RetryPolicy
 from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
 from tasks.settings import Settings
 from tasks.tracking import Tracker, Where
 from tasks.tracking import tracker as tracker_module
 from tests.fakes.fault_python import install
-from trainer.ckpt_format import MANIFEST, MODEL_FILE, step_dir
-from trainer.metrics_log import MetricsLog
-from trainer.spec import JobSpec
+from trainer.checkpoint.format import MANIFEST, MODEL_FILE, step_dir
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, put_bytes
+from trainer.telemetry.metrics_log import MetricsLog
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +59,8 @@ def _job(tmp_path: Path, **overrides: Any) -> JobSpec:
 
 def _provider(tmp_path: Path, *plan: tuple[float, bool]) -> LocalProvider:
     sim = SpotSimulatorConfig(schedule=[PlannedPreemption(after_s=s, notice=n) for s, n in plan])
-    # a 2 s notice: at most 1 s of training through it (trainer/handover.py), the attempts stay as planned
+    # a 2 s notice: at most 1 s of training through it (trainer/preemption/handover.py),
+    # the attempts stay as planned
     return LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), simulator=sim, notice_s=2))
 
 
@@ -406,7 +407,7 @@ def test_a_recipe_that_breaks_determinism_is_a_mismatch(
 
 def _publish(storage: LocalStorage, steps: range, durable: int, loss: float = 1.0) -> None:
     """What a trainer writes with the checkpoint at `durable`: its metrics sidecar, then its manifest
-    (trainer/metrics_log.py)."""
+    (trainer/telemetry/metrics_log.py)."""
     log = MetricsLog(storage)
     for s in steps:
         log.record(s, loss / s, 1e-3, 1e-3)

@@ -27,7 +27,7 @@ from tasks.alerts import (
 )
 from tasks.alerts.message import human_duration, slack_escape
 from tasks.alerts.service import AlertRequest, raise_alert
-from tasks.attempts import Outcome
+from tasks.decisions.attempts import Outcome
 from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore
 from trainer.errors import ConfigError
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from tasks.control import PlainSink, run_job
+from tasks.control.loop import PlainSink, run_job
+from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
 from tasks.history.models import JobStatus
-from tasks.policy import RetryPolicy
 from tasks.settings import Settings
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
 from trainer.exitcodes import ExitCode
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 
 def _job(tmp_path: Path) -> JobSpec:

@@ -50,16 +50,16 @@ from deployments.schedules import ScheduledTraining, period_s, scheduled_trainin
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
 from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
-from tasks.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
-from tasks.policy import RetryPolicy
-from tasks.promotion import PROMOTION_LABEL, decide_promotion, event_payload
-from tasks.recovery import (
+from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from tasks.decisions.policy import RetryPolicy
+from tasks.decisions.promotion import PROMOTION_LABEL, decide_promotion, event_payload
+from tasks.ownership.recovery import (
     RecoveryError,
     RestartAction,
     decide_controller_restart,
     parse_flow_run_id,
 )
-from tasks.reporting import (
+from tasks.reports.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
     JOB_RESTARTED,
@@ -70,8 +70,8 @@ from tasks.reporting import (
     job_resource,
 )
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec
-from trainer.spec_runs import Promotion
+from trainer.spec.job import JobSpec
+from trainer.spec.runs import Promotion
 
 DOC = yaml.safe_load(PREFECT_FILE.read_text())
 DEPLOYMENTS = {d["name"]: d for d in DOC["deployments"]}
@@ -209,7 +209,7 @@ def _rendered(parameters: dict[str, Any], event: dict[str, Any], flow_run: Any) 
 
 @pytest.mark.parametrize("in_a_run", [True, False], ids=["emitted-in-a-flow-run", "no-flow-run"])
 def test_the_unverified_event_renders_into_the_alert_flows_parameters(in_a_run: bool) -> None:
-    """The event as PrefectSink.event emits it (tasks/reporting.py: the job's resource, the job in the
+    """The event as PrefectSink.event emits it (tasks/reports/reporting.py: the job's resource, the job in the
     payload) renders into parameters the restart-alert flow accepts: its step and problem, its run."""
     from flows.restart_alert import restart_alert
 
@@ -246,7 +246,7 @@ DISK_FULL_EVENTS: list[tuple[str, dict[str, Any], str]] = [
 def test_the_disk_full_event_renders_into_the_alert_flows_parameters(
     payload: dict[str, str], where: str, in_a_run: bool
 ) -> None:
-    """The event as tasks/control.py emits it through PrefectSink.event renders into parameters the
+    """The event as tasks/control/loop.py emits it through PrefectSink.event renders into parameters the
     restart-alert flow accepts: where (the flow cache and its host), the OS error, the emitting run."""
     from flows.restart_alert import restart_alert
 
@@ -559,7 +559,7 @@ def test_alert_rules_are_one_model_wherever_imported() -> None:
 
 @pytest.mark.parametrize("promoted", [True, False], ids=["promoted", "kept"])
 def test_a_promotion_event_renders_into_the_alert_flows_parameters(promoted: bool) -> None:
-    """The event as tasks/promotion.py event_payload makes it, through PrefectSink.event (the job's
+    """The event as tasks/decisions/promotion.py event_payload makes it, through PrefectSink.event (the job's
     resource with the decision as a label), renders into the alert's parameters: both values, the rule."""
     held = {"job": "nightly", "run_key": "2026-12-04", "storage": "/s/2026-12-04", "step": 10, "version": "3"}
     rule = Promotion(better_by=0.01, champion=held)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from prefect.exceptions import TerminationSignal
 
-from tasks import adoption
-from tasks.adoption import ControllerInfo, ProcessRef, controller_gone
-from tasks.attempts import Outcome
-from tasks.endings import ending_for, ending_for_state
+from tasks.decisions.attempts import Outcome
+from tasks.decisions.outcome import classify
 from tasks.history.models import JobRunRow, JobStatus
-from tasks.outcome import classify
+from tasks.ownership import adoption
+from tasks.ownership.adoption import ControllerInfo, ProcessRef, controller_gone
+from tasks.ownership.endings import ending_for, ending_for_state
 from tasks.providers.base import StopCause, WatchResult, stop_cause
-from trainer.records import Exit
+from trainer.telemetry.records import Exit
 
 
 @pytest.mark.parametrize(
@@ -179,8 +179,8 @@ def test_a_stopped_worker_is_cancelled(
 def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tasks.endings import Ending, close_job_run_of
     from tasks.history import HistoryStore
+    from tasks.ownership.endings import Ending, close_job_run_of
 
     monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path))
     monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
@@ -207,7 +207,7 @@ def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     ],
 )  # fmt: skip
 def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
-    from tasks.recovery import recovered_run
+    from tasks.ownership.recovery import recovered_run
 
     assert recovered_run(tags) == crashed
 
@@ -215,8 +215,8 @@ def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
 def test_attempts_lost_with_their_controller_do_not_use_up_the_error_budget() -> None:
     import random
 
-    from tasks.attempts import AttemptRecord
-    from tasks.policy import RetryPolicy, decide
+    from tasks.decisions.attempts import AttemptRecord
+    from tasks.decisions.policy import RetryPolicy, decide
 
     def lost(n: int) -> AttemptRecord:
         return adoption.lost_attempt(None, n, "dead", 10, 5, now=float(n))

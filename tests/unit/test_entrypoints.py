@@ -1,6 +1,6 @@
-"""A job's entry point (trainer/entrypoints.py, tasks/entrypoint_check.py): its form, the modules beside it
-that would clash with spotrun's packages, how it is called, and `spotrun run`'s import check in a
-subprocess (one real one)."""
+"""A job's entry point (trainer/spec/entrypoints.py, tasks/admission/entrypoint_check.py): its form, the
+modules beside it that would clash with spotrun's packages, how it is called, and `spotrun run`'s import check
+in a subprocess (one real one)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from tasks.entrypoint_check import entrypoint_refusal, import_fix, spotrun_root, worker_path
-from trainer.entrypoints import (
+from tasks.admission.entrypoint_check import entrypoint_refusal, import_fix, spotrun_root, worker_path
+from trainer.errors import ConfigError
+from trainer.spec.entrypoints import (
     call_main,
     code_problem,
     entrypoint_problem,
@@ -22,8 +23,7 @@ from trainer.entrypoints import (
     shadowing_problem,
     takes_args,
 )
-from trainer.errors import ConfigError
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The recipes' evaluate (held-out, deterministic, no gradients, the model's mode kept) and the eval
-block's decisions (trainer/evaluation.py); COMPLETED.json itself is in test_warm_start.py."""
+block's decisions (trainer/session/evaluation.py); COMPLETED.json itself is in test_warm_start.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from trainer import recipes
-from trainer.evaluation import evaluate_for_promotion, run_evaluate
 from trainer.recipes import Parts, RecipeContext
 from trainer.recipes.charlm import EVAL_BYTES, read_corpus
-from trainer.spec import JobSpec
+from trainer.session.evaluation import evaluate_for_promotion, run_evaluate
+from trainer.spec.job import JobSpec
 
 CPU = torch.device("cpu")
 

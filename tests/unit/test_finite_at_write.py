@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from trainer.ckpt_format import MANIFEST, FileEntry, Manifest, model_metadata, write_checkpoint_dir
-from trainer.digests import digest_file
-from trainer.state import capture_rng
-from trainer.stateful import Expectation
-from trainer.validate import validate_dir
+from trainer.checkpoint.format import MANIFEST, FileEntry, Manifest, model_metadata, write_checkpoint_dir
+from trainer.checkpoint.state import capture_rng
+from trainer.checkpoint.stateful import Expectation
+from trainer.checkpoint.validate import validate_dir
+from trainer.storage.digests import digest_file
 
 SHAPE_HASH = "h" * 8
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.handover import ANNOUNCE_S, Handover, Standby, read_standby, stop_now, write_standby
+from trainer.preemption.handover import ANNOUNCE_S, Handover, Standby, read_standby, stop_now, write_standby
 from trainer.storage import open_storage
 
 ME = "local-100"

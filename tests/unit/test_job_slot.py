@@ -9,7 +9,8 @@ from prefect import flow
 from prefect.states import Completed, State
 
 from deployments.worker import RestartBackoff
-from tasks.job_slot import (
+from tasks.decisions.policy import RetryPolicy
+from tasks.ownership.job_slot import (
     ORPHAN_S,
     RunningRun,
     holder_of,
@@ -19,8 +20,7 @@ from tasks.job_slot import (
     one_run_per_job,
     while_busy,
 )
-from tasks.policy import RetryPolicy
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 
 @flow

@@ -6,8 +6,7 @@ import pytest
 
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
-from trainer.faults import Fault
-from trainer.launch import (
+from trainer.launch.start import (
     RANK_START,
     RankExit,
     combine,
@@ -16,7 +15,8 @@ from trainer.launch import (
     torchrun_args,
     write_rank_exit,
 )
-from trainer.spec import DistributedOptions, parse_spec
+from trainer.session.faults import Fault
+from trainer.spec.job import DistributedOptions, parse_spec
 
 C, P, S, K, CFG, LH = (
     ExitCode.COMPLETED,
@@ -165,7 +165,7 @@ def test_the_trainer_resolves_storage_as_spotrun_run_does(
     from pathlib import Path
 
     from trainer.__main__ import job_storage
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
     home = Path(str(tmp_path))
     spec = JobSpec.model_validate({**BASE, "storage": storage})

@@ -6,6 +6,11 @@ Layers, innermost first: trainer (runs on workers: no Prefect, no controller) < 
 deployments < spotrun (the CLI: anything). `spotrun/__init__.py` and `spotrun/integrations/` are the
 face a user's loop imports on a worker: the trainer, torch and the standard library only.
 
+Rooms: trainer/ and tasks/ are packages named for a kind of change (each `__init__` says what it holds),
+over a floor of a few modules everything shares. `ROOMS` lists them bottom first: a room imports only
+rooms below it (and itself), so a newcomer reads them in that order. tasks imports only the trainer's
+contract rooms (what the controller and a worker both read), never the loop, the savers or the recipes.
+
 An edge goes to the module named: `from pkg import sub` is an edge to `pkg.sub` alone, so a package's
 `__init__` that re-exports its submodules is no cycle with them. A backend a registry names by a string
 (trainer/storage/registry.py) is no edge at all: it is imported when its scheme is first opened.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +40,45 @@ WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch"}
 # Cycles not broken yet, each with what keeps it and the edit that breaks it; the test fails when one of
 # them is gone too (then delete its line).
 KNOWN_CYCLES: dict[frozenset[str], str] = {}  # a cycle that must stay for a while: its modules, and why
+# bottom first; "floor" is the package's top-level modules (errors, exit codes, settings...), "entry" its
+# entry points (`python -m trainer`, and a rank torchrun forks: trainer/rank.py)
+ROOMS = {
+    "trainer": [
+        "floor",
+        "storage",
+        "spec",
+        "checkpoint",
+        "telemetry",
+        "distributed",
+        "preemption",
+        "saving",
+        "recipes",
+        "session",
+        "launch",
+        "entry",
+    ],
+    "tasks": [
+        "providers",
+        "decisions",
+        "history",
+        "floor",
+        "tracking",
+        "reports",
+        "alerts",
+        "ownership",
+        "retraining",
+        "admission",
+        "control",
+    ],
+}
+ENTRY = {"__main__", "rank"}
+FLOOR = {
+    "trainer": {"errors", "exitcodes", "parent_death", "redact", "home", "exports"},
+    "tasks": {"settings"},
+}
+# what the controller shares with a worker: the job, storage, checkpoints, what a trainer reports, the
+# handover protocol, and the fork server the local provider talks to
+CONTRACT = {"floor", "spec", "storage", "checkpoint", "telemetry", "preemption", "launch"}
 
 
 def module_name(path: Path) -> str:
@@ -155,13 +200,71 @@ def test_no_import_cycle_but_the_known_ones() -> None:
     assert not gone, f"no longer a cycle: {gone}; remove it from KNOWN_CYCLES"
 
 
+def room_of(module: str) -> str:
+    """`trainer.checkpoint.catalog` -> checkpoint; a top-level module of the floor -> floor."""
+    package, _, rest = module.partition(".")
+    head = rest.split(".")[0]
+    if not rest or head in FLOOR[package]:
+        return "floor"
+    return "entry" if head in ENTRY else head
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_every_module_is_in_a_room_or_the_floor(package: str) -> None:
+    stray = [m for m in sources() if m.split(".")[0] == package and room_of(m) not in ROOMS[package]]
+    assert not stray, f"{stray}: put each in a room of {ROOMS[package]} (or add a room, with its place)"
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_rooms_import_downward_only(package: str) -> None:
+    order = {room: i for i, room in enumerate(ROOMS[package])}
+    bad = [
+        f"{where(m, line, name)}: room {room_of(m)} imports room {room_of(target)}, which is not below it"
+        for m, found in imports().items()
+        if m.split(".")[0] == package
+        for line, name in found
+        if (target := first_party(name)) and target.split(".")[0] == package
+        if order[room_of(target)] > order[room_of(m)]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_tasks_imports_only_the_trainers_contract_rooms() -> None:
+    bad = [
+        where(m, line, name)
+        for m, found in imports().items()
+        if m.split(".")[0] == "tasks"
+        for line, name in found
+        if (target := first_party(name)) and target.split(".")[0] == "trainer"
+        if room_of(target) not in CONTRACT
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "room", [f"{p}.{r}" for p, rooms in ROOMS.items() for r in rooms if r not in {"floor", "entry"}]
+)
+def test_each_room_says_what_it_holds_and_exports_its_names(room: str) -> None:
+    """A room's `__init__` has a docstring, and every name of its `__all__` resolves (re-exports are
+    imported when first read: trainer/exports.py)."""
+    package = importlib.import_module(room)
+    assert (package.__doc__ or "").strip(), f"{room}/__init__.py: say what the room holds"
+    missing = [name for name in getattr(package, "__all__", []) if not hasattr(package, name)]
+    assert not missing, f"{room} exports {missing}, which it does not have"
+
+
 @pytest.mark.parametrize(
     ("source", "module", "is_package", "expected"),
     [
         ("import torch.nn", "trainer.x", False, ["torch.nn"]),
         ("def f():\n    from trainer import storage", "trainer.x", False, ["trainer.storage"]),
         ("from trainer.storage import check_uri", "trainer.x", False, ["trainer.storage"]),
-        ("if TYPE_CHECKING:\n    from trainer.spec import JobSpec", "trainer.x", False, ["trainer.spec"]),
+        (
+            "if TYPE_CHECKING:\n    from trainer.spec.job import JobSpec",
+            "trainer.x",
+            False,
+            ["trainer.spec.job"],
+        ),
         ("from . import local", "trainer.storage", True, ["trainer.storage.local"]),
         ("from .base import Storage", "trainer.storage.local", False, ["trainer.storage.base"]),
         ("from .. import errors", "trainer.storage.local", False, ["trainer.errors"]),

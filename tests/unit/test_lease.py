@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import ConfigError, LeaseHeld, LeaseLost
-from trainer.lease import (
+from trainer.preemption.lease import (
     LEASE_KEY,
     FencedStorage,
     Holder,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import LeaseHeld, PreconditionFailed, TransientStorageError
-from trainer.lease import LEASE_KEY, Holder, Lease, read_lease
+from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.storage import LocalStorage
 from trainer.storage.base import Stamped
 

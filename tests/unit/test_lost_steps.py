@@ -1,12 +1,12 @@
-"""Table tests of the one lost-steps rule (tasks/lost_steps.py) and of the run walk the report and the
-attempts table both use."""
+"""Table tests of the one lost-steps rule (tasks/decisions/lost_steps.py) and of the run walk the report and
+the attempts table both use."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.attempts import AttemptRecord, Outcome
-from tasks.lost_steps import kept_step, known_start, lost_steps, walk
+from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.lost_steps import kept_step, known_start, lost_steps, walk
 
 T = 1_700_000_000.0
 

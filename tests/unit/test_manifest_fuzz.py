@@ -1,6 +1,6 @@
 """Manifest parsing under hypothesis: whatever a bucket holds, parsing either raises the documented
 ValueError or returns a manifest whose every file name stays inside its directory; the one name
-rule (trainer/safe_names.py) agrees with path resolution."""
+rule (trainer/checkpoint/safe_names.py) agrees with path resolution."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.ckpt_format import Manifest
-from trainer.safe_names import contained, name_problem
+from trainer.checkpoint.format import Manifest
+from trainer.checkpoint.safe_names import contained, name_problem
 
 BASE = Path("/srv/cache/step_000000100")
 # names built from the pieces an attacker would use, and arbitrary text beside them

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.attempts import AttemptRecord, Outcome
-from tasks.outcome import (
+from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.outcome import (
     classify,
     last_exception,
     lost_steps,
@@ -19,12 +19,12 @@ from tasks.outcome import (
     provision_failed_record,
     to_record,
 )
-from tasks.policy import RetryPolicy, backoff_delay, decide, normalize_error
+from tasks.decisions.policy import RetryPolicy, backoff_delay, decide, normalize_error
 from tasks.providers.base import KillReason as KR
 from tasks.providers.base import NoticeKind as NK
 from tasks.providers.base import ProvisionError, WatchResult, Worker
 from tasks.providers.local import PlannedPreemption, SpotSimulatorConfig, plan_preemption, simulator_rng
-from trainer.records import Exit, Started, Stopping
+from trainer.telemetry.records import Exit, Started, Stopping
 
 T0 = 1_000_000.0
 KILL, TERM = int(signal.SIGKILL), int(signal.SIGTERM)
@@ -268,9 +268,9 @@ def test_normalize_error_masks_numbers_but_keeps_the_step() -> None:
 
 
 def test_summary_compares_cost_with_on_demand() -> None:
-    """The flow's summary carries the goodput report's figures (tasks/goodput.py), cost included."""
-    from tasks.goodput import RunInfo, compute
-    from tasks.reporting import summary_markdown
+    """The flow's summary carries the goodput report's figures (tasks/reports/goodput.py), cost included."""
+    from tasks.reports.goodput import RunInfo, compute
+    from tasks.reports.reporting import summary_markdown
 
     def rec(attempt: int, cost: dict[str, Any] | None) -> AttemptRecord:
         r = AttemptRecord(attempt, f"i-{attempt}", "aws", 0.0, 1.0, Outcome.PREEMPTED, "spot")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tasks.prewarm import Prewarm
+from tasks.control.prewarm import Prewarm
 from tasks.providers.base import ProvisionError, Worker
 
 

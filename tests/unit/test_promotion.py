@@ -1,5 +1,5 @@
-"""The promotion gate (tasks/promotion.py) as a table, its reading of COMPLETED.json's `eval` block, the
-event it becomes, and its effect on a registered model version through a hand-written MLflow client."""
+"""The promotion gate (tasks/decisions/promotion.py) as a table, its reading of COMPLETED.json's `eval` block,
+the event it becomes, and its effect on a registered model version through a hand-written MLflow client."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tasks.promotion import (
+from tasks.decisions.promotion import (
     KEPT,
     PROMOTED,
     PROMOTION_LABEL,
@@ -22,9 +22,9 @@ from tasks.promotion import (
 )
 from tasks.tracking.mlflow_run import MlflowRun, RunRef
 from tasks.tracking.versions import EVAL_TAG, description, finish_version, lineage_tags
-from trainer.resume import completed_eval
-from trainer.spec import JobSpec
-from trainer.spec_runs import Promotion, RunSource
+from trainer.checkpoint.completion import completed_eval
+from trainer.spec.job import JobSpec
+from trainer.spec.runs import Promotion, RunSource
 from trainer.storage import LocalStorage, put_bytes
 
 CHAMP = RunSource(job="nightly", run_key="2026-12-04", storage="/s/nightly/2026-12-04", step=200, version="3")

@@ -1,5 +1,5 @@
-"""Status records (trainer/records.py): the JSON lines stay exactly what they were before records were
-typed, a newer trainer's extras are ignored, and a malformed record is refused rather than half-read."""
+"""Status records (trainer/telemetry/records.py): the JSON lines stay exactly what they were before records
+were typed, a newer trainer's extras are ignored, and a malformed record is refused rather than half-read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from trainer.records import (
+from trainer.telemetry.records import (
     Durable,
     Exit,
     MalformedRecord,
@@ -23,7 +23,7 @@ from trainer.records import (
     parse_record,
     to_json,
 )
-from trainer.status import PREFIX, StatusReporter, parse_status_line
+from trainer.telemetry.status import PREFIX, StatusReporter, parse_status_line
 
 # (record, its line as the trainer wrote it before records were typed)
 LINES: list[tuple[Record, str]] = [

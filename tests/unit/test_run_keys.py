@@ -9,7 +9,7 @@ import pytest
 
 from tasks.history import StoreUnavailable
 from tasks.history.models import JobRunRow, JobStatus
-from tasks.run_keys import (
+from tasks.retraining.run_keys import (
     Lineage,
     Slot,
     keyed_record,
@@ -21,9 +21,9 @@ from tasks.run_keys import (
     values_for_key,
 )
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, parse_spec
-from trainer.spec_runs import RunSource
-from trainer.templating import fill
+from trainer.spec.job import JobSpec, parse_spec
+from trainer.spec.runs import RunSource
+from trainer.spec.templating import fill
 
 NIGHT = datetime(2026, 12, 5, 3, 0, tzinfo=UTC)
 

@@ -1,5 +1,5 @@
-"""Retention across a keyed job's runs (tasks/run_retention.py): which keys go, as a table; and deleting
-them, only ever one key's own prefix below the job's storage, in a directory and on S3 (moto)."""
+"""Retention across a keyed job's runs (tasks/retraining/run_retention.py): which keys go, as a table; and
+deleting them, only ever one key's own prefix below the job's storage, in a directory and on S3 (moto)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tasks.run_retention import (
+from tasks.retraining.run_retention import (
     RunRecord,
     base_storage,
     champion_key,
@@ -22,8 +22,9 @@ from tasks.run_retention import (
     runs_to_prune,
 )
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, S3Options
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, open_storage, put_bytes
+from trainer.storage.s3_options import S3Options
 
 BASE = "/data/ckpt/nightly"
 

@@ -1,5 +1,5 @@
-"""trainer/safe_load.py: DCP's index through the allow-list unpickler, and the private torch names it
-builds on (a torch upgrade that moves them fails here, not in a user's resume)."""
+"""trainer/checkpoint/safe_load.py: DCP's index through the allow-list unpickler, and the private torch names
+it builds on (a torch upgrade that moves them fails here, not in a user's resume)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, default_planner, state_dict_loader
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer.safe_load import (
+from trainer.checkpoint.safe_load import (
     SafeFullLoadPlanner,
     SafeLoadPlanner,
     UnsafePickle,

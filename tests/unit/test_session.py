@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 import spotrun
+from trainer.checkpoint.completion import completed_step
 from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import ExitCode
-from trainer.loop import AttemptOptions, run_attempt
-from trainer.resume import completed_step
+from trainer.session.loop import AttemptOptions, run_attempt
 from trainer.session.options import AttemptResult
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tasks.settings import Settings, spotrun_home
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 from trainer.storage import check_local_path, resolve_uri
 
 

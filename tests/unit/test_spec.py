@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec, load_spec, parse_spec, spec_changes
-from trainer.spec_errors import explain_errors
+from trainer.spec.job import JobSpec, load_spec, parse_spec, spec_changes
+from trainer.spec.messages import explain_errors
 
 BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
 
@@ -305,6 +305,6 @@ def test_the_entrypoint_is_shape() -> None:
     ],
 )
 def test_spec_shape_args(data: dict[str, Any], expected: frozenset[str] | None) -> None:
-    from trainer.shape_args import spec_shape_args
+    from trainer.recipes.job_shape import spec_shape_args
 
     assert spec_shape_args(parse_spec(data)) == expected

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.fakes.extra_recipe import Calls as Counter
-from trainer.ckpt_format import REQUIRED_FILES, Manifest, rng_file
-from trainer.data import Position
+from trainer.checkpoint.format import REQUIRED_FILES, Manifest, rng_file
+from trainer.checkpoint.state import RngState
+from trainer.checkpoint.stateful import Expectation, Registry, Stateful, check_compat, reconcile, spec_of_file
 from trainer.errors import ConfigError
-from trainer.state import RngState
-from trainer.stateful import Expectation, Registry, Stateful, check_compat, reconcile, spec_of_file
+from trainer.recipes.data import Position
 
 
 def _parts() -> dict[str, Any]:

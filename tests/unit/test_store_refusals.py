@@ -11,8 +11,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import StorageError, TransientStorageError
-from trainer.publish import refused
-from trainer.sharded import Failed
+from trainer.saving.publish import refused
+from trainer.saving.sharded import Failed
 from trainer.storage import LocalStorage
 
 

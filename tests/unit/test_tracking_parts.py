@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.providers.base import WatchResult, Worker
 from tasks.tracking.fidelity import (
     ResumeChecker,
@@ -25,13 +25,13 @@ from tasks.tracking.mlflow_run import RunRef, flatten
 from tasks.tracking.steps import committed_step, read_steps
 from tasks.tracking.tracker import Where
 from tests.trainer_runs import REPO
-from trainer.catalog import apply_retention
-from trainer.checkpointer import put_sidecars
-from trainer.ckpt_format import MANIFEST, step_dir
-from trainer.metrics_log import MetricsLog, metrics_key, parse_metrics_key, prune_after
-from trainer.records import build
-from trainer.spec import JobSpec
+from trainer.checkpoint.catalog import apply_retention
+from trainer.checkpoint.format import MANIFEST, step_dir
+from trainer.saving.checkpointer import put_sidecars
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, put_bytes
+from trainer.telemetry.metrics_log import MetricsLog, metrics_key, parse_metrics_key, prune_after
+from trainer.telemetry.records import build
 
 L = {1: Value(2.5, 1e-3), 2: Value(2.25, 1e-3), 3: Value(2.0, 9e-4)}
 
@@ -325,7 +325,8 @@ def test_resume_checks_from_the_metrics_file_or_the_last_status_record(tmp_path:
 def test_the_trainer_never_imports_mlflow() -> None:
     """`import mlflow` takes 2-4 s: never on a restart's path. Only the controller sends to MLflow."""
     code = (
-        "import sys, trainer.__main__, trainer.loop, trainer.agent, trainer.launch, trainer.metrics_log\n"
+        "import sys, trainer.__main__, trainer.session.loop, trainer.distributed.agent,"
+        " trainer.launch.start, trainer.telemetry.metrics_log\n"
         "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tasks'))[:3] or 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

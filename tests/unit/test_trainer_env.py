@@ -9,7 +9,7 @@ import pytest
 
 from tasks.providers.aws.launch import build_user_data
 from tasks.providers.trainer_env import passes, trainer_env
-from trainer.spec import EnvOptions
+from trainer.spec.job import EnvOptions
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""What a deployment run's parameters may name on a worker host (tasks/trust.py): the decision, table by
-table, and the host's settings file."""
+"""What a deployment run's parameters may name on a worker host (tasks/admission/trust.py): the decision,
+table by table, and the host's settings file."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.local.config import LocalProviderConfig
-from tasks.trust import (
+from tasks.admission.trust import (
     Allowed,
     named,
     read_allowed,
@@ -23,8 +21,10 @@ from tasks.trust import (
     signing_refusal,
     write_allowed,
 )
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.local.config import LocalProviderConfig
 from trainer.errors import ConfigError
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 
 OWN = "/venv/bin/python"  # the flow's own interpreter
 FILE = "/home/op/.spotrun/allowed.yaml"

@@ -1,4 +1,4 @@
-"""Warm start (trainer/warm_start.py) and the promotion gate's eval block in COMPLETED.json, on a tiny
+"""Warm start (trainer/session/warm_start.py) and the promotion gate's eval block in COMPLETED.json, on a tiny
 digits run trained in-process into a directory store (8 steps: milliseconds once torch is warm)."""
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from safetensors.torch import load_file
 from tests.trainer_runs import assert_states_equal
 from trainer import recipes
 from trainer.__main__ import _exit_code
-from trainer.ckpt_format import COMPLETED, MANIFEST, Manifest, file_entry, step_dir, write_part
+from trainer.checkpoint.completion import completed_eval
+from trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, file_entry, step_dir, write_part
+from trainer.checkpoint.signing import KEY_ENV
+from trainer.checkpoint.stateful import Codec
 from trainer.errors import ConfigError, TransientStorageError
 from trainer.exitcodes import ExitCode
-from trainer.loop import AttemptOptions, run_attempt
 from trainer.recipes import Parts, RecipeContext
-from trainer.records import WarmStarted
-from trainer.resume import completed_eval
-from trainer.signing import KEY_ENV
-from trainer.spec import JobSpec
-from trainer.stateful import Codec
-from trainer.status import StatusReporter, parse_status_line
+from trainer.session.loop import AttemptOptions, run_attempt
+from trainer.session.warm_start import warm_start
+from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, Storage
-from trainer.warm_start import warm_start
+from trainer.telemetry.records import WarmStarted
+from trainer.telemetry.status import StatusReporter, parse_status_line
 
 STEPS = 8
 ARGS = {"hidden": 16, "holdout": 200}

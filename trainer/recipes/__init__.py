@@ -5,7 +5,7 @@ contract and a complete example. In short, for resume to be bitwise exact:
 
 - build the model, then the optimizer, then the scheduler: the trainer seeds the global RNGs with
   `ctx.seed` just before, so weight init is the same in every attempt;
-- draw data randomness (augmentation, crops) from `trainer.data.sample_generator(seed, epoch, index)`
+- draw data randomness (augmentation, crops) from `trainer.recipes.data.sample_generator(seed, epoch, index)`
   and take the epoch from `dataset.set_epoch(epoch)`, never from the global RNG or a worker's;
 - `Parts.scheduler` (optional) is stepped once per optimizer step, after `optimizer.step()`;
 - the loader hands `loss_fn` one batch as the default collate makes it from `dataset[i]`, and drops
@@ -29,7 +29,7 @@ one, or holds one the recipe no longer returns, is refused with the name.
 `Parts.evaluate(model) -> {metric: value}` (optional) measures a model on held-out data of this run's
 (a few batches, deterministic: no augmentation, no draws from the global RNG). A job with `promote`
 calls it at completion on the final model and on the champion's, on the same data, and records both
-in COMPLETED.json (trainer/evaluation.py); the promotion gate compares `promote.metric`. Wrap it in
+in COMPLETED.json (trainer/session/evaluation.py); the promotion gate compares `promote.metric`. Wrap it in
 `with evaluating(model):` (no gradients, eval mode, the model's mode restored after).
 """
 
@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset
 
+from trainer.checkpoint.stateful import Stateful
 from trainer.errors import ConfigError
-from trainer.stateful import Stateful
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Evaluate = Callable[[torch.nn.Module], dict[str, float]]

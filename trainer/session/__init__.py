@@ -1,8 +1,35 @@
-"""The session: the step boundary every training loop runs on, a recipe's (trainer/loop.py) or a user's
-own (`spotrun.session`, docs/your-loop.md)."""
+"""One attempt of training: the session, the step boundary every training loop runs on, a recipe's
+(`loop`) or a user's own (`spotrun.session`, docs/your-loop.md).
 
-from trainer.session.context import SessionEnded, UserSession, session
-from trainer.session.core import Session
-from trainer.session.options import AttemptOptions, AttemptResult
+A change here changes the loop. Modules: `context` (the user's `spotrun.session`), `core` (the step
+boundary), `opening` and `state` (what an attempt opens and holds), `options` (what it is given, frozen),
+`parts` (the checkpoint's trainer part), `loop` (the recipe loop), `resume` (where an attempt starts),
+`warm_start` and `evaluation` (scheduled retraining's first weights and promotion metric), `faults`
+(injected faults for rehearsals). Imports torch: names are imported when first read.
+"""
 
-__all__ = ["AttemptOptions", "AttemptResult", "Session", "SessionEnded", "UserSession", "session"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from trainer.session.context import SessionEnded as SessionEnded
+    from trainer.session.context import UserSession as UserSession
+    from trainer.session.context import session as session
+    from trainer.session.core import Session as Session
+    from trainer.session.options import AttemptOptions as AttemptOptions
+    from trainer.session.options import AttemptResult as AttemptResult
+
+# name: the module of this room that defines it (imported when the name is first read)
+_WHERE = {
+    "AttemptOptions": "options",
+    "AttemptResult": "options",
+    "Session": "core",
+    "SessionEnded": "context",
+    "UserSession": "context",
+    "session": "context",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = lazy_exports(__name__, _WHERE)

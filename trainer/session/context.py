@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from trainer.entrypoints import call_main, resolve_entrypoint, takes_args
+from trainer.checkpoint.stateful import Stateful
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
+from trainer.recipes.job_shape import spec_shape_args
 from trainer.session.core import Session
 from trainer.session.options import AttemptOptions, AttemptResult, seed_everything
 from trainer.session.parts import wrapped
-from trainer.shape_args import spec_shape_args
-from trainer.spec import JobSpec
-from trainer.stateful import Stateful
+from trainer.spec.entrypoints import call_main, resolve_entrypoint, takes_args
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ one step boundary in the code base: the ranks agree (stop, checkpoint due, the m
 loss is refused before any checkpoint, the step's metrics are recorded once, a due checkpoint is taken in
 the background, and a stop request (a notice, a handover, `max_steps`, `total_steps`) sets
 `should_stop` once the emergency checkpoint is planned. `close()` takes the final checkpoint and
-returns the attempt's result. The recipe loop (trainer/loop.py) and a user's own loop
+returns the attempt's result. The recipe loop (trainer/session/loop.py) and a user's own loop
 (`spotrun.session`) both run on it.
 
 The copy fence is an optimizer step pre-hook on every optimizer the session holds: a background save
@@ -25,21 +25,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.data import ResumableLoader
+from trainer.checkpoint.completion import mark_completed
+from trainer.checkpoint.state import state_nbytes
 from trainer.errors import ConfigError, TrainingDiverged
-from trainer.evaluation import evaluate_for_promotion
 from trainer.exitcodes import ExitCode
-from trainer.resume import mark_completed
+from trainer.preemption.stopping import SaveCost, agreed_plan, emergency_plan
+from trainer.recipes.data import ResumableLoader
+from trainer.session.evaluation import evaluate_for_promotion
 from trainer.session.opening import open_session
 from trainer.session.options import AttemptResult
 from trainer.session.state import SessionState
-from trainer.session.stopping import SaveCost, agreed_plan, emergency_plan
-from trainer.state import state_nbytes
 
 if TYPE_CHECKING:
     pass
 
-log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
 
 
@@ -185,7 +185,7 @@ class Session(SessionState):
 
     def _stop_now(self) -> bool:
         """Stop at this step boundary? As `_stop_seen`, except that a noticed single process trains on
-        through a handover first (trainer/handover.py)."""
+        through a handover first (trainer/preemption/handover.py)."""
         if self.ranks.distributed:
             return self.stop_agreed
         if not self.opts.stop.requested:

@@ -15,23 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.checkpointer import Checkpointer
+from trainer.checkpoint.state import update_only_views
+from trainer.checkpoint.validate import Expectation
 from trainer.errors import ConfigError
-from trainer.interval import IntervalTuner
-from trainer.metrics_log import MetricsLog
-from trainer.resume import Restored, durable_here, load_state, select_together
+from trainer.saving.checkpointer import Checkpointer
+from trainer.saving.interval import IntervalTuner
 from trainer.session.options import rank_seed, seed_everything
 from trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
+from trainer.session.resume import Restored, durable_here, load_state, select_together
 from trainer.session.state import SessionState
-from trainer.spec import describe_changes
-from trainer.state import update_only_views
-from trainer.validate import Expectation
-from trainer.warm_start import warm_start
+from trainer.session.warm_start import warm_start
+from trainer.spec.job import describe_changes
+from trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
-    from trainer import sharded
+    from trainer.saving import sharded
 
-log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
 
 
 def open_session(s: SessionState) -> None:
@@ -104,7 +104,7 @@ def checkpointer(s: SessionState, durable: int | None) -> Checkpointer | sharded
     spec, opts = s.spec, s.opts
     pin = s.device.type == "cuda"
     if spec.distributed is not None:
-        from trainer.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
+        from trainer.saving.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
 
         return ShardedCheckpointer(
             s.storage,
@@ -166,7 +166,7 @@ def restore(s: SessionState, path: Path) -> Restored:
     """Load every part but the RNG, which waits for the data iterator. A resharded resume re-derives
     each rank's RNG from (seed, rank, step) instead."""
     if s.state.sharded:
-        from trainer.sharded import load_sharded
+        from trainer.saving.sharded import load_sharded
 
         load_sharded(path, s.state, s.ranks)
     restored = load_state(path, s.state, skip=("rng",) if s.resharded_from is not None else ())

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.distributed import Ranks
+from trainer.distributed.ranks import Ranks
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
-from trainer.faults import Fault
-from trainer.handover import ANNOUNCE_S
-from trainer.preemption import StopRequest
-from trainer.resume import ResumeSource
-from trainer.spec import Change, JobSpec
-from trainer.status import StatusReporter
+from trainer.preemption.handover import ANNOUNCE_S
+from trainer.preemption.requests import StopRequest
+from trainer.session.faults import Fault
+from trainer.session.resume import ResumeSource
+from trainer.spec.job import Change, JobSpec
 from trainer.storage import Storage
+from trainer.telemetry.status import StatusReporter
 
 
 @dataclass
@@ -37,8 +37,9 @@ class AttemptOptions:
     # does the slow part (imports, model, data) while the worker it replaces still saves.
     claim: Callable[[], Storage] | None = None
     prewarmed: bool = False  # started at another worker's notice: warm the first step's imports while waiting
-    # Train through a notice for up to this long, until the replacement stands by (trainer/handover.py);
-    # 0: stop at the next step. `worker_id`: this trainer's name in the lease, which a standby names.
+    # Train through a notice for up to this long, until the replacement stands by
+    # (trainer/preemption/handover.py); 0: stop at the next step. `worker_id`: this trainer's name in the
+    # lease, which a standby names.
     handover_s: float = 0.0
     worker_id: str | None = None
     sigterm_window_s: float = 0.0  # a SIGTERM's warning before SIGKILL, when the provider knows it

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.distributed import wrap
+from trainer.distributed.ranks import wrap
 from trainer.errors import LeaseLost
-from trainer.metrics_log import prune_after
 from trainer.session.options import AttemptOptions, rank_seed, seed_everything
-from trainer.spec import JobSpec
+from trainer.spec.job import JobSpec
 from trainer.storage import Storage
+from trainer.telemetry.metrics_log import prune_after
 
 if TYPE_CHECKING:
     pass
 
-log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
 
 
 class Meter:

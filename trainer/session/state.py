@@ -12,26 +12,26 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpointer import Checkpointer
-from trainer.data import Position
+from trainer.checkpoint.state import RngState
+from trainer.checkpoint.stateful import Registry, Stateful
 from trainer.errors import ConfigError, ResumeIncompatible
-from trainer.interval import Choice, IntervalTuner
-from trainer.metrics_log import MetricsLog
-from trainer.preemption import SavePlan
+from trainer.preemption.requests import SavePlan
+from trainer.preemption.stopping import HandoverGate, HandoverOptions
 from trainer.recipes import Parts
-from trainer.resume import Restored
+from trainer.recipes.data import Position
+from trainer.saving.checkpointer import Checkpointer
+from trainer.saving.interval import Choice, IntervalTuner
 from trainer.session.options import AttemptOptions
 from trainer.session.parts import Meter
-from trainer.session.stopping import HandoverGate, HandoverOptions
-from trainer.spec import Change, JobSpec, spec_changes
-from trainer.state import RngState
-from trainer.stateful import Registry, Stateful
+from trainer.session.resume import Restored
+from trainer.spec.job import Change, JobSpec, spec_changes
 from trainer.storage import Storage
+from trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
-    from trainer import sharded
+    from trainer.saving import sharded
 
-log = logging.getLogger("trainer.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
 
 

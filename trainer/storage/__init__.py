@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError
 from trainer.storage.base import (
@@ -28,15 +27,14 @@ from trainer.storage.registry import (
     register_backend,
     unregister_backend,
 )
-
-if TYPE_CHECKING:
-    from trainer.spec import S3Options as S3Options
+from trainer.storage.s3_options import S3Options
 
 __all__ = [
     "Backend",
     "LocalStorage",
     "ObjectInfo",
     "Reopenable",
+    "S3Options",
     "Storage",
     "check_local_path",
     "check_uri",
@@ -51,15 +49,6 @@ __all__ = [
     "sha256_of",
     "unregister_backend",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """`S3Options`, read here by tasks/run_retention.py, lives in the job spec (trainer/spec.py) for now."""
-    if name == "S3Options":
-        from trainer.spec import S3Options
-
-        return S3Options
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_uri(uri: str, home: Path) -> str:

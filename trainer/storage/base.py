@@ -6,7 +6,7 @@ whole becomes visible only when its manifest (written last) exists; that is the 
 not the backend's.
 
 `read_versioned` and `put_if` are a compare-and-swap on one small object (the storage lease,
-trainer/lease.py): a version is an opaque string (S3's ETag, a content hash locally) and a put
+trainer/preemption/lease.py): a version is an opaque string (S3's ETag, a content hash locally) and a put
 whose precondition no longer holds raises `PreconditionFailed` and changes nothing. `read_stamped`
 adds the object's age by the store's own clock, so that a machine judging another's lease never
 compares two machines' clocks.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from trainer.digests import DIGEST, digest_chunks
+from trainer.storage.digests import DIGEST, digest_chunks
 from trainer.storage.registry import backend_for
 
 CHUNK = 1 << 20

@@ -14,8 +14,8 @@ from functools import partial
 from pathlib import Path
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.locks import flock_waiting
 from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
+from trainer.storage.locks import flock_waiting
 from trainer.storage.registry import is_local
 
 TMP_MARK = ".spotrun-tmp-"

@@ -30,9 +30,9 @@ from botocore.config import Config
 
 from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
 from trainer.redact import redact
-from trainer.spec import S3Options
 from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
 from trainer.storage.local import TMP_MARK
+from trainer.storage.s3_options import S3Options
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -189,7 +189,7 @@ class S3Storage:
     ) -> None:
         self.client = client
         self.bucket = bucket
-        self.opts = opts  # what another process opens this storage again with (trainer/writer_proc.py)
+        self.opts = opts  # what another process opens this storage again with (trainer/saving/writer_proc.py)
         self.root = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.uri = f"s3://{bucket}/{self.root}".rstrip("/")
         self.attempts = attempts

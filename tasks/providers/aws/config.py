@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainer.signing import KEY_ENV
+from trainer.checkpoint.signing import KEY_ENV
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 RESERVED_TAG_PREFIX = "spotrun:"
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")

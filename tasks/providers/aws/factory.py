@@ -11,7 +11,7 @@ from tasks.providers.aws.installation import installation_id
 from tasks.providers.aws.provider import AwsProvider
 from tasks.providers.aws.rehearsal import RehearsalProvider
 from tasks.providers.base import Provider
-from tasks.settings import spotrun_home
+from trainer.home import spotrun_home
 
 
 def build(cfg: AwsProviderConfig, workdir: Path, flow_run_id: str | None) -> Provider:

@@ -350,7 +350,7 @@ def _provider(path: Path) -> AwsProviderConfig:
 
 def _scope(args: argparse.Namespace) -> Scope:
     from tasks.providers.aws.installation import installation_id
-    from tasks.settings import spotrun_home
+    from trainer.home import spotrun_home
 
     home = spotrun_home()
     return Scope(args.account, installation_id(home), args.storage, args.s3_key, args.worker_role)

@@ -51,15 +51,15 @@ from tasks.providers.aws.policy import (
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
-from trainer.heartbeat import HEARTBEAT_EVERY_S
-from trainer.records import Notice, Record
 from trainer.storage import Storage, open_storage
 from trainer.storage.registry import is_local
+from trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S
+from trainer.telemetry.records import Notice, Record
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
 
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class AwsProvider:
 
         def status(rec: Record) -> None:
             # A spot notice marks the pool at once, before the controller hears of it: the replacement
-            # it provisions at the notice (tasks/prewarm.py) must land elsewhere, as a retry would.
+            # it provisions at the notice (tasks/control/prewarm.py) must land elsewhere, as a retry would.
             nonlocal noticed
             if isinstance(rec, Notice) and rec.stop and not noticed:
                 noticed = True

@@ -24,7 +24,7 @@ from tasks.providers.aws.watch import AwsWorkerState
 from tasks.providers.base import LogCallback, StatusCallback, StopCause, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from tasks.providers.trainer_env import trainer_env
-from trainer.spec import EnvOptions, JobSpec
+from trainer.spec.job import EnvOptions, JobSpec
 
 log = logging.getLogger(__name__)
 

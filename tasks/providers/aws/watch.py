@@ -1,14 +1,14 @@
 """Watching one EC2 worker: the instance's state from EC2, the trainer's progress from its heartbeat
 object in the job's storage, both polled every `poll_s`, folded into a `WatchResult`.
 
-The heartbeat (`_workers/<worker id>/heartbeat.json`; trainer/heartbeat.py holds the contract) carries
-the last status record of each kind (trainer/status.py); records are fed in as the local provider
-feeds status lines, but only the newest of each kind survives between two polls. Staleness is judged
+The heartbeat (`_workers/<worker id>/heartbeat.json`; trainer/telemetry/heartbeat.py holds the contract)
+carries the last status record of each kind (trainer/telemetry/status.py); records are fed in as the local
+provider feeds status lines, but only the newest of each kind survives between two polls. Staleness is judged
 on the watcher's clock (when the object last changed), never by comparing clocks across machines.
 
 A spot reclaim sets notice_kind "spot-interruption" and kill_reason "reclaimed" (kill_detail: EC2's
 StateReason code); notice_at is when the trainer heard of it: its
-`notice` record (the instance metadata's interruption notice, trainer/notices.py) or, failing that,
+`notice` record (the instance metadata's interruption notice, trainer/preemption/notices.py) or, failing that,
 its `stopping` record (the SIGTERM of the shutdown). A reclaim with neither leaves notice_at None.
 
 A multi-node attempt is one worker over several instances (node 0 first). One node's heartbeat speaks
@@ -49,9 +49,9 @@ from tasks.providers.aws.launch import TAG_LEASE, lease_value
 from tasks.providers.aws.policy import Placement
 from tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
 from trainer.errors import StorageError
-from trainer.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat
-from trainer.records import Durable, Exit, Record, Started, Step
 from trainer.storage import Storage
+from trainer.telemetry.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat
+from trainer.telemetry.records import Durable, Exit, Record, Started, Step
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.providers.trainer_env import trainer_env
-from trainer.signing import KEY_ENV
+from trainer.checkpoint.signing import KEY_ENV
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 
 class PlannedPreemption(BaseModel):

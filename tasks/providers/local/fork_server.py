@@ -1,4 +1,5 @@
-"""The local provider's side of the trainer fork server (trainer/zygote.py): start one, ask it for trainers.
+"""The local provider's side of the trainer fork server (trainer/launch/zygote.py):
+start one, ask it for trainers.
 
 A server is kept per interpreter and *load-time environment*: the variables a process reads once at
 start-up (`PYTHON*`, OpenMP's and BLAS's thread settings, `LD_*`, locale, torch's import-time switches).
@@ -26,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from tasks.providers.processes import die_with_parent, on_spawner_thread
-from trainer.zygote import MAX_PACKET, send
+from trainer.launch.zygote import MAX_PACKET, send
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,12 @@ def load_key(python: str, env: Mapping[str, str]) -> tuple[str, tuple[tuple[str,
 
 
 class ForkServer:
-    """One running trainer/zygote.py and the thread that reads its packets."""
+    """One running trainer/launch/zygote.py and the thread that reads its packets."""
 
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
         self.python = python
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [python, "-m", "trainer.zygote", str(theirs.fileno()), ",".join(preload)]
+        cmd = [python, "-m", "trainer.launch.zygote", str(theirs.fileno()), ",".join(preload)]
         try:
             self.proc = on_spawner_thread(lambda: _popen(cmd, dict(env), theirs.fileno()))
         finally:

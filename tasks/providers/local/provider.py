@@ -54,12 +54,12 @@ from tasks.providers.processes import (
     signal_group,
 )
 from tasks.providers.trainer_env import trainer_env
-from trainer.records import Durable, Record, Started, Step
-from trainer.status import parse_status_line
 from trainer.storage.base import local_dir_name
+from trainer.telemetry.records import Durable, Record, Started, Step
+from trainer.telemetry.status import parse_status_line
 
 if TYPE_CHECKING:
-    from trainer.spec import JobSpec
+    from trainer.spec.job import JobSpec
 
 __all__ = ["OMP_WAIT", "LocalProvider", "build", "worker_dir"]
 
@@ -150,7 +150,8 @@ class LocalProvider:
         return _Watch(self.cfg, worker, None, None).stop(cause)
 
     def stop_leftovers(self, flow_run_id: str) -> list[str]:
-        """[]: a dead controller's local trainer is found by its pid file (tasks/adoption.py), not here."""
+        """[]: a dead controller's local trainer is found by its pid file
+        (tasks/ownership/adoption.py), not here."""
         return []
 
     def release(self, worker: Worker) -> None:

@@ -1,0 +1,323 @@
+"""Trust from where: what a deployment run's parameters may name on this worker host.
+
+The operator's own job file (given to `spotrun run` or `python -m trainer --config`) is trusted as
+written. A deployment run's parameters come from whoever can reach the Prefect API: the UI's form, the
+API, an automation. Prefect OSS has no roles, so whoever can start a run can also edit a deployment's
+defaults; what such a run may name (an interpreter, a recipe module, an entry point, environment names,
+a non-https endpoint, a tracking URI) is therefore decided on the worker host, from a 0600 settings file
+under $SPOTRUN_HOME (ALLOWED_FILE) that `spotrun deploy` writes from the deployments' own defaults and
+that the operator may add to. Nothing read back from the API widens it.
+
+`refusal` is the decision (pure); `refuse_untrusted_parameters` applies it at a flow's start, to
+deployment runs only: a run started in-process by `spotrun run` has no deployment.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import ipaddress
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, cast
+from urllib.parse import urlsplit
+
+import yaml
+
+from tasks.providers.registry import ProviderConfig
+from tasks.providers.trainer_env import passes
+from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV, keyring
+from trainer.errors import ConfigError
+from trainer.spec.job import JobSpec
+
+ALLOWED_FILE = "allowed.yaml"
+OPERATOR, DEPLOYMENTS = "allow", "deployments"  # the file's sections: the operator's, spotrun deploy's
+HEADER = f"""\
+# What a deployment run's parameters (the Prefect UI form, the API, an automation) may name on this
+# worker host, beyond built-in recipes, the flow's own interpreter, https endpoints and the default
+# environment. `{DEPLOYMENTS}:` is what the deployments' defaults name: `spotrun deploy` rewrites it.
+# `{OPERATOR}:` is yours: `spotrun deploy` keeps it. Keep this file 0600: whoever can edit it can run code.
+"""
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What a deployment run may name beyond the defaults (every list exact strings)."""
+
+    python: frozenset[str] = frozenset()  # provider.python: interpreters
+    recipes: frozenset[str] = frozenset()  # recipe import strings, package.module:function
+    entrypoints: frozenset[str] = frozenset()  # entry points (package.module:function): code, always listed
+    env: frozenset[str] = frozenset()  # names in env.pass and env.set
+    endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
+    tracking: frozenset[str] = frozenset()  # tracking.uri
+    keep_runs: frozenset[str] = frozenset()  # keep_runs values: a run may keep as many or more
+    loopback: bool = False  # http endpoints on 127.0.0.1, ::1 or localhost (tests, moto)
+
+    def __or__(self, other: Allowed) -> Allowed:
+        sets = {f.name: getattr(self, f.name) | getattr(other, f.name) for f in fields(self)}
+        return Allowed(**sets)
+
+    def as_yaml(self) -> dict[str, Any]:
+        return {
+            f.name: v if isinstance(v := getattr(self, f.name), bool) else sorted(v) for f in fields(self)
+        }
+
+    @classmethod
+    def from_yaml(cls, doc: Any, where: str) -> Allowed:
+        if doc is None:
+            return cls()
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{where}: expected a mapping of {', '.join(f.name for f in fields(cls))}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(doc) - known):
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
+        loopback = doc.get("loopback", False)
+        if not isinstance(loopback, bool):
+            raise ConfigError(f"{where}.loopback: use true or false")
+        lists = {k: _strings(doc.get(k), f"{where}.{k}") for k in known - {"loopback"}}
+        return cls(loopback=loopback, **lists)
+
+
+def _strings(v: Any, where: str) -> frozenset[str]:
+    if v is None:
+        return frozenset()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise ConfigError(f"{where}: use a list of strings")
+    return frozenset(v)
+
+
+# ---- the decision ----
+
+
+def refusal(
+    job: JobSpec, provider: ProviderConfig, allowed: Allowed, own_python: str, settings: str
+) -> str | None:
+    """Why a deployment run with these parameters may not start (one line naming the field and the fix),
+    or None. `own_python`: the flow's interpreter; `settings`: the settings file, for the message."""
+
+    def fix(kind: str) -> str:
+        return f"add it under {OPERATOR}.{kind} in {settings}, or run the job file with `spotrun run`"
+
+    python_ok = {None, own_python, type(provider).model_fields["python"].default} | allowed.python
+    if provider.python not in python_ok:
+        return (
+            f"provider.python: {provider.python!r} is not an interpreter this host lets a deployment "
+            f"run name; {fix('python')}"
+        )
+    if job.recipe is not None and ":" in job.recipe and job.recipe not in allowed.recipes:
+        return (
+            f"recipe: {job.recipe!r} is a module this host does not let a deployment run import; "
+            f"{fix('recipes')}"
+        )
+    if job.entrypoint is not None and job.entrypoint not in allowed.entrypoints:
+        what = f"entrypoint: {job.entrypoint!r} is code this host does not let a deployment run import"
+        return f"{what}; {fix('entrypoints')}"
+    for where, names in (("env.pass", job.env.pass_), ("env.set", list(job.env.set_))):
+        for name in names:  # passing a variable that passes anyway changes nothing; setting one may
+            if name not in allowed.env and not (where == "env.pass" and passes(name)):
+                return f"{where}: {name} is not a variable this host lets a deployment run name; {fix('env')}"
+    endpoints = {"s3.endpoint_url": job.s3.endpoint_url, **provider.endpoints()}
+    for field, url in endpoints.items():
+        if url is not None and not endpoint_allowed(url, allowed):
+            return (
+                f"{field}: {url!r} is not https; {fix('endpoints')} "
+                f"(a loopback test server: {OPERATOR}.loopback: true)"
+            )
+    if why := provider.deployment_refusal(is_loopback):
+        return why
+    if why := _keyed_refusal(job, allowed, fix("keep_runs")):
+        return why
+    uri = job.tracking.uri
+    if uri is not None and uri not in allowed.tracking:
+        return (
+            f"tracking.uri: {uri!r} is not a tracking URI this host lets a deployment run name; "
+            f"{fix('tracking')}"
+        )
+    return None
+
+
+def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
+    """What spotrun fills (the run's values and sources) a form may not set; `keep_runs` deletes older
+    runs' checkpoints, so a form may keep as many as the host's settings name, or more, never fewer."""
+    filled = [
+        ("run_values", bool(job.run_values)),
+        ("init_from.source", job.init_from is not None and job.init_from.source is not None),
+        ("promote.champion", job.promote is not None and job.promote.champion is not None),
+    ]
+    for field, given in filled:
+        if given:
+            return f"{field} is filled by spotrun when a run key starts; leave it empty in the parameters"
+    least = min((int(v) for v in allowed.keep_runs if v.isdigit()), default=None)
+    if job.keep_runs is not None and (least is None or job.keep_runs < least):
+        floor = f"at least {least}" if least is not None else "no keep_runs"
+        return (
+            f"keep_runs: {job.keep_runs} would delete older runs' checkpoints, and this host's settings "
+            f"let a deployment run set {floor}; {fix}"
+        )
+    return None
+
+
+def endpoint_allowed(url: str, allowed: Allowed) -> bool:
+    """https, listed, or (where the settings allow it) on loopback."""
+    if urlsplit(url).scheme == "https" or url.rstrip("/") in {e.rstrip("/") for e in allowed.endpoints}:
+        return True
+    return allowed.loopback and is_loopback(url)
+
+
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def named(params: Mapping[str, Any]) -> Allowed:
+    """What a deployment's default parameters (`job`, `provider`, as prefect.yaml holds them) name, pure."""
+    job, provider = _dict(params.get("job")), _dict(params.get("provider"))
+    env = _dict(job.get("env"))
+    recipe = job.get("recipe")
+    endpoints = [_dict(job.get("s3")).get("endpoint_url"), provider.get("endpoint_url")]
+    return Allowed(
+        python=_present([provider.get("python")]),
+        recipes=_present([recipe] if isinstance(recipe, str) and ":" in recipe else []),
+        entrypoints=_present([job.get("entrypoint")]),
+        env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
+        endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
+        tracking=_present([_dict(job.get("tracking")).get("uri")]),
+        keep_runs=_present([str(job["keep_runs"])] if isinstance(job.get("keep_runs"), int) else []),
+    )
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _present(values: Iterable[Any]) -> frozenset[str]:
+    return frozenset(v for v in values if isinstance(v, str) and v)
+
+
+# ---- the settings file ----
+
+
+def settings_path(home: Path) -> Path:
+    return home / ALLOWED_FILE
+
+
+def read_allowed(home: Path) -> Allowed:
+    """Both sections of the host's settings file; nothing beyond the defaults when there is no file.
+    ConfigError (one line) when it is unreadable, malformed, or writable by others."""
+    path = settings_path(home)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return Allowed()
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(f"{path} is writable by others, so it cannot be trusted: chmod 600 {path}")
+    doc = _load(path)
+    return Allowed.from_yaml(doc.get(OPERATOR), f"{path}: {OPERATOR}") | Allowed.from_yaml(
+        doc.get(DEPLOYMENTS), f"{path}: {DEPLOYMENTS}"
+    )
+
+
+def write_allowed(home: Path, deployments: Allowed) -> Path:
+    """Rewrite the `deployments` section (keeping the operator's), 0600, atomically."""
+    path = settings_path(home)
+    operator = _load(path).get(OPERATOR) if path.exists() else None
+    kept = Allowed.from_yaml(operator, f"{path}: {OPERATOR}")  # a malformed one is refused, not dropped
+    defaults = {k: v for k, v in deployments.as_yaml().items() if k != "loopback"}  # the operator's say
+    body = yaml.safe_dump({OPERATOR: kept.as_yaml(), DEPLOYMENTS: defaults}, sort_keys=False)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(HEADER + body)
+    os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply to a leftover file of the same name
+    os.replace(tmp, path)
+    return path
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML ({getattr(e, 'problem', e)}); fix it") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected the sections {OPERATOR}: and {DEPLOYMENTS}:")
+    return doc
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# ---- keys: the controller verifies only what its workers sign ----
+
+
+def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str, str]) -> str | None:
+    """Why a run must not start because the controller holds manifest keys (and so quarantines nothing
+    but alerts on every checkpoint it cannot verify) while its workers would not sign; None when the
+    workers sign with the controller's key, or nobody verifies."""
+    ring = keyring(environ)
+    if not ring.verifying:
+        return None
+    if ring.signing is None:
+        return f"{OLD_KEYS_ENV} is set but {KEY_ENV} is not: workers would not sign; set {KEY_ENV} too"
+    return provider.signing_refusal(job, environ)  # how the key reaches the workers is the provider's
+
+
+# ---- at a flow's start ----
+
+
+def run_refusal(
+    deployment_id: str | None, job: JobSpec, provider: ProviderConfig, home: Path, own_python: str
+) -> str | None:
+    """`refusal` for a deployment run, under the settings in `home`; None for any other run: one started
+    in-process from the operator's own job file (`spotrun run`) has no deployment, and runs as written."""
+    if deployment_id is None:
+        return None
+    try:
+        return refusal(job, provider, read_allowed(home), own_python, str(settings_path(home)))
+    except ConfigError as e:  # the settings file itself is bad: nothing beyond the defaults is trusted
+        return str(e)
+
+
+def refuse_untrusted_parameters(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a flow function taking `job` and `provider`: a deployment run whose parameters name what
+    this host does not allow ends Failed with the refusal's line, before the function runs (no slot, no
+    worker, no history row); any other run (`spotrun run`'s, in-process) runs as written."""
+    from prefect import get_run_logger
+    from prefect.context import FlowRunContext
+    from prefect.states import Failed
+
+    from tasks.settings import spotrun_home
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        job, provider = bound.arguments["job"], bound.arguments["provider"]
+        ctx = FlowRunContext.get()  # the run as the engine loaded it: no API call
+        run = ctx.flow_run if ctx is not None else None
+        deployment_id = str(run.deployment_id) if run is not None and run.deployment_id else None
+        why = run_refusal(deployment_id, job, provider, spotrun_home(), sys.executable)
+        why = why or signing_refusal(job, provider, os.environ)
+        if why is not None:
+            get_run_logger().error("refused: %s", why)
+            return cast(R, Failed(message=f"refused: {why}"))
+        return fn(*args, **kwargs)
+
+    checked.__signature__ = signature  # type: ignore[attr-defined]
+    return checked

@@ -1,0 +1,32 @@
+"""The control loop of one job: provision, train, release, check, record, decide; repeat.
+
+Modules: `loop` (`run_job`), `runlog` (the job run's SQL rows and records), `checkpoints` (the controller's
+integrity check), `prewarm` (the replacement started at a notice), `trainer_args` (what the next trainer is
+told from history), `sweeping` (the sweeper's Prefect side).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED as CHECKPOINT_UNVERIFIED
+    from tasks.control.checkpoints import CONTROLLER_DISK_FULL as CONTROLLER_DISK_FULL
+    from tasks.control.checkpoints import completed_at as completed_at
+    from tasks.control.loop import PlainSink as PlainSink
+    from tasks.control.loop import run_job as run_job
+    from tasks.control.sweeping import sweep_instances as sweep_instances
+
+# name: the module of this room that defines it (imported when the name is first read)
+_WHERE = {
+    "CHECKPOINT_UNVERIFIED": "checkpoints",
+    "CONTROLLER_DISK_FULL": "checkpoints",
+    "PlainSink": "loop",
+    "completed_at": "checkpoints",
+    "run_job": "loop",
+    "sweep_instances": "sweeping",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -1,0 +1,40 @@
+"""What the next trainer is told beyond the job file, from this job's history in SQL.
+
+Today that is one thing: with `checkpoint.every: auto`, how often this job's workers are reclaimed on
+this provider (tasks/decisions/mtbf.py), which the trainer's interval tuner plans its checkpoint interval for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from tasks.decisions.mtbf import estimate_mtbf
+from tasks.history import StoreUnavailable
+from tasks.history.models import AttemptRow
+from trainer.spec.job import JobSpec
+
+
+class Store(Protocol):
+    def attempts(self, job: str | None = None) -> list[AttemptRow]: ...
+
+
+class Sink(Protocol):
+    def log(self, level: int, msg: str) -> None: ...
+
+
+def trainer_args(
+    job: JobSpec, store: Store, provider: str, sink: Sink, reclaimed_after_s: float | None = None
+) -> list[str]:
+    """The arguments; `reclaimed_after_s`: the attempt in flight is being reclaimed (a replacement
+    started at its notice), after this long: it counts too."""
+    if job.checkpoint.every != "auto":
+        return []
+    try:
+        rows = store.attempts(job=job.name)
+    except StoreUnavailable as e:  # a database that is down never stops training: the prior then
+        sink.log(logging.WARNING, f"no attempt history for the checkpoint interval: {e}")
+        rows = []
+    est = estimate_mtbf(rows, provider, job.checkpoint.mtbf_prior_s, reclaimed_after_s=reclaimed_after_s)
+    sink.log(logging.INFO, f"checkpoint interval planned for {est.describe()}")
+    return ["--mtbf-s", f"{est.mtbf_s:.0f}"]

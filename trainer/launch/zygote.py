@@ -1,0 +1,234 @@
+"""A fork server for trainers: import torch and the training stack once, then fork one trainer per request.
+
+A trainer started as a fresh process spends most of its start in imports: on a 2-core VM `import torch`
+took 1.9 s and `torch._dynamo` (which every optimizer's first `step()` imports) 1.25 s, out of a 3.2 s
+cold start (measured with -X importtime). A worker reclaimed without notice pays that again before its
+replacement trains one step. Forked from this server, a trainer starts with both already imported.
+
+`python -m trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair, MODULES a comma
+list to import before serving. One JSON object per packet:
+
+    <- {"op": "ready", "preload_s": S}                      once, after the imports
+    -> {"op": "spawn", "id": N, "module": M, "argv": [...], "env": {...}, "cwd": D}   + 2 fds (stdout, stderr)
+    <- {"op": "spawned", "id": N, "pid": P}  or  {"op": "spawned", "id": N, "error": "..."}
+    <- {"op": "exited", "pid": P, "returncode": RC}        Popen's convention: -SIG when killed by a signal
+    -> {"op": "reap", "pid": P}                             the child stays a zombie until then, so that its
+                                                            pid (its session's id) is not reused before the
+                                                            provider has killed what is left of the session
+    <- {"op": "reaped", "pid": P}
+
+A child is what `python -m M ARGV` would have been: its own session, PR_SET_PDEATHSIG=SIGKILL tied to this
+server (which has the same tie to the provider's process, so a controller that dies still takes its
+trainers along), stdin from /dev/null, the request's stdout, stderr, environment, working directory and
+argv, and default signal handlers. What a process fixes at start-up (sys.flags, stdio buffering, how many
+OpenMP threads, their wait policy) is the same by construction: the client keeps one server per
+interpreter and load-time environment (tasks/providers/local/fork_server.py).
+
+The server runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C in the terminal or a
+cancel's SIGTERM is the controller's to handle (it stops its trainers gracefully, and they save); the
+server's death would SIGKILL every trainer at once. It exits when the client's end of the socket closes.
+This module never imports torch itself: what it imports is MODULES.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.parent_death import arm_pdeathsig
+
+PR_SET_NAME = 15
+MAX_PACKET = 1 << 20  # a request is argv + environment: a few KB
+
+
+@dataclass(frozen=True)
+class Request:
+    module: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdout: int
+    stderr: int
+
+
+def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(msg).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    modules = [m for m in (argv[1] if len(argv) > 1 else "").split(",") if m]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    started = time.monotonic()
+    for name in modules:
+        importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
+        send(sock, {"op": "error", "error": f"importing {modules} initialized CUDA; cannot fork trainers"})
+        return 1
+    send(sock, {"op": "ready", "preload_s": round(time.monotonic() - started, 3)})
+    request = _serve(sock)
+    if request is None:
+        return 0
+    return _run(request)  # in a child: what `python -m MODULE` would do, exit code included
+
+
+def _serve(sock: socket.socket) -> Request | None:
+    """Answer requests until the client goes away (None), or return the request in a freshly forked child."""
+    server_pid = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd sees SIGCHLD
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    children: dict[int, bool] = {}  # pid -> its exit has been reported
+    try:
+        while True:
+            for key, _ in sel.select(timeout=1.0):
+                if key.fileobj == wake_r:
+                    while _drain(wake_r):
+                        pass
+                    continue
+                data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 2)
+                if not data:
+                    return None  # the client is gone: our children get SIGKILL as we exit
+                msg = json.loads(data)
+                if msg["op"] == "reap":
+                    _reap(children, int(msg["pid"]))
+                    send(sock, {"op": "reaped", "pid": int(msg["pid"])})
+                elif msg["op"] == "spawn":
+                    pid = _fork(sock, msg, fds, server_pid)
+                    if pid == 0:  # the child: leave the server's loop and its fds behind
+                        signal.set_wakeup_fd(-1)
+                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        sel.close()
+                        for fd in (wake_r, wake_w):
+                            os.close(fd)
+                        sock.close()
+                        return _request(msg, fds)
+                    if pid > 0:
+                        children[pid] = False
+            _report_exits(sock, children)
+    except (BrokenPipeError, ConnectionResetError):
+        return None
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int], server_pid: int) -> int:
+    """Fork for one spawn request; the parent answers with the pid (or the error) and closes the fds."""
+    if len(fds) != 2:
+        send(
+            sock,
+            {"op": "spawned", "id": msg["id"], "error": f"expected 2 fds (stdout, stderr), got {len(fds)}"},
+        )
+        for fd in fds:
+            os.close(fd)
+        return -1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    settled_r, settled_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        send(sock, {"op": "spawned", "id": msg["id"], "error": f"fork failed: {e}"})
+        pid = -1
+    if pid == 0:
+        os.close(settled_r)
+        _become_child(server_pid, str(msg["module"]))
+        os.close(settled_w)  # the pid is a session id now: the provider may kill the session
+        return 0
+    os.close(settled_w)
+    for fd in fds:
+        os.close(fd)
+    if pid > 0:
+        os.read(settled_r, 1)  # EOF once the child has its own session (or has died)
+        send(sock, {"op": "spawned", "id": msg["id"], "pid": pid})
+    os.close(settled_r)
+    return pid
+
+
+def _become_child(server_pid: int, module: str) -> None:
+    """Its own session, its module's name as the process name (`ps -o comm`, `pgrep -x trainer`; the
+    command line stays the server's), and SIGKILL when the server dies (PR_SET_PDEATHSIG, Linux)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(module.encode()[:15]), 0, 0, 0)
+        arm_pdeathsig()
+        if os.getppid() != server_pid:  # the server died before prctl: no signal would ever come
+            os._exit(1)
+
+
+def _request(msg: dict[str, Any], fds: list[int]) -> Request:
+    return Request(str(msg["module"]), list(msg["argv"]), dict(msg["env"]), str(msg["cwd"]), fds[0], fds[1])
+
+
+def _report_exits(sock: socket.socket, children: dict[int, bool]) -> None:
+    for pid, reported in list(children.items()):
+        if reported:
+            continue
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info, children[pid] = None, True
+        if info is not None:
+            rc = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            send(sock, {"op": "exited", "pid": pid, "returncode": rc})
+            children[pid] = True
+
+
+def _reap(children: dict[int, bool], pid: int) -> None:
+    if pid in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        del children[pid]
+
+
+def _run(req: Request) -> int:
+    """In the child: become `python -m MODULE ARGV` with the request's stdio, environment and directory."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(req.stdout, 1)
+    os.dup2(req.stderr, 2)
+    for fd in {devnull, req.stdout, req.stderr} - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(req.cwd)
+    os.environ.clear()
+    os.environ.update(req.env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.path[0] = req.cwd  # what `python -m` puts first
+    sys.argv = [req.module, *req.argv]
+    # the preload imported MODULE.__main__ for what it imports; runpy runs its code afresh either way,
+    # and would warn on stderr ("found in sys.modules ... unpredictable behaviour") for every trainer
+    sys.modules.pop(f"{req.module}.__main__", None)
+    runpy.run_module(req.module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,145 @@
+"""A job's own training loop, named as `entrypoint: package.module:function`: its form, the names it must
+not share with spotrun's packages, and how the trainer finds and calls it.
+
+The job file names the code a job runs one way only (`recipe` or `entrypoint`, and later `command`): the
+spec's validator refuses both and neither with `code_problem`. Nothing here imports user code except
+`resolve_entrypoint`, which the trainer calls on the worker; `spotrun run` imports the module in a
+subprocess instead (tasks/admission/entrypoint_check.py), so the controller never loads user code or torch.
+
+Name clashes run both ways: spotrun's top-level packages (`RESERVED`) can be shadowed by a user's module
+of the same name beside their loop, or shadow it. `shadowing_problem` refuses such a module root in one
+line before anything runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import ConfigError
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+ENTRYPOINT = re.compile(rf"^{_NAME}(\.{_NAME})*:{_NAME}$")
+RESERVED = ("trainer", "tasks", "flows", "deployments", "spotrun")  # spotrun's own top-level packages
+# What each way in is, for the message that asks for one of them (the order is CODE_FIELDS' in the spec).
+WAYS_IN = {
+    "recipe": "recipe: digits, charlm or package.module:function (a build(args, ctx) returning Parts)",
+    "entrypoint": "entrypoint: package.module:function (your own loop using spotrun.session())",
+}
+
+
+def entrypoint_problem(value: str) -> str | None:
+    """Why `value` is not an entry point's `package.module:function` (None: it is)."""
+    module = value.partition(":")[0]
+    if ENTRYPOINT.match(value) and not module.endswith(".py"):  # a module named py: a file name, surely
+        return None
+    if module.endswith(".py") or "/" in module:
+        dotted = module.removesuffix(".py").strip("./").replace("/", ".")
+        return f"{value!r} names a file: use the module as you would import it, e.g. '{dotted}:main'"
+    return f"{value!r} is not package.module:function: write e.g. 'mypkg.train:main' (module:function)"
+
+
+def code_problem(given: Mapping[str, bool]) -> str | None:
+    """Why the code fields (field -> set or not, in the spec's order) do not name exactly one way in."""
+    named = [k for k, v in given.items() if v]
+    if len(named) == 1:
+        return None
+    if not named:
+        ways = "; or ".join(WAYS_IN.get(k, k) for k in given)
+        return f"name the code to run: add {ways}"
+    return f"{' and '.join(named)} are exclusive (one way in per job): keep one and remove the other"
+
+
+def split_entrypoint(entrypoint: str) -> tuple[str, str]:
+    """`package.module:function` as (module, function)."""
+    module, _, function = entrypoint.partition(":")
+    return module, function
+
+
+def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
+    """Import an entry point's module and return its function; ConfigError (one line) when the module is
+    missing or holds no such function. Any other error raised by the module's import is its own bug."""
+    module, function = split_entrypoint(entrypoint)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(
+            f"entrypoint {entrypoint!r}: cannot import {module!r} ({type(e).__name__}: {e}); run from the "
+            "directory that holds it, add it to PYTHONPATH, or install it"
+        ) from None
+    fn = getattr(mod, function, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"entrypoint {entrypoint!r}: {module} ({getattr(mod, '__file__', None)}) has no function "
+            f"{function!r}; fix the name after the colon"
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+def takes_args(fn: Callable[..., Any], entrypoint: str) -> bool:
+    """Whether the entry point is called as `main(args)` (it takes an argument) or `main()`; ConfigError
+    when it needs more than one, or a keyword."""
+    P = inspect.Parameter
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): give it the args
+        return True
+    required = [p for p in params if p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    if len(required) > 1 or any(p.kind is P.KEYWORD_ONLY for p in required):
+        names = ", ".join(p.name for p in required)
+        raise ConfigError(
+            f"entrypoint {entrypoint!r} must take no argument or one (the job's args), not ({names})"
+        )
+    return any(p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL) for p in params)
+
+
+def call_main(fn: Callable[..., Any], args: dict[str, Any], entrypoint: str) -> Any:
+    """Call the entry point: `main(args)` when it takes an argument, else `main()`."""
+    return fn(args) if takes_args(fn, entrypoint) else fn()
+
+
+# ---- names spotrun's packages hold ----
+
+
+def _module_file(d: Path, name: str) -> Path | None:
+    """The regular module or package `name` in directory `d` (a plain directory is no module: a regular
+    one anywhere on the path wins over it)."""
+    candidates = [d / name / "__init__.py", d / f"{name}.py", *(d / f"{name}{s}" for s in EXTENSION_SUFFIXES)]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def module_root(module: str, path: Iterable[str | Path]) -> Path | None:
+    """The directory on `path` (in order) that provides `module`'s top-level package, as the import
+    system would find it: the first regular module or package, else the first namespace directory.
+    None: no directory on `path` holds it (it is installed, or missing)."""
+    top, portions = module.partition(".")[0], []
+    for entry in path:
+        d = Path(entry or ".")
+        if _module_file(d, top) is not None:
+            return d
+        if (d / top).is_dir():
+            portions.append(d)
+    return portions[0] if portions else None
+
+
+def shadowing_problem(entrypoint: str, path: Iterable[str | Path], ours: Path) -> str | None:
+    """Why the directory that provides the entry point's top-level package must not be on a trainer's path
+    (None: it may): it holds a module or package named like one of spotrun's (RESERVED), which would
+    shadow ours or be shadowed by it. `ours`: the directory that provides spotrun's packages (a loop kept
+    beside them, in spotrun's own tree, clashes with nothing)."""
+    root = module_root(split_entrypoint(entrypoint)[0], path)
+    if root is None or root.resolve() == ours.resolve():
+        return None
+    for name in RESERVED:
+        if (found := _module_file(root, name)) is not None:
+            shown = found.parent if found.name == "__init__.py" else found
+            return (
+                f"entrypoint {entrypoint!r}: {shown} has the name of spotrun's own package {name!r}, so one "
+                f"would shadow the other; rename it (e.g. my_{name}) and its imports"
+            )
+    return None
