@@ -281,18 +281,9 @@ def _run(
     uri = spec.storage
     if args.allow_changes:
         spec = spec.model_copy(update={"resume": spec.resume.model_copy(update={"allow_changes": True})})
-    opts = AttemptOptions(
-        cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
-        max_steps=args.max_steps,
-        metrics_path=Path(args.metrics) if args.metrics and env.rank == 0 else None,
-        stop=stop,
-        resume_from=_resume_source(args.resume_from, spec),
-        fault=Fault.parse(args.inject_fault) if args.inject_fault else None,
-        mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
-        reporter=reporter,
-        prewarmed=args.prewarm_wait > 0,
-    )
-    _resume_source(args.resume_from, spec)  # a bad --resume-from: one line here, not one per rank
+    # a bad --resume-from or --inject-fault: one line here, before any storage or rank starts
+    resume_from = _resume_source(args.resume_from, spec)
+    fault = Fault.parse(args.inject_fault) if args.inject_fault else None
     storage = open_storage(uri, spec.s3)
     heartbeat = HeartbeatWriter(storage, env.worker_id) if env.worker_id is not None else None
     if heartbeat is not None:
@@ -318,9 +309,10 @@ def _run(
 
     if launched is not None:
         return relay(launched, reporter)
+    ranks = Ranks.solo()
     if env.ranks is not None:
         assert spec.distributed is not None
-        opts.ranks = Ranks.start(spec.distributed, env.ranks, _device(spec).type)
+        ranks = Ranks.start(spec.distributed, env.ranks, _device(spec).type)
     # after install_signal_handlers (main): a notice and a SIGTERM meet in the same StopRequest; with
     # ranks, one watcher per machine (its first rank) and the stop reaches the rest by agreement
     local_rank = int(env.ranks.get("LOCAL_RANK", "0")) if env.ranks else 0
@@ -330,24 +322,35 @@ def _run(
     if watcher is not None:
         watcher.start()
     me = Holder.this_process(env.launcher_id or env.worker_id, env.flow_run_id)
-    if (
-        env.ranks is None
-    ):  # ranks agree on their stop every step: no handover there (trainer/preemption/handover.py)
-        opts.handover_s, opts.worker_id = max(args.handover_s, 0.0), me.worker_id
-        opts.sigterm_window_s, opts.announce_s = max(args.sigterm_window_s, 0.0), max(args.announce_s, 0.0)
+    # ranks agree on their stop every step: no handover there (trainer/preemption/handover.py)
+    solo = env.ranks is None
     try:
-        if env.rank == 0:
-            # after the recipe is built, before anything is published; released before the exit record,
-            # so the next attempt finds it free
-            with contextlib.ExitStack() as lease_scope:
-                lease = functools.partial(
-                    held, storage, me, args.lease_ttl, args.lease_takeover, max(args.prewarm_wait, 0.0)
-                )
-                opts.claim = lambda: lease_scope.enter_context(lease())
-                result = run_attempt(spec, storage, opts)
-        else:  # rank 0 holds the job's lease and alone publishes (manifest, `latest`, COMPLETED.json)
+        # rank 0 holds the job's lease and alone publishes (manifest, `latest`, COMPLETED.json): taken after
+        # the recipe is built, before anything is published; released before the exit record, so the next
+        # attempt finds it free
+        with contextlib.ExitStack() as lease_scope:
+            lease = functools.partial(
+                held, storage, me, args.lease_ttl, args.lease_takeover, max(args.prewarm_wait, 0.0)
+            )
+            opts = AttemptOptions(
+                cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
+                max_steps=args.max_steps,
+                metrics_path=Path(args.metrics) if args.metrics and env.rank == 0 else None,
+                ranks=ranks,
+                stop=stop,
+                resume_from=resume_from,
+                fault=fault,
+                mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
+                claim=(lambda: lease_scope.enter_context(lease())) if env.rank == 0 else None,
+                prewarmed=args.prewarm_wait > 0,
+                handover_s=max(args.handover_s, 0.0) if solo else 0.0,
+                worker_id=me.worker_id if solo else None,
+                sigterm_window_s=max(args.sigterm_window_s, 0.0) if solo else 0.0,
+                announce_s=max(args.announce_s, 0.0) if solo else ANNOUNCE_S,
+                reporter=reporter,
+            )
             result = run_attempt(spec, storage, opts)
-        opts.ranks.close()
+        ranks.close()
     finally:
         if watcher is not None:
             watcher.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,9 @@ def test_a_non_finite_loss_stops_before_any_checkpoint_of_it(tmp_path: Path) -> 
     with pytest.raises(TrainingDiverged, match="loss is nan at step 3"):
         attempt(tmp_path, "diverges")
     assert sorted(p.name for p in (tmp_path / "store").glob("step_*")) == []  # every 5 steps: none yet
+
+
+def test_attempt_options_are_frozen_once_built(tmp_path: Path) -> None:
+    opts = AttemptOptions(cache=tmp_path / "cache")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.max_steps = 3  # type: ignore[misc]

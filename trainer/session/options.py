@@ -23,7 +23,7 @@ from trainer.storage import Storage
 from trainer.telemetry.status import StatusReporter
 
 
-@dataclass
+@dataclass(frozen=True)  # built once; what arrives later (the claimed storage) belongs to the session
 class AttemptOptions:
     cache: Path  # local disk for checkpoint copies
     max_steps: int | None = None  # stop (with a checkpoint) after this many steps in this attempt
