@@ -73,8 +73,8 @@ from tests.conftest import FAKE_AWS_ENV, UNSET_AWS_ENV  # noqa: E402
 from tests.servers import FaultProxy  # noqa: E402
 from trainer.checkpoint.format import COMPLETED  # noqa: E402
 from trainer.spec.job import JobSpec, parse_spec  # noqa: E402
+from trainer.storage.options import S3Options  # noqa: E402
 from trainer.storage.s3 import S3Storage, make_s3_client  # noqa: E402
-from trainer.storage.s3_options import S3Options  # noqa: E402
 from trainer.telemetry.records import Record, Started  # noqa: E402
 
 PROCESS_FAULTS = [f"{s}@{p}" for s in ("sigkill", "sigterm") for p in PHASES]

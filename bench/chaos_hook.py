@@ -168,8 +168,8 @@ def _log_writes(cls: Any, publog: Path) -> None:
 
 def _log_resumes(where: dict[str, str]) -> None:
     from bench.chaos_checks import newest_verified
+    from trainer.storage.options import S3Options
     from trainer.storage.s3 import S3Storage, make_s3_client
-    from trainer.storage.s3_options import S3Options
     from trainer.telemetry.records import Started
     from trainer.telemetry.status import StatusReporter
 

@@ -100,8 +100,8 @@ from trainer.recipes.charlm import state_bytes
 from trainer.saving.checkpointer import Checkpointer
 from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, Storage
+from trainer.storage.options import S3Options
 from trainer.storage.s3 import S3Storage, make_s3_client
-from trainer.storage.s3_options import S3Options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is scripts, not a package
 from bench.session_case import measure_session, report_session

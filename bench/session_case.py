@@ -43,7 +43,7 @@ from trainer.saving.checkpointer import Checkpointer
 from trainer.session import AttemptOptions, Session
 from trainer.spec.job import CheckpointPolicy, JobSpec
 from trainer.storage import Storage
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Catalog, Exp
     from trainer.checkpoint.catalog import Catalog
     from trainer.spec.job import load_spec
     from trainer.storage import open_storage, resolve_uri
-    from trainer.storage.s3_options import S3Options
+    from trainer.storage.options import S3Options
 
     spec = load_spec(args.spec) if args.spec else None
     # a URI typed here is a path like any other argument; the spec's relative storage is under SPOTRUN_HOME

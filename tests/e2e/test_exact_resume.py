@@ -13,7 +13,7 @@ from trainer.checkpoint.catalog import fetch
 from trainer.checkpoint.format import step_dir
 from trainer.exitcodes import ExitCode
 from trainer.storage import open_storage
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 # 28 batches per epoch, checkpoints every 7 steps. Each chain mixes both kinds of death:
 #   sigkill@29 resumes from 28 (an epoch boundary), sigkill@45 from 42 (mid-epoch);

@@ -22,7 +22,7 @@ from tasks.history import HistoryStore, default_url
 from tests.trainer_runs import REPO, trainer, write_spec
 from trainer.checkpoint.format import MANIFEST, step_dir
 from trainer.storage import open_storage
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 STEPS = (28, 30)  # total_steps 30, a checkpoint every 7, keep 2: the final one and the one before
 

@@ -21,7 +21,7 @@ from trainer.session.loop import AttemptOptions, run_attempt
 from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes
 from trainer.storage.digests import digest_file
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 from trainer.telemetry.status import StatusReporter, parse_status_line
 
 SPEC = {

@@ -36,7 +36,7 @@ from trainer.checkpoint.validate import Expectation
 from trainer.session.resume import select
 from trainer.spec.job import JobSpec
 from trainer.storage import open_storage
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 GOOD, HOSTILE = 50, 100
 

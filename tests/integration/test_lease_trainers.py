@@ -25,7 +25,7 @@ from trainer.exitcodes import ExitCode
 from trainer.preemption.handover import read_standby
 from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.storage import LocalStorage, Storage, open_storage
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 WAIT_S = 120  # generous: two cores shared with other test runs
 

@@ -35,8 +35,8 @@ from trainer.storage import (
     unregister_backend,
 )
 from trainer.storage.local import TMP_MARK
+from trainer.storage.options import S3Options
 from trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
-from trainer.storage.s3_options import S3Options
 
 MB = 1024 * 1024
 PREFIX = "runs/job-1"

@@ -20,7 +20,7 @@ from trainer.errors import CheckpointError, LeaseLost
 from trainer.preemption.lease import LEASE_KEY, FencedStorage, Holder, Lease, LeaseDoc
 from trainer.saving.checkpointer import Checkpointer
 from trainer.storage import LocalStorage, get_bytes, open_storage, put_bytes
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 from trainer.telemetry.metrics_log import metrics_key
 
 

@@ -24,7 +24,7 @@ from tasks.retraining.run_retention import (
 from trainer.errors import ConfigError
 from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage, open_storage, put_bytes
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 BASE = "/data/ckpt/nightly"
 

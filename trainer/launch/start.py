@@ -308,7 +308,7 @@ def die_with_agent() -> None:
     die_with(os.getppid(), int(ExitCode.CRASHED))
 
 
-RANK_SCRIPT = str(Path(__file__).with_name("rank.py"))
+RANK_SCRIPT = str(Path(__file__).parents[1] / "rank.py")
 FORK_ARGS = ("--start-method=fork", "--run-path")
 
 

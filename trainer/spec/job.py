@@ -28,7 +28,7 @@ from trainer.spec.runs import (
     keyed_problem,
 )
 from trainer.spec.templating import uses_templates
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
 # (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash; an entry

@@ -19,6 +19,7 @@ from trainer.storage.base import (
     sha256_of,
 )
 from trainer.storage.local import LocalStorage, check_local_path
+from trainer.storage.options import S3Options
 from trainer.storage.registry import (
     Backend,
     check_uri,
@@ -27,7 +28,6 @@ from trainer.storage.registry import (
     register_backend,
     unregister_backend,
 )
-from trainer.storage.s3_options import S3Options
 
 __all__ = [
     "Backend",

@@ -32,7 +32,7 @@ from trainer.errors import ConfigError, PreconditionFailed, StorageError, Transi
 from trainer.redact import redact
 from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
 from trainer.storage.local import TMP_MARK
-from trainer.storage.s3_options import S3Options
+from trainer.storage.options import S3Options
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
