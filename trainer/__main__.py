@@ -48,7 +48,7 @@ from trainer.preemption.requests import StopRequest, install_signal_handlers
 from trainer.session.faults import Fault
 from trainer.session.loop import AttemptOptions, ResumeSource, _device, run_attempt
 from trainer.spec.job import JobSpec, load_spec, parse_spec
-from trainer.storage import open_storage, resolve_uri
+from trainer.storage import resolve_uri
 from trainer.storage.base import local_dir_name
 from trainer.storage.locks import private_home
 from trainer.telemetry.heartbeat import HeartbeatWriter
@@ -284,7 +284,7 @@ def _run(
     # a bad --resume-from or --inject-fault: one line here, before any storage or rank starts
     resume_from = _resume_source(args.resume_from, spec)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
-    storage = open_storage(uri, spec.s3)
+    storage = spec.open_storage(uri)
     heartbeat = HeartbeatWriter(storage, env.worker_id) if env.worker_id is not None else None
     if heartbeat is not None:
         reporter.subscribe(heartbeat)
@@ -372,7 +372,7 @@ def _resume_source(value: str | None, spec: JobSpec) -> ResumeSource | None:
         raise ConfigError(
             f"--resume-from {value!r}: give a step number or a .../step_NNNNNNNNN directory URI"
         )
-    return ResumeSource(step, open_storage(parent, spec.s3))
+    return ResumeSource(step, spec.open_storage(parent))
 
 
 def _exit_now(code: int) -> None:

@@ -28,7 +28,6 @@ from trainer.checkpoint.signing import KEY_ENV
 from trainer.checkpoint.validate import Problem
 from trainer.errors import ConfigError, StorageError, TransientStorageError
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 
 # a checkpoint whose signature the controller cannot check (trainer/checkpoint/signing.py):
 # kept, not resumed from
@@ -77,7 +76,7 @@ def validate_newest(job: JobSpec, cache: Path) -> list[CheckpointReport]:
     down to the first intact one. The resume point's estimate needs no older one, and each check is a
     fetch of the whole checkpoint into the cache (a download from S3) between two attempts: with
     `keep: 3` hashing all of them tripled that. An older damaged one is found when it is next in line."""
-    catalog = Catalog(open_storage(job.storage, job.s3), cache)
+    catalog = Catalog(job.open_storage(), cache)
     reports = []
     for step, entry in sorted(catalog.list().items(), reverse=True):
         if not entry.committed:
@@ -109,7 +108,7 @@ def check_integrity(job: JobSpec, cache: Path, sink: LogSink) -> ResumePoint:
     """Hash the newest committed checkpoints down to an intact one, quarantine the damaged ones on the
     way, estimate the next resume point."""
     reports = validate_newest(job, cache)
-    catalog = Catalog(open_storage(job.storage, job.s3))
+    catalog = Catalog(job.open_storage())
     damaged = [r for r in reports if r.damaged]
     for r in damaged:  # the trainer must not resume from a local copy of what storage lost
         reason = "; ".join(r.problems[:3])
@@ -148,7 +147,7 @@ def completed_at(job: JobSpec) -> int | None:
     read of its COMPLETED.json. ConfigError, one line, when the storage refuses (no bucket, no
     credentials), cannot be reached, or holds another finished job (trainer/session/resume.py)."""
     try:
-        return completed_for(open_storage(job.storage, job.s3), job)
+        return completed_for(job.open_storage(), job)
     except TransientStorageError as e:
         raise ConfigError(
             f"storage {job.storage} cannot be reached ({e}); check the URI, s3.endpoint_url and the network"

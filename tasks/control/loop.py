@@ -45,7 +45,6 @@ from trainer.errors import ConfigError, StorageError
 from trainer.preemption.handover import write_standby
 from trainer.preemption.lease import write_handoff
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 from trainer.telemetry.records import Durable, Notice, Record, Started, Step, Stopping
 
 log = logging.getLogger(__name__)
@@ -269,7 +268,7 @@ def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) 
 def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
     """Tell a noticed trainer that a replacement is on its way (trainer/preemption/handover.py)."""
     try:
-        write_standby(open_storage(job.storage, job.s3), worker_id, "starting")
+        write_standby(job.open_storage(), worker_id, "starting")
     except (OSError, StorageError) as e:  # the trainer then stops after its announcement window
         sink.log(logging.WARNING, f"replacement for {worker_id} not announced: {e}")
 
@@ -277,7 +276,7 @@ def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
 def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:
     """Tell a prewarmed trainer waiting on the lease that its holder is gone (trainer/preemption/lease.py)."""
     try:
-        write_handoff(open_storage(job.storage, job.s3), worker_id)
+        write_handoff(job.open_storage(), worker_id)
     except (OSError, StorageError) as e:  # it still gets the lease when the old one's expires
         sink.log(logging.WARNING, f"lease handoff for {worker_id} not written: {e}")
 

@@ -36,7 +36,6 @@ from trainer.checkpoint.completion import completed_for
 from trainer.checkpoint.format import COMPLETED, checkpoint_uri
 from trainer.errors import ConfigError, StorageError
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 from trainer.telemetry.records import Started
 
 __all__ = [
@@ -238,7 +237,7 @@ class JobRunLog:
     def _completed(self) -> bool:
         """This job's completion marker, not another job's that the trainer refused (exit CONFIG_ERROR)."""
         try:
-            return completed_for(open_storage(self.job.storage, self.job.s3), self.job) is not None
+            return completed_for(self.job.open_storage(), self.job) is not None
         except ConfigError:
             return False
         except StorageError as e:  # the storage is down: the attempt is judged on its own ending

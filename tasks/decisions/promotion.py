@@ -22,7 +22,7 @@ from trainer.checkpoint.completion import completed_eval
 from trainer.errors import ConfigError, StorageError
 from trainer.spec.job import JobSpec
 from trainer.spec.runs import Promotion
-from trainer.storage import Storage, open_storage
+from trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def promotion_for(job: JobSpec, storage: Storage | None = None) -> PromotionDeci
     if job.promote is None:
         return None
     try:
-        block = completed_eval(storage or open_storage(job.storage, job.s3, create=False))
+        block = completed_eval(storage or job.open_storage(create=False))
     except (StorageError, ConfigError, OSError) as e:  # a missing directory, an S3 outage: "kept"
         log.warning("evaluation of %s not read from %s: %s", job.name, job.storage, e)
         return decide_promotion(job.promote, None, None, challenger_note=f"COMPLETED.json not read: {e}")

@@ -35,7 +35,6 @@ from tasks.providers.base import Worker
 from trainer.checkpoint.catalog import read_latest
 from trainer.errors import StorageError
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 from trainer.telemetry.heartbeat import read_heartbeat
 
 log = logging.getLogger(__name__)
@@ -227,7 +226,7 @@ def _in_flight_attempt(
     """The row of the attempt a dead controller left in flight: lost, with the steps its trainer reached
     (its heartbeat in the job's storage) past the newest durable checkpoint."""
     try:
-        storage = open_storage(job.storage, job.s3)
+        storage = job.open_storage()
         durable = read_latest(storage)
         beat = read_heartbeat(storage, worker_id)
     except StorageError as e:  # the row matters more than its step counts

@@ -21,7 +21,7 @@ from tasks.reports.timeline import AttemptTrace, plot_timeline
 from tasks.tracking import TrackingInfo, worst_verdict
 from trainer.errors import StorageError
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage, put_bytes
+from trainer.storage import put_bytes
 from trainer.storage.registry import is_local
 
 
@@ -201,7 +201,7 @@ class RunReport:
             self.traces, f"{self.job.name}: training step over wall time", self.dir / "timeline.png"
         )
         if not is_local(self.job.storage):  # next to the checkpoints as well, where the team looks
-            put_bytes(open_storage(self.job.storage, self.job.s3), "reports/timeline.png", png.read_bytes())
+            put_bytes(self.job.open_storage(), "reports/timeline.png", png.read_bytes())
             return f"{self.job.storage.rstrip('/')}/reports/timeline.png"
         local = (
             Path(self.job.storage.removeprefix("file://")).expanduser().resolve() / "reports" / "timeline.png"

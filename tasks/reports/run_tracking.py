@@ -18,7 +18,6 @@ from tasks.reports.reporting import RESUME_CHECKED, VERDICT_LABEL
 from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, TrackingInfo, Where
 from trainer.checkpoint.format import checkpoint_uri
 from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 
 INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
 
@@ -87,7 +86,7 @@ class RunTracking:
         previous = next((r for r in reversed(records) if r.outcome is not Outcome.PROVISION_FAILED), None)
         try:
             if self.checker is None:
-                storage = open_storage(self.job.storage, self.job.s3)
+                storage = self.job.open_storage()
                 self.checker = ResumeChecker(storage, self.job.tracking.resume_rtol)
             return self.checker.check(worker, result, previous, attempt)
         except Exception as e:  # a check that cannot be made must not lose the attempt's row

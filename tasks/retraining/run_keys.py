@@ -28,7 +28,6 @@ from trainer.errors import ConfigError, StorageError, TransientStorageError
 from trainer.spec.job import JobSpec
 from trainer.spec.runs import BEST, LATEST_COMPLETED, RunSource, key_problem
 from trainer.spec.templating import fill, fill_tree, pieces
-from trainer.storage import open_storage
 
 DATE, TIME = "%Y-%m-%d", "%Y%m%dT%H%M%S"
 # How each slot value reads back out of a literal key (`--run-key 2026-12-01`).
@@ -219,7 +218,7 @@ def source_of(row: JobRunRow, job: JobSpec, sleep: Callable[[float], None] = tim
     or cannot be read). A transient read error is retried, not taken for a missing source."""
     for i in range(SOURCE_READ_TRIES):
         try:
-            step = completed_step(open_storage(row.storage_uri, job.s3))
+            step = completed_step(job.open_storage(row.storage_uri))
             break
         except TransientStorageError:
             if i == SOURCE_READ_TRIES - 1:

@@ -26,7 +26,7 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.spec.job import JobSpec
 from trainer.spec.runs import key_problem
-from trainer.storage import S3Options, open_storage
+from trainer.storage import open_storage
 from trainer.storage.base import normalize_uri
 from trainer.storage.local import LOCK_SUFFIX, LocalStorage
 from trainer.storage.registry import is_local
@@ -193,7 +193,7 @@ def prune_runs(
         if run.run_key in done:
             continue
         done.add(run.run_key)
-        _prune_one(job.name, run, base, job.s3, delete_limit, report)
+        _prune_one(job.name, run, base, job.storage_options(run.storage_uri), delete_limit, report)
     if report.pruned or report.errors or report.skipped:
         log.info("%s", report.line())
     return report
@@ -203,7 +203,7 @@ def _prune_one(
     job: str,
     run: RunRecord,
     base: str,
-    s3: S3Options,
+    options: object,
     delete_limit: Callable[[str], bool],
     report: PruneReport,
 ) -> None:
@@ -214,7 +214,7 @@ def _prune_one(
         log.warning("retention: %s left alone: %s", run.run_key, problem)
         return
     try:
-        deleted = delete_prefix(run.storage_uri, s3)
+        deleted = delete_prefix(run.storage_uri, options)
     except Exception as e:  # storage down, permissions: housekeeping never fails a finished run
         report.errors.append(f"{run.run_key}: {type(e).__name__}: {e}")
         log.warning("retention: %s not deleted from %s: %s", run.run_key, run.storage_uri, e)
@@ -233,11 +233,12 @@ def _prune_one(
         log.warning("retention: concurrency limit %s not deleted: %s", name, e)
 
 
-def delete_prefix(uri: str, s3: S3Options | None = None) -> int:
-    """Delete every object of the storage `uri` (one run's prefix); returns how many. A local directory
+def delete_prefix(uri: str, options: object = None) -> int:
+    """Delete every object of the storage `uri` (one run's prefix), opened with its backend's `options`
+    (S3Options for s3://); returns how many. A local directory
     goes too, once nothing but lock files is left in it (nobody holds them: the run is not in flight)."""
     try:
-        storage = open_storage(uri, s3, create=False)
+        storage = open_storage(uri, options, create=False)
     except ConfigError:  # a local directory that is gone already
         return 0
     keys = [o.key for o in storage.list()]

@@ -42,7 +42,7 @@ from trainer.checkpoint.stateful import DCP_METADATA
 from trainer.errors import StorageError
 from trainer.redact import redact
 from trainer.spec.job import JobSpec
-from trainer.storage import Storage, get_bytes, open_storage, put_bytes
+from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Tracker:
         storage: Storage | None = None
         while not self._stop:
             try:
-                storage = storage or open_storage(self.job.storage, self.job.s3)
+                storage = storage or self.job.open_storage()
                 finished = self._sync(storage)
                 self._up()  # also when the round that got through after an outage was the last one
                 if finished:

@@ -37,7 +37,7 @@ from trainer.errors import ConfigError, StorageError, TransientStorageError
 from trainer.recipes import Parts
 from trainer.spec.job import JobSpec
 from trainer.spec.runs import RunSource
-from trainer.storage import Storage, open_storage
+from trainer.storage import Storage
 from trainer.telemetry.records import WarmStarted
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def warm_start(
 
 def source_opener(spec: JobSpec) -> OpenStore:
     """How a source run's storage is opened: with this job's S3 options, never created."""
-    return lambda uri: open_storage(uri, spec.s3, create=False)
+    return lambda uri: spec.open_storage(uri, create=False)
 
 
 def _no_source(spec: JobSpec, why: str, src: RunSource | None, fix: str) -> WarmStarted:

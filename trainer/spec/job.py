@@ -28,7 +28,9 @@ from trainer.spec.runs import (
     keyed_problem,
 )
 from trainer.spec.templating import uses_templates
+from trainer.storage import Storage, open_storage
 from trainer.storage.options import S3Options
+from trainer.storage.registry import backend_for
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
 # (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash; an entry
@@ -477,6 +479,19 @@ class JobSpec(BaseModel):
     def spec_hash(self) -> str:
         """SHA-256 over the whole spec (canonical JSON)."""
         return _hash(self.model_dump(mode="json"))
+
+    def open_storage(self, uri: str | None = None, *, create: bool = True) -> Storage:
+        """The job's store, or another store of this job (`uri`: a run key's, a warm start's parent), opened
+        with the options this job file gives the URI's scheme (`s3:` for s3://; the backend's
+        `Backend.options` names the section). `create=False` (readers): a missing directory is an error."""
+        uri = self.storage if uri is None else uri
+        return open_storage(uri, self.storage_options(uri), create=create)
+
+    def storage_options(self, uri: str | None = None) -> object:
+        """The options this job file gives the scheme of `uri` (default: the job's store): `s3:` for
+        s3://, None for a scheme without options."""
+        backend = backend_for(self.storage if uri is None else uri)
+        return getattr(self, backend.options) if backend is not None and backend.options else None
 
     def public_dump(self) -> dict[str, Any]:
         """The spec as JSON for anywhere but the client calls (the bucket, MLflow, logs): every URL's

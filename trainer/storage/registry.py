@@ -1,7 +1,8 @@
 """Storage schemes: the one table that says which module opens a URI's scheme, and what its form is.
 
 A new backend is one module with a factory `open_store(uri, options, create) -> Storage` plus one
-`register_backend(Backend(...))` line (here, in a plugin, or in a test). Nothing else switches on the
+`register_backend(Backend(...))` line (its options, if any, a section of the job file that `Backend.options`
+names; `JobSpec.open_storage` hands them over) (here, in a plugin, or in a test). Nothing else switches on the
 scheme: a URI's form is checked here (`check_uri`), whether it is a directory on this machine is asked
 here (`is_local`), and whether another process can open a store again is the store's own answer
 (`base.Reopenable`). A backend's module is imported on the first open of its scheme, so a local store
@@ -31,6 +32,7 @@ class Backend:
     check: Callable[[str], str | None] = no_problem  # what is wrong with a URI's form, without `module`
     factory: str = "open_store"
     local: bool = False  # a directory on this machine: a relative path resolves under SPOTRUN_HOME
+    options: str | None = None  # the job file's section holding the scheme's options (`s3:`); None: none
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -106,4 +108,6 @@ def bucket_and_prefix(uri: str) -> str | None:
 
 
 register_backend(Backend(LOCAL, "trainer.storage.local", "file:///dir", check=local_form, local=True))
-register_backend(Backend("s3", "trainer.storage.s3", "s3://bucket/prefix", check=bucket_and_prefix))
+register_backend(
+    Backend("s3", "trainer.storage.s3", "s3://bucket/prefix", check=bucket_and_prefix, options="s3")
+)

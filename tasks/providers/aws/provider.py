@@ -51,7 +51,7 @@ from tasks.providers.aws.policy import (
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
-from trainer.storage import Storage, open_storage
+from trainer.storage import Storage
 from trainer.storage.registry import is_local
 from trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S
 from trainer.telemetry.records import Notice, Record
@@ -118,7 +118,7 @@ def make_ec2_client(cfg: AwsProviderConfig, session: boto3.session.Session | Non
 
 
 def default_store(job: JobSpec) -> Storage:
-    return open_storage(job.storage, job.s3)
+    return job.open_storage()
 
 
 # A noticed instance trains on for up to this long while its replacement boots; the trainer keeps what
