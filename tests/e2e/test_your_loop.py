@@ -86,7 +86,7 @@ def test_the_docs_loop_under_ddp_falls_back_past_a_corrupted_checkpoint_bitwise(
     the next attempt resumes from the one before it and still ends bitwise."""
     doc: dict[str, Any] = yaml.safe_load(doc_block("name: blobs"))
     doc |= {"total_steps": 60, "checkpoint": {"every_steps": 10, "keep": 3}, "tracking": {"mlflow": False}}
-    doc |= {"distributed": {"nproc_per_node": 2, "strategy": "ddp"}, "batch_size": 16}
+    doc |= {"distributed": {"nproc_per_node": 2, "strategy": "ddp"}, "batch_size": 4}  # 4 x 4 a step
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]}
     (tmp_path / "job.yaml").write_text(json.dumps(doc))
     reference, store = tmp_path / "reference", tmp_path / "store"

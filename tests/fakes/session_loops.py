@@ -60,3 +60,31 @@ def reserved_extra() -> None:
     model, opt = _model()
     with spotrun.session(model=model, optimizer=opt, extra={"rng": opt}):
         pass
+
+
+SEEN: list[list[list[int]]] = []  # accumulate's steps: each one's micro-batches, as sample ids
+
+
+def accumulate(args: dict[str, Any]) -> None:
+    """Accumulates over args['micro_batches'] batches of sample ids (0 .. args['samples'] - 1), recording
+    each step's in SEEN."""
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    k = args["micro_batches"]
+    ids = [torch.tensor(float(i)) for i in range(args["samples"])]
+    with spotrun.session(model=model, optimizer=opt) as s:
+        for step in s.batches(ids, micro_batches=k):
+            micro = step if k > 1 else [step]
+            opt.zero_grad()
+            for x in micro:
+                (model(x.unsqueeze(-1)).mean() / len(micro)).backward()
+            opt.step()
+            SEEN.append([[int(i) for i in x] for x in micro])
+            s.step_done(0.0)
+
+
+def micro_batches(args: dict[str, Any]) -> None:
+    """Asks for args['k'] micro-batches (a refusal)."""
+    model, opt = _model()
+    with spotrun.session(model=model, optimizer=opt) as s:
+        s.batches(DATA, micro_batches=args["k"])

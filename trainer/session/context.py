@@ -97,9 +97,13 @@ class UserSession:
         """The job file's `args`."""
         return dict(self._ctx.spec.args)
 
-    def batches(self, dataset: Any, batch_size: int | None = None) -> Iterator[Any]:
-        """The trainer's seed-pure stream of batches over a map-style dataset, from the restored position."""
-        return self._s.batches(dataset, batch_size)
+    def batches(
+        self, dataset: Any, batch_size: int | None = None, *, micro_batches: int = 1
+    ) -> Iterator[Any]:
+        """The trainer's seed-pure stream of batches over a map-style dataset, from the restored position.
+        `micro_batches=K` > 1: a list of K batches per optimizer step, the position advancing K batches a
+        step; an epoch's last group of fewer than K batches is dropped (the next epoch begins)."""
+        return self._s.batches(dataset, batch_size, micro_batches=micro_batches)
 
     def start(self) -> None:
         """With your own data loader: call after making its iterator (the checkpoint's RNG applies then)."""

@@ -61,27 +61,60 @@ class Session(SessionState):
             self._pending.apply(self.state)
             self._pending = None
 
-    def batches(self, dataset: Any, batch_size: int | None = None) -> Iterator[Any]:
+    def batches(
+        self, dataset: Any, batch_size: int | None = None, *, micro_batches: int = 1
+    ) -> Iterator[Any]:
         """The trainer's data stream over a map-style dataset: a seed-pure permutation per epoch, from
-        the restored position, until the job's last step or a stop."""
+        the restored position, until the job's last step or a stop.
+
+        `micro_batches=K` > 1 (gradient accumulation): one list of K batches per optimizer step, the
+        position advancing K batches a step (the checkpoint's position counts batches, so a checkpoint
+        of another K resumes at the first batch it did not use). An epoch's last group, when fewer than
+        K batches are left, is dropped: the next epoch begins. Refusals come here, before the first
+        batch (a generator would raise them only at the first `next`)."""
         if batch_size is not None and batch_size != self.spec.batch_size:
             why = f"batches(batch_size={batch_size}) differs from the job's batch_size {self.spec.batch_size}"
             raise ConfigError(f"{why}; set batch_size in the job file, not in code")
+        k = micro_batches
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ConfigError(
+                f"batches(micro_batches={k!r}) is not an int; pass a whole number of batches per step, "
+                "such as micro_batches=4"
+            )
+        if k < 1:
+            raise ConfigError(
+                f"batches(micro_batches={k}) is below 1; pass 1 (no accumulation) or more batches per step"
+            )
         r = self.ranks
         loader = ResumableLoader(
             dataset, self.batch_size, self.spec.seed, self.spec.num_workers, r.rank, r.world_size
         )
+        per_epoch = loader.batches_per_epoch()
+        if k > per_epoch:
+            raise ConfigError(
+                f"batches(micro_batches={k}) is more than the {per_epoch} batches of {self.batch_size} in an "
+                "epoch, so no step would be full; lower micro_batches or the job's batch_size"
+            )
         loader.position = self.position
+        return self._stream(loader, k)
+
+    def _stream(self, loader: ResumableLoader, k: int) -> Iterator[Any]:
+        """`batches()`' stream: K batches a step (one batch, not a list, when K is 1)."""
+        pos, per_epoch = self.position, loader.batches_per_epoch()
         while self.step < self.end and not self.should_stop and not self._stop_now():
+            if per_epoch - pos.batch < k:  # the epoch's short group (none left, when K is 1): dropped
+                pos.epoch, pos.batch = pos.epoch + 1, 0
             it = loader.epoch_iter()
             self.start()  # after iter()
-            for batch in it:
-                self.position.batch += 1
+            for _ in range((per_epoch - pos.batch) // k):
+                group = [next(it) for _ in range(k)]
+                pos.batch += k
                 self._lr_before = float(self.optimizer.param_groups[0]["lr"])  # a step the scaler skips
-                yield batch
+                yield group if k > 1 else group[0]
                 if self.should_stop or self.step >= self.end:
                     return
-            self.position.epoch, self.position.batch = self.position.epoch + 1, 0
+            del it  # its workers end before the next epoch's start
+            pos.epoch, pos.batch = pos.epoch + 1, 0
 
     # ---- the step boundary ----
 
