@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.checkpoint.format import parse_step_dir
+from trainer.command.runner import run_command
 from trainer.distributed.ranks import Ranks, rank_env
 from trainer.errors import (
     CheckpointError,
@@ -349,7 +350,8 @@ def _run(
                 announce_s=max(args.announce_s, 0.0) if solo else ANNOUNCE_S,
                 reporter=reporter,
             )
-            result = run_attempt(spec, storage, opts)
+            attempt = run_command if spec.command is not None else run_attempt
+            result = attempt(spec, storage, opts)
         ranks.close()
     finally:
         if watcher is not None:

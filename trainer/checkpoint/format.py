@@ -38,7 +38,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.manifest import MANIFEST, SHARDED, FileEntry, Manifest, step_dir
+from trainer.checkpoint.manifest import DIRECTORY, MANIFEST, SHARDED, FileEntry, Manifest, step_dir
 from trainer.checkpoint.manifest import REJECTED as REJECTED  # the manifest's names are read from here too
 from trainer.checkpoint.manifest import file_entry as file_entry
 from trainer.checkpoint.signing import keyring
@@ -58,7 +58,9 @@ REQUIRED_FILES = tuple(p.file for p in STANDARD if p.required)
 
 
 def required_files(layout: str) -> tuple[str, ...]:
-    """Files every checkpoint of `layout` lists (each at most once)."""
+    """Files every checkpoint of `layout` lists (each at most once); none for a framework's directory."""
+    if layout == DIRECTORY:
+        return ()
     return tuple(dict.fromkeys(p.file for p in table(layout == SHARDED) if p.required))
 
 

@@ -20,7 +20,10 @@ from trainer.storage.digests import DIGEST, DIGESTS, digest_files, new_hasher
 # 2: a `layout` (single | sharded) and an xxh3-128 digest per file; 1: single only, SHA-256 (still read)
 FORMAT_VERSION = 2
 SINGLE, SHARDED = "single", "sharded"
-LAYOUTS = (SINGLE, SHARDED)
+# a framework's own checkpoint (an HF `checkpoint-N/`, a Lightning `.ckpt`) as the script wrote it,
+# published by trainer/command/: its files are the script's, by their paths under {checkpoint_dir}
+DIRECTORY = "directory"
+LAYOUTS = (SINGLE, SHARDED, DIRECTORY)
 MANIFEST = "manifest.json"
 REJECTED = "REJECTED.json"
 RESERVED_NAMES = (MANIFEST, REJECTED)  # a manifest lists neither: they are the commit and its undoing

@@ -24,6 +24,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from trainer.checkpoint.foreign import check_files
 from trainer.checkpoint.format import (
     MANIFEST,
     FileEntry,
@@ -33,6 +34,7 @@ from trainer.checkpoint.format import (
     parse_step_dir,
     required_files,
 )
+from trainer.checkpoint.manifest import DIRECTORY
 from trainer.checkpoint.safe_names import contained
 from trainer.checkpoint.signing import KEYED_DIGEST, Key
 from trainer.checkpoint.stateful import (
@@ -129,6 +131,9 @@ def _collect(futures: dict[str, Future[str | None]]) -> list[Problem]:
 def _check_contents(
     d: Path, m: Manifest, expect: Expectation | None, hashes: Mapping[str, Future[str | None]]
 ) -> list[Problem]:
+    if m.layout == DIRECTORY:  # a framework's own files: checks that need no model
+        intact = {name for name, f in hashes.items() if f.result() is None}
+        return [Problem(kind, name, detail) for kind, name, detail in check_files(d, m, intact)]
     problems = _check_registry(m, expect)
     if problems and problems[0].detail.startswith("written by"):
         return problems  # the other format: its parts would only repeat that

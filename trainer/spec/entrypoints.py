@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.spec.templating import placeholders
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT = re.compile(rf"^{_NAME}(\.{_NAME})*:{_NAME}$")
@@ -30,6 +31,7 @@ RESERVED = ("trainer", "tasks", "flows", "deployments", "spotrun")  # spotrun's 
 WAYS_IN = {
     "recipe": "recipe: digits, charlm or package.module:function (a build(args, ctx) returning Parts)",
     "entrypoint": "entrypoint: package.module:function (your own loop using spotrun.session())",
+    "command": "command: [python, train.py, ...] (an unchanged script; its checkpoints in {checkpoint_dir})",
 }
 
 
@@ -53,6 +55,20 @@ def code_problem(given: Mapping[str, bool]) -> str | None:
         ways = "; or ".join(WAYS_IN.get(k, k) for k in given)
         return f"name the code to run: add {ways}"
     return f"{' and '.join(named)} are exclusive (one way in per job): keep one and remove the other"
+
+
+def command_problem(argv: list[str]) -> str | None:
+    """Why `argv` is not a command a job can run (None: it is): a program and its arguments, each
+    placeholder one the worker fills (COMMAND_PLACEHOLDERS) or a run key's."""
+
+    if not argv or not argv[0].strip():
+        return "command is empty: give the program and its arguments, e.g. [python, train.py]"
+    for i, arg in enumerate(argv):
+        try:
+            placeholders(arg)  # one vocabulary: a command's own names and a run key's
+        except ConfigError as e:
+            return f"command[{i}]: {e}"
+    return None
 
 
 def split_entrypoint(entrypoint: str) -> tuple[str, str]:

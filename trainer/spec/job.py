@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.errors import ConfigError
 from trainer.redact import redact_tree
-from trainer.spec.entrypoints import code_problem, entrypoint_problem
+from trainer.spec.entrypoints import code_problem, command_problem, entrypoint_problem
 from trainer.spec.messages import explain_errors
 from trainer.spec.runs import (
     JOB_NAME,
@@ -38,7 +38,7 @@ from trainer.storage.registry import backend_for
 # decided field by field by `spec_changes`, not by this hash.
 SHAPE_FIELDS = ("recipe", "args", "batch_size", "world_size")
 # The code a job runs, one way in each: exactly one of them is set (`_one_way_in`).
-CODE_FIELDS = ("recipe", "entrypoint")
+CODE_FIELDS = ("recipe", "entrypoint", "command")
 # What a job's identity is made of, apart from the world size (`distributed.allow_reshard` decides that):
 #   shape       must match to load: the recipe or entry point, and the args declared as shaping the
 #               state (a recipe's `@recipe(shape_args=...)`, an entry point's `shape_args:`; none
@@ -317,6 +317,16 @@ class JobSpec(BaseModel):
         "main(args) if it takes an argument, else main(); or else set recipe. Note: not prefect.yaml's "
         "`entrypoint`, which names a flow",
     )
+    command: list[str] | None = Field(
+        default=None,
+        description="an unchanged script, as argv: [python, train.py, --output_dir, '{checkpoint_dir}']; "
+        "spotrun restores its newest valid checkpoint into {checkpoint_dir} first, publishes each one it "
+        "writes there and forwards a notice (docs/integrations.md); or else set recipe or entrypoint",
+    )
+    stop_signal: Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"] = Field(
+        default="SIGTERM",
+        description="with command: the signal a notice sends the script, after the notice file",
+    )
     args: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the recipe, or the entry point's args"
     )
@@ -407,6 +417,13 @@ class JobSpec(BaseModel):
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
         if v is not None and (problem := entrypoint_problem(v)):
+            raise ValueError(problem)
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command_form(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (problem := command_problem(v)):
             raise ValueError(problem)
         return v
 
@@ -505,10 +522,12 @@ class JobSpec(BaseModel):
 
     def shape_fields(self, world_size: int | None = None) -> dict[str, Any]:
         """What `shape_hash` covers: SHAPE_FIELDS (a recipe job's exactly as in format 1), and an entry
-        point job's `entrypoint`."""
+        point job's `entrypoint` or a command job's `command`."""
         fields = {k: getattr(self, k) for k in SHAPE_FIELDS}
         if self.entrypoint is not None:
             fields["entrypoint"] = self.entrypoint
+        if self.command is not None:
+            fields["command"] = self.command
         return fields | ({"world_size": world_size} if world_size is not None else {})
 
 

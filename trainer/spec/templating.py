@@ -14,13 +14,18 @@ from typing import Any
 
 from trainer.errors import ConfigError
 
-# name: what it is. Filled by the controller from the flow run that starts a key
+# name: what it is. The first four are filled by the controller from the flow run that starts a key
 # (tasks/retraining/run_keys.py).
 VOCABULARY = {
     "scheduled_date": "the slot's date, YYYY-MM-DD, in the schedule's timezone (else UTC)",
     "scheduled_time": "the slot's time, YYYYMMDDTHHMMSS, in the same timezone",
     "flow_run_name": "the name of the key's first flow run",
     "run_key": "the run key itself (for recipe args)",
+    # Filled by the worker in a `command:` (trainer/command/runner.py).
+    "checkpoint_dir": "the directory the command writes its checkpoints in, restored before the start",
+    "step": "the step the command resumes from (0 on a first start)",
+    "world_size": "processes in the job (1)",
+    "total_steps": "the job file's total_steps",
 }
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 

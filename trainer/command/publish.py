@@ -1,0 +1,102 @@
+"""A script's own checkpoints, as spotrun checkpoints: publish one (copy, hash, manifest last, upload,
+confirm, `latest`, retention) and restore the newest valid one into `{checkpoint_dir}` before the start.
+
+The files are copied out of `{checkpoint_dir}` first (into the store's staging directory, or the local
+cache for an object store): the script goes on writing and rotating its own checkpoints while the copy
+uploads, and what is hashed is what is uploaded. Layout `directory` in the manifest
+(trainer/checkpoint/manifest.py): validation checks digests, then content that needs no model
+(trainer/checkpoint/foreign.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from trainer.checkpoint.catalog import Catalog, Selection, apply_retention, write_latest
+from trainer.checkpoint.format import fsync_file
+from trainer.checkpoint.manifest import DIRECTORY, MANIFEST, FileEntry, Manifest, file_entry, step_dir
+from trainer.checkpoint.safe_names import contained
+from trainer.checkpoint.signing import keyring
+from trainer.command.layouts import Found
+from trainer.errors import ConfigError
+from trainer.saving.publish import Sidecars, upload, verify_remote
+from trainer.spec.job import JobSpec
+from trainer.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def publish(
+    found: Found,
+    *,
+    root: Path,
+    storage: Storage,
+    cache: Path,
+    spec: JobSpec,
+    world_size: int = 1,
+    sidecars: Sidecars | None = None,
+) -> Manifest:
+    """Make `found` (files under `root`) a durable spotrun checkpoint of step `found.step`; returns its
+    manifest. The store's `latest` moves only once every object is confirmed; retention then keeps the
+    job's `checkpoint.keep` newest."""
+    staging = storage.staging()
+    parent = staging if staging is not None else cache / ".publish"
+    tmp = parent / f".tmp-{step_dir(found.step)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        key = keyring().signing
+        files: dict[str, FileEntry] = {}
+        for name in found.files:
+            dst = contained(tmp, name)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(contained(root, name), dst)
+            fsync_file(dst)
+            files[name] = file_entry(dst, key=key)
+        manifest = Manifest(
+            step=found.step,
+            spec_hash=spec.spec_hash(),
+            shape_hash=spec.shape_hash(world_size),
+            world_size=world_size,
+            files=files,
+            layout=DIRECTORY,
+        ).signed()
+        (tmp / MANIFEST).write_bytes(manifest.to_json())
+        fsync_file(tmp / MANIFEST)
+        upload(storage, tmp, manifest, sidecars, adopt=staging is not None)
+        if staging is None:
+            verify_remote(storage, manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    write_latest(storage, found.step)
+    apply_retention(storage, found.step, spec.checkpoint.keep)
+    log.info("published the script's %s checkpoint at step %d to %s", found.layout, found.step, storage.uri)
+    return manifest
+
+
+def restore(storage: Storage, *, cache: Path, into: Path) -> Selection:
+    """Put the newest valid checkpoint's files back under `into` (emptied first), at the paths the
+    script wrote them; the selection says which step and why newer ones were refused. A store that
+    holds a recipe's or a loop's checkpoints is another kind of job's: refused in one line."""
+    selection = Catalog(storage, cache).select(None)
+    if into.exists():
+        shutil.rmtree(into)
+    into.mkdir(parents=True)
+    if selection.step is None or selection.path is None:
+        return selection
+    manifest = Manifest.from_json((selection.path / MANIFEST).read_bytes(), selection.step)
+    if manifest.layout != DIRECTORY:
+        raise ConfigError(
+            f"checkpoint step {selection.step} in {storage.uri} was written by a recipe or a session "
+            f"(layout {manifest.layout}), not by a command; use a new storage URI for this job"
+        )
+    for name in sorted(manifest.files):
+        dst = contained(into, name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(contained(selection.path, name), dst)
+    return selection

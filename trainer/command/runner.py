@@ -1,0 +1,221 @@
+"""One attempt of a `command:` job: an unchanged script, run by the trainer.
+
+Before the start the newest valid checkpoint is restored into `{checkpoint_dir}` (trainer/command/
+publish.py); the script is started with the placeholders filled and spotrun's variables in its environment
+(trainer/command/link.py); while it runs, every complete checkpoint it writes is published with a
+manifest (trainer/command/layouts.py says which are complete) and the steps it reports become status
+records and per-step metrics; a notice is forwarded as the notice file, then the stop signal; its exit is
+classified. The trainer holds the storage lease for the whole attempt, so it alone publishes.
+
+What a notice saves depends on the script: one that polls the notice file or catches the stop signal
+(the integrations' callbacks do) saves at its next step and loses none; an unchanged script that the
+signal kills loses the steps since its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.checkpoint.completion import completed_for, mark_completed
+from trainer.command.layouts import Found, Seen, find
+from trainer.command.link import (
+    CHECKPOINT_DIR,
+    NOTICE_FILE,
+    RESUME_STEP,
+    STEPS_FILE,
+    STOP_SIGNAL,
+    TOTAL_STEPS,
+    read_steps,
+    write_notice,
+)
+from trainer.command.publish import publish, restore
+from trainer.errors import ConfigError
+from trainer.exitcodes import ExitCode
+from trainer.parent_death import arm_pdeathsig
+from trainer.session.options import AttemptOptions, AttemptResult
+from trainer.spec.job import JobSpec
+from trainer.spec.templating import fill
+from trainer.storage import Storage
+from trainer.telemetry.metrics_log import MetricsLog, prune_after
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often the directory and the steps file are looked at
+# A script's own exit codes that keep their meaning; any other failure is a crash (retried).
+KEPT = {int(c): c for c in (ExitCode.CONFIG_ERROR, ExitCode.DIVERGED, ExitCode.PREEMPTED)}
+
+
+@dataclass
+class _Progress:
+    """What the attempt has seen of the script: its newest step, the newest published checkpoint."""
+
+    step: int
+    durable: int | None
+    offset: int = 0
+    seen: Seen = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)  # steps whose publishing failed (gone mid-copy)
+
+
+def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
+    """Restore, run the script, publish what it writes, forward a notice, classify its exit."""
+    assert spec.command is not None
+    if spec.distributed is not None:
+        raise ConfigError("command: with distributed: is not supported yet; run one process per job")
+    done = completed_for(storage, spec)  # ConfigError: the storage holds another job, finished
+    if done is not None:
+        return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
+    if opts.claim is not None:
+        storage = opts.claim()  # publish only through the storage this trainer holds
+    work = opts.cache / "command"
+    ckpt_dir = work / "checkpoints"
+    work.mkdir(parents=True, exist_ok=True)
+    selection = restore(storage, cache=opts.cache / "restore", into=ckpt_dir)
+    start = selection.step or 0
+    prune_after(storage, start)
+    opts.reporter.emit(
+        "started",
+        resumed_from=selection.step,
+        checkpoint=selection.uri,
+        rejected=selection.rejected_records(),
+        step=start,
+        total_steps=spec.total_steps,
+    )
+    log.info("%s", selection.describe(storage.uri))
+    notice_file, steps_file = work / "notice.json", work / "steps.jsonl"
+    for stale in (notice_file, steps_file):
+        stale.unlink(missing_ok=True)
+    values = {
+        **spec.run_values,
+        "checkpoint_dir": str(ckpt_dir),
+        "step": str(start),
+        "world_size": "1",
+        "total_steps": str(spec.total_steps),
+    }
+    argv = [fill(a, values, f"command[{i}]") for i, a in enumerate(spec.command)]
+    env = {
+        **os.environ,
+        CHECKPOINT_DIR: str(ckpt_dir),
+        RESUME_STEP: "" if selection.step is None else str(selection.step),
+        TOTAL_STEPS: str(spec.total_steps),
+        NOTICE_FILE: str(notice_file),
+        STEPS_FILE: str(steps_file),
+        STOP_SIGNAL: spec.stop_signal,
+    }
+    try:  # its own session: the stop signal reaches it from here, once the notice file is written
+        child = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=arm_pdeathsig)
+    except OSError as e:
+        raise ConfigError(
+            f"command: cannot start {argv[0]!r} ({e.strerror}); fix the job file's command"
+        ) from None
+    log.info("command started, pid %d: %s", child.pid, " ".join(argv))
+    metrics = MetricsLog(storage)
+    progress = _Progress(step=start, durable=selection.step)
+    forwarded = False
+    stop_signal = signal.Signals[spec.stop_signal]
+    try:
+        while True:
+            rc = child.poll()
+            _follow(spec, storage, opts, ckpt_dir, steps_file, metrics, progress)
+            if rc is not None:
+                break
+            if opts.stop.requested and not forwarded:
+                forwarded = True
+                write_notice(notice_file, opts.stop.reason or "stop", opts.stop.deadline)
+                opts.reporter.emit("stopping", reason=opts.stop.reason or "stop", step=progress.step)
+                log.info("stop request (%s): %s to the command", opts.stop.reason, stop_signal.name)
+                child.send_signal(stop_signal)
+            time.sleep(POLL_S)
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    code = _classify(rc, forwarded)
+    log.info("command exited %d: %s", rc, code.name)
+    if code is ExitCode.COMPLETED:
+        final = max(progress.step, progress.durable or 0)
+        mark_completed(storage, spec, final)
+        shutil.rmtree(work, ignore_errors=True)
+        return AttemptResult(code, final, selection.step, progress.durable, "command completed")
+    return AttemptResult(code, progress.step, selection.step, progress.durable, f"command exited {rc}")
+
+
+def _follow(
+    spec: JobSpec,
+    storage: Storage,
+    opts: AttemptOptions,
+    ckpt_dir: Path,
+    steps_file: Path,
+    metrics: MetricsLog,
+    progress: _Progress,
+) -> None:
+    """Read the steps the script reported since the last look, then publish its new checkpoints."""
+    lines, progress.offset = read_steps(steps_file, progress.offset)
+    for line in lines:
+        step = int(line["step"])
+        loss = _float(line.get("loss"))
+        if loss is not None:
+            lr = _float(line.get("lr"))
+            lr = 0.0 if lr is None else lr
+            extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}
+            metrics.record(step, loss, lr, lr, extra)
+        if step > progress.step:
+            progress.step = step
+            opts.reporter.emit("step", step=step, loss=loss, durable_step=progress.durable)
+    for found in find(ckpt_dir, progress.seen):
+        if (progress.durable is not None and found.step <= progress.durable) or found.step in progress.failed:
+            continue
+        _publish(found, spec, storage, opts, ckpt_dir, metrics, progress)
+
+
+def _publish(
+    found: Found,
+    spec: JobSpec,
+    storage: Storage,
+    opts: AttemptOptions,
+    ckpt_dir: Path,
+    metrics: MetricsLog,
+    progress: _Progress,
+) -> None:
+    try:
+        publish(
+            found,
+            root=ckpt_dir,
+            storage=storage,
+            cache=opts.cache,
+            spec=spec,
+            sidecars=metrics.sidecars(found.step),
+        )
+    except FileNotFoundError as e:  # the script rotated it away while it was copied: the next one counts
+        progress.failed.add(found.step)
+        log.warning("checkpoint step %d went away while it was published (%s); skipped", found.step, e)
+        return
+    progress.durable = found.step
+    metrics.written(found.step)
+    opts.reporter.emit("durable", step=found.step)
+
+
+def _float(value: object) -> float | None:
+    if isinstance(value, str):
+        try:
+            return float.fromhex(value)
+        except ValueError:
+            return None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _classify(rc: int, stopped: bool) -> ExitCode:
+    """The attempt's exit code from the script's: 0 is completion unless a stop was forwarded (then it
+    stopped early, and a resume finds out whether anything is left); 75 and a death by the forwarded
+    signal are a preemption; 2 (argparse's usage error) and 3 keep their meaning; the rest is a crash."""
+    if rc == 0:
+        return ExitCode.PREEMPTED if stopped else ExitCode.COMPLETED
+    if stopped and rc < 0:
+        return ExitCode.PREEMPTED
+    return KEPT.get(rc, ExitCode.CRASHED)
