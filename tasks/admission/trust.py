@@ -18,6 +18,7 @@ import functools
 import inspect
 import ipaddress
 import os
+import shlex
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -51,6 +52,9 @@ class Allowed:
     python: frozenset[str] = frozenset()  # provider.python: interpreters
     recipes: frozenset[str] = frozenset()  # recipe import strings, package.module:function
     entrypoints: frozenset[str] = frozenset()  # entry points (package.module:function): code, always listed
+    # commands, each its whole argv as `shlex.join` writes it: a program's arguments can run code too
+    # (`python -c ...`), so the exact command is allowed, never a program with any arguments
+    commands: frozenset[str] = frozenset()
     env: frozenset[str] = frozenset()  # names in env.pass and env.set
     endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
     tracking: frozenset[str] = frozenset()  # tracking.uri
@@ -116,6 +120,9 @@ def refusal(
     if job.entrypoint is not None and job.entrypoint not in allowed.entrypoints:
         what = f"entrypoint: {job.entrypoint!r} is code this host does not let a deployment run import"
         return f"{what}; {fix('entrypoints')}"
+    if job.command is not None and shlex.join(job.command) not in allowed.commands:
+        what = f"command: {shlex.join(job.command)!r} is not a command this host lets a deployment run start"
+        return f"{what}; {fix('commands')}"
     for where, names in (("env.pass", job.env.pass_), ("env.set", list(job.env.set_))):
         for name in names:  # passing a variable that passes anyway changes nothing; setting one may
             if name not in allowed.env and not (where == "env.pass" and passes(name)):
@@ -188,11 +195,18 @@ def named(params: Mapping[str, Any]) -> Allowed:
         python=_present([provider.get("python")]),
         recipes=_present([recipe] if isinstance(recipe, str) and ":" in recipe else []),
         entrypoints=_present([job.get("entrypoint")]),
+        commands=_present([_joined(job.get("command"))]),
         env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
         endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
         tracking=_present([_dict(job.get("tracking")).get("uri")]),
         keep_runs=_present([str(job["keep_runs"])] if isinstance(job.get("keep_runs"), int) else []),
     )
+
+
+def _joined(argv: Any) -> str | None:
+    """A command as the allow-list writes it (shlex.join), None when it is not a list of strings."""
+    ok = isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    return shlex.join(argv) if ok else None
 
 
 def _dict(v: Any) -> dict[str, Any]:

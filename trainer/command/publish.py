@@ -24,7 +24,7 @@ from trainer.command.layouts import Found
 from trainer.errors import ConfigError
 from trainer.saving.publish import Sidecars, upload, verify_remote
 from trainer.spec.job import JobSpec
-from trainer.storage import Storage
+from trainer.storage import Storage, get_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +83,31 @@ def restore(storage: Storage, *, cache: Path, into: Path) -> Selection:
     """Put the newest valid checkpoint's files back under `into` (emptied first), at the paths the
     script wrote them; the selection says which step and why newer ones were refused. A store that
     holds a recipe's or a loop's checkpoints is another kind of job's: refused in one line."""
-    selection = Catalog(storage, cache).select(None)
+    catalog = Catalog(storage, cache)
+    committed = sorted((s for s, e in catalog.list().items() if e.committed), reverse=True)
+    if committed and (layout := _layout(storage, committed[0])) != DIRECTORY:
+        raise ConfigError(
+            f"checkpoint step {committed[0]} in {storage.uri} was written by a recipe or a session "
+            f"(layout {layout}), not by a command; use a new storage URI for this job"
+        )
+    selection = catalog.select(None)
     if into.exists():
         shutil.rmtree(into)
     into.mkdir(parents=True)
     if selection.step is None or selection.path is None:
         return selection
     manifest = Manifest.from_json((selection.path / MANIFEST).read_bytes(), selection.step)
-    if manifest.layout != DIRECTORY:
-        raise ConfigError(
-            f"checkpoint step {selection.step} in {storage.uri} was written by a recipe or a session "
-            f"(layout {manifest.layout}), not by a command; use a new storage URI for this job"
-        )
     for name in sorted(manifest.files):
         dst = contained(into, name)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(contained(selection.path, name), dst)
     return selection
+
+
+def _layout(storage: Storage, step: int) -> str:
+    """The layout a committed checkpoint's manifest names (`directory` when it cannot be read: the
+    selection then says what is wrong with it)."""
+    try:
+        return Manifest.from_json(get_bytes(storage, f"{step_dir(step)}/{MANIFEST}"), step).layout
+    except (ValueError, FileNotFoundError):
+        return DIRECTORY

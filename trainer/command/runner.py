@@ -14,14 +14,18 @@ signal kills loses the steps since its last checkpoint.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from trainer.checkpoint.completion import completed_for, mark_completed
 from trainer.command.layouts import Found, Seen, find
@@ -58,9 +62,17 @@ class _Progress:
 
     step: int
     durable: int | None
+    started: Callable[[], None] | None = None  # the `started` record, sent once the script trains
     offset: int = 0
     seen: Seen = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # steps whose publishing failed (gone mid-copy)
+
+    def begin(self) -> None:
+        """Training has begun (the script reported a step or wrote a checkpoint): say so once. What came
+        before, the restore and the script's own start (imports, model build), is restart cost."""
+        if self.started is not None:
+            self.started()
+            self.started = None
 
 
 def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
@@ -79,7 +91,8 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     selection = restore(storage, cache=opts.cache / "restore", into=ckpt_dir)
     start = selection.step or 0
     prune_after(storage, start)
-    opts.reporter.emit(
+    started = functools.partial(
+        opts.reporter.emit,
         "started",
         resumed_from=selection.step,
         checkpoint=selection.uri,
@@ -116,13 +129,14 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         ) from None
     log.info("command started, pid %d: %s", child.pid, " ".join(argv))
     metrics = MetricsLog(storage)
-    progress = _Progress(step=start, durable=selection.step)
+    progress = _Progress(step=start, durable=selection.step, started=started)
     forwarded = False
+    losses = open(opts.metrics_path, "a") if opts.metrics_path else None  # noqa: SIM115 (closed below)
     stop_signal = signal.Signals[spec.stop_signal]
     try:
         while True:
             rc = child.poll()
-            _follow(spec, storage, opts, ckpt_dir, steps_file, metrics, progress)
+            _follow(spec, storage, opts, ckpt_dir, steps_file, metrics, progress, losses)
             if rc is not None:
                 break
             if opts.stop.requested and not forwarded:
@@ -136,6 +150,10 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         child.kill()
         child.wait()
         raise
+    finally:
+        if losses is not None:
+            losses.close()
+    progress.begin()  # a script that ended before reporting anything still had its attempt
     code = _classify(rc, forwarded)
     log.info("command exited %d: %s", rc, code.name)
     if code is ExitCode.COMPLETED:
@@ -154,9 +172,12 @@ def _follow(
     steps_file: Path,
     metrics: MetricsLog,
     progress: _Progress,
+    losses: TextIO | None,
 ) -> None:
     """Read the steps the script reported since the last look, then publish its new checkpoints."""
     lines, progress.offset = read_steps(steps_file, progress.offset)
+    if lines:
+        progress.begin()
     for line in lines:
         step = int(line["step"])
         loss = _float(line.get("loss"))
@@ -165,6 +186,9 @@ def _follow(
             lr = 0.0 if lr is None else lr
             extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}
             metrics.record(step, loss, lr, lr, extra)
+            if losses is not None:  # every step's loss, as a recipe's trainer writes them (`--metrics`)
+                losses.write(json.dumps({"step": step, "loss": loss.hex()}) + "\n")
+                losses.flush()
         if step > progress.step:
             progress.step = step
             opts.reporter.emit("step", step=step, loss=loss, durable_step=progress.durable)

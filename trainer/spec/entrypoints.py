@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.spec.templating import placeholders
+from trainer.spec.templating import uses_templates
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT = re.compile(rf"^{_NAME}(\.{_NAME})*:{_NAME}$")
@@ -65,9 +65,9 @@ def command_problem(argv: list[str]) -> str | None:
         return "command is empty: give the program and its arguments, e.g. [python, train.py]"
     for i, arg in enumerate(argv):
         try:
-            placeholders(arg)  # one vocabulary: a command's own names and a run key's
+            uses_templates(arg, f"command[{i}]")  # one vocabulary: a command's own names and a run key's
         except ConfigError as e:
-            return f"command[{i}]: {e}"
+            return str(e)
     return None
 
 
