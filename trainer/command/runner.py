@@ -136,7 +136,9 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     try:
         while True:
             rc = child.poll()
-            _follow(spec, storage, opts, ckpt_dir, steps_file, metrics, progress, losses)
+            _follow(
+                spec, storage, opts, ckpt_dir, steps_file, metrics, progress, losses, settled=rc is not None
+            )
             if rc is not None:
                 break
             if opts.stop.requested and not forwarded:
@@ -173,8 +175,11 @@ def _follow(
     metrics: MetricsLog,
     progress: _Progress,
     losses: TextIO | None,
+    *,
+    settled: bool = False,
 ) -> None:
-    """Read the steps the script reported since the last look, then publish its new checkpoints."""
+    """Read the steps the script reported since the last look, then publish its new checkpoints
+    (`settled`: the script has exited, so a file that is there is whole)."""
     lines, progress.offset = read_steps(steps_file, progress.offset)
     if lines:
         progress.begin()
@@ -192,7 +197,7 @@ def _follow(
         if step > progress.step:
             progress.step = step
             opts.reporter.emit("step", step=step, loss=loss, durable_step=progress.durable)
-    for found in find(ckpt_dir, progress.seen):
+    for found in find(ckpt_dir, None if settled else progress.seen):
         if (progress.durable is not None and found.step <= progress.durable) or found.step in progress.failed:
             continue
         _publish(found, spec, storage, opts, ckpt_dir, metrics, progress)
