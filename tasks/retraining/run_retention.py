@@ -193,7 +193,7 @@ def prune_runs(
         if run.run_key in done:
             continue
         done.add(run.run_key)
-        _prune_one(job.name, run, base, job.s3, delete_limit, report)
+        _prune_one(job.name, run, base, s3=job.s3, delete_limit=delete_limit, report=report)
     if report.pruned or report.errors or report.skipped:
         log.info("%s", report.line())
     return report
@@ -203,6 +203,7 @@ def _prune_one(
     job: str,
     run: RunRecord,
     base: str,
+    *,
     s3: S3Options,
     delete_limit: Callable[[str], bool],
     report: PruneReport,

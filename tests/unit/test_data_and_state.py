@@ -52,11 +52,11 @@ def _stream(loader: ResumableLoader, n: int) -> list[torch.Tensor]:
 def test_loader_resumes_mid_stream(num_workers: int, batch_size: int, stop: int) -> None:
     """Checkpoint the position mid-stream, resume with a fresh loader: the same stream, exactly."""
     n = 3 * (50 // batch_size)
-    full = _stream(ResumableLoader(Noisy(50), batch_size, 11, 0), n)
-    first = ResumableLoader(Noisy(50), batch_size, 11, num_workers)
+    full = _stream(ResumableLoader(Noisy(50), batch_size, 11, num_workers=0), n)
+    first = ResumableLoader(Noisy(50), batch_size, 11, num_workers=num_workers)
     head = _stream(first, stop)
     saved = first.position.state_dict()
-    second = ResumableLoader(Noisy(50), batch_size, 11, num_workers)
+    second = ResumableLoader(Noisy(50), batch_size, 11, num_workers=num_workers)
     second.position.load_state_dict(saved)
     tail = _stream(second, n - stop)
     assert len(head + tail) == len(full)

@@ -69,7 +69,12 @@ class Session(SessionState):
             raise ConfigError(f"{why}; set batch_size in the job file, not in code")
         r = self.ranks
         loader = ResumableLoader(
-            dataset, self.batch_size, self.spec.seed, self.spec.num_workers, r.rank, r.world_size
+            dataset,
+            self.batch_size,
+            self.spec.seed,
+            num_workers=self.spec.num_workers,
+            rank=r.rank,
+            world=r.world_size,
         )
         loader.position = self.position
         while self.step < self.end and not self.should_stop and not self._stop_now():
@@ -130,7 +135,7 @@ class Session(SessionState):
         self._lr_at_step = self._lr_before = None
         if math.isfinite(loss):
             self.best, self.last_loss = min(self.best, loss), loss
-            self.steps_log.record(self.step, loss, lr, lr_after, metrics)
+            self.steps_log.record(self.step, loss, lr, lr_next=lr_after, metrics=metrics)
             if self._metrics:
                 self._metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                 self._metrics.flush()
