@@ -155,7 +155,7 @@ def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> No
         "from trainer.checkpoint.stateful import Codec;"
         "sd = {'b': torch.ones(2), 'a': torch.arange(6.).reshape(2, 3),"
         " 'h': torch.zeros(1, dtype=torch.float16)};"
-        "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, 1200).digest)"
+        "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, step=1200).digest)"
     )
     digests = set()
     for seed in range(6):
