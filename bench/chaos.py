@@ -238,7 +238,9 @@ class Campaign:
         provider = LocalProvider(LocalProviderConfig(python=str(self.python), workdir=str(ep / "work")))
         history = self._open_history()
         run_id = (
-            history.start_job_run(job.name, job.spec_hash(), None, job.storage, "local") if history else ""
+            history.start_job_run(job.name, job.spec_hash(), None, storage_uri=job.storage, provider="local")
+            if history
+            else ""
         )
         written: list[int] = []
         killed_at: int | None = None
@@ -249,9 +251,9 @@ class Campaign:
             if killed_at is not None:
                 self.tally.lost_steps.append(killed_at - (expected or 0))
             t0, before = time.monotonic(), sum(self.tally.faults.values())
-            results = self.attempt(job, spec_path, provider, attempt, fault, ep)
+            results = self.attempt(job, spec_path, provider, attempt=attempt, fault=fault, ep=ep)
             self.tally.attempts += 1
-            killed_at = self.judge(fault, results, expected, attempt, n)
+            killed_at = self.judge(fault, results, expected, attempt=attempt, n=n)
             exits = ",".join(r.exit.name or "?" if r.exit else f"sig{r.signal}" for r in results)
             say(
                 f"  ep {n} attempt {attempt}: {fault:<18} resumed {expected} -> {exits} at step "
@@ -270,7 +272,7 @@ class Campaign:
                 written.append(attempt)
             if last or _exists(storage, COMPLETED) or sum(self.tally.faults.values()) >= self.target:
                 break
-        self.finish(n, ep, history, run_id, written)
+        self.finish(n, ep, history, run_id=run_id, written=written)
 
     def attempt(
         self, job: JobSpec, spec_path: Path, provider: LocalProvider, attempt: int, fault: str, ep: Path
@@ -299,7 +301,9 @@ class Campaign:
             if where == "random" and i == 0:
                 on_status = self._killer(w, signal.SIGKILL if sig == "sigkill" else signal.SIGTERM)
             elif fault == "duplicate" and len(workers) == 1 and i == 0:
-                on_status = self._second(provider, job, attempt, spec_path, workers, watch, late)
+                on_status = self._second(
+                    provider, job, attempt, spec_path=spec_path, workers=workers, watch=watch, late=late
+                )
             results[i] = provider.watch(w, on_status)
 
         with self.s3_chaos():
@@ -327,6 +331,7 @@ class Campaign:
         provider: LocalProvider,
         job: JobSpec,
         attempt: int,
+        *,
         spec_path: Path,
         workers: list[Worker],
         watch: Any,
@@ -341,7 +346,7 @@ class Campaign:
         return on_status
 
     def judge(
-        self, fault: str, results: list[WatchResult], expected: int | None, attempt: int, n: int
+        self, fault: str, results: list[WatchResult], expected: int | None, *, attempt: int, n: int
     ) -> int | None:
         """Count the fault if it took effect and check the resumes; the last step, for a preemption."""
         first = results[0]
@@ -457,6 +462,7 @@ def run(
     faults: int,
     seed: int,
     minutes: float,
+    *,
     root: Path,
     episodes: Sequence[int] | None = None,
     keep: Path | None = None,
@@ -465,14 +471,14 @@ def run(
     to its end. `keep`: where to copy the directory (logs, write log) of an episode with a violation."""
     saved = dict(os.environ)
     try:
-        return _run(faults, seed, minutes, root, episodes, keep)
+        return _run(faults, seed, minutes, root=root, episodes=episodes, keep=keep)
     finally:  # the trainers inherit these; a caller's own (a test session's) come back afterwards
         os.environ.clear()
         os.environ.update(saved)
 
 
 def _run(
-    faults: int, seed: int, minutes: float, root: Path, episodes: Sequence[int] | None, keep: Path | None
+    faults: int, seed: int, minutes: float, *, root: Path, episodes: Sequence[int] | None, keep: Path | None
 ) -> Tally:
     from moto.server import ThreadedMotoServer
 
@@ -490,7 +496,16 @@ def _run(
     bucket = "spotrun-chaos"
     boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     # named episodes run to their end; a campaign ends the episode that reaches its target early
-    camp = Campaign(root, seed, proxy, endpoint, bucket, db, sys.maxsize if episodes else faults, keep)
+    camp = Campaign(
+        root,
+        seed,
+        proxy,
+        moto=endpoint,
+        bucket=bucket,
+        db=db,
+        target=sys.maxsize if episodes else faults,
+        keep=keep,
+    )
     t0 = time.monotonic()
     numbers = iter(episodes) if episodes else itertools.count(1)
     try:
@@ -533,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="spotrun-chaos-") as d:
-        tally = run(args.faults, args.seed, args.minutes, Path(d), args.episode, args.keep)
+        tally = run(args.faults, args.seed, args.minutes, root=Path(d), episodes=args.episode, keep=args.keep)
     for line in table(tally):
         say(line)
     say(f"{tally.episodes} episodes, {tally.attempts} attempts in {time.monotonic() - t0:.0f} s")

@@ -118,7 +118,7 @@ def episode(camp: Campaign, n: int) -> None:
     for k in range(1, MAX_CONTROLLERS + 1):
         where = camp.rng.choice(WHERES) if k <= kills else "none"
         t0, before = time.monotonic(), sum(camp.tally.faults.values())
-        rc, tail = _controller(camp, n, k, where, spec_path, ep)
+        rc, tail = _controller(camp, n, k, where=where, spec_path=spec_path, ep=ep)
         killed = rc == -signal.SIGKILL
         note = ""
         if killed:
@@ -139,13 +139,13 @@ def episode(camp: Campaign, n: int) -> None:
             camp.tally.bad(f"episode {n} controller {k} ({where}) exited {rc} by itself: {' | '.join(tail)}")
     else:
         camp.tally.bad(f"episode {n}: no controller completed the job in {MAX_CONTROLLERS}")
-    _check_history(camp, n, settings, job.name, after_run)
+    _check_history(camp, n, settings, job=job.name, kills=after_run)
     _check_resumes(camp, n, ep / "resumes.jsonl")
-    camp.finish(n, ep, None, "", [])
+    camp.finish(n, ep, None, run_id="", written=[])
 
 
 def _controller(
-    camp: Campaign, n: int, k: int, where: str, spec_path: Path, ep: Path
+    camp: Campaign, n: int, k: int, *, where: str, spec_path: Path, ep: Path
 ) -> tuple[int, list[str]]:
     """Run one controller until it exits or is killed at `where`; its return code and last lines."""
     plan: dict[str, Any] = {
@@ -259,7 +259,7 @@ def _took_over(settings: Any, job: str, flow_run_id: str) -> bool:
         return any(r.flow_run_id == flow_run_id for r in store.job_runs(job))
 
 
-def _check_history(camp: Campaign, n: int, settings: Any, job: str, kills: list[str]) -> None:
+def _check_history(camp: Campaign, n: int, settings: Any, *, job: str, kills: list[str]) -> None:
     from tasks.history import HistoryStore
 
     with HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir) as store:

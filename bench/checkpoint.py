@@ -157,9 +157,13 @@ class Trainee:
     @classmethod
     def build(cls, size: Size) -> Trainee:
         spec = JobSpec(
-            name=f"bench-{size.label}", recipe="charlm", args=size.args, total_steps=100_000,
-            batch_size=size.batch_size, threads=torch.get_num_threads(),
-        )  # fmt: skip
+            name=f"bench-{size.label}",
+            recipe="charlm",
+            args=size.args,
+            total_steps=100_000,
+            batch_size=size.batch_size,
+            threads=torch.get_num_threads(),
+        )
         torch.manual_seed(0)
         ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
         parts = recipes.build("charlm", size.args, ctx)
@@ -198,11 +202,18 @@ class Trainee:
         p = self.parts
         assert p.scheduler is not None
         meta = {
-            "step": self.step, "position": {"epoch": 0, "batch": self.step}, "best_metric": 0.0,
-            "spec": self.spec.model_dump(mode="json"), "spec_hash": self.spec.spec_hash(),
-            "shape_hash": self.spec.shape_hash(), "torch_version": str(torch.__version__),
-            "threads": torch.get_num_threads(), "rank": 0, "world_size": 1, "device": "cpu",
-        }  # fmt: skip
+            "step": self.step,
+            "position": {"epoch": 0, "batch": self.step},
+            "best_metric": 0.0,
+            "spec": self.spec.model_dump(mode="json"),
+            "spec_hash": self.spec.spec_hash(),
+            "shape_hash": self.spec.shape_hash(),
+            "torch_version": str(torch.__version__),
+            "threads": torch.get_num_threads(),
+            "rank": 0,
+            "world_size": 1,
+            "device": "cpu",
+        }
         return {
             "model": p.model.state_dict(),
             "optimizer": p.optimizer.state_dict(),
@@ -232,7 +243,7 @@ def actual_state_bytes(t: Trainee) -> int:
 # ---------------------------------------------------------------- (a) stall
 
 
-def measure_stall(t: Trainee, s3: S3, prefix: str, work: Path, reps: int) -> dict[str, Any]:
+def measure_stall(t: Trainee, s3: S3, prefix: str, *, work: Path, reps: int) -> dict[str, Any]:
     ckpt = t.checkpointer(s3.storage(prefix), work / "cache-a")
     t.train_step()
     t.save(ckpt)  # the first save allocates the snapshot buffers
@@ -254,12 +265,17 @@ def measure_stall(t: Trainee, s3: S3, prefix: str, work: Path, reps: int) -> dic
     sync = sync_save_upload(t, s3.plain, work / "sync.pt", f"{prefix}/sync.pt")
     async_s = statistics.median(stalls)
     return {
-        "async_stall_s": async_s, "async_stalls_s": stalls, "fence_waits_s": fences,
+        "async_stall_s": async_s,
+        "async_stalls_s": stalls,
+        "fence_waits_s": fences,
         "snapshot_s": bg.snapshot_s,
         "background_s": {"write": bg.write_s, "upload": bg.upload_s, "verify": bg.verify_s},
-        "sync_stall_s": sync, "stall_ratio": sync / async_s, "writer": writer,
-        "durable_after_notice_s": notice_s, "notice_ratio": notice_s / sync,
-    }  # fmt: skip
+        "sync_stall_s": sync,
+        "stall_ratio": sync / async_s,
+        "writer": writer,
+        "durable_after_notice_s": notice_s,
+        "notice_ratio": notice_s / sync,
+    }
 
 
 def sync_save_upload(t: Trainee, client: Any, path: Path, key: str) -> float:
@@ -295,7 +311,7 @@ class Run:
 
 
 def run_steps(
-    t: Trainee, n: int, ckpt: Checkpointer | None = None, at: int = 4, limit_s: float = CHECKPOINT_EVERY_S
+    t: Trainee, n: int, ckpt: Checkpointer | None = None, *, at: int = 4, limit_s: float = CHECKPOINT_EVERY_S
 ) -> Run:
     """At least n training steps. With `ckpt`: one async checkpoint before step `at`, and steps go
     on until it is durable (the writer runs at low priority and may need many steps), for at most
@@ -351,16 +367,21 @@ def _measure_overhead(
     overlapped = [s for r in with_ckpt for s in r.overlapped_s]
     extra_s = statistics.median(extra)
     return {
-        "remote_dir": str(remote.root), "sync_save_s": sync.total_s, "pairs": pairs,
+        "remote_dir": str(remote.root),
+        "sync_save_s": sync.total_s,
+        "pairs": pairs,
         "steps_per_run": [len(r.steps_s) + len(r.overlapped_s) for r in with_ckpt],
         "sync_phases_s": {"write": sync.write_s, "upload": sync.upload_s, "verify": sync.verify_s},
-        "base_step_s": base_step, "extra_s_each": extra, "extra_s": extra_s,
-        "paired_diff_s_each": paired, "stall_s": statistics.median(r.stall_s for r in with_ckpt),
+        "base_step_s": base_step,
+        "extra_s_each": extra,
+        "extra_s": extra_s,
+        "paired_diff_s_each": paired,
+        "stall_s": statistics.median(r.stall_s for r in with_ckpt),
         "overlapped_steps": statistics.median(len(r.overlapped_s) for r in with_ckpt),
         "slowdown_during_save": statistics.median(overlapped) / base_step if overlapped else None,
         "tail_wait_s": max(r.tail_s for r in with_ckpt),
         "overhead_pct": 100 * max(extra_s, 0.0) / CHECKPOINT_EVERY_S,
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------- (c) validation
@@ -416,10 +437,15 @@ def measure_validate(t: Trainee, remote_dir: Path, reps: int = 3) -> dict[str, A
     sha_s = best_of(lambda: [sha256_file(p) for p in files], reps)
     nbytes = sum(p.stat().st_size for p in files)
     return {
-        "bytes": nbytes, "validate_s": validate_s, "plain_load_s": plain_s, "resume_load_s": resume_s,
-        "sha256_s": sha_s, "sha256_mb_s": nbytes / MB / sha_s, "validate_ratio": validate_s / plain_s,
+        "bytes": nbytes,
+        "validate_s": validate_s,
+        "plain_load_s": plain_s,
+        "resume_load_s": resume_s,
+        "sha256_s": sha_s,
+        "sha256_mb_s": nbytes / MB / sha_s,
+        "validate_ratio": validate_s / plain_s,
         "hot_spots": hot_spots(lambda: validate_dir(d, expect)),
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------- (f) signing
@@ -475,10 +501,13 @@ class Side:
         cpu = statistics.median(self.writer_cpu_s) if self.writer_cpu_s else None
         extra = statistics.median(self.extra_s)
         return {
-            "extra_s": extra, "extra_s_each": self.extra_s, "writer_cpu_s": cpu,
-            "durable_s": statistics.median(self.durable_s), "durable_s_each": self.durable_s,
+            "extra_s": extra,
+            "extra_s_each": self.extra_s,
+            "writer_cpu_s": cpu,
+            "durable_s": statistics.median(self.durable_s),
+            "durable_s_each": self.durable_s,
             "overhead_pct": 100 * max(extra, 0.0) / CHECKPOINT_EVERY_S,
-        }  # fmt: skip
+        }
 
 
 def measure_signed(t: Trainee, work: Path, reps: int) -> dict[str, Any]:
@@ -490,9 +519,11 @@ def measure_signed(t: Trainee, work: Path, reps: int) -> dict[str, Any]:
             stamps: list[float] = []
             with manifest_key(key):
                 ckpt = t.checkpointer(
-                    LocalStorage(work / f"remote-f-{name}"), work / f"cache-f-{name}", writer="process",
+                    LocalStorage(work / f"remote-f-{name}"),
+                    work / f"cache-f-{name}",
+                    writer="process",
                     on_durable=lambda _step, _sidecars, s=stamps: s.append(time.perf_counter()),
-                )  # fmt: skip
+                )
                 sides[name] = Side(key, ckpt, stamps)
                 t.train_step()
                 t.save(ckpt)  # starts its writer process, in this environment, and allocates the buffers
@@ -508,13 +539,16 @@ def measure_signed(t: Trainee, work: Path, reps: int) -> dict[str, Any]:
             side.ckpt.close()
     rmtree(*(work / f"{kind}-f-{name}" for kind in ("remote", "cache") for name in sides))
     return {
-        "reps": reps, "plain": plain, "keyed": keyed, **validate,
+        "reps": reps,
+        "plain": plain,
+        "keyed": keyed,
+        **validate,
         "signed_overhead_pct": pct_more(keyed["extra_s"], plain["extra_s"]),
         "signed_durable_pct": pct_more(keyed["durable_s"], plain["durable_s"]),
         "signed_writer_cpu_pct": pct_more(keyed["writer_cpu_s"], plain["writer_cpu_s"])
         if keyed["writer_cpu_s"] is not None and plain["writer_cpu_s"] is not None
         else None,
-    }  # fmt: skip
+    }
 
 
 def pct_more(x: float, base: float) -> float | None:
@@ -543,9 +577,11 @@ def measure_signed_validate(t: Trainee, work: Path, sides: dict[str, Side], reps
     best = {name: min(ts) for name, ts in times.items()}
     nbytes = sum(p.stat().st_size for p in dirs["keyed"].iterdir() if p.is_file())
     return {
-        "validate_s": best, "bytes": nbytes, "signed_validate_ratio": best["keyed"] / best["plain"],
+        "validate_s": best,
+        "bytes": nbytes,
+        "signed_validate_ratio": best["keyed"] / best["plain"],
         "keyed_vs_plain_load": best["keyed"] / best["load"],  # (c)'s ratio, with the key
-    }  # fmt: skip
+    }
 
 
 def report_signed(label: str, f: dict[str, Any]) -> None:
@@ -595,7 +631,7 @@ def report_signed(label: str, f: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- (d) transfer
 
 
-def measure_transfer(s3: S3, prefix: str, work: Path, mb: int, reps: int = 3) -> dict[str, Any]:
+def measure_transfer(s3: S3, prefix: str, work: Path, *, mb: int, reps: int = 3) -> dict[str, Any]:
     storage, plain = s3.storage(prefix), s3.plain
     src, dst = work / "blob", work / "blob.down"
     src.write_bytes(os.urandom(mb * MB))
@@ -613,9 +649,12 @@ def measure_transfer(s3: S3, prefix: str, work: Path, mb: int, reps: int = 3) ->
     delete_prefix(plain, prefix)
     rate = {k: mb / min(v) for k, v in times.items()}
     return {
-        "object_mb": mb, "mb_s": rate, "seconds": times,
-        "upload_ratio": rate["put"] / rate["put_object"], "download_ratio": rate["get"] / rate["get_object"],
-    }  # fmt: skip
+        "object_mb": mb,
+        "mb_s": rate,
+        "seconds": times,
+        "upload_ratio": rate["put"] / rate["put_object"],
+        "download_ratio": rate["get"] / rate["get_object"],
+    }
 
 
 def plain_put(client: Any, src: Path, key: str) -> None:
@@ -642,10 +681,24 @@ def measure_fsdp(quick: bool, work: Path) -> dict[str, Any]:
     size = FSDP_QUICK if quick else FSDP_FULL
     out, log_path = work / "fsdp.json", work / "fsdp.log"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(FSDP_RANKS),
-        str(ROOT / "bench" / "checkpoint_fsdp.py"), "--out", str(out), "--dir", str(work / "fsdp"),
-        "--d-model", str(size["d_model"]), "--n-layers", str(size["n_layers"]), "--reps", str(size["reps"]),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(FSDP_RANKS),
+        str(ROOT / "bench" / "checkpoint_fsdp.py"),
+        "--out",
+        str(out),
+        "--dir",
+        str(work / "fsdp"),
+        "--d-model",
+        str(size["d_model"]),
+        "--n-layers",
+        str(size["n_layers"]),
+        "--reps",
+        str(size["reps"]),
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     with open(log_path, "wb") as log_file:
@@ -746,8 +799,9 @@ def moto_endpoint() -> Iterator[str]:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -765,7 +819,7 @@ def moto_endpoint() -> Iterator[str]:
         server.wait(timeout=10)
 
 
-def bench_size(size: Size, s3: S3, work: Path, budget_s: float, signed_reps: int = 0) -> dict[str, Any]:
+def bench_size(size: Size, s3: S3, work: Path, *, budget_s: float, signed_reps: int = 0) -> dict[str, Any]:
     """(a)-(c) for one size, and (f) with `signed_reps` runs a side (0: not for this size)."""
     t0 = time.perf_counter()
     t = Trainee.build(size)
@@ -793,7 +847,7 @@ def bench_size(size: Size, s3: S3, work: Path, budget_s: float, signed_reps: int
     f = measure_signed(t, work, signed_reps) if signed_reps else None
     if f is not None:
         report_signed(size.label, f)
-    a = measure_stall(t, s3, f"ckpt-{size.label}", work, size.stall_reps)
+    a = measure_stall(t, s3, f"ckpt-{size.label}", work=work, reps=size.stall_reps)
     report_stall(size.label, a)
     rmtree(work / "cache-a")
     delete_prefix(s3.plain, f"ckpt-{size.label}")  # moto holds objects in memory and temp files
@@ -944,14 +998,14 @@ def bench_single(s3: S3, work: Path, quick: bool) -> tuple[dict[str, Any], dict[
     plan = QUICK if quick else FULL
     for size in plan:
         signed_reps = SIGNED_REPS["quick" if quick else "full"] if size is plan[-1] else 0
-        sizes[size.label] = bench_size(size, s3, work, 15 if quick else 60, signed_reps)
+        sizes[size.label] = bench_size(size, s3, work, budget_s=15 if quick else 60, signed_reps=signed_reps)
         gc.collect()
     mb = 10 if quick else 100
     say(
         f"(d) {mb} MB objects: moto holds request bodies in RAM and reads a whole object per GET, "
         "so 1 GB transfers measure moto more than the client"
     )
-    transfer = measure_transfer(s3, "transfer", work, mb)
+    transfer = measure_transfer(s3, "transfer", work, mb=mb)
     report_transfer(transfer)
     return sizes, transfer
 
@@ -998,9 +1052,14 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     OUT.parent.mkdir(parents=True, exist_ok=True)
     detail = {
-        "summary": summary, "sizes": sizes, "transfer": transfer, "fsdp": fsdp, "session": session,
-        "wall_s": wall, "peak_rss_mb": peak,
-    }  # fmt: skip
+        "summary": summary,
+        "sizes": sizes,
+        "transfer": transfer,
+        "fsdp": fsdp,
+        "session": session,
+        "wall_s": wall,
+        "peak_rss_mb": peak,
+    }
     OUT.write_text(json.dumps(detail, indent=2))
     say(
         f"wall {wall:.0f}s, peak RSS {peak:.0f} MB (this process, moto included; the FSDP ranks apart); "

@@ -284,7 +284,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = Ranks(
-        rank, world, int(os.environ.get("LOCAL_RANK", rank)), "fsdp", dist.new_group(backend="gloo")
+        rank,
+        world,
+        int(os.environ.get("LOCAL_RANK", rank)),
+        strategy="fsdp",
+        ckpt_group=dist.new_group(backend="gloo"),
     )
     t_build = time.perf_counter()
     t = Trainee(cli, ranks)
@@ -296,7 +300,7 @@ def main() -> None:
     cache = cli.dir / "cache"
     clock = DurableClock()
     ckpt = ShardedCheckpointer(
-        remote, cache, 2, t.registry, ranks, background=True, on_durable=clock, strategy="fsdp"
+        remote, cache, 2, registry=t.registry, ranks=ranks, background=True, on_durable=clock, strategy="fsdp"
     )
 
     spotrun_save(t, ckpt, clock)  # the first save sets up DCP's stager and the files' directories

@@ -71,7 +71,7 @@ def make_history(home: Path) -> None:
             ("digits", [Outcome.PREEMPTED, Outcome.COMPLETED]),
             ("other", [Outcome.CRASHED]),
         ):
-            run = store.start_job_run(job, "hash", None, str(home / "store"), "local")
+            run = store.start_job_run(job, "hash", None, storage_uri=str(home / "store"), provider="local")
             for n, outcome in enumerate(outcomes, 1):
                 t = time.time() - 100 + 10 * n
                 store.record_attempt(

@@ -93,7 +93,7 @@ Reclaim = Callable[[subprocess.Popen[str]], None]
 
 
 def attempt(
-    work: Path, job: Path, after: int, reclaim: Reclaim, env: dict[str, str]
+    work: Path, job: Path, after: int, *, reclaim: Reclaim, env: dict[str, str]
 ) -> tuple[int, list[dict[str, Any]], float]:
     """One trainer process, reclaimed `after` steps in: (last finished step, records, reclaim -> exit s)."""
     metrics = work / "metrics.jsonl"
@@ -138,7 +138,9 @@ def lost_with_notice(work: Path, rng: random.Random) -> list[dict[str, Any]]:
         imds, after = FakeIMDS(), rng.randint(40, 160)
         try:
             notice: Reclaim = functools.partial(_interrupt, imds)
-            _, records, gone = attempt(work, job, after, notice, {"SPOTRUN_IMDS_ENDPOINT": imds.endpoint})
+            _, records, gone = attempt(
+                work, job, after, reclaim=notice, env={"SPOTRUN_IMDS_ENDPOINT": imds.endpoint}
+            )
         finally:
             imds.close()
         exit_ = next(r for r in records if r["kind"] == "exit")
@@ -168,7 +170,7 @@ def lost_without_notice(work: Path, rng: random.Random) -> list[dict[str, Any]]:
     storage = LocalStorage(work / "store")
     for _ in range(TRIALS):
         after = rng.randint(40, 160)
-        last, _records, _ = attempt(work, job, after, lambda p: p.send_signal(signal.SIGKILL), {})
+        last, _records, _ = attempt(work, job, after, reclaim=lambda p: p.send_signal(signal.SIGKILL), env={})
         durable = newest_committed(storage)
         out.append({"after": after, "step": last, "durable": durable, "lost": last - durable})
         say(

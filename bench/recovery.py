@@ -415,7 +415,7 @@ def main() -> None:
             ) -> FlowRun:
                 root = tmp / label.split()[0]
                 job = bench_job(root / "store", size, steps)
-                return run_flow(server, root, label, job, provider(size, seed, fork))
+                return run_flow(server, root, label, job=job, cfg=provider(size, seed, fork))
 
             def timed(label: str, seed: int | None) -> FlowRun:
                 r = run(label, seed)

@@ -183,7 +183,7 @@ def prefect_server(home: Path) -> Iterator[PrefectServer]:
 
 
 def run_flow(
-    server: PrefectServer, root: Path, label: str, job: JobSpec, cfg: LocalProviderConfig
+    server: PrefectServer, root: Path, label: str, *, job: JobSpec, cfg: LocalProviderConfig
 ) -> FlowRun:
     """One flow run of `job` with its own SPOTRUN_HOME and SQL history under `root`; timed around the call."""
     db = f"sqlite:///{root / 'history.db'}"

@@ -159,11 +159,20 @@ def user_loop(s: Session, parts: recipes.Parts, ema: EMA, fences: FenceClock) ->
         s.step_done(loss.item())
         t2 = time.perf_counter()
         fence = sum(fences.waits[n_fences:])
-        steps.append(Step(s.step, t2 - t0, t2 - t1, fence, beside, s.step % every == 0 and not s.should_stop))
+        steps.append(
+            Step(
+                s.step,
+                t2 - t0,
+                t2 - t1,
+                fence_s=fence,
+                beside_save=beside,
+                checkpoint=s.step % every == 0 and not s.should_stop,
+            )
+        )
     return steps, waited
 
 
-def sync_save_upload(state: dict[str, Any], client: Any, bucket: str, path: Path, key: str) -> float:
+def sync_save_upload(state: dict[str, Any], client: Any, bucket: str, *, path: Path, key: str) -> float:
     """The plain way, as (a)'s baseline: torch.save the whole state, fsync, boto3 upload_file."""
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -199,7 +208,7 @@ def measure_session(s3: S3Target, bucket: str, work: Path, quick: bool) -> dict[
     run = run_session(spec, parts, s3.storage(prefix), work / "cache-session")
     s, state = run.session, run.session.state.capture()
     sync = [
-        sync_save_upload(state, s3.plain, bucket, work / "sync-session.pt", f"{prefix}/sync.pt")
+        sync_save_upload(state, s3.plain, bucket, path=work / "sync-session.pt", key=f"{prefix}/sync.pt")
         for _ in range(SYNC_REPS)
     ]
     shutil.rmtree(work / "cache-session", ignore_errors=True)
@@ -251,7 +260,7 @@ def run_session(spec: JobSpec, parts: recipes.Parts, storage: Storage, cache: Pa
     writer = "process" if isinstance(s.ckpt, Checkpointer) and s.ckpt.uses_process else "thread"
     c0 = time.perf_counter()
     s.close()
-    return Ran(s, steps, waited, writer, time.perf_counter() - c0)
+    return Ran(s, steps, waited, writer=writer, close_s=time.perf_counter() - c0)
 
 
 def summarize_steps(steps: list[Step], sync_s: float) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def alert_parameters(kind: str, rules: AlertRules, **templated: Any) -> dict[str
 
 
 def automation(
-    name: str, description: str, trigger: EventTrigger, deployment_id: UUID, parameters: dict[str, Any]
+    name: str, description: str, trigger: EventTrigger, *, deployment_id: UUID, parameters: dict[str, Any]
 ) -> AutomationCore:
     action = RunDeployment(
         source="selected", deployment_id=deployment_id, parameters=parameters, job_variables=None

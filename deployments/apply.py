@@ -221,4 +221,4 @@ def deploy(
     allowed = None
     if home is not None:
         allowed = write_allowed(home, allowed_by_defaults(doc))
-    return DeployReport(ids, created, applied, recovery, allowed)
+    return DeployReport(ids, created, applied, recovery=recovery, allowed=allowed)

@@ -104,15 +104,15 @@ def build_automations(
             STORM,
             f"{rules.restart_threshold} restarts of one job within {rules.restart_window_s:g} s",
             storm,
-            alert_deployment_id,
-            alert_parameters("restart-storm", rules),
+            deployment_id=alert_deployment_id,
+            parameters=alert_parameters("restart-storm", rules),
         ),
         automation(
             GAVE_UP,
             "a job ran out of its restart budget",
             first_event(JOB_GAVE_UP, ANY_JOB),
-            alert_deployment_id,
-            alert_parameters("gave-up", rules, reason="{{ event.payload.reason | default('') }}"),
+            deployment_id=alert_deployment_id,
+            parameters=alert_parameters("gave-up", rules, reason="{{ event.payload.reason | default('') }}"),
         ),
     ]
     if rules.recovery_note:
@@ -122,8 +122,8 @@ def build_automations(
                 RECOVERED,
                 "a job that restarted completed (a note only if it had alerted)",
                 first_event(JOB_COMPLETED, restarted),
-                alert_deployment_id,
-                alert_parameters("recovered", rules),
+                deployment_id=alert_deployment_id,
+                parameters=alert_parameters("recovered", rules),
             )
         )
     mismatch: dict[str, str | list[str]] = {**ANY_JOB, VERDICT_LABEL: "mismatch"}
@@ -132,8 +132,8 @@ def build_automations(
             MISMATCH,
             "a resumed attempt did not continue the lost one's training (resume check: mismatch)",
             first_event(RESUME_CHECKED, mismatch),
-            alert_deployment_id,
-            alert_parameters("resume-mismatch", rules, resume=_resume_check()),
+            deployment_id=alert_deployment_id,
+            parameters=alert_parameters("resume-mismatch", rules, resume=_resume_check()),
         )
     )
     out.append(_unverified(rules, alert_deployment_id))
@@ -173,8 +173,8 @@ def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         f"a checkpoint's signature cannot be checked with the controller's keys (at most one alert per job"
         f" within {rules.restart_window_s:g} s); it is kept, never quarantined",
         _once_a_window(CHECKPOINT_UNVERIFIED, rules),
-        alert_deployment_id,
-        parameters,
+        deployment_id=alert_deployment_id,
+        parameters=parameters,
     )
 
 
@@ -197,8 +197,8 @@ def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         f"the controller's disk filled up during its checkpoint check (at most one alert per job within"
         f" {rules.restart_window_s:g} s); the check was skipped and the next one retries",
         _once_a_window(CONTROLLER_DISK_FULL, rules),
-        alert_deployment_id,
-        parameters,
+        deployment_id=alert_deployment_id,
+        parameters=parameters,
     )
 
 

@@ -69,8 +69,8 @@ def _promotion(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         PROMOTION,
         "a keyed run's model was promoted to the alias, or the alias kept (with both values)",
         first_event(MODEL_PROMOTION, {**ANY_JOB, PROMOTION_LABEL: [PROMOTED, KEPT]}),
-        alert_deployment_id,
-        alert_parameters(AlertKind.PROMOTION.value, rules, promotion=_promotion_facts()),
+        deployment_id=alert_deployment_id,
+        parameters=alert_parameters(AlertKind.PROMOTION.value, rules, promotion=_promotion_facts()),
     )
 
 
@@ -111,8 +111,8 @@ def _run_failed(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         f"a training run ended Failed and was not started again within {FAILED_WAIT_S} s (silent when its "
         "job run's gave-up alert told it)",
         trigger,
-        alert_deployment_id,
-        parameters,
+        deployment_id=alert_deployment_id,
+        parameters=parameters,
     )
 
 
@@ -165,6 +165,12 @@ def build_missed_run_automations(
             "(one alert per run)"
         )
         out.append(
-            automation(MISSED_RUN + d.deployment, description, trigger, alert_deployment_id, parameters)
+            automation(
+                MISSED_RUN + d.deployment,
+                description,
+                trigger,
+                deployment_id=alert_deployment_id,
+                parameters=parameters,
+            )
         )
     return out

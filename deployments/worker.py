@@ -49,6 +49,7 @@ class LocalWorker:
         log: Path,
         pool: str = POOL,
         query_s: float = 5.0,
+        *,
         limit: int | None = None,
         name: str | None = None,
     ) -> None:
@@ -146,6 +147,7 @@ def supervise(
     worker: LocalWorker,
     stop: threading.Event,
     say: Callable[[str], None],
+    *,
     backoff: RestartBackoff | None = None,
     poll_s: float = 1.0,
 ) -> None:

@@ -44,7 +44,9 @@ def recover_job(crashed_flow_run_id: str, limit: int = 3, window_s: float = 3600
         crashed = read_crashed_run(client, crashed_id)
         times = restart_times(client, crashed.job)
     window = timedelta(seconds=window_s)
-    decision = decide_controller_restart(times, datetime.now(UTC), limit, window, crashed.cancel_requested)
+    decision = decide_controller_restart(
+        times, datetime.now(UTC), limit, window=window, cancel_requested=crashed.cancel_requested
+    )
     logger.info(
         "job %s: flow run %s crashed -> %s (%s)", crashed.job, crashed_id, decision.action, decision.reason
     )

@@ -109,7 +109,7 @@ def losses(metrics: Path) -> dict[int, str]:
     return out
 
 
-def compare_final(flow: Path, ref: Path, metrics: tuple[Path, Path], step: int, cache: Path) -> list[str]:
+def compare_final(flow: Path, ref: Path, metrics: tuple[Path, Path], *, step: int, cache: Path) -> list[str]:
     """Differences between the final states in two storages and their per-step losses; empty: equal."""
     da = fetch(open_storage(str(flow)), step, cache / "flow")
     db = fetch(open_storage(str(ref)), step, cache / "reference")
@@ -150,7 +150,9 @@ def run_demo(home: Path, keep_server: bool) -> bool:
     console.print(f"spot simulator: reclaims attempt {plan} of training; then one runs undisturbed")
     started: list[subprocess.Popen[bytes]] = []
     try:
-        return _run_and_check(home, job, job_file, settings, keep_server, started)
+        return _run_and_check(
+            home, job, job_file, settings=settings, keep_server=keep_server, started=started
+        )
     finally:
         for reference in started:
             if reference.poll() is None:  # interrupted: never leave a trainer behind
@@ -162,6 +164,7 @@ def _run_and_check(
     home: Path,
     job: JobSpec,
     job_file: Path,
+    *,
     settings: Settings,
     keep_server: bool,
     started: list[subprocess.Popen[bytes]],
@@ -174,7 +177,7 @@ def _run_and_check(
     with prefect_api(home, use_env=False, background=background) as api:
         console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
         with alerting(settings.home / "worker.log", console):
-            result = run_cmd.run_job(job, provider, RetryPolicy(), settings, console)
+            result = run_cmd.run_job(job, provider, RetryPolicy(), settings=settings, out=console)
             run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
             # After the flow run, not beside it: two trainers with 2 threads each on 2 cores slow
             # both several-fold, and the reclaims are timed in seconds.
@@ -197,8 +200,8 @@ def _run_and_check(
             Path(job.storage),
             ref / "checkpoints",
             (result.metrics, ref / "metrics.jsonl"),
-            job.total_steps,
-            settings.home / "compare",
+            step=job.total_steps,
+            cache=settings.home / "compare",
         )
     if not failures:
         failures = show_mlflow(result, settings.home / "reference" / "metrics.jsonl", job.total_steps)

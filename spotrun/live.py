@@ -31,7 +31,7 @@ class RunMonitor:
     and the SQL history for the job run (its flow run id) and each attempt once the flow recorded it."""
 
     def __init__(
-        self, store: HistoryStore, job: str, metrics: Path, since: float, run_key: str | None = None
+        self, store: HistoryStore, job: str, metrics: Path, *, since: float, run_key: str | None = None
     ) -> None:
         self.store, self.job, self.metrics, self.since = store, job, metrics, since
         self.run_key = run_key

@@ -45,7 +45,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise UnknownJob(f"no job run of {args.job!r} in {safe_url(url)}: it holds no history yet")
         store = HistoryStore.open(url, journal_dir=settings.journal_dir)
         try:
-            run = _job_run(store, args.job, args.run, safe_url(url), args.run_key)
+            run = _job_run(store, args.job, args.run, where=safe_url(url), run_key=args.run_key)
             rows = store.attempts(job_run_id=run.id, limit=1_000_000)
         finally:
             store.close()
@@ -86,7 +86,7 @@ def keyed_lines(run: JobRunRow) -> list[str]:
 
 
 def _job_run(
-    store: HistoryStore, job: str, run_id: str | None, where: str, run_key: str | None = None
+    store: HistoryStore, job: str, run_id: str | None, *, where: str, run_key: str | None = None
 ) -> JobRunRow:
     runs = store.job_runs(job, limit=RUNS_SCANNED)
     if runs and run_key is not None:
@@ -124,7 +124,15 @@ def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
 
     # The step kept is where the shaded lost work begins (the timeline shades above `durable_step`).
     traces = [
-        AttemptTrace(p.attempt, p.outcome, p.started_at, p.ended_at, p.points, p.kept_step, p.start_step)
+        AttemptTrace(
+            p.attempt,
+            p.outcome,
+            p.started_at,
+            ended_at=p.ended_at,
+            steps=p.points,
+            durable_step=p.kept_step,
+            resumed_from=p.start_step,
+        )
         for p in progress(rows, report)
     ]
     title = f"{report.job} (job run {report.job_run_id[:8]}): step over wall time"

@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     codes = []
     for key in keys_to_run(job, args.run_key):
-        codes.append(run_one(args, job, key, provider, policy))
+        codes.append(run_one(args, job, key, provider=provider, policy=policy))
         if codes[-1] == EXIT_INTERRUPTED:  # Ctrl-C stops the backfill too; the same command goes on
             break
     return max(codes, key=[EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED].index)
@@ -79,6 +79,7 @@ def run_one(
     args: argparse.Namespace,
     spec: JobSpec,
     run_key: str | None,
+    *,
     provider: ProviderConfig,
     policy: RetryPolicy,
 ) -> int:
@@ -114,7 +115,7 @@ def run_one(
         out.print(server_line(api), markup=False)
         out.print(f"flow run of {which} against {api.url}; checkpoints in {job.storage}", markup=False)
         try:
-            result = run_job(spec, provider, policy, settings, out, job)
+            result = run_job(spec, provider, policy, settings=settings, out=out, job=job)
         except KeyboardInterrupt:  # the flow stopped its trainer (emergency checkpoint) and recorded it
             print_interrupted(out, settings, job)
             return EXIT_INTERRUPTED
@@ -265,6 +266,7 @@ def run_job(
     spec: JobSpec,
     provider: ProviderConfig,
     policy: RetryPolicy,
+    *,
     settings: Settings,
     out: Console,
     job: JobSpec | None = None,
@@ -282,7 +284,7 @@ def run_job(
     # Migrated (and its journal replayed) here, before the flow and the view share it.
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     metrics = worker_dir(workdir, job) / "metrics.jsonl"
-    monitor = RunMonitor(store, job.name, metrics, time.time(), job.run_key)
+    monitor = RunMonitor(store, job.name, metrics, since=time.time(), run_key=job.run_key)
     with _prefect_console(logging.ERROR), LiveView(out, monitor, job.total_steps):
         state = resilient_training(spec, provider, policy, job.run_key, return_state=True)
     data = state.result(raise_on_failure=False)
@@ -293,9 +295,9 @@ def run_job(
         state.is_completed(),
         state.message or "",
         data if isinstance(data, dict) else {},
-        monitor.attempts,
-        str(flow_run_id) if flow_run_id else None,
-        monitor.metrics,
+        attempts=monitor.attempts,
+        flow_run_id=str(flow_run_id) if flow_run_id else None,
+        metrics=monitor.metrics,
     )
 
 

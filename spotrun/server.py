@@ -166,6 +166,7 @@ class PrefectServer:
         home: Path,
         port: int | None = None,
         die_with_parent: bool = True,
+        *,
         host: str = "127.0.0.1",
         public_url: str | None = None,
     ) -> None:
@@ -318,7 +319,9 @@ def _read_state(home: Path) -> Background | None:
     try:
         d = json.loads((server_home(home) / STATE_FILE).read_text())
         public = str(d["public_url"]) if d.get("public_url") else None
-        return Background(int(d["pid"]), str(d["api_url"]), float(d["started_at"]), str(d["log"]), public)
+        return Background(
+            int(d["pid"]), str(d["api_url"]), float(d["started_at"]), log=str(d["log"]), public_url=public
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -354,6 +357,7 @@ def start_background(
     home: Path,
     port: int | None = None,
     timeout_s: float = 90,
+    *,
     host: str = "127.0.0.1",
     public_url: str | None = None,
 ) -> tuple[Background, bool]:
@@ -374,9 +378,13 @@ def start_background(
         if port and not port_free(port):
             raise ServerStartError(f"port {port} on 127.0.0.1 is in use; pick another with --port")
         chosen = port or (DEFAULT_PORT if port is None and port_free(DEFAULT_PORT) else free_port())
-        server = PrefectServer(server_home(home), chosen, False, host, public_url).start(timeout_s)
+        server = PrefectServer(server_home(home), chosen, False, host=host, public_url=public_url).start(
+            timeout_s
+        )
         assert server.proc is not None
-        bg = Background(server.proc.pid, server.api_url, time.time(), str(server.log), server.public_url)
+        bg = Background(
+            server.proc.pid, server.api_url, time.time(), log=str(server.log), public_url=server.public_url
+        )
         tmp = server_home(home) / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(bg.__dict__) + "\n")
         os.replace(tmp, server_home(home) / STATE_FILE)

@@ -24,7 +24,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     if running_server(home) is None:
         print(f"starting a Prefect server under {server_home(home)} (SQLite) ...", flush=True)
     t0 = time.monotonic()
-    bg, started = start_background(home, args.port, args.timeout, args.host, args.public_url)
+    bg, started = start_background(home, args.port, args.timeout, host=args.host, public_url=args.public_url)
     how = f"started in {time.monotonic() - t0:.0f} s" if started else "already running"
     print(f"Prefect server {how}: {bg.ui_url} (pid {bg.pid}, log {bg.log})")
     auth = shlex.quote(str(server_home(home) / AUTH_FILE))

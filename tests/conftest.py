@@ -127,7 +127,16 @@ def ec2_world(moto_server: str, boto_session: boto3.session.Session) -> Ec2World
     profile = f"spotrun-worker-{uuid.uuid4().hex[:8]}"
     iam = boto_session.client("iam", endpoint_url=moto_server, region_name=region)
     iam.create_instance_profile(InstanceProfileName=profile)
-    return Ec2World(moto_server, region, list(azs), azs, group["GroupId"], image["ImageId"], profile, ec2)
+    return Ec2World(
+        moto_server,
+        region,
+        list(azs),
+        azs=azs,
+        security_group=group["GroupId"],
+        image_id=image["ImageId"],
+        instance_profile=profile,
+        ec2=ec2,
+    )
 
 
 # The longest files first, the rest in collection order after them: with `--dist loadfile

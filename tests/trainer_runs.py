@@ -126,6 +126,7 @@ def trainer_killed_after(
     storage: str,
     workdir: Path,
     lines: int,
+    *,
     sig: signal.Signals,
     timeout: float = 120,
     group: bool = False,

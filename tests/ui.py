@@ -33,7 +33,7 @@ class Shot:
 
 
 def screenshots(
-    ui_url: str, deployment_id: str, flow_run_id: str, out: Path, auth: str | None = None
+    ui_url: str, deployment_id: str, flow_run_id: str, out: Path, *, auth: str | None = None
 ) -> dict[str, Shot]:
     """The deployment's run form (and its provider's form), the flow run's Artifacts tab, its attempts
     table and the summary's timeline image. `auth`: the server's auth string, given to the UI as its

@@ -201,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     error = ""
     with contextlib.ExitStack() as cleanup:  # the heartbeat outlives _run: it stores the exit record
         try:
-            code, error = _run(args, argv, env, stop, reporter, cleanup)
+            code, error = _run(args, argv, env, stop=stop, reporter=reporter, cleanup=cleanup)
         except Exception as e:  # the process boundary: every error becomes an exit code and one status line
             code, error = _classify(e), f"{type(e).__name__}: {e}"[:500]
         if env.rank_exits is not None:
-            last = RankExit(env.rank, code, error, reporter.last_step, reporter.last_durable)
+            last = RankExit(
+                env.rank, code, error, step=reporter.last_step, durable_step=reporter.last_durable
+            )
             write_rank_exit(env.rank_exits, last)
             return int(code)
         reporter.emit(
@@ -269,6 +271,7 @@ def _run(
     args: argparse.Namespace,
     argv: list[str],
     env: Environ,
+    *,
     stop: StopRequest,
     reporter: StatusReporter,
     cleanup: contextlib.ExitStack,
@@ -299,7 +302,13 @@ def _run(
             out = reporter.stream  # --status fd:N or FILE: the supervisor's alone, not the ranks'
             status_fd = None if out is None or out is sys.stdout else out.fileno()
             launched = start_ranks(
-                spec.distributed, argv, spec.threads, launcher_id, stop, fork=on_cpu, private=status_fd
+                spec.distributed,
+                argv,
+                spec.threads,
+                launcher_id=launcher_id,
+                stop=stop,
+                fork=on_cpu,
+                private=status_fd,
             )
     finally:  # started even when the ranks could not be: the exit record must reach the storage
         if heartbeat is not None:
@@ -331,7 +340,12 @@ def _run(
         # attempt finds it free
         with contextlib.ExitStack() as lease_scope:
             lease = functools.partial(
-                held, storage, me, args.lease_ttl, args.lease_takeover, max(args.prewarm_wait, 0.0)
+                held,
+                storage,
+                me,
+                args.lease_ttl,
+                released=args.lease_takeover,
+                wait_s=max(args.prewarm_wait, 0.0),
             )
             opts = AttemptOptions(
                 cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),

@@ -65,6 +65,7 @@ def import_problem(
     entrypoint: str,
     python: str,
     path: Sequence[str],
+    *,
     env: Mapping[str, str],
     cwd: Path,
     timeout_s: float = CHECK_TIMEOUT_S,
@@ -114,7 +115,7 @@ def entrypoint_refusal(
     if why := shadowing_problem(spec.entrypoint, path, ours):
         return why
     interpreter = python or sys.executable
-    why = import_problem(spec.entrypoint, interpreter, path, env, cwd)
+    why = import_problem(spec.entrypoint, interpreter, path, env=env, cwd=cwd)
     if why is None:
         return None
     where = f"entrypoint {spec.entrypoint!r} does not import as a local worker would ({interpreter} in {cwd})"

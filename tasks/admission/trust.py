@@ -98,7 +98,7 @@ def _strings(v: Any, where: str) -> frozenset[str]:
 
 
 def refusal(
-    job: JobSpec, provider: ProviderConfig, allowed: Allowed, own_python: str, settings: str
+    job: JobSpec, provider: ProviderConfig, allowed: Allowed, *, own_python: str, settings: str
 ) -> str | None:
     """Why a deployment run with these parameters may not start (one line naming the field and the fix),
     or None. `own_python`: the flow's interpreter; `settings`: the settings file, for the message."""
@@ -294,14 +294,16 @@ def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str
 
 
 def run_refusal(
-    deployment_id: str | None, job: JobSpec, provider: ProviderConfig, home: Path, own_python: str
+    deployment_id: str | None, job: JobSpec, provider: ProviderConfig, *, home: Path, own_python: str
 ) -> str | None:
     """`refusal` for a deployment run, under the settings in `home`; None for any other run: one started
     in-process from the operator's own job file (`spotrun run`) has no deployment, and runs as written."""
     if deployment_id is None:
         return None
     try:
-        return refusal(job, provider, read_allowed(home), own_python, str(settings_path(home)))
+        return refusal(
+            job, provider, read_allowed(home), own_python=own_python, settings=str(settings_path(home))
+        )
     except ConfigError as e:  # the settings file itself is bad: nothing beyond the defaults is trusted
         return str(e)
 
@@ -326,7 +328,7 @@ def refuse_untrusted_parameters(fn: Callable[P, R]) -> Callable[P, R]:
         ctx = FlowRunContext.get()  # the run as the engine loaded it: no API call
         run = ctx.flow_run if ctx is not None else None
         deployment_id = str(run.deployment_id) if run is not None and run.deployment_id else None
-        why = run_refusal(deployment_id, job, provider, spotrun_home(), sys.executable)
+        why = run_refusal(deployment_id, job, provider, home=spotrun_home(), own_python=sys.executable)
         why = why or signing_refusal(job, provider, os.environ)
         if why is not None:
             get_run_logger().error("refused: %s", why)

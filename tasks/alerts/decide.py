@@ -71,9 +71,11 @@ def decide(
     alert about one run is about; `ended`: a MISSED_RUN's run has ended since)."""
     mine = [a for a in previous if a.job == job]
     if kind in _PER_WINDOW:
-        return _per_window(kind, job, mine, window_s, now)
+        return _per_window(kind, job, mine, window_s=window_s, now=now)
     if kind in _PER_RUN:
-        return _per_run(kind, job, job_run_id, mine, subject or job_run_id or _stamp(now), ended)
+        return _per_run(
+            kind, job, job_run_id, mine=mine, subject=subject or job_run_id or _stamp(now), ended=ended
+        )
     run = job_run_id or _stamp(now)
     key = f"{kind}:{job}:{run}"
     if kind is AlertKind.RESUME_MISMATCH:
@@ -115,7 +117,7 @@ _PER_RUN = {
 
 
 def _per_run(
-    kind: AlertKind, job: str, job_run_id: str | None, mine: Sequence[AlertRow], subject: str, ended: bool
+    kind: AlertKind, job: str, job_run_id: str | None, *, mine: Sequence[AlertRow], subject: str, ended: bool
 ) -> Decision:
     key = f"{kind}:{job}:{subject}"
     done = [a for a in mine if a.dedup_key == key and a.status in ANNOUNCED]
@@ -130,7 +132,9 @@ def _per_run(
     return Decision(Action.SEND, key, f"first {_PER_RUN[kind]} for this run")
 
 
-def _per_window(kind: AlertKind, job: str, mine: Sequence[AlertRow], window_s: float, now: float) -> Decision:
+def _per_window(
+    kind: AlertKind, job: str, mine: Sequence[AlertRow], *, window_s: float, now: float
+) -> Decision:
     what = _PER_WINDOW[kind]
     recent = [a for a in mine if a.kind == kind and a.created_at >= now - window_s]
     announced = [a for a in recent if a.status in ANNOUNCED]

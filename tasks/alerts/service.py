@@ -155,7 +155,9 @@ def raise_alert(
         trigger=request.trigger,
         created_at=datetime.fromtimestamp(now, UTC),
     )
-    return AlertResult(status, decision.key, reason, message, to_markdown(ctx), delivery)
+    return AlertResult(
+        status, decision.key, reason, message=message, markdown=to_markdown(ctx), delivery=delivery
+    )
 
 
 def _subject(request: AlertRequest) -> str | None:

@@ -194,29 +194,29 @@ def deliver(
     ]
     timeout = max(1, math.ceil(timeout_s))  # slack-sdk takes whole seconds
     if target.webhook_url:
-        return _post_webhook(target.webhook_url, message, handlers, timeout, tally)
-    return _post_api(target, message, handlers, timeout, tally)
+        return _post_webhook(target.webhook_url, message, handlers, timeout=timeout, tally=tally)
+    return _post_api(target, message, handlers, timeout=timeout, tally=tally)
 
 
 def _post_webhook(
-    url: str, message: SlackMessage, handlers: list[RetryHandler], timeout: int, tally: _Tally
+    url: str, message: SlackMessage, handlers: list[RetryHandler], *, timeout: int, tally: _Tally
 ) -> Delivery:
     client = WebhookClient(url, timeout=timeout, retry_handlers=handlers, logger=_sdk_logger())
     try:
         resp = client.send(text=message.text, blocks=message.blocks)
     except Exception as e:  # the boundary: any transport failure becomes a failed Delivery to record
         error = f"no answer from {_host(url)}: {_one_line(e, hide=(url, urlsplit(url).path))}"
-        return Delivery(False, None, tally.requests, error, WEBHOOK_CHANNEL)
+        return Delivery(False, None, tally.requests, error=error, channel=WEBHOOK_CHANNEL)
     if resp.status_code == 200:
-        return Delivery(True, 200, tally.requests, "", WEBHOOK_CHANNEL)
+        return Delivery(True, 200, tally.requests, error="", channel=WEBHOOK_CHANNEL)
     body = _one_line(resp.body or "")[:200]
     fix = _WEBHOOK_FIXES.get(body, "")
     error = f"webhook answered HTTP {resp.status_code} {body}" + (f": {fix}" if fix else "")
-    return Delivery(False, resp.status_code, tally.requests, error, WEBHOOK_CHANNEL)
+    return Delivery(False, resp.status_code, tally.requests, error=error, channel=WEBHOOK_CHANNEL)
 
 
 def _post_api(
-    target: SlackTarget, message: SlackMessage, handlers: list[RetryHandler], timeout: int, tally: _Tally
+    target: SlackTarget, message: SlackMessage, handlers: list[RetryHandler], *, timeout: int, tally: _Tally
 ) -> Delivery:
     client = WebClient(
         token=target.token,
@@ -232,14 +232,14 @@ def _post_api(
         code = str(data.get("error", "")) if isinstance(data, dict) else str(data)
         if not re.fullmatch(r"[a-z0-9_]+", code):  # not an error code: a proxy's or an outage's page
             error = f"Slack API answered HTTP {status}: {_one_line(code)[:200]}"
-            return Delivery(False, status, tally.requests, error, API_CHANNEL)
+            return Delivery(False, status, tally.requests, error=error, channel=API_CHANNEL)
         fix = _API_FIXES.get(code, "").format(channel=target.channel)
         error = f"Slack API error {code} (HTTP {status})" + (f": {fix}" if fix else "")
-        return Delivery(False, status, tally.requests, error, API_CHANNEL)
+        return Delivery(False, status, tally.requests, error=error, channel=API_CHANNEL)
     except Exception as e:  # the boundary: any transport failure becomes a failed Delivery to record
         error = f"no answer from {_host(target.api_url)}: {_one_line(e, hide=(target.token or '',))}"
-        return Delivery(False, None, tally.requests, error, API_CHANNEL)
-    return Delivery(True, resp.status_code, tally.requests, "", API_CHANNEL)
+        return Delivery(False, None, tally.requests, error=error, channel=API_CHANNEL)
+    return Delivery(True, resp.status_code, tally.requests, error="", channel=API_CHANNEL)
 
 
 @dataclass

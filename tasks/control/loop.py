@@ -126,7 +126,9 @@ def run_job(
     """Train `job` on `provider`'s workers until it completes or the policy gives up. `recovers`: the
     crashed flow run this one replaces (its job run is continued)."""
     job = settings.resolve(job)  # a relative storage: under SPOTRUN_HOME, for every worker and record
-    runlog = JobRunLog.start(settings, job, provider.name, flow_run_id, sink, recovers)
+    runlog = JobRunLog.start(
+        settings, job, provider.name, flow_run_id=flow_run_id, sink=sink, recovers=recovers
+    )
     try:
         runlog.stop_leftover(provider)
         # A run that adopted a dead controller's attempts goes on through the loop (its last attempt may
@@ -136,7 +138,7 @@ def run_job(
             text = f"already completed at step {done} in {job.storage}: nothing to run"
             sink.log(logging.INFO, f"job {job.name} {text}")
             return _finish(runlog, "completed", text, time.time())
-        return _loop(job, provider, policy, sink, runlog, sleep)
+        return _loop(job, provider, policy, sink=sink, runlog=runlog, sleep=sleep)
     except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
         runlog.interrupted(e)
         raise
@@ -148,6 +150,7 @@ def _loop(
     job: JobSpec,
     provider: Provider,
     policy: RetryPolicy,
+    *,
     sink: Sink,
     runlog: JobRunLog,
     sleep: Callable[[float], None],
@@ -159,7 +162,7 @@ def _loop(
         while True:
             attempt = len(runlog.records) + 1
             sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
-            record, ahead = _attempt(job, provider, sink, runlog, attempt, ahead)
+            record, ahead = _attempt(job, provider, sink, runlog=runlog, attempt=attempt, ready=ahead)
             if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
                 point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
                 if point is not None:
@@ -206,7 +209,7 @@ def _loop(
 
 
 def _attempt(
-    job: JobSpec, provider: Provider, sink: Sink, runlog: JobRunLog, attempt: int, ready: Prewarm | None
+    job: JobSpec, provider: Provider, sink: Sink, *, runlog: JobRunLog, attempt: int, ready: Prewarm | None
 ) -> tuple[AttemptRecord, Prewarm | None]:
     """One attempt, on the worker prewarmed for it or a fresh one, watched and released; its record,
     classified, and the next attempt's worker if this one's notice started it."""

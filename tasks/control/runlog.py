@@ -69,6 +69,7 @@ class JobRunLog:
         settings: Settings,
         job: JobSpec,
         store: HistoryStore,
+        *,
         job_run_id: str,
         flow_run_id: str,
         sink: ReportSink,
@@ -112,22 +113,47 @@ class JobRunLog:
             return flow_run_state(latest.flow_run_id or "") if latest is not None else None
 
         if latest is not None and adoption.should_adopt(
-            latest, job.storage, flow_run_id, recovers, info, state
+            latest, job.storage, flow_run_id, recovers=recovers, info=info, flow_state=state
         ):
-            log = cls(settings, job, store, latest.id, flow_run_id, sink, provider_name)
+            log = cls(
+                settings,
+                job,
+                store,
+                job_run_id=latest.id,
+                flow_run_id=flow_run_id,
+                sink=sink,
+                provider_name=provider_name,
+            )
             log._adopt(latest)
             return log._opened()
         run_id = store.start_job_run(
-            job.name, job.spec_hash(), flow_run_id or None, job.storage, provider_name, keyed_record(job)
+            job.name,
+            job.spec_hash(),
+            flow_run_id or None,
+            storage_uri=job.storage,
+            provider=provider_name,
+            keyed=keyed_record(job),
         )
-        return cls(settings, job, store, run_id, flow_run_id, sink, provider_name)._opened()
+        return cls(
+            settings,
+            job,
+            store,
+            job_run_id=run_id,
+            flow_run_id=flow_run_id,
+            sink=sink,
+            provider_name=provider_name,
+        )._opened()
 
     def _opened(self) -> JobRunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spec_path.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
         adoption.write_controller(self.dir, self.job_run_id, self.flow_run_id)
         self.tracking.start(
-            self.settings.home, self.job_run_id, self.provider_name, self.mlflow_run_id, self.records
+            self.settings.home,
+            self.job_run_id,
+            self.provider_name,
+            mlflow_run_id=self.mlflow_run_id,
+            records=self.records,
         )
         return self
 
@@ -154,7 +180,7 @@ class JobRunLog:
         swept = provider.stop_leftovers(self.adopted_from) if self.adopted_from else []
         run = adoption.Leftover(self.job_run_id, self.adopted_from, self.provider_name, self.records)
         warn = partial(self.sink.log, logging.WARNING)
-        worker_id, lost = adoption.close_leftover(self.job, left, swept, run, warn)
+        worker_id, lost = adoption.close_leftover(self.job, left, swept, run=run, warn=warn)
         if worker_id is None:
             return  # it died between attempts: nothing was in flight
         self.released = worker_id
@@ -218,7 +244,9 @@ class JobRunLog:
 
     def trainer_args(self, reclaimed_after_s: float | None = None) -> list[str]:
         """What the next trainer is told beyond the job file (tasks/control/trainer_args.py)."""
-        return trainer_args(self.job, self.store, self.provider_name, self.sink, reclaimed_after_s)
+        return trainer_args(
+            self.job, self.store, self.provider_name, sink=self.sink, reclaimed_after_s=reclaimed_after_s
+        )
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         """The attempt's record: its outcome, its facts and its resume check (and its timeline trace)."""
@@ -246,7 +274,9 @@ class JobRunLog:
 
     def provision_failed(self, attempt: int, error: ProvisionError, started_at: float) -> AttemptRecord:
         """The record of an attempt that got no worker."""
-        return provision_failed_record(attempt, self.provider_name, error, started_at, time.time())
+        return provision_failed_record(
+            attempt, self.provider_name, error, started_at=started_at, ended_at=time.time()
+        )
 
     def resumed(self, point: ResumePoint) -> None:
         """The flow's estimate of the checkpoint the next attempt starts from (lost-steps accounting);

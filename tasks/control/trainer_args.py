@@ -24,7 +24,7 @@ class Sink(Protocol):
 
 
 def trainer_args(
-    job: JobSpec, store: Store, provider: str, sink: Sink, reclaimed_after_s: float | None = None
+    job: JobSpec, store: Store, provider: str, *, sink: Sink, reclaimed_after_s: float | None = None
 ) -> list[str]:
     """The arguments; `reclaimed_after_s`: the attempt in flight is being reclaimed (a replacement
     started at its notice), after this long: it counts too."""

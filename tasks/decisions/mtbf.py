@@ -37,6 +37,7 @@ def estimate_mtbf(
     attempts: Iterable[AttemptRecord],
     provider: str,
     prior_s: float,
+    *,
     prior_weight: float = PRIOR_WEIGHT,
     reclaimed_after_s: float | None = None,
 ) -> Estimate:

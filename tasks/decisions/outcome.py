@@ -216,7 +216,7 @@ def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> No
 
 
 def provision_failed_record(
-    attempt: int, provider: str, error: ProvisionError, started_at: float, ended_at: float
+    attempt: int, provider: str, error: ProvisionError, *, started_at: float, ended_at: float
 ) -> AttemptRecord:
     """The row for an attempt that never got a worker; `extra.retryable` tells the policy whether to stop."""
     return AttemptRecord(

@@ -90,7 +90,16 @@ def decide_promotion(
       than nothing and by at least `better_by`; a tie keeps.
     """
     held = rule.champion is not None if champion_held is None else champion_held
-    base = PromotionDecision(False, "", rule.metric, rule.mode, rule.alias, rule.better_by, None, None)
+    base = PromotionDecision(
+        False,
+        "",
+        rule.metric,
+        mode=rule.mode,
+        alias=rule.alias,
+        better_by=rule.better_by,
+        challenger=None,
+        champion=None,
+    )
     if rule.champion is not None:
         base = replace(base, champion_version=rule.champion.version, champion_run=_run_of(rule))
     new, why_new = _value(challenger, rule.metric, challenger_note)

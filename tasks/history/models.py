@@ -277,7 +277,9 @@ def job_run_row(r: JobRun) -> JobRunRow:
 
 
 def rejection_row(r: CheckpointRejection) -> RejectionRow:
-    return RejectionRow(r.job_run_id, r.attempt, r.step, r.reasons, r.created_at.timestamp())
+    return RejectionRow(
+        r.job_run_id, r.attempt, r.step, reasons=r.reasons, created_at=r.created_at.timestamp()
+    )
 
 
 def alert_row(a: Alert) -> AlertRow:

@@ -86,6 +86,7 @@ class HistoryStore(HistoryReads):
         job: str,
         spec_hash: str,
         flow_run_id: str | None,
+        *,
         storage_uri: str,
         provider: str,
         keyed: KeyedRun | None = None,

@@ -122,7 +122,13 @@ def write_worker(job_dir: Path, job_run_id: str, flow_run_id: str, worker: Worke
     proc = getattr(worker.handle, "proc", None)
     ref = ProcessRef.of(proc.pid) if proc is not None else None
     info = WorkerInfo(
-        job_run_id, flow_run_id, worker.id, worker.provider, worker.attempt, worker.started_at, ref
+        job_run_id,
+        flow_run_id,
+        worker.id,
+        provider=worker.provider,
+        attempt=worker.attempt,
+        started_at=worker.started_at,
+        process=ref,
     )
     _write_json(job_dir / WORKER_FILE, asdict(info))
 
@@ -169,6 +175,7 @@ def lost_attempt(
     worker: WorkerInfo | None,
     attempt: int,
     dead_flow_run: str,
+    *,
     last_step: int,
     durable_step: int | None,
     now: float,
@@ -204,7 +211,7 @@ class Leftover:
 
 
 def close_leftover(
-    job: JobSpec, left: WorkerInfo | None, swept: list[str], run: Leftover, warn: Callable[[str], None]
+    job: JobSpec, left: WorkerInfo | None, swept: list[str], *, run: Leftover, warn: Callable[[str], None]
 ) -> tuple[str | None, AttemptRecord | None]:
     """Stop the worker a dead controller left and make its attempt's row: (its id, the row). `swept`: the
     ids the provider stopped by the dead flow run's tag (EC2, from any host), the newest last; a local
@@ -217,11 +224,11 @@ def close_leftover(
         return None, None
     if recorded_before(run.attempts, left, worker_id):
         return worker_id, None
-    return worker_id, _in_flight_attempt(job, left, worker_id, run, warn)
+    return worker_id, _in_flight_attempt(job, left, worker_id, run=run, warn=warn)
 
 
 def _in_flight_attempt(
-    job: JobSpec, left: WorkerInfo | None, worker_id: str, run: Leftover, warn: Callable[[str], None]
+    job: JobSpec, left: WorkerInfo | None, worker_id: str, *, run: Leftover, warn: Callable[[str], None]
 ) -> AttemptRecord:
     """The row of the attempt a dead controller left in flight: lost, with the steps its trainer reached
     (its heartbeat in the job's storage) past the newest durable checkpoint."""
@@ -235,8 +242,16 @@ def _in_flight_attempt(
     last_step = max(int((beat or {}).get("last_step") or 0), durable or 0)
     now, attempt = time.time(), len(run.attempts) + 1
     if left is None:
-        left = WorkerInfo(run.job_run_id, run.dead_flow_run, worker_id, run.provider, attempt, now, None)
-    return lost_attempt(left, attempt, run.dead_flow_run, last_step, durable, now)
+        left = WorkerInfo(
+            run.job_run_id,
+            run.dead_flow_run,
+            worker_id,
+            provider=run.provider,
+            attempt=attempt,
+            started_at=now,
+            process=None,
+        )
+    return lost_attempt(left, attempt, run.dead_flow_run, last_step=last_step, durable_step=durable, now=now)
 
 
 def recorded_before(records: list[AttemptRecord], left: WorkerInfo | None, worker_id: str) -> bool:
@@ -254,6 +269,7 @@ def should_adopt(
     row: JobRunRow | None,
     storage_uri: str,
     me: str,
+    *,
     recovers: str,
     info: ControllerInfo | None,
     flow_state: Callable[[], str | None],

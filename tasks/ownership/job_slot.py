@@ -114,7 +114,7 @@ WaitAction = Literal["take", "wait", "free"]
 
 
 def while_busy(
-    free: bool, holder: bool, paused: bool, alone_since: float | None, now: float
+    free: bool, holder: bool, paused: bool, *, alone_since: float | None, now: float
 ) -> tuple[WaitAction, float | None]:
     """One look at a taken slot while waiting: take it once free; free it when it stayed taken with no
     running holder for ORPHAN_S (its lease is gone); else wait. Returns the action and since when the
@@ -188,11 +188,11 @@ def _wait_for_slot(name: str, job: str, me: str, job_dir: Path) -> None:
         runs = _running_runs() if taken >= limit else []
         holder = holder_of(runs, job, me) if taken >= limit else None
         action, alone_since = while_busy(
-            taken < limit, holder is not None, limit == 0, alone_since, time.monotonic()
+            taken < limit, holder is not None, limit == 0, alone_since=alone_since, now=time.monotonic()
         )
         if action == "take":
             return
-        if holder is not None and _holder_dead_here(job_dir, runs, job, me, holder.id):
+        if holder is not None and _holder_dead_here(job_dir, runs, job, me=me, holder=holder.id):
             get_run_logger().warning(
                 "job %s: the controller of flow run %s (%s) ran on this host and is gone; freeing %s now "
                 "instead of waiting for its lease to lapse",
@@ -221,7 +221,7 @@ def _free(name: str) -> None:
         client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
 
 
-def _holder_dead_here(job_dir: Path, runs: list[RunningRun], job: str, me: str, holder: str) -> bool:
+def _holder_dead_here(job_dir: Path, runs: list[RunningRun], job: str, *, me: str, holder: str) -> bool:
     """Whether the slot's holder is the job's last controller on this host and its process is gone
     (SIGKILL, OOM): its slot can never be renewed, so waiting out the lease only delays the recovery.
     Only when it is the one other running run of the job: a second one may have just taken the slot

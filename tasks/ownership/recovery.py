@@ -78,6 +78,7 @@ def decide_controller_restart(
     recent_restart_times: Sequence[datetime],
     now: datetime,
     limit: int,
+    *,
     window: timedelta,
     cancel_requested: bool = False,
 ) -> RestartDecision:
@@ -131,7 +132,9 @@ def read_crashed_run(client: SyncPrefectClient, flow_run_id: UUID) -> CrashedRun
         raise RecoveryError(f"flow run {flow_run_id} has no job.name parameter: not a training run")
     states = client.read_flow_run_states(flow_run_id)
     cancelling = any(s.type in (StateType.CANCELLING, StateType.CANCELLED) for s in states)
-    return CrashedRun(flow_run_id, run.deployment_id, job, dict(run.parameters), cancelling)
+    return CrashedRun(
+        flow_run_id, run.deployment_id, job, parameters=dict(run.parameters), cancel_requested=cancelling
+    )
 
 
 def _tagged(client: SyncPrefectClient, *tags: str, limit: int = 200) -> list[FlowRun]:

@@ -462,6 +462,14 @@ def progress(attempts: Sequence[AttemptRecord], rep: GoodputReport) -> list[Prog
             last_t = r.ended_at if sps is None else min(r.ended_at, t0 + (f.last_step - f.start_step) * sps)
             points.append((max(t0, last_t), f.last_step))
         out.append(
-            Progress(f.attempt, f.outcome, r.started_at, r.ended_at, points, f.kept_step, f.start_step)
+            Progress(
+                f.attempt,
+                f.outcome,
+                r.started_at,
+                ended_at=r.ended_at,
+                points=points,
+                kept_step=f.kept_step,
+                start_step=f.start_step,
+            )
         )
     return out

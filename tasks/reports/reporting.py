@@ -107,6 +107,7 @@ def summary_markdown(
     job: str,
     status: str,
     records: list[AttemptRecord],
+    *,
     rep: GoodputReport,
     timeline: str,
     timeline_png: bytes | None = None,

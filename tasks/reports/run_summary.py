@@ -106,6 +106,7 @@ def make_summary(
     end: Ending,
     records: list[AttemptRecord],
     figures: goodput.GoodputReport,
+    *,
     timeline: str,
     tracking: TrackingInfo | None,
     promotion: dict[str, Any] | None,
@@ -180,9 +181,19 @@ class RunReport:
             gpus_per_worker=self.job.world_size,
         )
         figures = goodput.compute(records, info, end.ended_at)  # what `spotrun report` computes from SQL
-        summary = make_summary(end, records, figures, timeline, tracking, promotion, self.job.run_key)
+        summary = make_summary(
+            end,
+            records,
+            figures,
+            timeline=timeline,
+            tracking=tracking,
+            promotion=promotion,
+            run_key=self.job.run_key,
+        )
         png = (self.dir / "timeline.png").read_bytes() if timeline else None
-        markdown = report.summary_markdown(self.job.name, end.status, records, figures, timeline, png)
+        markdown = report.summary_markdown(
+            self.job.name, end.status, records, rep=figures, timeline=timeline, timeline_png=png
+        )
         self.sink.summary(self.job.name, markdown + tracking_markdown(summary))
         if end.status == "completed":  # the last progress report came up to a second before the last step
             self.sink.progress(self.job.name, self.job.total_steps, self.job.total_steps)

@@ -74,7 +74,13 @@ class RunTracking:
 
         where = Where.of(self.job, home, dict(os.environ))
         self.tracker = Tracker(
-            self.job, where, job_run_id, self.flow_run_id, provider_name, mlflow_run_id, attached
+            self.job,
+            where,
+            job_run_id,
+            flow_run_id=self.flow_run_id,
+            provider=provider_name,
+            known_run_id=mlflow_run_id,
+            on_attached=attached,
         ).start()
         for r in records:
             self.tracker.attempt(r, stored_check(r))

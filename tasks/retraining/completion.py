@@ -64,7 +64,7 @@ def after_completion(
         payload, labels = _payload(decision, job, job_run_id, flow_run_id)
         sink.event(report.MODEL_PROMOTION, job.name, payload, labels)
     if job.keep_runs is not None:
-        _retain(job, store, sink, job_run_id, decision)
+        _retain(job, store, sink, job_run_id=job_run_id, decision=decision)
     return decision
 
 
@@ -77,7 +77,9 @@ def _payload(
     return event_payload(made, run_key=job.run_key, job_run_id=job_run_id, flow_run_id=flow_run_id)
 
 
-def _retain(job: JobSpec, store: Store, sink: Sink, job_run_id: str, decision: dict[str, Any] | None) -> None:
+def _retain(
+    job: JobSpec, store: Store, sink: Sink, *, job_run_id: str, decision: dict[str, Any] | None
+) -> None:
     try:
         rows = store.job_runs(job.name, limit=MAX_RUNS_READ)
     except Exception as e:  # a database that is down: the next completed night prunes
@@ -85,7 +87,12 @@ def _retain(job: JobSpec, store: Store, sink: Sink, job_run_id: str, decision: d
         return
     in_flight, protected = keys_in_use(job, rows, job_run_id, decision)
     # runs_to_prune ranks a key by the job run that completed it: each row as it is
-    records = [RunRecord(r.job, r.run_key, r.storage_uri, r.status.value, r.started_at, r.id) for r in rows]
+    records = [
+        RunRecord(
+            r.job, r.run_key, r.storage_uri, status=r.status.value, started_at=r.started_at, job_run_id=r.id
+        )
+        for r in rows
+    ]
     done = prune_runs(job, records, in_flight=in_flight, protected=protected)
     sink.log(logging.WARNING if done.errors else logging.INFO, done.line())
 

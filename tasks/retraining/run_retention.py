@@ -193,7 +193,8 @@ def prune_runs(
         if run.run_key in done:
             continue
         done.add(run.run_key)
-        _prune_one(job.name, run, base, job.storage_options(run.storage_uri), delete_limit, report)
+        options = job.storage_options(run.storage_uri)
+        _prune_one(job.name, run, base, options=options, delete_limit=delete_limit, report=report)
     if report.pruned or report.errors or report.skipped:
         log.info("%s", report.line())
     return report
@@ -203,6 +204,7 @@ def _prune_one(
     job: str,
     run: RunRecord,
     base: str,
+    *,
     options: object,
     delete_limit: Callable[[str], bool],
     report: PruneReport,

@@ -114,7 +114,7 @@ def replay_verdict(lost: Mapping[int, Value], resumed: Mapping[int, Value], rtol
     span = f"step {common[0]}" if len(common) == 1 else f"steps {common[0]}-{common[-1]}"
     n = f"{len(common)} step(s) computed twice ({span})"
     if first_diff is None:
-        return Verdict(EXACT, len(common), None, 0.0, f"{n}: bitwise equal", span)
+        return Verdict(EXACT, len(common), None, max_rel=0.0, detail=f"{n}: bitwise equal", span=span)
     a, b = lost[first_diff], resumed[first_diff]
     diff = f"step {first_diff}: loss {a.loss!r} before the reclaim, {b.loss!r} after"
     if a.lr is not None and b.lr is not None and a.lr != b.lr:
@@ -124,19 +124,20 @@ def replay_verdict(lost: Mapping[int, Value], resumed: Mapping[int, Value], rtol
             CLOSE,
             len(common),
             first_diff,
-            worst,
-            f"{n}: within {rtol:g} (largest relative difference {worst:.2g}, first at step {first_diff})",
-            span,
-            diff,
+            max_rel=worst,
+            detail=f"{n}: within {rtol:g} "
+            f"(largest relative difference {worst:.2g}, first at step {first_diff})",
+            span=span,
+            diff=diff,
         )
     return Verdict(
         MISMATCH,
         len(common),
         first_diff,
-        worst,
-        f"{n}: step {first_diff} differs, largest relative difference {worst:.2g} > {rtol:g}",
-        span,
-        diff,
+        max_rel=worst,
+        detail=f"{n}: step {first_diff} differs, largest relative difference {worst:.2g} > {rtol:g}",
+        span=span,
+        diff=diff,
     )
 
 
@@ -144,6 +145,7 @@ def continuity_verdict(
     step: int,
     expected_lr: float | None,
     first: Value | None,
+    *,
     recent: Sequence[float],
     rtol: float,
 ) -> Verdict | None:
@@ -155,7 +157,9 @@ def continuity_verdict(
     if expected_lr is not None and first.lr is not None:
         rel = rel_diff(expected_lr, first.lr)
         if expected_lr.hex() == first.lr.hex():
-            parts.append(Verdict(EXACT, 1, None, 0.0, f"learning rate at step {step} as scheduled"))
+            parts.append(
+                Verdict(EXACT, 1, None, max_rel=0.0, detail=f"learning rate at step {step} as scheduled")
+            )
         else:
             kind = CLOSE if rel <= rtol else MISMATCH
             parts.append(
@@ -163,8 +167,8 @@ def continuity_verdict(
                     kind,
                     1,
                     step,
-                    rel,
-                    f"learning rate at step {step} {first.lr:.6g}, scheduled {expected_lr:.6g}",
+                    max_rel=rel,
+                    detail=f"learning rate at step {step} {first.lr:.6g}, scheduled {expected_lr:.6g}",
                 )
             )
     if len(recent) >= MIN_TREND:
@@ -181,8 +185,8 @@ def continuity_verdict(
                     MISMATCH,
                     1,
                     step,
-                    off / max(abs(mean), 1e-30),
-                    f"loss {first.loss:.4g} off the trend ({mean:.4g} ± {band:.2g})",
+                    max_rel=off / max(abs(mean), 1e-30),
+                    detail=f"loss {first.loss:.4g} off the trend ({mean:.4g} ± {band:.2g})",
                 )
             )
     if not parts:
@@ -193,7 +197,13 @@ def continuity_verdict(
     detail = "; ".join(p.detail for p in parts)
     diff = f"step {step}: {detail}" if worst.verdict != EXACT else ""
     return Verdict(
-        worst.verdict, 1, worst.first_diff, max(p.max_rel for p in parts), detail, f"step {step}", diff
+        worst.verdict,
+        1,
+        worst.first_diff,
+        max_rel=max(p.max_rel for p in parts),
+        detail=detail,
+        span=f"step {step}",
+        diff=diff,
     )
 
 
@@ -284,7 +294,7 @@ class ResumeChecker:
         lost, mine = replayed(lines, start)
         prev_last = max([previous.last_step, *lost])
         if prev_last > start:
-            return self._replay(attempt, start, lost, mine, samples)
+            return self._replay(attempt, start, lost, mine=mine, samples=samples)
         if start > 0:  # the file continues the line before: this attempt's first step is its last S+1
             first = [loss for step, loss in lines if step == start + 1][-1:]
             return self._continuity(attempt, start, {start + 1: first[0]} if first else {})
@@ -295,6 +305,7 @@ class ResumeChecker:
         attempt: int,
         start: int,
         lost: dict[int, float],
+        *,
         mine: dict[int, float],
         samples: dict[int, float],
     ) -> ResumeCheck | None:
@@ -317,7 +328,7 @@ class ResumeChecker:
         last: StepMetrics | None = before.get(start)
         expected = last.lr_next if last is not None else None
         recent = [before[s].loss for s in sorted(before) if s <= start]
-        v = continuity_verdict(start + 1, expected, first, recent, self.rtol)
+        v = continuity_verdict(start + 1, expected, first, recent=recent, rtol=self.rtol)
         return _check(attempt, CONTINUITY, start, v)
 
 
@@ -325,5 +336,14 @@ def _check(attempt: int, method: str, start: int, v: Verdict | None) -> ResumeCh
     if v is None:
         return None
     return ResumeCheck(
-        attempt, method, start, v.verdict, v.steps, v.first_diff, v.max_rel, v.detail, v.span, v.diff
+        attempt,
+        method,
+        start,
+        verdict=v.verdict,
+        steps=v.steps,
+        first_diff=v.first_diff,
+        max_rel=v.max_rel,
+        detail=v.detail,
+        span=v.span,
+        diff=v.diff,
     )

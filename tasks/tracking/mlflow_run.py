@@ -151,6 +151,7 @@ class MlflowRun:
         tracking_uri: str,
         experiment: str,
         artifact_root: str | None,
+        *,
         known: Sequence[str],
         create_tags: dict[str, str],
         spec: JobSpec,

@@ -111,6 +111,7 @@ class Tracker:
         job: JobSpec,
         where: Where,
         job_run_id: str,
+        *,
         flow_run_id: str,
         provider: str,
         known_run_id: str | None = None,
@@ -237,7 +238,12 @@ class Tracker:
             **lineage_tags(job),
         }
         run, created = MlflowRun.attach(
-            self.where.tracking_uri, self.where.experiment, self.where.artifact_root, known, tags, job
+            self.where.tracking_uri,
+            self.where.experiment,
+            self.where.artifact_root,
+            known=known,
+            create_tags=tags,
+            spec=job,
         )
         if not created:  # a new job run or controller continues it: who is feeding it now
             run.set_tags({k: v for k, v in tags.items() if k != "mlflow.runName"})
@@ -293,7 +299,9 @@ class Tracker:
         step = completed_step(storage)
         if step is None:
             return
-        decision = finish_version(run, self.job, self.job_run_id, self.info.model, storage, step)
+        decision = finish_version(
+            run, self.job, self.job_run_id, model=self.info.model, storage=storage, step=step
+        )
         self.info.promotion = decision.as_dict() if decision is not None else None
         self._versioned = True
 

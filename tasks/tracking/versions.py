@@ -93,7 +93,7 @@ def _numbers(v: Any) -> dict[str, float]:
 
 
 def finish_version(
-    run: MlflowRun, job: JobSpec, job_run_id: str, model: str | None, storage: Storage, step: int
+    run: MlflowRun, job: JobSpec, job_run_id: str, *, model: str | None, storage: Storage, step: int
 ) -> PromotionDecision | None:
     """Log the evaluation, decide the promotion (with `job.promote`), move the alias when it wins, and
     tag and describe the version `model` ("name/version"; None: none was registered)."""

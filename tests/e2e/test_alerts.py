@@ -81,7 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             applied = deploy(RULES)
             worker = LocalWorker(root / "worker.log", query_s=1).start()
             try:
-                yield Stack(server, slack, worker, applied, home, db)
+                yield Stack(server, slack, worker, report=applied, home=home, database_url=db)
             finally:
                 worker.stop()
                 with get_client(sync_client=True) as client:
@@ -96,7 +96,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def seed_restarts(stack: Stack, job_name: str, n: int) -> None:
     """Record n preemptions of a job in SQL, then emit their restart events, as the flow does."""
     store = stack.store()
-    run = store.start_job_run(job_name, "spec-hash", str(uuid.uuid4()), "/tmp/store", "local")
+    run = store.start_job_run(
+        job_name, "spec-hash", str(uuid.uuid4()), storage_uri="/tmp/store", provider="local"
+    )
     now = time.time()
     for i in range(1, n + 1):
         record = AttemptRecord(
@@ -382,7 +384,7 @@ def test_ui_shows_the_job_form_and_the_attempts_table(
     out = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
     dep_id = stack.report.deployments["resilient-training/resilient-training"]
     ui = stack.server.api_url.removesuffix("/api")
-    shots = screenshots(ui, str(dep_id), str(state.state_details.flow_run_id), out, stack.server.auth)
+    shots = screenshots(ui, str(dep_id), str(state.state_details.flow_run_id), out, auth=stack.server.auth)
     form = shots["deployment-form"].text
     for field in ("Name", "Recipe", "Total Steps", "Batch Size", "Checkpoint", "Storage", "Every Steps"):
         assert field in form, f"the deployment form shows no {field!r} field"

@@ -98,7 +98,9 @@ def wait_for(what: str, check: Any, timeout_s: float = 120) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def reclaim_first(world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS, errors: list[str]) -> None:
+def reclaim_first(
+    world: Ec2World, spec: JobSpec, store: Storage, imds: FakeIMDS, *, errors: list[str]
+) -> None:
     """Notice once the first instance trains, then take the instance once its trainer has left."""
     try:
         iid = wait_for("the first instance", lambda: [i["InstanceId"] for i in instances(world, spec.name)])[
@@ -128,7 +130,9 @@ def test_notice_checkpoints_then_another_zone_resumes_bitwise(
     spec = ec2_job(tmp_path, s3_bucket, total_steps=1200)
     store = open_storage(spec.storage, spec.s3)
     errors: list[str] = []
-    reclaimer = threading.Thread(target=reclaim_first, args=(ec2_world, spec, store, imds, errors))
+    reclaimer = threading.Thread(
+        target=reclaim_first, args=(ec2_world, spec, store, imds), kwargs={"errors": errors}
+    )
     reclaimer.start()
     state = run_flow(spec, provider(ec2_world, tmp_path))  # type: ignore[arg-type]
     reclaimer.join(timeout=30)

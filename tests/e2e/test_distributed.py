@@ -288,7 +288,7 @@ def test_a_stolen_lease_stops_every_rank_with_rank_0(tmp_path: Path) -> None:
             time.sleep(0.02)
         lease, version = read_lease(store)
         assert lease is not None and version is not None
-        thief = Holder("thief", "run-x", "elsewhere", 1, "other-boot:pid:[1]")
+        thief = Holder("thief", "run-x", "elsewhere", pid=1, pid_ns="other-boot:pid:[1]")
         stolen = dataclasses.replace(lease, holder=thief, token=lease.token + 1, expires_at=time.time() + 600)
         store.put_if(LEASE_KEY, stolen.to_json(), if_version=version)
         latest_at_theft = read_latest(store) or 0

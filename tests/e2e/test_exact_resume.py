@@ -80,7 +80,7 @@ def test_kills_at_arbitrary_instants_resume_bitwise(reference: Path, tmp_path: P
     spec = write_spec(tmp_path / "job.yaml", checkpoint={"every_steps": 3, "keep": 2})
     storage = str(tmp_path / "store")
     for lines in (20, 31, 17):
-        trainer_killed_after(spec, storage, tmp_path, lines, signal.SIGKILL)
+        trainer_killed_after(spec, storage, tmp_path, lines, sig=signal.SIGKILL)
     r = trainer(spec, storage, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     _assert_same_as(reference, tmp_path, _final(storage, tmp_path))
@@ -91,7 +91,7 @@ def test_sigterm_to_the_process_group_with_loader_workers(reference: Path, tmp_p
     so the trainer finishes its step, checkpoints and exits PREEMPTED instead of dying with them."""
     spec = write_spec(tmp_path / "job.yaml", num_workers=2)
     storage = str(tmp_path / "store")
-    rc = trainer_killed_after(spec, storage, tmp_path, 40, signal.SIGTERM, group=True)
+    rc = trainer_killed_after(spec, storage, tmp_path, 40, sig=signal.SIGTERM, group=True)
     assert rc == ExitCode.PREEMPTED
     r = trainer(spec, storage, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -113,7 +113,9 @@ class FakeProvider:
         if script.provision_error is not None:
             raise script.provision_error
         handle = _Handle(script, job, self.durable.get(job.name))
-        worker = Worker(f"fake-{job.name}-{attempt}", self.name, attempt, time.time(), handle)
+        worker = Worker(
+            f"fake-{job.name}-{attempt}", self.name, attempt, started_at=time.time(), handle=handle
+        )
         self.provisioned.append(worker)
         return worker
 

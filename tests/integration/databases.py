@@ -94,7 +94,9 @@ def same_record(row: AttemptRecord, rec: AttemptRecord) -> None:
 
 
 def new_run(store: HistoryStore, job: str = "digits") -> str:
-    return store.start_job_run(job, "sha256:abc", "flow-run-1", "file:///tmp/ckpt/digits", "local")
+    return store.start_job_run(
+        job, "sha256:abc", "flow-run-1", storage_uri="file:///tmp/ckpt/digits", provider="local"
+    )
 
 
 # -- schema ---------------------------------------------------------------------------------------

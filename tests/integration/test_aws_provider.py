@@ -162,7 +162,9 @@ def test_release_is_idempotent(ec2_world: Ec2World, job: tuple[JobSpec, Path]) -
     provider.release(worker)
     assert instance(ec2_world, worker.id)["State"]["Name"] == "terminated"
     never = replace(worker.handle, instance_id="i-0123456789abcdef0")
-    provider.release(Worker(never.instance_id, "aws", 1, 0.0, never))  # never existed: fine too
+    provider.release(
+        Worker(never.instance_id, "aws", 1, started_at=0.0, handle=never)
+    )  # never existed: fine too
 
 
 def test_spot_interruption_after_a_notice_is_preempted(

@@ -221,7 +221,7 @@ T0 = 1_700_000_000.0
 
 
 def attempt(
-    n: int, outcome: Outcome, cause: str, resumed_from: int | None, last_step: int, after: float = 0
+    n: int, outcome: Outcome, cause: str, resumed_from: int | None, *, last_step: int, after: float = 0
 ) -> AttemptRecord:
     start = T0 + 10 * n + after
     return AttemptRecord(
@@ -246,14 +246,20 @@ def history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     url = default_url(tmp_path)
     monkeypatch.setenv("SPOTRUN_DATABASE_URL", url)
     with HistoryStore.open(url) as store:
-        run = store.start_job_run("digits", "hash", None, str(tmp_path / "store"), "local")
-        store.record_attempt(
-            run, attempt(1, Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)", None, 40)
+        run = store.start_job_run(
+            "digits", "hash", None, storage_uri=str(tmp_path / "store"), provider="local"
         )
-        store.record_attempt(run, attempt(2, Outcome.COMPLETED, "completed at step 300", 25, 300))
+        store.record_attempt(
+            run, attempt(1, Outcome.PREEMPTED, "reclaimed without notice (SIGKILL)", None, last_step=40)
+        )
+        store.record_attempt(run, attempt(2, Outcome.COMPLETED, "completed at step 300", 25, last_step=300))
         store.finish_job_run(run, "completed")
-        other = store.start_job_run("other", "hash", None, str(tmp_path / "other"), "local")
-        store.record_attempt(other, attempt(1, Outcome.CRASHED, "exited CRASHED: boom", None, 7, after=100))
+        other = store.start_job_run(
+            "other", "hash", None, storage_uri=str(tmp_path / "other"), provider="local"
+        )
+        store.record_attempt(
+            other, attempt(1, Outcome.CRASHED, "exited CRASHED: boom", None, last_step=7, after=100)
+        )
     return url, run
 
 

@@ -62,14 +62,24 @@ def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> N
     sink = PlainSink()
     job = _job(tmp_path)
     settings = _settings(tmp_path)
-    result = run_job(job, _provider(tmp_path, PlannedPreemption(after_s=0.2)), RetryPolicy(), sink,
-                     settings=settings, sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        job,
+        _provider(tmp_path, PlannedPreemption(after_s=0.2)),
+        RetryPolicy(),
+        sink,
+        settings=settings,
+        sleep=lambda s: None,
+    )
     assert result.completed, result.message
     names = [name for name, _ in sink.events]
     assert names == [
-        "spotrun.attempt.started", "spotrun.attempt.preempted", "spotrun.job.restarted",
-        "spotrun.attempt.started", "spotrun.attempt.resume-checked", "spotrun.job.completed",
-    ]  # fmt: skip
+        "spotrun.attempt.started",
+        "spotrun.attempt.preempted",
+        "spotrun.job.restarted",
+        "spotrun.attempt.started",
+        "spotrun.attempt.resume-checked",
+        "spotrun.job.completed",
+    ]
     store = HistoryStore.open(settings.database_url)
     runs, rows = store.job_runs("plain"), store.attempts(job="plain")
     store.close()
@@ -87,7 +97,9 @@ def test_a_new_controller_adopts_a_job_whose_controller_died(tmp_path: Path, no_
     lost (controller died), lets the new trainer take the lease at once, and completes."""
     job, settings = _job(tmp_path), _settings(tmp_path)
     store = HistoryStore.open(settings.database_url)
-    run_id = store.start_job_run("plain", job.spec_hash(), "dead-flow-run", job.storage, "local")
+    run_id = store.start_job_run(
+        "plain", job.spec_hash(), "dead-flow-run", storage_uri=job.storage, provider="local"
+    )
     store.close()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -96,11 +108,26 @@ def test_a_new_controller_adopts_a_job_whose_controller_died(tmp_path: Path, no_
     info = adoption.ControllerInfo(run_id, "dead-flow-run", ref, time.time() - 60)
     job_dir.mkdir(parents=True)
     (job_dir / adoption.CONTROLLER_FILE).write_text(__import__("json").dumps(adoption.asdict(info)))
-    worker = adoption.WorkerInfo(run_id, "dead-flow-run", "local-999999", "local", 1, time.time() - 50, None)
+    worker = adoption.WorkerInfo(
+        run_id,
+        "dead-flow-run",
+        "local-999999",
+        provider="local",
+        attempt=1,
+        started_at=time.time() - 50,
+        process=None,
+    )
     (job_dir / adoption.WORKER_FILE).write_text(__import__("json").dumps(adoption.asdict(worker)))
 
-    result = run_job(job, _provider(tmp_path), RetryPolicy(), PlainSink(), settings=settings,
-                     flow_run_id="new-flow-run", sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        job,
+        _provider(tmp_path),
+        RetryPolicy(),
+        PlainSink(),
+        settings=settings,
+        flow_run_id="new-flow-run",
+        sleep=lambda s: None,
+    )
     assert result.completed, result.message
     store = HistoryStore.open(settings.database_url)
     runs, rows = store.job_runs("plain"), store.attempts(job_run_id=run_id)
@@ -121,8 +148,14 @@ def test_adaptive_interval_plans_for_the_jobs_own_reclaims(
     caplog.set_level("INFO", logger="spotrun.control")
     job = _job(tmp_path, checkpoint={"every": "auto", "mtbf_prior_s": 600, "keep": 2})
     settings = _settings(tmp_path)
-    result = run_job(job, _provider(tmp_path, PlannedPreemption(after_s=0.2)), RetryPolicy(), PlainSink(),
-                     settings=settings, sleep=lambda s: None)  # fmt: skip
+    result = run_job(
+        job,
+        _provider(tmp_path, PlannedPreemption(after_s=0.2)),
+        RetryPolicy(),
+        PlainSink(),
+        settings=settings,
+        sleep=lambda s: None,
+    )
     assert result.completed, result.message
     store = HistoryStore.open(settings.database_url)
     rows = store.attempts(job="plain")

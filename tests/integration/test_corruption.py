@@ -74,7 +74,7 @@ def _flip_middle_byte(s: Storage, key: str) -> None:
     put_bytes(s, key, bytes(b))
 
 
-def _replace_and_rehash(s: Storage, step_name: str, fname: str, data: bytes, tmp: Path) -> None:
+def _replace_and_rehash(s: Storage, step_name: str, fname: str, data: bytes, *, tmp: Path) -> None:
     """Swap a file and fix up the manifest so integrity passes: structure/content checks must catch it."""
     put_bytes(s, f"{step_name}/{fname}", data)
     (tmp / "f").write_bytes(data)
@@ -87,7 +87,7 @@ def _with_model(s: Storage, fn: Callable[[dict[str, torch.Tensor]], None], tmp: 
     tensors = load(get_bytes(s, f"{S30}/model.safetensors"))
     fn(tensors)
     _replace_and_rehash(
-        s, S30, "model.safetensors", save(tensors, {"format": "spotrun/1", "step": "30"}), tmp
+        s, S30, "model.safetensors", save(tensors, {"format": "spotrun/1", "step": "30"}), tmp=tmp
     )
 
 
@@ -100,7 +100,7 @@ def _reshape(t: dict[str, torch.Tensor]) -> None:
 
 
 def _other_step_part(s: Storage, tmp: Path) -> None:
-    _replace_and_rehash(s, S30, "trainer.pt", get_bytes(s, f"{step_dir(20)}/trainer.pt"), tmp)
+    _replace_and_rehash(s, S30, "trainer.pt", get_bytes(s, f"{step_dir(20)}/trainer.pt"), tmp=tmp)
 
 
 def _upload_partially(pristine: dict[str, bytes]) -> Callable[[Storage, Path], None]:

@@ -28,7 +28,11 @@ def write(store: Storage, step: int, damaged: bool = False) -> None:
         files["model.safetensors"] = files["model.safetensors"][::-1]
     for f, b in files.items():
         put_bytes(store, f"{step_dir(step)}/{f}", b)
-    put_bytes(store, f"{step_dir(step)}/{MANIFEST}", Manifest(step, "spec", "shape", 1, entries).to_json())
+    put_bytes(
+        store,
+        f"{step_dir(step)}/{MANIFEST}",
+        Manifest(step, "spec", "shape", world_size=1, files=entries).to_json(),
+    )
 
 
 def cached(cache: Path) -> list[str]:

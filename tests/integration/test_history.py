@@ -446,7 +446,7 @@ def test_concurrent_first_use_processes_on_one_sqlite_file(tmp_path: Path) -> No
         "pathlib.Path(sys.argv[1]).touch()\n"
         f"while not pathlib.Path({str(tmp_path / 'go')!r}).exists(): time.sleep(0.002)\n"
         f"s = HistoryStore.open({url!r})\n"
-        "s.start_job_run('digits', 'h', None, 'file:///x', 'local')\n"
+        "s.start_job_run('digits', 'h', None, storage_uri='file:///x', provider='local')\n"
         "sys.exit(s.pending)\n"
     )
     ready = [tmp_path / f"ready-{i}" for i in range(n)]

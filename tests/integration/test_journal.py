@@ -254,10 +254,14 @@ from tasks.history import HistoryStore, JobStatus
 
 url, journal_dir = sys.argv[1], Path(sys.argv[2])
 store = HistoryStore.open(url, journal_dir=journal_dir, connect_timeout_s=2)
-run = store.start_job_run("digits", "sha256:abc", "flow-run-1", "file:///tmp/ckpt", "local")
+run = store.start_job_run(
+    "digits", "sha256:abc", "flow-run-1", storage_uri="file:///tmp/ckpt", provider="local"
+)
 for n in (1, 2, 3):
     outcome = Outcome.COMPLETED if n == 3 else Outcome.PREEMPTED
-    store.record_attempt(run, AttemptRecord(n, f"w{n}", "local", 100.0 * n, 100.0 * n + 50, outcome, "c"))
+    store.record_attempt(run, AttemptRecord(
+        n, f"w{n}", "local", started_at=100.0 * n, ended_at=100.0 * n + 50, outcome=outcome, cause="c"
+    ))
 store.record_rejections(run, 2, [(200, "bad shard")])
 store.record_alert(dedup_key="k", kind="gave-up", job="digits", status="logged", channel="log",
                    created_at=datetime.fromtimestamp(1_700_000_000, UTC))

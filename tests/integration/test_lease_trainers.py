@@ -95,7 +95,7 @@ def test_stolen_lease_stops_publishing(tmp_path: Path) -> None:
         wait_for_latest(store, proc, 7)
         lease, version = read_lease(store)
         assert lease is not None and version is not None
-        thief = Holder("thief", "run-x", "elsewhere", 1, "other-boot:pid:[1]")
+        thief = Holder("thief", "run-x", "elsewhere", pid=1, pid_ns="other-boot:pid:[1]")
         stolen = dataclasses.replace(lease, holder=thief, token=lease.token + 1, expires_at=time.time() + 600)
         store.put_if(LEASE_KEY, stolen.to_json(), if_version=version)
         latest_at_theft = read_latest(store)
@@ -119,7 +119,7 @@ def test_s3_live_holder_elsewhere_is_refused(tmp_path: Path, s3_bucket: tuple[st
     uri = f"s3://{bucket}/job"
     spec = write_spec(tmp_path / "job.yaml", total_steps=14, s3={"endpoint_url": endpoint})
     store = open_storage(uri, S3Options(endpoint_url=endpoint))
-    other = Holder("i-0abc", "run-7", "ip-10-0-0-7", 4242, "other-boot:pid:[1]")
+    other = Holder("i-0abc", "run-7", "ip-10-0-0-7", pid=4242, pid_ns="other-boot:pid:[1]")
     Lease.acquire(store, other, ttl_s=600)  # a live trainer on another machine (never renewed: 600 s)
     result = trainer(spec, uri, _mk(tmp_path / "b"))
     assert result.returncode == ExitCode.LEASE_HELD, result.stderr
@@ -207,14 +207,14 @@ def test_prewarmed_trainer_waits_for_the_durable_emergency_checkpoint(
 def test_s3_lease_age_comes_from_the_stores_clock(s3_bucket: tuple[str, str]) -> None:
     endpoint, bucket = s3_bucket
     store = open_storage(f"s3://{bucket}/age", S3Options(endpoint_url=endpoint))
-    holder = Lease.acquire(store, Holder("i-0abc", None, "ip-10-0-0-7", 1, "b:pid:[1]"), ttl_s=30)
+    holder = Lease.acquire(store, Holder("i-0abc", None, "ip-10-0-0-7", pid=1, pid_ns="b:pid:[1]"), ttl_s=30)
     stamped = store.read_stamped(LEASE_KEY)
     assert stamped.version == holder.version and 0.0 <= stamped.age_s <= 2.0  # Date - Last-Modified
     # the holder wrote a wall clock an hour ahead into the object: a taker does not read it
     skewed = dataclasses.replace(holder.doc, expires_at=holder.doc.expires_at - 3600)
     store.put_if(LEASE_KEY, skewed.to_json(), if_version=holder.version)
     with pytest.raises(LeaseHeld, match=r"held by worker i-0abc .* \(in 3[01] s\)"):
-        Lease.acquire(store, Holder("i-0def", None, "ip-10-0-0-8", 1, "c:pid:[1]"), ttl_s=30)
+        Lease.acquire(store, Holder("i-0def", None, "ip-10-0-0-8", pid=1, pid_ns="c:pid:[1]"), ttl_s=30)
 
 
 def test_a_store_that_ignores_conditional_puts_is_refused(
@@ -225,7 +225,7 @@ def test_a_store_that_ignores_conditional_puts_is_refused(
     uri = f"s3://{bucket}/unconditional"
     store = open_storage(uri, S3Options(endpoint_url=fault_proxy.endpoint))
     with pytest.raises(ConfigError, match="ignored If-None-Match: \\* on PutObject"):
-        Lease.acquire(store, Holder("w", None, "h", 1, "b:pid:[1]"))
+        Lease.acquire(store, Holder("w", None, "h", pid=1, pid_ns="b:pid:[1]"))
     assert store.list() == []  # the probe cleaned up after itself; no lease was written
     spec = write_spec(tmp_path / "job.yaml", total_steps=14, s3={"endpoint_url": fault_proxy.endpoint})
     result = trainer(spec, uri, _mk(tmp_path / "t"))

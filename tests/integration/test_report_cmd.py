@@ -38,17 +38,23 @@ def build(url: str) -> tuple[str, str]:
     """An older job run of digits (one attempt, completed), the fixed history as digits' newest job run
     (ended at T+440), and a job run of another job: (the newest digits run's id, the older one's)."""
     with HistoryStore.open(url) as store:
-        old = store.start_job_run("digits", "sha256:old", None, "file:///tmp/digits", "local")
+        old = store.start_job_run(
+            "digits", "sha256:old", None, storage_uri="file:///tmp/digits", provider="local"
+        )
         store.record_attempt(
             old,
             attempt(1, Outcome.COMPLETED, -1000, -900, trained=-990, durable=300, last=300, productive=80.0),
         )
         store.finish_job_run(old, JobStatus.COMPLETED, "done")
-        new = store.start_job_run("digits", "sha256:abc", None, "file:///tmp/digits", "local")
+        new = store.start_job_run(
+            "digits", "sha256:abc", None, storage_uri="file:///tmp/digits", provider="local"
+        )
         for record in HISTORY:
             store.record_attempt(new, record)
         store.finish_job_run(new, JobStatus.COMPLETED, "trained to step 300 in 5 attempts")
-        other = store.start_job_run("charlm", "sha256:def", None, "file:///tmp/charlm", "local")
+        other = store.start_job_run(
+            "charlm", "sha256:def", None, storage_uri="file:///tmp/charlm", provider="local"
+        )
         store.record_attempt(other, attempt(1, Outcome.CRASHED, 0, 10, last=3))
     # The store stamps a job run's end with the time it is told; the fixed history ends at T+440.
     engine = create_engine(normalize_url(url))

@@ -173,7 +173,9 @@ def store(tmp_path: Path) -> Iterator[HistoryStore]:
 
 def storm_history(store: HistoryStore, n: int = 3) -> str:
     """A job run of `digits` with `n` preemptions in the last few minutes; returns its id."""
-    run = store.start_job_run("digits", "sha256:abc", "flow-run-1", "file:///tmp/ckpt/digits", "local")
+    run = store.start_job_run(
+        "digits", "sha256:abc", "flow-run-1", storage_uri="file:///tmp/ckpt/digits", provider="local"
+    )
     now = time.time()
     for i in range(1, n + 1):
         end = now - 60 * (n + 1 - i)
@@ -280,7 +282,9 @@ def test_gave_up_then_recovered_in_the_next_run(httpserver: HTTPServer, store: H
     assert raise_alert(store, request(AlertKind.GAVE_UP), target).status is AlertStatus.SUPPRESSED
 
     # The next run restarts quietly and completes: nothing was announced during it.
-    store.start_job_run("digits", "sha256:abc", "flow-run-2", "file:///tmp/ckpt/digits", "local")
+    store.start_job_run(
+        "digits", "sha256:abc", "flow-run-2", storage_uri="file:///tmp/ckpt/digits", provider="local"
+    )
     quiet = raise_alert(store, request(AlertKind.RECOVERED), target)
     assert (quiet.status, quiet.reason) == (AlertStatus.SUPPRESSED, "no alert to recover from")
 

@@ -518,11 +518,17 @@ def test_confirm_stored_checks_what_was_written(backend: Contract, tmp_path: Pat
         src = write_random(tmp_path / key.replace("/", "-"), size)
         backend.storage.put(key, src)
         digest = digest_file(src)
-        assert confirm_stored(backend.storage, key, size, digest) is None
-        assert confirm_stored(backend.storage, key, size + 1, digest) == f"stored size {size} != {size + 1}"
+        assert confirm_stored(backend.storage, key, size, digest=digest) is None
+        assert (
+            confirm_stored(backend.storage, key, size + 1, digest=digest)
+            == f"stored size {size} != {size + 1}"
+        )
     assert backend.storage.checked_size("ckpt/small.bin") == (1000 if backend.vouches else None)
     if not backend.vouches:  # nothing vouches for a local copy: its digest is compared
-        assert confirm_stored(backend.storage, "ckpt/small.bin", 1000, "0" * 32) == "stored xxh3_128 differs"
+        assert (
+            confirm_stored(backend.storage, "ckpt/small.bin", 1000, digest="0" * 32)
+            == "stored xxh3_128 differs"
+        )
     with pytest.raises(FileNotFoundError):
         backend.storage.checked_size("ckpt/nope.bin")
 

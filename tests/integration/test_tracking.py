@@ -426,12 +426,14 @@ def test_the_next_controller_reattaches_and_sends_each_step_once(
     storage = LocalStorage(Path(job.storage))
     where = Where.of(job, tmp_path, {})
     _publish(storage, range(1, 11), 10)
-    first = Tracker(job, where, "run-one", "flow-one", "local").start().finish("failed")
+    first = Tracker(job, where, "run-one", flow_run_id="flow-one", provider="local").start().finish("failed")
     assert first.run_id is not None and first.sent_through == 10
     _publish(storage, range(6, 16), 15, loss=2.0)  # 6-10 again: not sent twice, and not replaced
     _publish(storage, range(16, 21), 20)
     _publish(storage, range(31, 41), 40)  # 21-30 never written
-    second = Tracker(job, where, "run-two", "flow-two", "local").start().finish("completed")
+    second = (
+        Tracker(job, where, "run-two", flow_run_id="flow-two", provider="local").start().finish("completed")
+    )
     assert second.run_id == first.run_id and second.sent_through == 40 and not second.pending
     client = _client(where.tracking_uri)
     history = {h.step: h.value for h in client.get_metric_history(first.run_id, "loss")}
@@ -461,7 +463,9 @@ def test_the_embedded_store_writes_nothing_in_the_current_directory(
     where = Where.of(job, home, {})
     assert where.embedded is not None and where.artifact_root is not None
     embedded_store(where.embedded, where.artifact_root)
-    run, _ = MlflowRun.attach(where.tracking_uri, where.experiment, where.artifact_root, [], {}, job)
+    run, _ = MlflowRun.attach(
+        where.tracking_uri, where.experiment, where.artifact_root, known=[], create_tags={}, spec=job
+    )
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     version = run.register("cwdjob", tmp_path / "model.safetensors", job, {"spotrun.checkpoint": "x"})
     assert version == "cwdjob/1"

@@ -165,9 +165,13 @@ def test_writes_stop_once_the_lease_is_taken_over(tmp_path: Path, writer: Any) -
     ckpt.save(make_state(1), base(1))
     ckpt.wait()
     assert ckpt.uses_process and ckpt.durable_step == 1
-    theirs = Holder("w-2", "flow-2", "other-host", 1, "")
+    theirs = Holder("w-2", "flow-2", "other-host", pid=1, pid_ns="")
     now = time.time()
-    put_bytes(inner, LEASE_KEY, LeaseDoc(theirs, lease.doc.token + 1, now, now, now + 30, 30).to_json())
+    put_bytes(
+        inner,
+        LEASE_KEY,
+        LeaseDoc(theirs, lease.doc.token + 1, now, renewed_at=now, expires_at=now + 30, ttl_s=30).to_json(),
+    )
     ckpt.save(make_state(2), base(2))
     with pytest.raises(LeaseLost, match="taken over") as lost:
         ckpt.wait()
@@ -209,7 +213,7 @@ def test_a_failed_write_leaves_nothing_in_a_directory_store(tmp_path: Path) -> N
     storage = LocalStorage(tmp_path / "store")
     snap = {"model": {"w": torch.ones(4)}, "optimizer": {"state": lambda: None}, "trainer": {"rank": 0}}
     with pytest.raises(Exception, match="pickle"):
-        persist(storage, tmp_path / "cache", snap, base(3), {})
+        persist(storage, tmp_path / "cache", snap, base=base(3), sidecars={})
     assert storage.list() == [] and not any((storage.root / STAGING).iterdir())
 
 

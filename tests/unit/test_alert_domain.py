@@ -51,7 +51,7 @@ ABOUT_RUNS = (PROMOTION, MISSED, RUN_FAILED)
 # -- decide ---------------------------------------------------------------------------------------
 
 
-def alert(kind: AlertKind, key: str, status: AlertStatus, ago_s: float, job: str = "digits") -> AlertRow:
+def alert(kind: AlertKind, key: str, status: AlertStatus, ago_s: float, *, job: str = "digits") -> AlertRow:
     return AlertRow(
         id=0,
         dedup_key=key,
@@ -956,7 +956,7 @@ def test_alerts_about_a_run_find_its_job_run_and_its_give_up(tmp_path: Path) -> 
     """Through raise_alert and a real SQLite history: a run that gave up fails once (the gave-up alert);
     a later run refused at once is told, though the job's latest job run gave up; a decision once."""
     with HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}") as store:
-        run = store.start_job_run("digits", "h", "fr-1", "/s/digits", "local")
+        run = store.start_job_run("digits", "h", "fr-1", storage_uri="/s/digits", provider="local")
         gave_up = AlertRequest(kind=GAVE_UP, job="digits", window_s=HOUR, threshold=3, flow_run_id="fr-1")
         failed = replace(gave_up, kind=RUN_FAILED, reason="gave up after 3 errors")
         refused = replace(failed, flow_run_id="fr-2", reason="refused: bad key")

@@ -46,7 +46,7 @@ def cfg(**over: Any) -> AwsProviderConfig:
 
 
 def ev(
-    subnet: str | None, itype: str, outcome: PlacementOutcome, t: float, market: str = "spot"
+    subnet: str | None, itype: str, outcome: PlacementOutcome, t: float, *, market: str = "spot"
 ) -> PlacementEvent:
     az = AZS.get(subnet or "")
     return PlacementEvent(Placement(subnet, az, itype, market), outcome, t)  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def test_ranking_lists_every_pool_once() -> None:
         # sticky: an on-demand launch does not end the spot streak
         (
             {"on_demand_after_s": 60},
-            [ev(A, "g5.xlarge", CAP, 10), ev(A, "g5.xlarge", OK, 80, "on-demand")],
+            [ev(A, "g5.xlarge", CAP, 10), ev(A, "g5.xlarge", OK, 80, market="on-demand")],
             200,
             "on-demand",
         ),
@@ -140,7 +140,9 @@ def test_shortage_starts_at_first_failure() -> None:
 
 # -- what each EC2 error means -----------------------------------------------------------------------
 
-CTX = LaunchContext("ca-central-1", "g99.huge", "ami-0123456789abcdef0", A, "spotrun-worker")
+CTX = LaunchContext(
+    "ca-central-1", "g99.huge", "ami-0123456789abcdef0", subnet=A, instance_profile="spotrun-worker"
+)
 
 
 def client_error(code: str, message: str = "", status: int = 400) -> ClientError:
@@ -313,7 +315,7 @@ def test_run_instances_params_spot_and_on_demand() -> None:
         key_name="me",
         tags={"team": "ml"},
     )
-    tags = launch.launch_tags(c, "demo", 2, "demo-a2-x", "flow-1")
+    tags = launch.launch_tags(c, "demo", 2, launch_id="demo-a2-x", flow_run_id="flow-1")
     lease = float(tags.pop("spotrun:lease-until"))
     assert time.time() + c.lease_s - 5 < lease <= time.time() + c.lease_s
     assert tags == {
@@ -325,7 +327,12 @@ def test_run_instances_params_spot_and_on_demand() -> None:
         "spotrun:flow-run": "flow-1",
     }
     p = launch.run_instances_params(
-        c, Placement(B, AZS[B], "g6.xlarge"), "#!/bin/bash\n", tags, "tok", "/dev/xvda"
+        c,
+        Placement(B, AZS[B], "g6.xlarge"),
+        "#!/bin/bash\n",
+        tags=tags,
+        launch_id="tok",
+        root_device="/dev/xvda",
     )
     assert p["InstanceMarketOptions"] == {
         "MarketType": "spot",
@@ -351,15 +358,17 @@ def test_run_instances_params_spot_and_on_demand() -> None:
     assert p["IamInstanceProfile"] == {"Arn": "arn:aws:iam::1:instance-profile/w"}
     assert (p["SubnetId"], p["InstanceType"], p["ClientToken"]) == (B, "g6.xlarge", "tok")
     assert [t["ResourceType"] for t in p["TagSpecifications"]] == ["instance", "volume"]
-    od = launch.run_instances_params(c, Placement(None, None, "g5.xlarge", "on-demand"), "", {}, "t", None)
+    od = launch.run_instances_params(
+        c, Placement(None, None, "g5.xlarge", "on-demand"), "", tags={}, launch_id="t", root_device=None
+    )
     assert "InstanceMarketOptions" not in od and "SubnetId" not in od and "BlockDeviceMappings" not in od
-    assert launch.launch_tags(c, "demo", 1, "x", None).get("spotrun:flow-run") is None
+    assert launch.launch_tags(c, "demo", 1, launch_id="x", flow_run_id=None).get("spotrun:flow-run") is None
 
 
 def test_fleet_params_and_template() -> None:
     c = cfg(allocation="fleet", max_price="1.5")
     pools = rank_placements(c, [], AZS, "spot")
-    f = launch.fleet_params(c, "lt-1", pools, {"spotrun:job": "demo"}, "spot")
+    f = launch.fleet_params(c, "lt-1", pools, tags={"spotrun:job": "demo"}, market="spot")
     assert f["Type"] == "instant" and f["SpotOptions"]["AllocationStrategy"] == "price-capacity-optimized"
     assert f["TargetCapacitySpecification"] == {"TotalTargetCapacity": 1, "DefaultTargetCapacityType": "spot"}
     overrides = f["LaunchTemplateConfigs"][0]["Overrides"]
@@ -368,10 +377,10 @@ def test_fleet_params_and_template() -> None:
         "SubnetId": A,
         "MaxPrice": "1.5",
     }
-    od = launch.fleet_params(c, "lt-1", pools, {}, "on-demand")
+    od = launch.fleet_params(c, "lt-1", pools, tags={}, market="on-demand")
     assert od["OnDemandOptions"] == {"AllocationStrategy": "prioritized"} and "SpotOptions" not in od
     base = {"ImageId": "ami-1", "InstanceMarketOptions": {"MarketType": "spot"}, "UserData": "old"}
-    data = launch.template_data(c, "#!/bin/bash\n", {"spotrun:job": "demo"}, None, base)
+    data = launch.template_data(c, "#!/bin/bash\n", {"spotrun:job": "demo"}, root_device=None, base=base)
     assert "InstanceMarketOptions" not in data and base64.b64decode(data["UserData"]) == b"#!/bin/bash\n"
 
 
@@ -420,15 +429,27 @@ def test_end_of_instance(state: str, code: str, released: bool, expected: tuple[
 
 def test_attempt_cost(tmp_path: Any) -> None:
     state = AwsWorkerState(
-        "i-1", Placement(A, AZS[A], "g5.xlarge"), "x", 1000.0, 0.36, 1.2, LocalStorage(tmp_path)
+        "i-1",
+        Placement(A, AZS[A], "g5.xlarge"),
+        "x",
+        launched_at=1000.0,
+        price_per_h=0.36,
+        on_demand_price_per_h=1.2,
+        storage=LocalStorage(tmp_path),
     )
     assert attempt_cost(state, 1000.0 + 1800) == Cost(
         usd=0.18, price_per_h=0.36, market="spot", on_demand_usd=0.6, hours=0.5
     )
     unknown = AwsWorkerState(
-        "i-2", Placement(A, AZS[A], "g5.xlarge"), "x", 0.0, None, None, LocalStorage(tmp_path)
+        "i-2",
+        Placement(A, AZS[A], "g5.xlarge"),
+        "x",
+        launched_at=0.0,
+        price_per_h=None,
+        on_demand_price_per_h=None,
+        storage=LocalStorage(tmp_path),
     )
-    assert attempt_cost(unknown, 3600) == Cost(None, None, "spot", None, 1.0)
+    assert attempt_cost(unknown, 3600) == Cost(None, None, "spot", on_demand_usd=None, hours=1.0)
 
 
 @pytest.mark.parametrize(
@@ -590,7 +611,7 @@ def test_user_data_runs_the_trainer_as_an_unprivileged_user(
 
 def test_node_tags_and_placement_group_requests() -> None:
     c = cfg(placement_group=True)
-    tags = launch.launch_tags(c, "demo", 2, "demo-a2-x", None)
+    tags = launch.launch_tags(c, "demo", 2, launch_id="demo-a2-x", flow_run_id=None)
     assert launch.node_tags(tags, None) == tags
     one = launch.node_tags(tags, launch.NodeRole(1, 2, "10.0.0.4"))
     assert (one["Name"], one["spotrun:node"], one["spotrun:worker"]) == (
@@ -600,12 +621,20 @@ def test_node_tags_and_placement_group_requests() -> None:
     )
     name = launch.placement_group_name("demo-a2-x", 1)
     assert name == "spotrun-demo-a2-x-1"
-    p = launch.run_instances_params(c, Placement(B, AZS[B], "g6.xlarge"), "", one, "tok", None, name)
+    p = launch.run_instances_params(
+        c,
+        Placement(B, AZS[B], "g6.xlarge"),
+        "",
+        tags=one,
+        launch_id="tok",
+        root_device=None,
+        placement_group=name,
+    )
     assert p["Placement"] == {"GroupName": name} and p["SubnetId"] == B
     assert "Placement" not in launch.run_instances_params(
-        c, Placement(B, AZS[B], "g6.xlarge"), "", one, "t", None
+        c, Placement(B, AZS[B], "g6.xlarge"), "", tags=one, launch_id="t", root_device=None
     )
-    data = launch.template_data(c, "#!/bin/bash\n", one, None, None, name)
+    data = launch.template_data(c, "#!/bin/bash\n", one, root_device=None, base=None, placement_group=name)
     assert data["Placement"] == {"GroupName": name}
     assert cfg().placement_group is False  # off unless asked
 

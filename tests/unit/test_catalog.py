@@ -24,7 +24,11 @@ def _write(store: LocalStorage, step: int, state: str) -> None:
     for f, b in files.items():
         put_bytes(store, f"{name}/{f}", b)
     if state != "partial":
-        put_bytes(store, f"{name}/{MANIFEST}", Manifest(step, "spec", "shape", 1, entries).to_json())
+        put_bytes(
+            store,
+            f"{name}/{MANIFEST}",
+            Manifest(step, "spec", "shape", world_size=1, files=entries).to_json(),
+        )
     if state == "quarantined":
         Catalog(store).quarantine(step, "sha256 mismatch in model.safetensors")
 

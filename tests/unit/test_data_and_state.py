@@ -52,11 +52,11 @@ def _stream(loader: ResumableLoader, n: int) -> list[torch.Tensor]:
 def test_loader_resumes_mid_stream(num_workers: int, batch_size: int, stop: int) -> None:
     """Checkpoint the position mid-stream, resume with a fresh loader: the same stream, exactly."""
     n = 3 * (50 // batch_size)
-    full = _stream(ResumableLoader(Noisy(50), batch_size, 11, 0), n)
-    first = ResumableLoader(Noisy(50), batch_size, 11, num_workers)
+    full = _stream(ResumableLoader(Noisy(50), batch_size, 11, num_workers=0), n)
+    first = ResumableLoader(Noisy(50), batch_size, 11, num_workers=num_workers)
     head = _stream(first, stop)
     saved = first.position.state_dict()
-    second = ResumableLoader(Noisy(50), batch_size, 11, num_workers)
+    second = ResumableLoader(Noisy(50), batch_size, 11, num_workers=num_workers)
     second.position.load_state_dict(saved)
     tail = _stream(second, n - stop)
     assert len(head + tail) == len(full)
@@ -155,7 +155,7 @@ def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> No
         "from trainer.checkpoint.stateful import Codec;"
         "sd = {'b': torch.ones(2), 'a': torch.arange(6.).reshape(2, 3),"
         " 'h': torch.zeros(1, dtype=torch.float16)};"
-        "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, 1200).digest)"
+        "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, step=1200).digest)"
     )
     digests = set()
     for seed in range(6):

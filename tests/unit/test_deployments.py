@@ -328,7 +328,9 @@ def test_decide_controller_restart(
 ) -> None:
     now = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
     times = [now - timedelta(minutes=m) for m in minutes_ago]
-    decision = decide_controller_restart(times, now, limit, timedelta(hours=1), cancelling)
+    decision = decide_controller_restart(
+        times, now, limit, window=timedelta(hours=1), cancel_requested=cancelling
+    )
     assert (decision.action, decision.restarts) == (action, restarts)
     if action is RestartAction.GIVE_UP:
         assert f"at most {limit} restarts" in decision.reason

@@ -96,7 +96,18 @@ def test_pid_reuse_is_not_the_same_process() -> None:
 
 
 def _row(status: JobStatus, storage: str = "/s", flow_run: str = "dead") -> JobRunRow:
-    return JobRunRow("jr", "job", "h", flow_run, storage, "local", status, "", 0.0, None)
+    return JobRunRow(
+        "jr",
+        "job",
+        "h",
+        flow_run_id=flow_run,
+        storage_uri=storage,
+        provider="local",
+        status=status,
+        message="",
+        started_at=0.0,
+        ended_at=None,
+    )
 
 
 DEAD_HERE = ControllerInfo("jr", "dead", ProcessRef(HERE, 2**22 + 7, 1), 0.0)  # no such pid
@@ -137,11 +148,16 @@ OTHER_RUN_DEAD = ControllerInfo("another-job-run", "x", ProcessRef(HERE, 2**22 +
 def test_should_adopt(
     row: JobRunRow | None, recovers: str, info: ControllerInfo | None, state: str | None, adopt: bool
 ) -> None:
-    assert adoption.should_adopt(row, "/s", "me", recovers, info, lambda: state) is adopt
+    assert (
+        adoption.should_adopt(row, "/s", "me", recovers=recovers, info=info, flow_state=lambda: state)
+        is adopt
+    )
 
 
 def test_lost_attempt_counts_steps_past_the_durable_checkpoint() -> None:
-    w = adoption.WorkerInfo("jr", "dead", "local-1", "local", 3, 100.0, None)
+    w = adoption.WorkerInfo(
+        "jr", "dead", "local-1", provider="local", attempt=3, started_at=100.0, process=None
+    )
     rec = adoption.lost_attempt(w, 3, "dead", last_step=57, durable_step=49, now=160.0)
     assert (rec.outcome, rec.lost_steps, rec.wall_s, rec.attempt) == (Outcome.LOST, 8, 60.0, 3)
     assert "controller died" in rec.cause
@@ -185,8 +201,8 @@ def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path))
     monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
     store = HistoryStore.open(f"sqlite:///{tmp_path / 'history.db'}")
-    mine = store.start_job_run("j", "h", "fr-1", "/s", "local")
-    other = store.start_job_run("j", "h", "fr-2", "/s", "local")
+    mine = store.start_job_run("j", "h", "fr-1", storage_uri="/s", provider="local")
+    other = store.start_job_run("j", "h", "fr-2", storage_uri="/s", provider="local")
     store.close()
     gave_up = Ending(JobStatus.CRASHED, "controller died; gave up after 3 restarts")
     assert close_job_run_of("j", "fr-1", gave_up) is True
@@ -205,7 +221,7 @@ def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
         (["spotrun-heartbeat"], ""),
         ([], ""),
     ],
-)  # fmt: skip
+)  # fmt: skip  # a decision table, one case per row
 def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
     from tasks.ownership.recovery import recovered_run
 
@@ -219,8 +235,17 @@ def test_attempts_lost_with_their_controller_do_not_use_up_the_error_budget() ->
     from tasks.decisions.policy import RetryPolicy, decide
 
     def lost(n: int) -> AttemptRecord:
-        return adoption.lost_attempt(None, n, "dead", 10, 5, now=float(n))
+        return adoption.lost_attempt(None, n, "dead", last_step=10, durable_step=5, now=float(n))
 
-    crash = AttemptRecord(4, "w", "local", 0.0, 1.0, Outcome.CRASHED, "exited CRASHED: x", error="x")
+    crash = AttemptRecord(
+        4,
+        "w",
+        "local",
+        started_at=0.0,
+        ended_at=1.0,
+        outcome=Outcome.CRASHED,
+        cause="exited CRASHED: x",
+        error="x",
+    )
     decision = decide([lost(1), lost(2), lost(3), crash], RetryPolicy(max_errors=2), random.Random(0))
     assert decision.action == "retry", decision  # 1 error of 2: the controller deaths are not counted

@@ -45,7 +45,7 @@ def test_each_durable_checkpoint_is_logged_once(
     script: tuple[tuple[str, Any], ...], lines: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    watch(Streams(*script), SimpleNamespace(id="local-1"), JOB, PlainSink())  # type: ignore[arg-type]
+    watch(Streams(*script), SimpleNamespace(id="local-1"), JOB, sink=PlainSink())  # type: ignore[arg-type]
     said = [r.getMessage() for r in caplog.records if "checkpoint step 25 durable" in r.getMessage()]
     assert len(said) == lines, said
 
@@ -56,8 +56,10 @@ def test_the_summary_shows_the_timeline_inline() -> None:
 
     png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
     rep = compute([], RunInfo("digits", "run-1", "completed", 12.0), now=12.0)
-    md = summary_markdown("digits", "completed", [], rep, "/home/me/.spotrun/digits/timeline.png", png)
+    md = summary_markdown(
+        "digits", "completed", [], rep=rep, timeline="/home/me/.spotrun/digits/timeline.png", timeline_png=png
+    )
     assert "- timeline: below; saved at `/home/me/.spotrun/digits/timeline.png`" in md
     inline = base64.b64encode(png).decode()
     assert md.endswith(f"![training step over wall time](data:image/png;base64,{inline})")
-    assert "not saved" in summary_markdown("digits", "failed", [], rep, "")
+    assert "not saved" in summary_markdown("digits", "failed", [], rep=rep, timeline="")

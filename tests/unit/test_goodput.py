@@ -48,10 +48,20 @@ def attempt(
     if trained is not None:
         facts["started_training_at"] = T + trained
     return AttemptRecord(
-        attempt=n, worker_id=f"local-{n}", provider="local", started_at=T + start, ended_at=T + ended,
-        outcome=outcome, cause=outcome.value, resumed_from=resumed, last_step=last, last_durable_step=durable,
-        productive_s=productive, wall_s=ended - start, extra=facts,
-    )  # fmt: skip
+        attempt=n,
+        worker_id=f"local-{n}",
+        provider="local",
+        started_at=T + start,
+        ended_at=T + ended,
+        outcome=outcome,
+        cause=outcome.value,
+        resumed_from=resumed,
+        last_step=last,
+        last_durable_step=durable,
+        productive_s=productive,
+        wall_s=ended - start,
+        extra=facts,
+    )
 
 
 HISTORY = [
@@ -63,7 +73,7 @@ HISTORY = [
     attempt(4, Outcome.LOST, 260, 330, trained=280, resumed=150, last=170, cost=cost(0.08, 0.32)),
     attempt(5, Outcome.COMPLETED, 340, 430, trained=350, resumed=150, durable=300, last=300, productive=75.0,
             cost=cost(0.20, 0.80)),
-]  # fmt: skip
+]  # fmt: skip  # a decision table, one case per row
 ENDED = T + 440
 DONE = RunInfo(JOB, RUN, "completed", ENDED)
 
@@ -121,10 +131,18 @@ def test_the_fixed_history_by_hand() -> None:
     causes = [(c.cause, c.attempts, c.lost_steps, c.lost_gpu_s) for c in rep.lost_by_cause]
     assert causes == [(c, n, s, pytest.approx(g)) for c, n, s, g in EXPECTED_CAUSES]
     rows = [
-        (f.attempt, f.start_step, f.kept_step, f.lost_steps, f.s_per_step, f.s_per_step_from, f.recovery_s,
-         f.recovery_to)
+        (
+            f.attempt,
+            f.start_step,
+            f.kept_step,
+            f.lost_steps,
+            f.s_per_step,
+            f.s_per_step_from,
+            f.recovery_s,
+            f.recovery_to,
+        )
         for f in rep.attempts
-    ]  # fmt: skip
+    ]
     assert rows == [
         (
             a,

@@ -34,7 +34,7 @@ def standby(state: str, replacing: str = ME) -> Standby:
 def test_when_the_old_trainer_stops(
     record: Standby | None, since: float, left: float, stops: str | None
 ) -> None:
-    why = stop_now(record, ME, since, left)
+    why = stop_now(record, ME, since, left_s=left)
     assert (why is None) if stops is None else (why is not None and stops in why), why
 
 

@@ -96,7 +96,7 @@ def test_while_busy(
     action: str,
     since: float | None,
 ) -> None:
-    assert while_busy(free, holder, paused, alone_since, now) == (action, since)
+    assert while_busy(free, holder, paused, alone_since=alone_since, now=now) == (action, since)
 
 
 def test_orphans_wait_out_a_lapsing_lease() -> None:

@@ -59,9 +59,9 @@ def test_rank_exit_files_round_trip(tmp_path: object) -> None:
     from pathlib import Path
 
     d = Path(str(tmp_path))
-    write_rank_exit(str(d), RankExit(1, ExitCode.PREEMPTED, "", 40, 40))
+    write_rank_exit(str(d), RankExit(1, ExitCode.PREEMPTED, "", step=40, durable_step=40))
     (d / "rank0.json").write_text("{half")  # a rank killed while writing: counts as missing
-    assert read_rank_exits(d) == {1: RankExit(1, ExitCode.PREEMPTED, "", 40, 40)}
+    assert read_rank_exits(d) == {1: RankExit(1, ExitCode.PREEMPTED, "", step=40, durable_step=40)}
 
 
 def test_torchrun_args_one_node_meets_on_loopback_several_meet_at_the_first() -> None:

@@ -36,7 +36,7 @@ FORBIDDEN = {
     "flows": {"deployments", "spotrun"},
     "deployments": {"spotrun"},
 }
-WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch"}
+WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch", "numpy"}
 # an integration also imports its own framework, and no other
 FRAMEWORKS = {
     "spotrun.integrations.transformers": "transformers",

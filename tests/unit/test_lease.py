@@ -28,16 +28,25 @@ from trainer.storage import LocalStorage, get_bytes, put_bytes
 from trainer.storage.base import local_dir_name
 
 NS, OTHER_NS = "boot-a:pid:[1]", "boot-b:pid:[1]"
-ME = Holder("w-me", "run-2", "host-a", 200, NS)
+ME = Holder("w-me", "run-2", "host-a", pid=200, pid_ns=NS)
 URI = "s3://bkt/job"
 
 
 def doc(holder: Holder, released: bool = False, token: int = 3) -> LeaseDoc:
-    return LeaseDoc(holder, token, 900.0, 1000.0, 1030.0, 30.0, released, epoch="0000000900-ab")
+    return LeaseDoc(
+        holder,
+        token,
+        900.0,
+        renewed_at=1000.0,
+        expires_at=1030.0,
+        ttl_s=30.0,
+        released=released,
+        epoch="0000000900-ab",
+    )
 
 
 def h(worker: str = "w-old", host: str = "host-a", pid: int = 100, ns: str = NS) -> Holder:
-    return Holder(worker, "run-1", host, pid, ns)
+    return Holder(worker, "run-1", host, pid=pid, pid_ns=ns)
 
 
 ALIVE, DEAD = (lambda pid: True), (lambda pid: False)
@@ -68,12 +77,14 @@ TAKEOVER_TABLE = [
 def test_takeover_table(
     current: LeaseDoc | None, age: float, released: tuple[str, ...], alive: object, take: bool, reason: str
 ) -> None:
-    verdict = decide_takeover(current, ME, age, released, alive, URI, 1000.0)  # type: ignore[arg-type]
+    verdict = decide_takeover(current, ME, age, released=released, pid_alive=alive, uri=URI, now=1000.0)  # type: ignore[arg-type]
     assert (verdict.take, reason in verdict.reason) == (take, True), verdict.reason
 
 
 def test_refusal_is_one_line_naming_holder_and_expiry() -> None:
-    verdict = decide_takeover(doc(h(host="host-b", ns=OTHER_NS)), ME, 11.0, (), ALIVE, URI, 1000.0)
+    verdict = decide_takeover(
+        doc(h(host="host-b", ns=OTHER_NS)), ME, 11.0, released=(), pid_alive=ALIVE, uri=URI, now=1000.0
+    )
     assert verdict.reason == (
         "storage s3://bkt/job is held by worker w-old (flow run run-1, host host-b, pid 100) until "
         "1970-01-01 00:17:00 UTC (in 20 s); stop that run or wait for the lease to expire"
@@ -101,7 +112,7 @@ class Clock:
 
 
 def other(pid: int = 4_000_000) -> Holder:
-    return Holder("w-other", "run-9", "host-b", pid, OTHER_NS)
+    return Holder("w-other", "run-9", "host-b", pid=pid, pid_ns=OTHER_NS)
 
 
 def age(store_dir: Path, seconds: float) -> None:

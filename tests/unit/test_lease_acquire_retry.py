@@ -15,7 +15,7 @@ from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
 from trainer.storage import LocalStorage
 from trainer.storage.base import Stamped
 
-ME = Holder("w-me", "run-2", "host-a", 200, "boot-a:pid:[1]")
+ME = Holder("w-me", "run-2", "host-a", pid=200, pid_ns="boot-a:pid:[1]")
 
 
 class FakeClock:

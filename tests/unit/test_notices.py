@@ -90,14 +90,23 @@ def test_plan_emergency_save(
     est: float,
     needle: str,
 ) -> None:
-    plan = plan_emergency_save(int(mb * MB), w * MB, u * MB, NOW, NOW + left, margin, measured, in_flight)
+    plan = plan_emergency_save(
+        int(mb * MB),
+        w * MB,
+        u * MB,
+        now=NOW,
+        deadline=NOW + left,
+        margin_s=margin,
+        measured=measured,
+        in_flight=in_flight,
+    )
     assert (plan.save, round(plan.estimate_s, 3)) == (save, est), label
     assert needle in plan.reason, plan.reason
 
 
 def test_plan_rejects_zero_bandwidth() -> None:
     with pytest.raises(ValueError, match="positive"):
-        plan_emergency_save(1, 0, 1, NOW, NOW + 1, 0)
+        plan_emergency_save(1, 0, 1, now=NOW, deadline=NOW + 1, margin_s=0)
 
 
 def test_bandwidth_is_the_slowest_recent_checkpoint(tmp_path: Path) -> None:
@@ -335,7 +344,7 @@ def test_azure_preempt_stops_by_not_before_and_freeze_does_not() -> None:
 
 
 def test_notice_record_is_plain_json() -> None:
-    n = Notice("aws", "spot stop", True, NOW, "{}")
+    n = Notice("aws", "spot stop", True, deadline=NOW, key="{}")
     assert json.loads(json.dumps(n.record())) == {
         "cloud": "aws",
         "action": "spot stop",

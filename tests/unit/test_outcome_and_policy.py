@@ -81,7 +81,7 @@ CLASSIFY_CASES = [
      Outcome.CRASHED, "exited with code 1 before reporting: ImportError: no torch"),
     ("released mid-run", _result(signal=KILL, kill_reason=KR.RELEASE), False,
      Outcome.CRASHED, "killed by release() while running"),
-]  # fmt: skip
+]  # fmt: skip  # a decision table, one case per row
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_classify(result: WatchResult, completed: bool, outcome: Outcome, cause:
         ([PlannedPreemption(after_s=2)], 30.0, 2, "random"),  # then random ones
         ([], 30.0, 1, "random"),
     ],
-)  # fmt: skip
+)  # fmt: skip  # a decision table, one case per row
 def test_plan_preemption(
     schedule: list[PlannedPreemption], mean: float | None, attempt: int, expect: Any
 ) -> None:
@@ -168,7 +168,9 @@ def test_to_record_and_provision_failed_record() -> None:
     lost = _result(signal=KILL, lost=True, silent_s=3)
     lost_rec = to_record(worker, lost, *classify(lost, False))
     assert lost_rec.error == lost_rec.cause  # what the same-error rule compares
-    failed = provision_failed_record(3, "local", ProvisionError("no capacity", retryable=True), T0, T0 + 1)
+    failed = provision_failed_record(
+        3, "local", ProvisionError("no capacity", retryable=True), started_at=T0, ended_at=T0 + 1
+    )
     assert failed.outcome is Outcome.PROVISION_FAILED and failed.extra == {"retryable": True}
 
 
@@ -183,9 +185,18 @@ def _rec(
     outcome: Outcome, error: str = "", step: int = 0, code: str | None = None, **extra: Any
 ) -> AttemptRecord:
     return AttemptRecord(
-        attempt=0, worker_id="w", provider="local", started_at=T0, ended_at=T0, outcome=outcome,
-        cause=f"cause of {outcome.value}", error=error, last_step=step, trainer_code=code, extra=extra,
-    )  # fmt: skip
+        attempt=0,
+        worker_id="w",
+        provider="local",
+        started_at=T0,
+        ended_at=T0,
+        outcome=outcome,
+        cause=f"cause of {outcome.value}",
+        error=error,
+        last_step=step,
+        trainer_code=code,
+        extra=extra,
+    )
 
 
 P, C, L, F = Outcome.PREEMPTED, Outcome.CRASHED, Outcome.LOST, Outcome.PROVISION_FAILED
@@ -216,7 +227,7 @@ DECIDE_CASES = [
     ("same error, other step", [_rec(C, "OOM", 30), _rec(C, "OOM", 31)], "retry", "error 2 of 3"),
     ("same hang, same step", [_rec(L, "no heartbeat for 3 s", 20), _rec(L, "no heartbeat for 3.1 s", 20)],
      "give_up", "same error at step 20 twice"),
-]  # fmt: skip
+]  # fmt: skip  # a decision table, one case per row
 
 
 @pytest.mark.parametrize(
@@ -273,14 +284,22 @@ def test_summary_compares_cost_with_on_demand() -> None:
     from tasks.reports.reporting import summary_markdown
 
     def rec(attempt: int, cost: dict[str, Any] | None) -> AttemptRecord:
-        r = AttemptRecord(attempt, f"i-{attempt}", "aws", 0.0, 1.0, Outcome.PREEMPTED, "spot")
+        r = AttemptRecord(
+            attempt,
+            f"i-{attempt}",
+            "aws",
+            started_at=0.0,
+            ended_at=1.0,
+            outcome=Outcome.PREEMPTED,
+            cause="spot",
+        )
         if cost is not None:
             r.extra["cost"] = cost
         return r
 
     def md(*records: AttemptRecord) -> str:
         rep = compute(list(records), RunInfo("j", "run-1", "failed", 2.0), now=2.0)
-        return summary_markdown("j", "failed", list(records), rep, "")
+        return summary_markdown("j", "failed", list(records), rep=rep, timeline="")
 
     spot = {"usd": 0.3, "on_demand_usd": 1.0, "hours": 1.0, "market": "spot", "price_per_h": 0.3}
     assert "| cost | $0.60 spot vs $2.00 on demand (70% saved) |" in md(rec(1, spot), rec(2, spot))

@@ -242,7 +242,7 @@ def test_finish_version_logs_tags_describes_and_moves_the_alias_only_when_it_win
     _completed(store, block)
     client = FakeClient()
     run = MlflowRun(client, RunRef("sqlite:///x.db", "1", "r1"), {})
-    d = finish_version(run, job, "jr-5", "nightly/4", store, 200)
+    d = finish_version(run, job, "jr-5", model="nightly/4", storage=store, step=200)
     assert d is not None and d.promoted is moved and d.alias_moved is moved
     assert (d.model, d.version) == ("nightly", "4")
     assert client.aliases == ({("nightly", "champion"): "4"} if moved else {})
@@ -257,7 +257,7 @@ def test_finish_version_logs_tags_describes_and_moves_the_alias_only_when_it_win
     assert d.reason in text
     again = FakeClient()  # a second controller: the metrics are not logged twice
     run.client = again
-    finish_version(run, job, "jr-5", "nightly/4", store, 200)
+    finish_version(run, job, "jr-5", model="nightly/4", storage=store, step=200)
     assert again.metrics == [] and run.tags[EVAL_TAG] == "3"
 
 
@@ -266,7 +266,9 @@ def test_without_a_version_the_decision_is_still_made(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path / "s")
     _completed(store, {"metrics": {"eval_loss": 1.0}, "champion": None, "skipped": ""})
     client = FakeClient()
-    d = finish_version(MlflowRun(client, RunRef("u", "1", "r"), {}), job, "jr", None, store, 200)
+    d = finish_version(
+        MlflowRun(client, RunRef("u", "1", "r"), {}), job, "jr", model=None, storage=store, step=200
+    )
     assert d is not None and d.promoted and not d.alias_moved and client.aliases == {}
 
 

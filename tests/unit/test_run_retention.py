@@ -32,7 +32,14 @@ BASE = "/data/ckpt/nightly"
 def _run(
     key: str, day: int, status: str = "completed", *, storage: str | None = None, job: str = "nightly"
 ) -> RunRecord:
-    return RunRecord(job, key, storage or f"{BASE}/{key}", status, float(day * 86400), f"jr-{key}")
+    return RunRecord(
+        job,
+        key,
+        storage or f"{BASE}/{key}",
+        status=status,
+        started_at=float(day * 86400),
+        job_run_id=f"jr-{key}",
+    )
 
 
 def _night(day: int, status: str = "completed") -> RunRecord:
@@ -62,8 +69,8 @@ CASES: list[tuple[str, list[RunRecord], int, set[str], set[str], list[str]]] = [
     ("a rerun of a completed key makes it no newer",
      [_night(1), _run("2026-12-01", 9), _night(2), _night(3)], 2, set(), set(), ["2026-12-01"]),
     ("unkeyed runs are never pruned",
-     [RunRecord("nightly", None, BASE, "completed", 0.0), _night(1), _night(2)], 1, set(), set(),
-     ["2026-12-01"]),
+     [RunRecord("nightly", None, BASE, status="completed", started_at=0.0), _night(1), _night(2)], 1, set(),
+     set(), ["2026-12-01"]),
     ("equal start times: the key breaks the tie", [_run("a", 1), _run("b", 1), _run("c", 1)], 1, set(), set(),
      ["a", "b"]),
 ]  # fmt: skip  # one case per line: a table
@@ -163,10 +170,13 @@ def test_prune_runs_deletes_old_prefixes_and_their_limits_and_nothing_else(tmp_p
     (base / "2026-12-010").mkdir()  # a sibling sharing the prefix's first characters
     (base / "2026-12-010" / "keep.txt").write_text("mine")
     runs = [
-        RunRecord("nightly", k, str(base / k), "completed", float(i), f"jr{i}") for i, k in enumerate(keys)
+        RunRecord("nightly", k, str(base / k), status="completed", started_at=float(i), job_run_id=f"jr{i}")
+        for i, k in enumerate(keys)
     ]
-    runs[4] = RunRecord("nightly", keys[4], str(base / keys[4]), "running", 4.0)
-    runs.append(RunRecord("nightly", "2026-11-30", str(tmp_path / "elsewhere"), "completed", -1.0))
+    runs[4] = RunRecord("nightly", keys[4], str(base / keys[4]), status="running", started_at=4.0)
+    runs.append(
+        RunRecord("nightly", "2026-11-30", str(tmp_path / "elsewhere"), status="completed", started_at=-1.0)
+    )
     limits = Limits({f"spotrun-job:nightly@{k}" for k in keys})
     job = _job(str(base), run_key="{scheduled_date}", keep_runs=2)
     report = prune_runs(job, runs, delete_limit=limits, protected={"2026-12-02"})
@@ -188,7 +198,10 @@ def test_a_failure_is_reported_not_raised(tmp_path: Path) -> None:
     store = LocalStorage(base)
     for k in ("a", "b"):
         _fill(store, k, 1)
-    runs = [RunRecord("nightly", k, str(base / k), "completed", float(i)) for i, k in enumerate("ab")]
+    runs = [
+        RunRecord("nightly", k, str(base / k), status="completed", started_at=float(i))
+        for i, k in enumerate("ab")
+    ]
     report = prune_runs(
         _job(str(base), run_key="{scheduled_date}"), runs, keep=1, delete_limit=Limits(set(), True)
     )
@@ -203,7 +216,7 @@ def test_delete_prefix_on_s3_leaves_the_neighbours(s3_bucket: tuple[str, str]) -
     for k in ("2026-12-01", "2026-12-010", "2026-12-02"):
         put_bytes(store, f"{k}/step-00000010/model.safetensors", b"x")
     runs = [
-        RunRecord("nightly", k, f"{base}/{k}", "completed", float(i))
+        RunRecord("nightly", k, f"{base}/{k}", status="completed", started_at=float(i))
         for i, k in enumerate(["2026-12-01", "2026-12-02"])
     ]
     job = _job(base, run_key="{scheduled_date}", keep_runs=1, s3={"endpoint_url": endpoint})
@@ -225,7 +238,12 @@ def test_the_champion_and_what_running_runs_read_are_never_pruned(tmp_path: Path
 
     def rec(i: int, **kw: Any) -> RunRecord:
         return RunRecord(
-            "nightly", keys[i], str(base / keys[i]), kw.pop("status", "completed"), float(i), **kw
+            "nightly",
+            keys[i],
+            str(base / keys[i]),
+            status=kw.pop("status", "completed"),
+            started_at=float(i),
+            **kw,
         )
 
     source = {"job": "nightly", "run_key": keys[1], "storage": str(base / keys[1]), "step": 1}

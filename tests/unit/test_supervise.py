@@ -43,7 +43,7 @@ def test_each_death_is_followed_by_a_restart_and_failed_restarts_are_retried() -
     stop = threading.Event()
     worker = ScriptedWorker([-9, 1, -9], fail={2}, stop=stop)
     said: list[str] = []
-    supervise(worker, stop, said.append, RestartBackoff(base_s=0.001, cap_s=0.004), poll_s=0.001)
+    supervise(worker, stop, said.append, backoff=RestartBackoff(base_s=0.001, cap_s=0.004), poll_s=0.001)
     assert worker.starts == 4  # three deaths, one restart failed and was retried
     assert said[0].startswith(f"worker {worker.name} exited with -9 after ")
     assert "restarting in 0.001 s (restart 1)" in said[0]
@@ -61,5 +61,5 @@ def test_a_stop_during_the_backoff_returns_without_restarting() -> None:
         said.append(line)
         stop.set()  # SIGTERM arrives while serve waits to restart
 
-    supervise(worker, stop, say, RestartBackoff(base_s=60), poll_s=0.001)
+    supervise(worker, stop, say, backoff=RestartBackoff(base_s=60), poll_s=0.001)
     assert worker.starts == 0 and len(said) == 1

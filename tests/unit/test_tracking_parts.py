@@ -74,7 +74,7 @@ FLAT = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
 def test_continuity_verdict(
     expected_lr: float | None, first: Value | None, recent: list[float], verdict: str | None
 ) -> None:
-    v = continuity_verdict(11, expected_lr, first, recent, rtol=1e-3)
+    v = continuity_verdict(11, expected_lr, first, recent=recent, rtol=1e-3)
     assert (v.verdict if v is not None else None) == verdict
 
 
@@ -123,7 +123,11 @@ def test_a_checkpoint_carries_each_step_once(tmp_path: Path) -> None:
     log = MetricsLog(storage)
     for step in range(1, 8):
         log.record(
-            step, 1.0 / step, 1e-3 * step, 1e-3 * (step + 1), {"eval_loss": 0.1 / 3} if step == 3 else None
+            step,
+            1.0 / step,
+            1e-3 * step,
+            lr_next=1e-3 * (step + 1),
+            metrics={"eval_loss": 0.1 / 3} if step == 3 else None,
         )
     first = log.sidecars(5)  # the checkpoint at 5; 6 and 7 come after it
     assert list(first) == [metrics_key(5)] and log.sidecars(5) == first  # nothing dropped before durable
@@ -265,7 +269,9 @@ def test_params_and_urls() -> None:
 
 
 def _attempt(n: int, last_step: int, outcome: Outcome = Outcome.PREEMPTED) -> AttemptRecord:
-    return AttemptRecord(n, f"w{n}", "p", 0.0, 1.0, outcome, "", last_step=last_step)
+    return AttemptRecord(
+        n, f"w{n}", "p", started_at=0.0, ended_at=1.0, outcome=outcome, cause="", last_step=last_step
+    )
 
 
 def _watched(resumed_from: int | None, progress: tuple[int, float] | None = None) -> WatchResult:

@@ -125,7 +125,7 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
     ("case", "spec", "provider", "allowed", "expected"), CASES, ids=[c[0] for c in CASES]
 )
 def test_refusal(case: str, spec: JobSpec, provider: Any, allowed: Allowed, expected: str | None) -> None:
-    why = refusal(spec, provider, allowed, OWN, FILE)
+    why = refusal(spec, provider, allowed, own_python=OWN, settings=FILE)
     if expected is None:
         assert why is None
         return
@@ -197,11 +197,11 @@ def test_the_operators_own_file_is_trusted_as_written(tmp_path: Path) -> None:
     deployment run are refused, and a bad settings file refuses every deployment run beyond nothing."""
     spec = job(recipe="team.models:build", s3={"endpoint_url": "http://s3.example.com"})
     provider = LocalProviderConfig(python="/tmp/x/python")
-    assert run_refusal(None, spec, provider, tmp_path, OWN) is None
-    why = run_refusal("7f0c...", spec, provider, tmp_path, OWN)
+    assert run_refusal(None, spec, provider, home=tmp_path, own_python=OWN) is None
+    why = run_refusal("7f0c...", spec, provider, home=tmp_path, own_python=OWN)
     assert why is not None and why.startswith("provider.python: '/tmp/x/python'")
     settings_path(tmp_path).write_text("allow: [\n")
-    why = run_refusal("7f0c...", job(), LOCAL, tmp_path, OWN)
+    why = run_refusal("7f0c...", job(), LOCAL, home=tmp_path, own_python=OWN)
     assert why is not None and "is not valid YAML" in why
 
 

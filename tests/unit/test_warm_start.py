@@ -212,10 +212,10 @@ def test_a_sharded_source_loads_by_parameter_name(tmp_path: Path) -> None:
     d = tmp_path / "dcp" / step_dir(STEPS)
     msd, osd = get_state_dict(theirs.model, theirs.optimizer)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(d))
-    write_part(d / "scheduler.pt", Codec.TORCH, {}, STEPS)
-    write_part(d / "trainer.pt", Codec.TORCH, {"spec": {}, "shape_hash": "h"}, STEPS)
+    write_part(d / "scheduler.pt", Codec.TORCH, {}, step=STEPS)
+    write_part(d / "trainer.pt", Codec.TORCH, {"spec": {}, "shape_hash": "h"}, step=STEPS)
     files = {p.name: file_entry(p) for p in d.iterdir()}
-    manifest = Manifest(STEPS, "s", "h", 2, files, layout="sharded", strategy="fsdp")
+    manifest = Manifest(STEPS, "s", "h", world_size=2, files=files, layout="sharded", strategy="fsdp")
     (d / MANIFEST).write_bytes(manifest.to_json())
     parts = _build(spec)
     assert warm_start(spec, parts, tmp_path / "cache") is not None

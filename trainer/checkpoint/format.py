@@ -144,7 +144,7 @@ def metadata_step(meta: dict[str, str] | None) -> int | None:
     return int(step) if isinstance(step, str) and step.isdigit() else None
 
 
-def write_part(path: Path, codec: Codec, state: Any, step: int, direct: bool = False) -> FileEntry:
+def write_part(path: Path, codec: Codec, state: Any, *, step: int, direct: bool = False) -> FileEntry:
     """Write one part's state in its codec, fsynced and hashed as it is written, and say whether its
     tensors are all finite (checked here, in the writer, so that validation on the resume's critical
     path need not read every value: one aminmax per tensor, 1 GB in 0.04 s)."""
@@ -197,7 +197,7 @@ def write_checkpoint_dir(
             if state is not None:
                 spec = spec_of(name)
                 fname = spec.file_for(rank)
-                files[fname] = write_part(tmp / fname, spec.codec, state, step, direct)
+                files[fname] = write_part(tmp / fname, spec.codec, state, step=step, direct=direct)
         manifest = Manifest(files=files, **manifest_base).signed()
         (tmp / MANIFEST).write_bytes(manifest.to_json())
         fsync_file(tmp / MANIFEST)

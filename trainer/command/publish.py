@@ -66,7 +66,7 @@ def publish(
         ).signed()
         (tmp / MANIFEST).write_bytes(manifest.to_json())
         fsync_file(tmp / MANIFEST)
-        upload(storage, tmp, manifest, sidecars, adopt=staging is not None)
+        upload(storage, tmp, manifest, sidecars=sidecars, adopt=staging is not None)
         if staging is None:
             verify_remote(storage, manifest)
     finally:

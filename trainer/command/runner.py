@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from trainer.checkpoint.completion import completed_for, mark_completed
 from trainer.command.layouts import Found, Seen, find
@@ -57,15 +57,25 @@ KEPT = {int(c): c for c in (ExitCode.CONFIG_ERROR, ExitCode.DIVERGED, ExitCode.P
 
 
 @dataclass
-class _Progress:
-    """What the attempt has seen of the script: its newest step, the newest published checkpoint."""
+class _Follower:
+    """What the attempt sees of the running script: the steps it reports (status records, per-step
+    metrics, the `--metrics` file) and the checkpoints it writes (published in step order)."""
 
-    step: int
-    durable: int | None
+    spec: JobSpec
+    storage: Storage
+    opts: AttemptOptions
+    ckpt_dir: Path
+    steps_file: Path
+    step: int  # the newest step the script reported
+    durable: int | None  # the newest checkpoint published
     started: Callable[[], None] | None = None  # the `started` record, sent once the script trains
+    losses: TextIO | None = None  # every step's loss, as a recipe's trainer writes them (`--metrics`)
     offset: int = 0
     seen: Seen = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # steps whose publishing failed (gone mid-copy)
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricsLog(self.storage)
 
     def begin(self) -> None:
         """Training has begun (the script reported a step or wrote a checkpoint): say so once. What came
@@ -73,6 +83,53 @@ class _Progress:
         if self.started is not None:
             self.started()
             self.started = None
+
+    def look(self, *, settled: bool = False) -> None:
+        """Read the steps the script reported since the last look, then publish its new checkpoints
+        (`settled`: the script has exited, so a file that is there is whole)."""
+        lines, self.offset = read_steps(self.steps_file, self.offset)
+        if lines:
+            self.begin()
+        for line in lines:
+            self._step(line)
+        for found in find(self.ckpt_dir, None if settled else self.seen):
+            self.begin()  # a script that reports no steps has trained once it wrote a checkpoint
+            if (self.durable is not None and found.step <= self.durable) or found.step in self.failed:
+                continue
+            self._publish(found)
+
+    def _step(self, line: dict[str, Any]) -> None:
+        step = int(line["step"])
+        loss = _float(line.get("loss"))
+        if loss is not None:
+            lr = _float(line.get("lr"))
+            lr = 0.0 if lr is None else lr
+            extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}
+            self.metrics.record(step, loss, lr=lr, lr_next=lr, metrics=extra)
+            if self.losses is not None:
+                self.losses.write(json.dumps({"step": step, "loss": loss.hex()}) + "\n")
+                self.losses.flush()
+        if step > self.step:
+            self.step = step
+            self.opts.reporter.emit("step", step=step, loss=loss, durable_step=self.durable)
+
+    def _publish(self, found: Found) -> None:
+        try:
+            publish(
+                found,
+                root=self.ckpt_dir,
+                storage=self.storage,
+                cache=self.opts.cache,
+                spec=self.spec,
+                sidecars=self.metrics.sidecars(found.step),
+            )
+        except FileNotFoundError as e:  # the script rotated it away while it was copied: the next counts
+            self.failed.add(found.step)
+            log.warning("checkpoint step %d went away while it was published (%s); skipped", found.step, e)
+            return
+        self.durable = found.step
+        self.metrics.written(found.step)
+        self.opts.reporter.emit("durable", step=found.step)
 
 
 def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
@@ -82,7 +139,9 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         raise ConfigError("command: with distributed: is not supported yet; run one process per job")
     done = completed_for(storage, spec)  # ConfigError: the storage holds another job, finished
     if done is not None:
-        return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
+        return AttemptResult(
+            ExitCode.COMPLETED, done, resumed_from=done, durable_step=done, message="already completed"
+        )
     if opts.claim is not None:
         storage = opts.claim()  # publish only through the storage this trainer holds
     work = opts.cache / "command"
@@ -128,17 +187,23 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
             f"command: cannot start {argv[0]!r} ({e.strerror}); fix the job file's command"
         ) from None
     log.info("command started, pid %d: %s", child.pid, " ".join(argv))
-    metrics = MetricsLog(storage)
-    progress = _Progress(step=start, durable=selection.step, started=started)
+    progress = _Follower(
+        spec=spec,
+        storage=storage,
+        opts=opts,
+        ckpt_dir=ckpt_dir,
+        steps_file=steps_file,
+        step=start,
+        durable=selection.step,
+        started=started,
+        losses=open(opts.metrics_path, "a") if opts.metrics_path else None,  # noqa: SIM115 (closed below)
+    )
     forwarded = False
-    losses = open(opts.metrics_path, "a") if opts.metrics_path else None  # noqa: SIM115 (closed below)
     stop_signal = signal.Signals[spec.stop_signal]
     try:
         while True:
             rc = child.poll()
-            _follow(
-                spec, storage, opts, ckpt_dir, steps_file, metrics, progress, losses, settled=rc is not None
-            )
+            progress.look(settled=rc is not None)
             if rc is not None:
                 break
             if opts.stop.requested and not forwarded:
@@ -153,8 +218,8 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         child.wait()
         raise
     finally:
-        if losses is not None:
-            losses.close()
+        if progress.losses is not None:
+            progress.losses.close()
     progress.begin()  # a script that ended before reporting anything still had its attempt
     code = _classify(rc, forwarded)
     log.info("command exited %d: %s", rc, code.name)
@@ -162,72 +227,16 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         final = max(progress.step, progress.durable or 0)
         mark_completed(storage, spec, final)
         shutil.rmtree(work, ignore_errors=True)
-        return AttemptResult(code, final, selection.step, progress.durable, "command completed")
-    return AttemptResult(code, progress.step, selection.step, progress.durable, f"command exited {rc}")
-
-
-def _follow(
-    spec: JobSpec,
-    storage: Storage,
-    opts: AttemptOptions,
-    ckpt_dir: Path,
-    steps_file: Path,
-    metrics: MetricsLog,
-    progress: _Progress,
-    losses: TextIO | None,
-    *,
-    settled: bool = False,
-) -> None:
-    """Read the steps the script reported since the last look, then publish its new checkpoints
-    (`settled`: the script has exited, so a file that is there is whole)."""
-    lines, progress.offset = read_steps(steps_file, progress.offset)
-    if lines:
-        progress.begin()
-    for line in lines:
-        step = int(line["step"])
-        loss = _float(line.get("loss"))
-        if loss is not None:
-            lr = _float(line.get("lr"))
-            lr = 0.0 if lr is None else lr
-            extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}
-            metrics.record(step, loss, lr, lr, extra)
-            if losses is not None:  # every step's loss, as a recipe's trainer writes them (`--metrics`)
-                losses.write(json.dumps({"step": step, "loss": loss.hex()}) + "\n")
-                losses.flush()
-        if step > progress.step:
-            progress.step = step
-            opts.reporter.emit("step", step=step, loss=loss, durable_step=progress.durable)
-    for found in find(ckpt_dir, None if settled else progress.seen):
-        if (progress.durable is not None and found.step <= progress.durable) or found.step in progress.failed:
-            continue
-        _publish(found, spec, storage, opts, ckpt_dir, metrics, progress)
-
-
-def _publish(
-    found: Found,
-    spec: JobSpec,
-    storage: Storage,
-    opts: AttemptOptions,
-    ckpt_dir: Path,
-    metrics: MetricsLog,
-    progress: _Progress,
-) -> None:
-    try:
-        publish(
-            found,
-            root=ckpt_dir,
-            storage=storage,
-            cache=opts.cache,
-            spec=spec,
-            sidecars=metrics.sidecars(found.step),
+        return AttemptResult(
+            code, final, resumed_from=selection.step, durable_step=progress.durable, message="completed"
         )
-    except FileNotFoundError as e:  # the script rotated it away while it was copied: the next one counts
-        progress.failed.add(found.step)
-        log.warning("checkpoint step %d went away while it was published (%s); skipped", found.step, e)
-        return
-    progress.durable = found.step
-    metrics.written(found.step)
-    opts.reporter.emit("durable", step=found.step)
+    return AttemptResult(
+        code,
+        progress.step,
+        resumed_from=selection.step,
+        durable_step=progress.durable,
+        message=f"command exited {rc}",
+    )
 
 
 def _float(value: object) -> float | None:

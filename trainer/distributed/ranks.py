@@ -80,7 +80,7 @@ class Ranks:
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=PG_TIMEOUT)
         ckpt = dist.new_group(backend="gloo", timeout=CKPT_TIMEOUT)
-        return cls(rank, world, local, opts.strategy, ckpt)
+        return cls(rank, world, local, strategy=opts.strategy, ckpt_group=ckpt)
 
     @property
     def distributed(self) -> bool:

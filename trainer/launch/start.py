@@ -200,6 +200,7 @@ def start_ranks(
     opts: DistributedOptions,
     argv: list[str],
     threads: int | None,
+    *,
     launcher_id: str,
     stop: StopRequest,
     fork: bool = False,

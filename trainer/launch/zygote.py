@@ -184,7 +184,14 @@ def _become_child(server_pid: int, module: str) -> None:
 
 
 def _request(msg: dict[str, Any], fds: list[int]) -> Request:
-    return Request(str(msg["module"]), list(msg["argv"]), dict(msg["env"]), str(msg["cwd"]), fds[0], fds[1])
+    return Request(
+        str(msg["module"]),
+        list(msg["argv"]),
+        dict(msg["env"]),
+        cwd=str(msg["cwd"]),
+        stdout=fds[0],
+        stderr=fds[1],
+    )
 
 
 def _report_exits(sock: socket.socket, children: dict[int, bool]) -> None:

@@ -77,7 +77,7 @@ def read_standby(storage: Storage) -> Standby | None:
 
 
 def stop_now(
-    standby: Standby | None, me: str, since_notice_s: float, left_s: float, announce_s: float = ANNOUNCE_S
+    standby: Standby | None, me: str, since_notice_s: float, *, left_s: float, announce_s: float = ANNOUNCE_S
 ) -> str | None:
     """Why the old trainer stops training now, or None to train on (pure; table-tested).
     `since_notice_s`: seconds since the notice; `left_s`: seconds of training the handover still has."""
@@ -103,6 +103,7 @@ class Handover:
         storage: Storage,
         me: str,
         budget_s: float,
+        *,
         announce_s: float = ANNOUNCE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -136,7 +137,9 @@ class Handover:
         while not self._done.is_set():
             standby = read_standby(self._storage)
             now = self._clock()
-            why = stop_now(standby, self._me, now - self._t0, self._end - now, self._announce_s)
+            why = stop_now(
+                standby, self._me, now - self._t0, left_s=self._end - now, announce_s=self._announce_s
+            )
             if why is not None:
                 self.end(why)
                 return

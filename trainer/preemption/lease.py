@@ -117,7 +117,9 @@ class Holder:
     def this_process(cls, worker_id: str | None, flow_run_id: str | None) -> Holder:
         """This trainer; without a worker id it is `local-<pid>`, what the local provider calls it."""
         pid = os.getpid()
-        return cls(worker_id or f"local-{pid}", flow_run_id, socket.gethostname(), pid, pid_namespace())
+        return cls(
+            worker_id or f"local-{pid}", flow_run_id, socket.gethostname(), pid=pid, pid_ns=pid_namespace()
+        )
 
     def same_process(self, other: Holder) -> bool:
         return bool(self.pid_ns) and self.pid_ns == other.pid_ns and self.pid == other.pid
@@ -191,6 +193,7 @@ def decide_takeover(
     current: LeaseDoc | None,
     me: Holder,
     age_s: float,
+    *,
     released: Collection[str],
     pid_alive: Callable[[int], bool],
     uri: str,
@@ -287,6 +290,7 @@ class Lease:
         storage: Storage,
         doc: LeaseDoc,
         version: str,
+        *,
         valid_until: float,
         clock: Callable[[], float] = monotonic,
         wall: Callable[[], float] = time.time,
@@ -309,6 +313,7 @@ class Lease:
         storage: Storage,
         me: Holder,
         ttl_s: float = DEFAULT_TTL_S,
+        *,
         released: Collection[str] = (),
         clock: Callable[[], float] = monotonic,
         wait_s: float | None = None,
@@ -328,7 +333,7 @@ class Lease:
         races, backoff = 0, FIRST_BACKOFF_S
         while True:
             try:
-                return cls._try_acquire(storage, me, ttl_s, released, clock, wall)
+                return cls._try_acquire(storage, me, ttl_s, released=released, clock=clock, wall=wall)
             except PreconditionFailed:  # someone else wrote it meanwhile: read again and decide again
                 races += 1
                 if races >= ACQUIRE_TRIES:
@@ -351,6 +356,7 @@ class Lease:
         storage: Storage,
         me: Holder,
         ttl_s: float,
+        *,
         released: Collection[str],
         clock: Callable[[], float],
         wall: Callable[[], float],
@@ -359,18 +365,29 @@ class Lease:
         current, stamped = read_lease_stamped(storage)
         now = wall()
         age = stamped.age_s if stamped is not None else 0.0
-        verdict = decide_takeover(current, me, age, released, pid_alive, storage.uri, now)
+        verdict = decide_takeover(
+            current, me, age, released=released, pid_alive=pid_alive, uri=storage.uri, now=now
+        )
         if not verdict.take:
             raise LeaseHeld(verdict.reason)
         epoch, token = next_fence(current, now, _newest_epoch_seen)
         sent = clock()
-        doc = LeaseDoc(me, token, now, now, now + ttl_s, ttl_s, epoch=epoch, mono_expires_at=sent + ttl_s)
+        doc = LeaseDoc(
+            me,
+            token,
+            now,
+            renewed_at=now,
+            expires_at=now + ttl_s,
+            ttl_s=ttl_s,
+            epoch=epoch,
+            mono_expires_at=sent + ttl_s,
+        )
         new_version = storage.put_if(
             LEASE_KEY, doc.to_json(), if_version=stamped.version if stamped is not None else None
         )
         _saw(epoch)
         log.info("lease of %s taken (token %s): %s", storage.uri, doc.fence_text, verdict.reason)
-        return cls(storage, doc, new_version, sent + ttl_s, clock, wall)
+        return cls(storage, doc, new_version, valid_until=sent + ttl_s, clock=clock, wall=wall)
 
     def start(self) -> Lease:
         """Renew in a daemon thread every ttl/3."""
@@ -555,15 +572,16 @@ def held(
     storage: Storage,
     me: Holder,
     ttl_s: float = DEFAULT_TTL_S,
+    *,
     released: Collection[str] = (),
     wait_s: float = 0.0,
 ) -> Iterator[FencedStorage]:
     """Acquire (waiting up to `wait_s` for the holder to let go), renew while the block runs, release
     after it: the block writes through the result."""
     lease = (
-        wait_for_lease(storage, me, ttl_s, released, wait_s)
+        wait_for_lease(storage, me, ttl_s, released=released, wait_s=wait_s)
         if wait_s > 0
-        else Lease.acquire(storage, me, ttl_s, released)
+        else Lease.acquire(storage, me, ttl_s, released=released)
     ).start()
     try:
         yield FencedStorage(storage, lease)
@@ -600,6 +618,7 @@ def wait_for_lease(
     storage: Storage,
     me: Holder,
     ttl_s: float,
+    *,
     released: Collection[str],
     wait_s: float,
     clock: Callable[[], float] = monotonic,
@@ -613,7 +632,9 @@ def wait_for_lease(
     deadline, logged, stood_by = clock() + wait_s, False, False
     while True:
         try:
-            return Lease.acquire(storage, me, ttl_s, [*released, *read_handoff(storage)], clock)
+            return Lease.acquire(
+                storage, me, ttl_s, released=[*released, *read_handoff(storage)], clock=clock
+            )
         except LeaseHeld as e:
             if clock() >= deadline:
                 raise

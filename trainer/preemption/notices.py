@@ -99,12 +99,12 @@ def parse_aws_instance_action(body: str) -> Notice:
     doc = doc if isinstance(doc, dict) else {}
     action = doc.get("action") if isinstance(doc.get("action"), str) else "unknown"
     deadline = parse_iso_utc(doc["time"]) if isinstance(doc.get("time"), str) else None
-    return Notice("aws", f"spot {action}", True, deadline, body.strip())
+    return Notice("aws", f"spot {action}", True, deadline=deadline, key=body.strip())
 
 
 def parse_aws_rebalance(body: str) -> Notice:
     """A rebalance recommendation: elevated risk of interruption, not a stop."""
-    return Notice("aws", "rebalance recommendation", False, None, body.strip())
+    return Notice("aws", "rebalance recommendation", False, deadline=None, key=body.strip())
 
 
 def parse_gcp_preempted(body: str, now: float) -> Notice | None:
@@ -113,7 +113,7 @@ def parse_gcp_preempted(body: str, now: float) -> Notice | None:
         return None
     if answer != "TRUE":
         raise MetadataError(f"instance/preempted answered {body.strip()[:80]!r}, expected TRUE or FALSE")
-    return Notice("gcp", "preemption", True, now + SHORT_NOTICE_S, "TRUE")
+    return Notice("gcp", "preemption", True, deadline=now + SHORT_NOTICE_S, key="TRUE")
 
 
 def parse_azure_events(body: str, now: float) -> list[Notice]:
@@ -131,7 +131,7 @@ def parse_azure_events(body: str, now: float) -> list[Notice]:
         deadline = _rfc1123(ev.get("NotBefore")) if stop else None
         if stop and deadline is None:
             deadline = now + SHORT_NOTICE_S
-        out.append(Notice("azure", kind, stop, deadline, str(ev.get("EventId", json.dumps(ev)))))
+        out.append(Notice("azure", kind, stop, deadline=deadline, key=str(ev.get("EventId", json.dumps(ev)))))
     return out
 
 
@@ -155,6 +155,7 @@ class NoticeWatcher:
         base_url: str,
         stop: StopRequest,
         poll_s: float = 5.0,
+        *,
         on_notice: Callable[[Notice], None] | None = None,
         timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,

@@ -71,6 +71,7 @@ def plan_emergency_save(
     state_bytes: int,
     write_bps: float,
     upload_bps: float,
+    *,
     now: float,
     deadline: float,
     margin_s: float,

@@ -74,7 +74,7 @@ class HandoverGate:
             if seconds <= 0 or stop.count > 1:
                 return True
             assert storage is not None
-            self.handover = Handover(storage, opts.worker_id, seconds, opts.announce_s)
+            self.handover = Handover(storage, opts.worker_id, seconds, announce_s=opts.announce_s)
             self.at_count = stop.count
             if stop.deadline is None:  # a signal: the controller learns of the notice from this record
                 self.reporter.emit("notice", cloud="signal", action=stop.reason or "", stop=True)
@@ -109,7 +109,13 @@ class HandoverGate:
         else:
             return 0.0
         save = plan_emergency_save(
-            cost.nbytes, cost.write_bps, cost.upload_bps, now, end, margin, in_flight=True
+            cost.nbytes,
+            cost.write_bps,
+            cost.upload_bps,
+            now=now,
+            deadline=end,
+            margin_s=margin,
+            in_flight=True,
         ).estimate_s
         late = HANDOVER_POLL_S + 2 * step_s
         return min(opts.handover_s, end - now - margin - save - late)
@@ -127,9 +133,9 @@ def emergency_plan(
         cost.nbytes,
         cost.write_bps,
         cost.upload_bps,
-        time.time(),
-        stop.deadline,
-        margin_s,
+        now=time.time(),
+        deadline=stop.deadline,
+        margin_s=margin_s,
         measured=cost.measured,
         in_flight=in_flight,
     )

@@ -207,7 +207,13 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
         log.info("charlm: the whole stdlib is the training corpus; evaluating on it (not held out)")
         held = corpus[:size]
     return Parts(
-        model, opt, sched, dataset, loss_fn, grad_clip=1.0, evaluate=evaluator(held, cfg, ctx.device)
+        model,
+        opt,
+        sched,
+        dataset=dataset,
+        loss_fn=loss_fn,
+        grad_clip=1.0,
+        evaluate=evaluator(held, cfg, ctx.device),
     )
 
 

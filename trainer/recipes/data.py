@@ -87,6 +87,7 @@ class ResumableLoader:
         dataset: Dataset[Any],
         batch_size: int,
         seed: int,
+        *,
         num_workers: int,
         rank: int = 0,
         world: int = 1,

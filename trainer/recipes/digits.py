@@ -123,7 +123,7 @@ def build(args: dict[str, Any], ctx: RecipeContext) -> Parts:
     partition = arg(args, "partition", str, "")
     data_seed = ctx.seed ^ zlib.crc32(partition.encode()) if partition else ctx.seed
     dataset = DigitsDataset(data_seed, arg(args, "noise", float, 0.1), n - holdout if holdout else None)
-    parts = Parts(model, opt, sched, dataset, loss_fn, grad_clip=1.0)
+    parts = Parts(model, opt, sched, dataset=dataset, loss_fn=loss_fn, grad_clip=1.0)
     parts.evaluate = evaluator(holdout, ctx.device)
     if fail_at is not None:  # test hook: a recipe that raises at a given step (crash loops in the flow tests)
         parts.loss_fn = _failing(loss_fn, sched, int(fail_at))

@@ -221,6 +221,7 @@ class Checkpointer(BackgroundSaver):
         storage: Storage,
         cache: Path,
         keep: int,
+        *,
         background: bool = True,
         pin_memory: bool = False,
         durable_step: int | None = None,
@@ -304,14 +305,16 @@ class Checkpointer(BackgroundSaver):
 
     def _persist_remote(self, snap: Any, base: dict[str, Any], sidecars: Sidecars, t: SaveTimings) -> None:
         assert self._proc is not None and self._shared is not None and self._shared.arena is not None
-        done = self._proc.persist(snap, self._shared.arena.fd, self._shared.generation, base, sidecars)
+        done = self._proc.persist(
+            snap, self._shared.arena.fd, self._shared.generation, base=base, sidecars=sidecars
+        )
         t.write_s, t.upload_s, t.verify_s, t.nbytes = done.write_s, done.upload_s, done.verify_s, done.nbytes
         self._record(done.step, t, done.sidecars_written, where="writer process")
 
     def _persist(
         self, snap: dict[str, Any], base: dict[str, Any], sidecars: Sidecars, t: SaveTimings
     ) -> None:
-        done = persist(self.storage, self.cache, snap, base, sidecars)
+        done = persist(self.storage, self.cache, snap, base=base, sidecars=sidecars)
         step = done.manifest.step
         t.write_s, t.upload_s, t.verify_s = done.write_s, done.upload_s, done.verify_s
         t.nbytes = done.nbytes

@@ -41,7 +41,7 @@ class Persisted:
 
 
 def persist(
-    storage: Storage, cache: Path, snap: dict[str, Any], base: dict[str, Any], sidecars: Sidecars
+    storage: Storage, cache: Path, snap: dict[str, Any], *, base: dict[str, Any], sidecars: Sidecars
 ) -> Persisted:
     """One checkpoint from snapshot to durable: write the step directory (fsynced, hashed as written,
     manifest last), upload it with its sidecars (manifest last), confirm it, move `latest`. What the
@@ -57,7 +57,7 @@ def persist(
         t0 = time.perf_counter()
         local, manifest = write_checkpoint_dir(cache, snap, base)
         t1 = time.perf_counter()
-        written = upload(storage, local, manifest, sidecars)
+        written = upload(storage, local, manifest, sidecars=sidecars)
         t2 = time.perf_counter()
         verify_remote(storage, manifest)
     else:
@@ -71,12 +71,12 @@ def persist(
                     raise
                 raise mapped from e
             t1 = time.perf_counter()
-            written = upload(storage, local, manifest, sidecars, adopt=True)
+            written = upload(storage, local, manifest, sidecars=sidecars, adopt=True)
             t2 = time.perf_counter()
         finally:  # adopted, or a failed write's remains: nothing of it may stay in the store
             shutil.rmtree(staging, ignore_errors=True)
     write_latest(storage, manifest.step)
-    return Persisted(manifest, t1 - t0, t2 - t1, time.perf_counter() - t2, written)
+    return Persisted(manifest, t1 - t0, t2 - t1, verify_s=time.perf_counter() - t2, sidecars_written=written)
 
 
 def refused(e: BaseException, storage: Storage) -> StorageError | None:
@@ -95,7 +95,12 @@ def refused(e: BaseException, storage: Storage) -> StorageError | None:
 
 
 def upload(
-    storage: Storage, local: Path, manifest: Manifest, sidecars: Sidecars | None = None, adopt: bool = False
+    storage: Storage,
+    local: Path,
+    manifest: Manifest,
+    *,
+    sidecars: Sidecars | None = None,
+    adopt: bool = False,
 ) -> bool:
     """Upload a checkpoint directory (or, with `adopt`, rename it into the storage from its staging
     directory), then its sidecars, manifest last. An older manifest for the same step (a rejected
@@ -143,6 +148,6 @@ def verify_remote(storage: Storage, manifest: Manifest) -> None:
     or (elsewhere) its digest read back."""
     name = step_dir(manifest.step)
     for fname, e in sorted(manifest.files.items()):
-        wrong = confirm_stored(storage, f"{name}/{fname}", e.size, e.digest, e.algo)
+        wrong = confirm_stored(storage, f"{name}/{fname}", e.size, digest=e.digest, algo=e.algo)
         if wrong is not None:
             raise CheckpointError(f"{storage.uri}/{name}/{fname} does not match its manifest: {wrong}")

@@ -231,6 +231,7 @@ class ShardedCheckpointer(BackgroundSaver):
         storage: Storage,
         cache: Path,
         keep: int,
+        *,
         registry: Registry,
         ranks: Ranks,
         background: bool = True,
@@ -381,7 +382,9 @@ class ShardedCheckpointer(BackgroundSaver):
         verdict: tuple[int | None, Failed | None] = (None, None)
         written = True  # what the other ranks report: their MetricsLog records nothing
         if reports is not None:  # rank 0
-            verdict, written = self._publish(tmp, staging is not None, base, sidecars, reports, t)
+            verdict, written = self._publish(
+                tmp, staging is not None, base, sidecars=sidecars, reports=reports, t=t
+            )
         durable, error = self.ranks.broadcast(verdict)
         if staging is not None:  # adopted, or a failed save's remains: nothing of it stays in the store
             shutil.rmtree(staging, ignore_errors=True)
@@ -431,7 +434,7 @@ class ShardedCheckpointer(BackgroundSaver):
             if state is None or (not spec.per_rank and rank != 0):
                 continue
             fname = spec.file_for(rank)
-            files[fname] = write_part(tmp / fname, spec.codec, state, step)
+            files[fname] = write_part(tmp / fname, spec.codec, state, step=step)
         own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA] if rank == 0 else [])
         key = keyring().signing
         for p in own:  # DCP fsyncs what it writes (FileSystemWriter sync_files)
@@ -443,6 +446,7 @@ class ShardedCheckpointer(BackgroundSaver):
         tmp: Path,
         adopt: bool,
         base: dict[str, Any],
+        *,
         sidecars: Sidecars,
         reports: list[tuple[dict[str, FileEntry], Failed | None]],
         t: SaveTimings,

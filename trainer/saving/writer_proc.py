@@ -117,10 +117,16 @@ class WriterProcess:
         self.conn = Connection(ours.detach())
         self.generation = 0
         level = logging.getLogger().getEffectiveLevel()
-        self.conn.send(Init(opener, lease_fence, cache, keep, level))
+        self.conn.send(Init(opener, lease_fence, cache, keep=keep, log_level=level))
 
     def persist(
-        self, structure: Any, arena_fd: int, generation: int, base: dict[str, Any], sidecars: dict[str, bytes]
+        self,
+        structure: Any,
+        arena_fd: int,
+        generation: int,
+        *,
+        base: dict[str, Any],
+        sidecars: dict[str, bytes],
     ) -> Done:
         try:
             if generation != self.generation:
@@ -190,13 +196,20 @@ class _Writer:
             raise CheckpointError("a job came before its arena")
         snap = rebuild(job.structure, self.buf)
         try:
-            done = persist(self.storage, self.cache, snap, job.base, job.sidecars)
+            done = persist(self.storage, self.cache, snap, base=job.base, sidecars=job.sidecars)
         finally:
             del snap  # the views of the arena: released before it may be replaced
         step = done.manifest.step
         apply_retention(self.storage, step, self.keep)
         prune_local(self.cache, {step})
-        return Done(step, done.write_s, done.upload_s, done.verify_s, done.nbytes, done.sidecars_written)
+        return Done(
+            step,
+            done.write_s,
+            done.upload_s,
+            verify_s=done.verify_s,
+            nbytes=done.nbytes,
+            sidecars_written=done.sidecars_written,
+        )
 
 
 def _serve(conn: Connection) -> None:

@@ -87,7 +87,12 @@ class Session(SessionState):
             )
         r = self.ranks
         loader = ResumableLoader(
-            dataset, self.batch_size, self.spec.seed, self.spec.num_workers, r.rank, r.world_size
+            dataset,
+            self.batch_size,
+            self.spec.seed,
+            num_workers=self.spec.num_workers,
+            rank=r.rank,
+            world=r.world_size,
         )
         per_epoch = loader.batches_per_epoch()
         if k > per_epoch:
@@ -163,7 +168,7 @@ class Session(SessionState):
         self._lr_at_step = self._lr_before = None
         if math.isfinite(loss):
             self.best, self.last_loss = min(self.best, loss), loss
-            self.steps_log.record(self.step, loss, lr, lr_after, metrics)
+            self.steps_log.record(self.step, loss, lr, lr_next=lr_after, metrics=metrics)
             if self._metrics:
                 self._metrics.write(json.dumps({"step": self.step, "loss": loss.hex()}) + "\n")
                 self._metrics.flush()

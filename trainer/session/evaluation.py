@@ -73,7 +73,9 @@ def evaluate_for_promotion(
     champion = None
     if spec.promote.champion is not None:
         opener = open_store or source_opener(spec)
-        champion = evaluate_champion(spec.promote.champion, parts.evaluate, model, cache, opener, sleep)
+        champion = evaluate_champion(
+            spec.promote.champion, parts.evaluate, model, cache=cache, open_store=opener, sleep=sleep
+        )
     log.info(
         "evaluation: %s; champion: %s (%.2f s)",
         metrics,
@@ -112,6 +114,7 @@ def evaluate_champion(
     src: RunSource,
     evaluate: Evaluate,
     model: torch.nn.Module,
+    *,
     cache: Path,
     open_store: OpenStore,
     sleep: Callable[[float], None] = time.sleep,
@@ -127,7 +130,13 @@ def evaluate_champion(
     }
     try:
         theirs = copy.deepcopy(model)  # this recipe's model; every weight is overwritten by the load
-        load_parts(theirs, None, read_final(src, ("model",), theirs, None, cache, open_store, sleep))
+        load_parts(
+            theirs,
+            None,
+            read_final(
+                src, ("model",), theirs, optimizer=None, cache=cache, open_store=open_store, sleep=sleep
+            ),
+        )
         out["metrics"] = run_evaluate(evaluate, theirs)
     except SourceUnusable as e:
         out["reason"] = str(e)

@@ -39,7 +39,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     done = completed_for(storage, spec)  # ConfigError: the storage holds another job, finished
     if done is not None:
         log.info("job %s already completed at step %d (%s/%s)", spec.name, done, storage.uri, COMPLETED)
-        return AttemptResult(ExitCode.COMPLETED, done, done, done, "already completed")
+        return AttemptResult(ExitCode.COMPLETED, done, done, durable_step=done, message="already completed")
     device = opts.ranks.device(job_device(spec))
     if spec.amp and opts.ranks.strategy == "fsdp":
         raise ConfigError(
@@ -67,7 +67,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     ).open()
     try:
         for batch in s.batches(parts.dataset):
-            s.step_done(recipe_step(parts, scaler, batch, device, spec.amp))
+            s.step_done(recipe_step(parts, scaler, batch, device=device, amp=spec.amp))
     except BaseException:  # the attempt ends here (an error, Ctrl-C): no final checkpoint, the writer closed
         s.abandon()
         raise
@@ -75,7 +75,7 @@ def run_attempt(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
 
 
 def recipe_step(
-    parts: Parts, scaler: torch.amp.GradScaler | None, batch: Any, device: torch.device, amp: bool
+    parts: Parts, scaler: torch.amp.GradScaler | None, batch: Any, *, device: torch.device, amp: bool
 ) -> float:
     """One training step of a recipe: forward, backward, clip, update (the session's step pre-hook
     fences a background save's copy first), scheduler. Returns the loss."""

@@ -43,7 +43,7 @@ def open_session(s: SessionState) -> None:
             importlib.import_module("torch._dynamo")  # `import torch._dynamo` here would shadow torch
         s.storage = opts.claim()  # resume and publish only through the storage this trainer holds
     s.steps_log = MetricsLog(s.storage if ranks.is_zero else None)
-    selection = select_together(s.storage, opts.cache, expectation(s), opts.resume_from, ranks)
+    selection = select_together(s.storage, opts.cache, expectation(s), src=opts.resume_from, ranks=ranks)
     if ranks.is_zero:
         source = opts.resume_from.storage if opts.resume_from is not None else None
         log.info(selection.describe(source.uri if source is not None else s.storage.uri, into=s.storage.uri))
@@ -110,9 +110,9 @@ def checkpointer(s: SessionState, durable: int | None) -> Checkpointer | sharded
             s.storage,
             opts.cache,
             spec.checkpoint.keep,
-            s.state,
-            s.ranks,
-            spec.checkpoint.async_upload,
+            registry=s.state,
+            ranks=s.ranks,
+            background=spec.checkpoint.async_upload,
             pin_memory=pin,
             durable_step=durable,
             on_durable=lambda step, written: on_durable(s, step, written),
@@ -122,7 +122,7 @@ def checkpointer(s: SessionState, durable: int | None) -> Checkpointer | sharded
         s.storage,
         opts.cache,
         spec.checkpoint.keep,
-        spec.checkpoint.async_upload,
+        background=spec.checkpoint.async_upload,
         pin_memory=pin,
         durable_step=durable,
         on_durable=lambda step, written: on_durable(s, step, written),

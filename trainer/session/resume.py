@@ -71,7 +71,7 @@ def select(storage: Storage, cache: Path, expect: Expectation, src: ResumeSource
 
 
 def select_together(
-    storage: Storage, cache: Path, expect: Expectation, src: ResumeSource | None, ranks: Ranks
+    storage: Storage, cache: Path, expect: Expectation, *, src: ResumeSource | None, ranks: Ranks
 ) -> Selection:
     """`select` on rank 0, its choice (or its refusal) broadcast: every rank resumes from exactly that
     checkpoint. Each node's first rank fetches it into the node's cache (a no-op where rank 0 already

@@ -116,7 +116,13 @@ class SessionState:
         """The session's parts as the warm start and the evaluation read them (no data, no loss)."""
         none: Any = None  # no dataset and no loss function: neither reads them
         return Parts(
-            self.model, self.optimizer, self.scheduler, none, none, extra_state=self.extra, evaluate=evaluate
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            dataset=none,
+            loss_fn=none,
+            extra_state=self.extra,
+            evaluate=evaluate,
         )
 
 

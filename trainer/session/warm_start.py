@@ -85,7 +85,9 @@ def warm_start(
     opener = open_store or source_opener(spec)
     want = tuple(init.parts)
     try:
-        state = read_final(src, want, parts.model, parts.optimizer, cache, opener, sleep)
+        state = read_final(
+            src, want, parts.model, optimizer=parts.optimizer, cache=cache, open_store=opener, sleep=sleep
+        )
     except SourceUnusable as e:
         if e.unverified:
             raise ConfigError(
@@ -125,6 +127,7 @@ def read_final(
     src: RunSource,
     want: Collection[str],
     model: torch.nn.Module,
+    *,
     optimizer: torch.optim.Optimizer | None,
     cache: Path,
     open_store: OpenStore,
@@ -137,7 +140,7 @@ def read_final(
     try:
         for delay in (*RETRY_DELAYS_S, None):
             try:
-                return _read_once(src, want, model, optimizer, work, open_store)
+                return _read_once(src, want, model, optimizer=optimizer, work=work, open_store=open_store)
             except TransientStorageError as e:
                 if delay is None:
                     raise
@@ -152,6 +155,7 @@ def _read_once(
     src: RunSource,
     want: Collection[str],
     model: torch.nn.Module,
+    *,
     optimizer: torch.optim.Optimizer | None,
     work: Path,
     open_store: OpenStore,

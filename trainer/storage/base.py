@@ -165,7 +165,7 @@ def sha256_of(storage: Storage, key: str) -> tuple[str, int]:
     return digest_of(storage, key, "sha256")
 
 
-def confirm_stored(storage: Storage, key: str, size: int, digest: str, algo: str = DIGEST) -> str | None:
+def confirm_stored(storage: Storage, key: str, size: int, *, digest: str, algo: str = DIGEST) -> str | None:
     """None when `key` holds the bytes we wrote (size, and the digest or the backend's own check on
     receipt), else what is wrong. S3 verified every byte against the client's checksum as it arrived:
     a HEAD (size and checksum present) replaces downloading the object again; elsewhere it is read."""

@@ -117,7 +117,9 @@ def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
     if isinstance(e, bce.ClientError):
         err = e.response.get("Error", {})
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return _map_code(str(err.get("Code", "")), status, str(err.get("Message", "")), bucket, where)
+        return _map_code(
+            str(err.get("Code", "")), status, str(err.get("Message", "")), bucket=bucket, where=where
+        )
     if isinstance(e, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError):
         return StorageError(f"cannot access {where}: {NO_CREDENTIALS_FIX} ({e})")
     if isinstance(e, TRANSIENT_EXCEPTIONS):
@@ -125,7 +127,7 @@ def map_s3_error(e: BaseException, bucket: str, key: str = "") -> BaseException:
     return StorageError(f"{where}: {type(e).__name__}: {_one_line(str(e))}")
 
 
-def _map_code(code: str, status: int, message: str, bucket: str, where: str) -> BaseException:
+def _map_code(code: str, status: int, message: str, *, bucket: str, where: str) -> BaseException:
     if code == "NoSuchBucket":
         return StorageError(f"bucket {bucket!r} does not exist: create it or fix storage: in the job file")
     if code in ("NoSuchKey", "NotFound") or (status == 404 and code == "404"):
@@ -157,6 +159,7 @@ def with_retries(
     fn: Callable[[], T],
     attempts: int = 3,
     base_delay: float = 0.5,
+    *,
     max_delay: float = 10.0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
@@ -309,7 +312,7 @@ class S3Storage:
             # DeleteObjects answers 200 and reports failures per key; surface the first one.
             e = errors[0]
             where = f"s3://{self.bucket}/{e.get('Key', '')}"
-            raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), self.bucket, where)
+            raise _map_code(e.get("Code", ""), 200, e.get("Message", ""), bucket=self.bucket, where=where)
 
     def local_path(self, key: str) -> None:
         return None

@@ -353,7 +353,9 @@ def _scope(args: argparse.Namespace) -> Scope:
     from trainer.home import spotrun_home
 
     home = spotrun_home()
-    return Scope(args.account, installation_id(home), args.storage, args.s3_key, args.worker_role)
+    return Scope(
+        args.account, installation_id(home), args.storage, s3_key=args.s3_key, worker_role=args.worker_role
+    )
 
 
 if __name__ == "__main__":

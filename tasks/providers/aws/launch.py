@@ -157,6 +157,7 @@ def launch_tags(
     cfg: AwsProviderConfig,
     job: str,
     attempt: int,
+    *,
     launch_id: str,
     flow_run_id: str | None,
     installation: str | None = None,
@@ -239,6 +240,7 @@ def run_instances_params(
     cfg: AwsProviderConfig,
     placement: Placement,
     user_data: str,
+    *,
     tags: dict[str, str],
     launch_id: str,
     root_device: str | None,
@@ -268,6 +270,7 @@ def template_data(
     cfg: AwsProviderConfig,
     user_data: str,
     tags: dict[str, str],
+    *,
     root_device: str | None,
     base: dict[str, Any] | None = None,
     placement_group: str | None = None,
@@ -285,7 +288,7 @@ def template_data(
 
 
 def fleet_params(
-    cfg: AwsProviderConfig, template_id: str, pools: list[Placement], tags: dict[str, str], market: Market
+    cfg: AwsProviderConfig, template_id: str, pools: list[Placement], *, tags: dict[str, str], market: Market
 ) -> dict[str, Any]:
     """An instant fleet of one instance over `pools` (ranked best first): spot by price-capacity-optimized,
     on-demand by the ranking (prioritized)."""

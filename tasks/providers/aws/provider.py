@@ -194,8 +194,22 @@ class AwsProvider:
         market = choose_market(self.cfg, self.history, time.time())
         pools = rank_placements(self.cfg, self.history, azs, market)
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
-        tags = launch.launch_tags(self.cfg, job.name, attempt, launch_id, self.flow_run_id, self.installation)
-        plan = _Plan(script, nnodes, tags, launch_id, root, self.cfg.placement_group and nnodes > 1)
+        tags = launch.launch_tags(
+            self.cfg,
+            job.name,
+            attempt,
+            launch_id=launch_id,
+            flow_run_id=self.flow_run_id,
+            installation=self.installation,
+        )
+        plan = _Plan(
+            script,
+            nnodes,
+            tags,
+            launch_id=launch_id,
+            root=root,
+            placement_groups=self.cfg.placement_group and nnodes > 1,
+        )
         store = self.open_store(job)
         if self.cfg.allocation == "fleet":
             gang = self._launch_fleet(pools, plan, market)
@@ -225,7 +239,7 @@ class AwsProvider:
             if self.launcher is not None:
                 for iid, s in zip(gang.ids, gang.scripts, strict=True):
                     self.launcher(iid, s)
-        return Worker(gang.ids[0], self.name, attempt, state.launched_at, state)
+        return Worker(gang.ids[0], self.name, attempt, started_at=state.launched_at, handle=state)
 
     def _job_text(self, job: JobSpec, spec_path: Path) -> str:
         """The job file for the user data; warnings for a job that would run poorly on EC2."""
@@ -256,7 +270,7 @@ class AwsProvider:
             if on_status is not None:
                 on_status(rec)
 
-        result = WorkerWatch(self.ec2, self.cfg, worker, status, self.exit_status).run()
+        result = WorkerWatch(self.ec2, self.cfg, worker, on_status=status, exit_status=self.exit_status).run()
         result.facts["cost"] = asdict(attempt_cost(state, result.ended_at))
         reclaimed = result.notice_kind == SPOT_INTERRUPTION or (
             result.trainer_code == "PREEMPTED" and state.released_at is None
@@ -339,14 +353,14 @@ class AwsProvider:
         image = cfg.image_id or (lt.name or lt.id or "" if lt else "")
         itype = pool.instance_type if pool else ",".join(cfg.instance_types)
         subnet = pool.subnet if pool else None
-        return LaunchContext(cfg.region, itype, image, subnet, cfg.instance_profile)
+        return LaunchContext(cfg.region, itype, image, subnet=subnet, instance_profile=cfg.instance_profile)
 
     def _launch_first(self, pools: list[Placement], plan: _Plan) -> _Gang:
         """Each pool in rank order until every node runs in one; capacity errors move on."""
         for i, pool in enumerate(pools):
             group = self._new_group(plan, i)
             token = f"{plan.launch_id}-{i}"
-            launched = self._run_one(pool, plan, 0, None, token, group)
+            launched = self._run_one(pool, plan, 0, master_addr=None, token=token, group=group)
             if launched is None:
                 continue
             iid, script = launched
@@ -365,6 +379,7 @@ class AwsProvider:
         pool: Placement,
         plan: _Plan,
         rank: int,
+        *,
         master_addr: str | None,
         token: str,
         group: str | None,
@@ -374,7 +389,9 @@ class AwsProvider:
         node = plan.role(rank, master_addr)
         script = plan.script(node)
         tags = launch.node_tags(plan.tags, node)
-        params = launch.run_instances_params(self.cfg, pool, script, tags, token, plan.root, group)
+        params = launch.run_instances_params(
+            self.cfg, pool, script, tags=tags, launch_id=token, root_device=plan.root, placement_group=group
+        )
         try:
             iid = self.ec2.run_instances(**params)["Instances"][0]["InstanceId"]
         except BOTO_ERRORS as e:
@@ -402,7 +419,9 @@ class AwsProvider:
                     retryable=True,
                 )
             for rank in range(1, plan.nnodes):
-                launched = self._run_one(pool, plan, rank, gang.master_addr, f"{token}-n{rank}", gang.group)
+                launched = self._run_one(
+                    pool, plan, rank, master_addr=gang.master_addr, token=f"{token}-n{rank}", group=gang.group
+                )
                 if launched is None:
                     break
                 gang.ids.append(launched[0])
@@ -428,7 +447,9 @@ class AwsProvider:
         try:
             base = self._template_base()
             tags0 = launch.node_tags(plan.tags, plan.role(0, None))
-            data = launch.template_data(self.cfg, script, tags0, plan.root, base, group)
+            data = launch.template_data(
+                self.cfg, script, tags0, root_device=plan.root, base=base, placement_group=group
+            )
             created = self.ec2.create_launch_template(
                 LaunchTemplateName=f"spotrun-{plan.launch_id}",
                 LaunchTemplateData=data,  # type: ignore[arg-type]
@@ -441,7 +462,7 @@ class AwsProvider:
         try:
             try:
                 out = self.ec2.create_fleet(
-                    **launch.fleet_params(self.cfg, template, pools, plan.tags, market)
+                    **launch.fleet_params(self.cfg, template, pools, tags=plan.tags, market=market)
                 )
             except BOTO_ERRORS as e:
                 found = classify_error(e, ctx)
@@ -462,7 +483,9 @@ class AwsProvider:
                 log.warning("could not delete launch template %s: %s", template, e)
         landed, inst = ran
         fleet = str(out.get("FleetId") or "")
-        first = _Gang([ids[0]], [script], landed, inst.get("PrivateIpAddress"), fleet, group)
+        first = _Gang(
+            [ids[0]], [script], landed, master_addr=inst.get("PrivateIpAddress"), fleet=fleet, group=group
+        )
         gang = self._with_peers(first, plan, f"{plan.launch_id}-0")
         if gang is None:
             raise self._no_capacity([landed])

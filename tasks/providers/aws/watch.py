@@ -141,6 +141,7 @@ class WorkerWatch:
         ec2: EC2Client,
         cfg: AwsProviderConfig,
         worker: Worker,
+        *,
         on_status: StatusCallback | None,
         exit_status: ExitStatus | None,
     ) -> None:

@@ -120,7 +120,7 @@ class ForkServer:
                 os.close(fd)
             raise ForkServerUnavailable(str(reply.get("error", reply)))
         args = [self.python, "-m", module, *argv]  # what the fresh process would have run
-        return ForkedProcess(self, int(reply["pid"]), _text(out_r), _text(err_r), args)
+        return ForkedProcess(self, int(reply["pid"]), _text(out_r), stderr=_text(err_r), args=args)
 
     def exit_code(self, pid: int) -> int | None:
         """The child's return code once it has exited (it is not reaped yet), else None."""
@@ -205,7 +205,7 @@ class ForkedProcess:
     """A trainer forked by a ForkServer, with the part of Popen's interface the local provider uses."""
 
     def __init__(
-        self, server: ForkServer, pid: int, stdout: IO[str], stderr: IO[str], args: list[str]
+        self, server: ForkServer, pid: int, stdout: IO[str], *, stderr: IO[str], args: list[str]
     ) -> None:
         self.server, self.pid = server, pid
         # Popen's `args`: the resume check finds the trainer's --metrics file there (tasks/tracking);

@@ -121,7 +121,7 @@ class LocalProvider:
             t.start()
             handle.readers.append(t)
         log.info("attempt %d: trainer pid %d: %s", attempt, proc.pid, shlex.join(cmd))
-        return Worker(f"local-{proc.pid}", self.name, attempt, time.time(), handle)
+        return Worker(f"local-{proc.pid}", self.name, attempt, started_at=time.time(), handle=handle)
 
     def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
         # Only for the flow's own interpreter: a configured `python` may be a wrapper (a profiler, `nice`,
