@@ -1,4 +1,4 @@
-"""The chaos campaign's stand-in for the worker's `python`: runs `python -m trainer` with faults wired in.
+"""The chaos campaign's stand-in for the worker's `python`: runs `python -P -m trainer` with faults wired in.
 
 `install(dir)` writes an executable `chaos-python` that the local provider starts as its interpreter
 (LocalProviderConfig.python). Before the trainer's own `__main__` runs, it reads the plan (JSON, path
@@ -54,9 +54,10 @@ def main() -> None:
     plan_path = os.environ.get(PLAN_ENV)
     plan: dict[str, Any] = json.loads(Path(plan_path).read_text()) if plan_path else {}
     _wrap(plan)
-    if sys.argv[1:3] != ["-m", "trainer"]:
-        raise SystemExit("chaos-python runs only `-m trainer ...`")
-    sys.argv = ["trainer", *sys.argv[3:]]
+    args = sys.argv[2:] if sys.argv[1:2] == ["-P"] else sys.argv[1:]  # -P: this process's path is set
+    if args[:2] != ["-m", "trainer"]:
+        raise SystemExit("chaos-python runs only `-P -m trainer ...`")
+    sys.argv = ["trainer", *args[2:]]
     runpy.run_module("trainer", run_name="__main__", alter_sys=True)
 
 

@@ -49,6 +49,7 @@ from trainer.checkpoint.catalog import fetch
 from trainer.checkpoint.format import MODEL_FILE, load_part
 from trainer.checkpoint.state import iter_tensors
 from trainer.errors import SpotrunError
+from trainer.interpreter import python_m
 from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import open_storage
 from trainer.storage.locks import private_home
@@ -86,9 +87,9 @@ def prepare(home: Path) -> tuple[Path, JobSpec]:
 
 
 def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
-    """The same job trained by `python -m trainer` alone, uninterrupted, into its own storage."""
+    """The same job trained by `python -P -m trainer` alone, uninterrupted, into its own storage."""
     root.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(root / "checkpoints")]
+    cmd = python_m("trainer", "--config", str(job), "--storage", str(root / "checkpoints"))
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
     env = {
         **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local/)

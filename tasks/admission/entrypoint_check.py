@@ -16,13 +16,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tasks.providers.trainer_env import trainer_env
+from trainer.interpreter import SAFE_PATH, spotrun_root, worker_path
 from trainer.spec.entrypoints import shadowing_problem, split_entrypoint
 from trainer.spec.job import JobSpec
 
 CHECK_TIMEOUT_S = 120.0  # the module's imports (torch: 1-5 s) and its top-level code
 _MARK = "spotrun-entrypoint-check: "  # the check's own line among whatever the module prints
 # Run as `python -P -c _CHECK MARK MODULE FUNCTION`: -P keeps the working directory off sys.path, so the
-# path is exactly PYTHONPATH's, as a worker's is.
+# path is exactly PYTHONPATH's, a local worker's (trainer/interpreter.py `worker_path`: spotrun's root, the
+# working directory, then PYTHONPATH's entries), as a worker started with `python -P -m trainer` has it.
 _CHECK = """\
 import importlib, sys
 mark, module, function = sys.argv[1:4]
@@ -47,20 +49,6 @@ say("ok")
 """
 
 
-def spotrun_root() -> Path:
-    """The directory that provides spotrun's own packages (trainer, tasks, flows, ...)."""
-    import trainer
-
-    return Path(trainer.__file__).resolve().parents[1]
-
-
-def worker_path(cwd: Path, pythonpath: str | None, ours: Path) -> list[str]:
-    """A local worker's import path, as tasks/providers/local/ starts it: `python -m trainer` puts its
-    working directory (the controller's) first, then PYTHONPATH: spotrun's root, then the trainer
-    environment's own. Keep in step with how local workers start."""
-    return [str(cwd), str(ours), *(p for p in (pythonpath or "").split(os.pathsep) if p)]
-
-
 def import_problem(
     entrypoint: str,
     python: str,
@@ -73,7 +61,7 @@ def import_problem(
     """Import the entry point's module in a subprocess and check its function is callable: the
     subprocess's one line (`ModuleNotFoundError: No module named 'x'`, `AttributeError: ...`), or None."""
     module, function = split_entrypoint(entrypoint)
-    cmd = [python, "-P", "-c", _CHECK, _MARK, module, function]
+    cmd = [python, SAFE_PATH, "-c", _CHECK, _MARK, module, function]
     child_env = {**env, "PYTHONPATH": os.pathsep.join(path)}
     try:
         done = subprocess.run(

@@ -1,6 +1,6 @@
-"""The trainer fork server (trainer/launch/zygote.py, tasks/providers/local/fork_server.py): a forked child is
-what a fresh `python -m MODULE` would have been, and dies as a fresh one would. Real processes, no mocks; most
-servers here preload nothing, so they start in milliseconds."""
+"""The trainer fork server (trainer/launch/zygote.py, tasks/providers/local/fork_server.py): a forked child
+is what a fresh `python -P -m MODULE` would have been, and dies as a fresh one would. Real processes, no
+mocks; most servers here preload nothing, so they start in milliseconds."""
 
 from __future__ import annotations
 
@@ -65,20 +65,21 @@ def server(env: dict[str, str]) -> Iterator[ForkServer]:
     s.close()
 
 
-def test_a_child_is_what_python_m_would_be(server: ForkServer, env: dict[str, str], tmp_path: Path) -> None:
+def test_a_child_is_what_python_m_would_be(
+    server: ForkServer, env: dict[str, str], tmp_path: Path, mods: Path
+) -> None:
     proc = server.spawn("zchild", ["3", "x y"], {**env, "CHILD_VAR": "mine"}, str(tmp_path))
     assert proc.stdout is not None and proc.stderr is not None
     seen = json.loads(proc.stdout.readline())
     assert proc.stderr.read() == "to stderr\n"
     assert proc.wait(timeout=30) == 3 and proc.returncode == 3
     assert seen["argv"][1:] == ["3", "x y"] and seen["argv"][0].endswith("zchild.py")
-    assert (
-        seen["cwd"] == seen["path0"] == str(tmp_path) and seen["env"] == "mine" and seen["main"] == "__main__"
-    )
+    assert seen["cwd"] == str(tmp_path) and seen["env"] == "mine" and seen["main"] == "__main__"
+    assert seen["path0"] == str(mods)  # `python -P`: PYTHONPATH first, never the working directory
     assert seen["sid"] and seen["ppid"] == server.proc.pid and seen["stdin"] == ""
     assert seen["sigint"] and seen["sigterm"]  # the server's own SIG_IGN is not inherited
     assert seen["comm"] == "zchild"  # `pgrep -x trainer` finds forked trainers
-    assert proc.args == [sys.executable, "-m", "zchild", "3", "x y"]  # as Popen's: the command it stands for
+    assert proc.args == [sys.executable, "-P", "-m", "zchild", "3", "x y"]  # as Popen's: what it stands for
 
 
 def test_an_uncaught_exception_is_exit_code_1_with_its_traceback(

@@ -108,6 +108,52 @@ def test_run_without_preemption_completes(tmp_path: Path) -> None:
     provider.release(worker)  # again, after watch: fine
 
 
+SHADOW_LOOP = """\
+import torch, spotrun, trainer, beside_5e2
+
+def main():
+    open(beside_5e2.MARK, "w").write(trainer.__file__)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    with spotrun.session(model=model, optimizer=opt) as s:
+        for x, y in s.batches(data):
+            loss = torch.nn.functional.mse_loss(s.model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            s.step_done(loss)
+"""
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_a_trainer_py_where_the_worker_starts_does_not_shadow_spotruns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
+) -> None:
+    """A worker starts in the controller's directory, which holds a user's `trainer.py` (it raises when
+    imported) and a module the loop imports; the entry point's module is elsewhere, on PYTHONPATH. The
+    worker (`python -P -m trainer`) imports spotrun's trainer, finds both modules and completes."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    mark = tmp_path / "imported-trainer"
+    (here / "trainer.py").write_text("raise RuntimeError('the user trainer.py was imported')\n")
+    (here / "beside_5e2.py").write_text(f"MARK = {str(mark)!r}\n")
+    (elsewhere / "shadow_loop_5e2.py").write_text(SHADOW_LOOP)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: shadow\nentrypoint: shadow_loop_5e2:main\ntotal_steps: 2\nbatch_size: 4\nthreads: 1\n"
+        f"num_workers: 0\nstorage: {tmp_path / 'store'}\n"
+    )
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("PYTHONPATH", str(elsewhere))
+    provider = _provider(tmp_path, fork_server=forked)
+    worker = provider.provision(load_spec(spec), 1, spec, [])
+    result, _, logs = _watch(provider, worker)
+    assert result.exit_code == 0 and result.trainer_code == "COMPLETED", "\n".join(logs[-20:])
+    assert mark.read_text() == str(REPO / "trainer" / "__init__.py")
+
+
 def test_reclaim_with_notice_exits_preempted(tmp_path: Path) -> None:
     job, spec = _job(tmp_path, **LONG)
     provider = _provider(tmp_path, PlannedPreemption(after_s=0.5, notice=True), notice_s=30)

@@ -297,7 +297,7 @@ def test_user_data_is_valid_bash_carrying_the_spec() -> None:
     body = script.split("<<'SPOTRUN_JOB_B64'\n")[1].split("\nSPOTRUN_JOB_B64")[0]
     assert base64.b64decode(body).decode() == SPEC
     assert (
-        'exec "$@" /opt/venv/bin/python -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        'exec "$@" /opt/venv/bin/python -P -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
         "--max-steps 5 'it'\"'\"'s'" in script
     )
     assert "SPOTRUN_HOME='/opt/spot run'" in script
@@ -536,8 +536,8 @@ def test_user_data_of_each_node(
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
     assert home in script and all(s in script for s in says) and not any(s in script for s in not_says)
     assert (
-        'exec "$@" python3 -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" --lease-takeover i-1'
-        in script
+        'exec "$@" python3 -P -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        "--lease-takeover i-1" in script
     )
 
 
@@ -552,7 +552,7 @@ def test_node_address_already_set_wins(tmp_path: Any) -> None:
         attempt=1,
         node=launch.NodeRole(1, 2, "10.0.1.7"),
     )
-    show = peer.replace('exec "$@" true -m trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
+    show = peer.replace('exec "$@" true -P -m trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
     env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
     assert out.stdout == "1 10.0.1.7\n"
@@ -581,7 +581,7 @@ STUBS = {  # stand-ins that record their arguments: the test must not add a user
                 "--shell /usr/sbin/nologin spotrun",
                 "chown -R spotrun: {h}",
                 "chmod 0700 {h}",
-                "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -m trainer "
+                "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -P -m trainer "
                 "--config job.yaml --worker-id i-1",
             ],
             "{h}",
@@ -604,7 +604,7 @@ def test_user_data_runs_the_trainer_as_an_unprivileged_user(
         env["SPOTRUN_TRAINER_USER"] = trainer_user
     out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env, check=True)
     recorded = log.read_text().splitlines() if log.exists() else []
-    python = "python -m trainer --config job.yaml --worker-id i-1"
+    python = "python -P -m trainer --config job.yaml --worker-id i-1"
     assert recorded == [c.format(h=h) for c in [*calls, python]]
     assert out.stdout == f"HOME={home.format(h=h)}\n"
 

@@ -171,11 +171,13 @@ def test_resolve_refuses_in_one_line(entrypoint: str, message: str) -> None:
     assert resolve_entrypoint("json:dumps")([1]) == "[1]"
 
 
-def test_the_worker_path_is_its_directory_then_spotrun_then_pythonpath(tmp_path: Path) -> None:
+def test_the_worker_path_is_spotrun_then_its_directory_then_pythonpath(tmp_path: Path) -> None:
+    """spotrun's root first: a trainer.py in the worker's directory cannot shadow spotrun's trainer."""
     ours = spotrun_root()
     assert (ours / "trainer" / "__init__.py").is_file()
-    assert worker_path(tmp_path, f"/x{os.pathsep}/y", ours) == [str(tmp_path), str(ours), "/x", "/y"]
-    assert worker_path(tmp_path, None, ours) == [str(tmp_path), str(ours)]
+    assert worker_path(tmp_path, f"/x{os.pathsep}/y", ours) == [str(ours), str(tmp_path), "/x", "/y"]
+    assert worker_path(tmp_path, None, ours) == [str(ours), str(tmp_path)]
+    assert worker_path(ours, f"{ours}{os.pathsep}{os.pathsep}/x") == [str(ours), "/x"]  # each once
 
 
 def test_spotrun_run_imports_the_entrypoint_in_a_subprocess(tmp_path: Path) -> None:

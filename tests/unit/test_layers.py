@@ -79,7 +79,7 @@ ROOMS = {
 }
 ENTRY = {"__main__", "rank"}
 FLOOR = {
-    "trainer": {"errors", "exitcodes", "parent_death", "redact", "home", "exports"},
+    "trainer": {"errors", "exitcodes", "parent_death", "redact", "home", "exports", "interpreter"},
     "tasks": {"settings"},
 }
 # what the controller shares with a worker: the job, storage, checkpoints, what a trainer reports, the

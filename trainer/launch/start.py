@@ -1,8 +1,9 @@
 """`python -m trainer` for a job with a `distributed` spec: this machine's ranks under torchrun.
 
-The process the provider started stays the worker's one voice: it runs `python -m
-torch.distributed.run ... -m trainer <the same arguments>` (through trainer/distributed/agent.py, which only
-silences torchrun's closing traceback), relays rank 0's status records on its
+The process the provider started stays the worker's one voice: it runs `python -P -m
+torch.distributed.run ... --no-python python -P -m trainer <the same arguments>` (through
+trainer/distributed/agent.py, which only silences torchrun's closing traceback; `-P`:
+trainer/interpreter.py), relays rank 0's status records on its
 own stdout (and to the storage heartbeat), and ends with one `exit` record whose code combines
 every rank's. torchrun's own exit code says little: it returns 1 on SIGTERM though every worker
 exited cleanly (measured, torch 2.13), and 1 for any failed rank. So each rank writes its exit code
@@ -44,6 +45,7 @@ from typing import IO, Any
 
 from trainer.distributed.rendezvous import LOOPBACK, STORE_FD
 from trainer.exitcodes import ExitCode
+from trainer.interpreter import child_env, python_m
 from trainer.parent_death import arm_pdeathsig, die_with
 from trainer.preemption.requests import StopRequest
 from trainer.spec.job import DistributedOptions
@@ -218,7 +220,8 @@ def start_ranks(
     world = nproc * opts.nnodes
     mine = [node_rank(os.environ) * nproc + local for local in range(nproc)]  # static rendezvous
     exits = Path(tempfile.mkdtemp(prefix="spotrun-ranks-"))
-    env = {k: v for k, v in os.environ.items() if k != "SPOTRUN_WORKER_ID"}  # the heartbeat is ours
+    cwd = os.getcwd()
+    env = {k: v for k, v in child_env(cwd=cwd).items() if k != "SPOTRUN_WORKER_ID"}  # the heartbeat is ours
     # torchrun pins OMP_NUM_THREADS=1 unless it is set; the thread count is part of exactness
     env |= {RANK_EXITS: str(exits), LAUNCHER_ID: launcher_id, "OMP_NUM_THREADS": str(threads or 1)}
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -240,7 +243,8 @@ def start_ranks(
             proc = ForkedAgent.start([*torchrun, *FORK_ARGS, RANK_SCRIPT, *argv], env, private)
         else:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.distributed.agent", *torchrun, "-m", "trainer", *argv],
+                fresh_agent_args(torchrun, argv),
+                cwd=cwd,
                 stdout=subprocess.PIPE,
                 text=True,
                 errors="replace",
@@ -253,6 +257,13 @@ def start_ranks(
         if listener is not None:
             listener.close()  # the agent holds its own copy
     return Launched(proc, exits, mine, _forward_signals(proc.pid, stop))
+
+
+def fresh_agent_args(torchrun: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """A fresh torchrun (trainer/distributed/agent.py) whose ranks run `python -P -m trainer ARGV`:
+    torchrun's own `-m` would start them as `python -u -m trainer`, the working directory first on their
+    path, so `--no-python` hands it the whole command instead (stdout unbuffered: PYTHONUNBUFFERED)."""
+    return python_m("trainer.distributed.agent", *torchrun, "--no-python", *python_m("trainer", *argv))
 
 
 def relay(launched: Launched, reporter: StatusReporter) -> tuple[ExitCode, str]:

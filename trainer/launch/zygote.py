@@ -5,8 +5,8 @@ took 1.9 s and `torch._dynamo` (which every optimizer's first `step()` imports) 
 cold start (measured with -X importtime). A worker reclaimed without notice pays that again before its
 replacement trains one step. Forked from this server, a trainer starts with both already imported.
 
-`python -m trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair, MODULES a comma
-list to import before serving. One JSON object per packet:
+`python -P -m trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair, MODULES a
+comma list to import before serving. One JSON object per packet:
 
     <- {"op": "ready", "preload_s": S}                      once, after the imports
     -> {"op": "spawn", "id": N, "module": M, "argv": [...], "env": {...}, "cwd": D}   + 2 fds (stdout, stderr)
@@ -17,12 +17,13 @@ list to import before serving. One JSON object per packet:
                                                             provider has killed what is left of the session
     <- {"op": "reaped", "pid": P}
 
-A child is what `python -m M ARGV` would have been: its own session, PR_SET_PDEATHSIG=SIGKILL tied to this
-server (which has the same tie to the provider's process, so a controller that dies still takes its
-trainers along), stdin from /dev/null, the request's stdout, stderr, environment, working directory and
-argv, and default signal handlers. What a process fixes at start-up (sys.flags, stdio buffering, how many
-OpenMP threads, their wait policy) is the same by construction: the client keeps one server per
-interpreter and load-time environment (tasks/providers/local/fork_server.py).
+A child is what `python -P -m M ARGV` would have been (trainer/interpreter.py): its own session,
+PR_SET_PDEATHSIG=SIGKILL tied to this server (which has the same tie to the provider's process, so a
+controller that dies still takes its trainers along), stdin from /dev/null, the request's stdout, stderr,
+environment, working directory and argv, and default signal handlers. Its sys.path is the server's:
+PYTHONPATH's entries, never the working directory. What a process fixes at start-up (sys.flags, stdio
+buffering, PYTHONPATH, how many OpenMP threads, their wait policy) is the same by construction: the
+client keeps one server per interpreter and load-time environment (tasks/providers/local/fork_server.py).
 
 The server runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C in the terminal or a
 cancel's SIGTERM is the controller's to handle (it stops its trainers gracefully, and they save); the
@@ -216,7 +217,7 @@ def _reap(children: dict[int, bool], pid: int) -> None:
 
 
 def _run(req: Request) -> int:
-    """In the child: become `python -m MODULE ARGV` with the request's stdio, environment and directory."""
+    """In the child: become `python -P -m MODULE ARGV` with the request's stdio, environment and directory."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(req.stdout, 1)
@@ -228,7 +229,8 @@ def _run(req: Request) -> int:
     os.environ.update(req.env)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.path[0] = req.cwd  # what `python -m` puts first
+    if not sys.flags.safe_path:  # a server started without -P: what a plain `python -m` puts first
+        sys.path[0] = req.cwd
     sys.argv = [req.module, *req.argv]
     # the preload imported MODULE.__main__ for what it imports; runpy runs its code afresh either way,
     # and would warn on stderr ("found in sys.modules ... unpredictable behaviour") for every trainer

@@ -16,7 +16,7 @@ SIGKILL when the parent dies (PR_SET_PDEATHSIG). It opens its own storage from a
 store gives (`opener_of`, `Reopenable`): a boto3 client cannot cross a process. Fencing is kept: writes go
 through a `FencedStorage` whose lease check reads the lease object (`lease.LeaseView`) before every write.
 
-Started with `python -m trainer.saving.writer_proc FD`, not multiprocessing's spawn, which would import the
+Started with `python -P -m trainer.saving.writer_proc FD`, not multiprocessing's spawn, which would import the
 trainer's `__main__` module (the whole training stack) in the child.
 """
 
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import CheckpointError, LeaseLost
+from trainer.interpreter import child_env, python_m
 from trainer.parent_death import arm_pdeathsig
 from trainer.storage import Reopenable, Storage
 
@@ -107,8 +108,11 @@ class WriterProcess:
 
     def __init__(self, opener: Opener, lease_fence: tuple[str, int] | None, cache: Path, keep: int) -> None:
         ours, theirs = socket.socketpair()
+        cwd = os.getcwd()  # `python -P`: spotrun's packages from PYTHONPATH, never a trainer.py here
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.saving.writer_proc", str(theirs.fileno()), str(os.getpid())],
+            python_m("trainer.saving.writer_proc", str(theirs.fileno()), str(os.getpid())),
+            cwd=cwd,
+            env=child_env(cwd=cwd),
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -138,7 +138,7 @@ class AwsProviderConfig(BaseModel):
         description="rehearsal against a test endpoint (moto): run each instance's user data as a local "
         "process, since such an endpoint starts nothing; never set it against AWS",
     )
-    python: str = Field(default="python3", description="interpreter on the AMI that runs `-m trainer`")
+    python: str = Field(default="python3", description="interpreter on the AMI that runs `-P -m trainer`")
     manifest_key_file: str | None = Field(
         default=None,
         description="a root-readable file on the instance (baked into the AMI, or written by its own boot "

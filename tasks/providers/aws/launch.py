@@ -31,6 +31,7 @@ from typing import Any
 
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.policy import Market, Placement
+from trainer.interpreter import python_m
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
@@ -121,7 +122,9 @@ def build_user_data(
     spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
     which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
-    trainer = f'exec "$@" {shlex.quote(python)} -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"'
+    # `python -P`: the trainer imports spotrun's packages from the image, never a trainer.py in $SPOTRUN_HOME
+    start = shlex.join(python_m("trainer", "--config", "job.yaml", python=python))
+    trainer = f'exec "$@" {start} --worker-id "$SPOTRUN_WORKER_ID"'
     trainer += extra  # "$@": the switch to TRAINER_USER
     return f"""#!/bin/bash
 # spotrun worker: job {job}, attempt {attempt}{which}

@@ -61,8 +61,8 @@ class LocalProviderConfig(BaseModel):
     kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
     python: str | None = Field(
         default=None,  # not sys.executable: a default is baked into the deployment on the deploying machine
-        description="Python interpreter that runs `python -m trainer` (torch and this project installed); "
-        "empty: the one running the flow",
+        description="Python interpreter that runs `python -P -m trainer` (3.11+, torch and this project "
+        "installed); empty: the one running the flow",
     )
     workdir: str | None = Field(
         default=None,

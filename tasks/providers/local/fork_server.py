@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from tasks.providers.processes import die_with_parent, on_spawner_thread
+from trainer.interpreter import python_m
 from trainer.launch.zygote import MAX_PACKET, send
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class ForkServer:
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
         self.python = python
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [python, "-m", "trainer.launch.zygote", str(theirs.fileno()), ",".join(preload)]
+        cmd = python_m("trainer.launch.zygote", str(theirs.fileno()), ",".join(preload), python=python)
         try:
             self.proc = on_spawner_thread(lambda: _popen(cmd, dict(env), theirs.fileno()))
         finally:
@@ -91,7 +92,8 @@ class ForkServer:
         return self.ready_s or 0.0
 
     def spawn(self, module: str, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> ForkedProcess:
-        """A child running `python -m module *argv`, its stdout and stderr read through new pipes."""
+        """A child running `python -P -m module *argv` in `cwd`, its stdout and stderr read through new
+        pipes. Its sys.path is the server's: `env`'s PYTHONPATH is the server's (a load-time variable)."""
         self.wait_ready()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -119,7 +121,7 @@ class ForkServer:
             for fd in (out_r, err_r):
                 os.close(fd)
             raise ForkServerUnavailable(str(reply.get("error", reply)))
-        args = [self.python, "-m", module, *argv]  # what the fresh process would have run
+        args = python_m(module, *argv, python=self.python)  # what the fresh process would have run
         return ForkedProcess(self, int(reply["pid"]), _text(out_r), stderr=_text(err_r), args=args)
 
     def exit_code(self, pid: int) -> int | None:
@@ -242,11 +244,13 @@ def server_for(python: str, env: Mapping[str, str], preload: Sequence[str] = PRE
     return server
 
 
-def spawn(python: str, module: str, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
-    """`python -m module *argv` forked from this process's server for (python, env)."""
+def spawn(
+    python: str, module: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str]
+) -> ForkedProcess:
+    """`python -P -m module *argv` in `cwd`, forked from this process's server for (python, env)."""
     t = time.monotonic()
     server = server_for(python, env)
-    proc = server.spawn(module, argv, env, os.getcwd())
+    proc = server.spawn(module, argv, env, os.fspath(cwd))
     log.debug("forked trainer pid %d in %.2f s", proc.pid, time.monotonic() - t)
     return proc
 

@@ -1,4 +1,4 @@
-"""The local provider: each worker is a `python -m trainer` subprocess, watched by a spot-market simulator.
+"""The local provider: each worker is a `python -P -m trainer` subprocess, watched by a spot-market simulator.
 
 The simulator rehearses what a spot market does to a job before anyone pays for GPUs: after a planned
 time of training it sends a notice (SIGTERM to the trainer's process group) and, if the trainer is still
@@ -13,7 +13,6 @@ PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import queue
@@ -54,6 +53,7 @@ from tasks.providers.processes import (
     signal_group,
 )
 from tasks.providers.trainer_env import trainer_env
+from trainer.interpreter import python_m, worker_path
 from trainer.storage.base import local_dir_name
 from trainer.telemetry.records import Durable, Record, Started, Step
 from trainer.telemetry.status import parse_status_line
@@ -107,14 +107,18 @@ class LocalProvider:
         # trainer's default lease holder is `local-<pid>`, this worker's id, and a heartbeat is not needed.
         work = worker_dir(Path(self.cfg.workdir or ".spotrun/local"), job)
         cache = work / "cache" if self.cfg.keep_cache else work / f"attempt-{attempt}" / "cache"
-        cmd = [self.cfg.python or sys.executable, "-m", "trainer", "--config", str(spec_path.resolve())]
-        cmd += ["--storage", job.storage, "--cache", str(cache), "--metrics", str(work / "metrics.jsonl")]
-        cmd += extra_args
+        args = ["--config", str(spec_path.resolve()), "--storage", job.storage, "--cache", str(cache)]
+        args += ["--metrics", str(work / "metrics.jsonl"), *extra_args]
         if self.prewarm:  # the simulator's SIGTERM comes notice_s before its SIGKILL: train through half
             window = f"{self.cfg.notice_s:g}"
-            cmd += ["--handover-s", window, "--sigterm-window-s", window]
+            args += ["--handover-s", window, "--sigterm-window-s", window]
         work.mkdir(parents=True, exist_ok=True)
-        proc = self._start(cmd, _child_env(job, self.flow_run_id))
+        # The controller's directory, as before, but named: `python -P` leaves it off sys.path, and
+        # PYTHONPATH puts it after spotrun's root (a trainer.py there cannot shadow spotrun's trainer)
+        cwd = Path.cwd()
+        cmd = python_m("trainer", *args, python=self.cfg.python)
+        env = _child_env(job, self.flow_run_id, cwd)
+        proc = self._start(cmd, "trainer", args, env=env, cwd=cwd)
         handle = _Handle(proc, queue.Queue(), [], time.monotonic())
         for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
             t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
@@ -123,19 +127,21 @@ class LocalProvider:
         log.info("attempt %d: trainer pid %d: %s", attempt, proc.pid, shlex.join(cmd))
         return Worker(f"local-{proc.pid}", self.name, attempt, started_at=time.time(), handle=handle)
 
-    def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
+    def _start(self, cmd: list[str], module: str, args: list[str], *, env: dict[str, str], cwd: Path) -> Proc:
+        """`cmd` (`python_m(module, *args)`) in `cwd`: forked from a fork server, or a fresh process."""
         # Only for the flow's own interpreter: a configured `python` may be a wrapper (a profiler, `nice`,
         # a container entry point) that a fork from this interpreter would skip.
         own = self.cfg.python is None or os.path.abspath(self.cfg.python) == os.path.abspath(sys.executable)
         if self.cfg.fork_server and own:
             try:
-                return fork_server.spawn(cmd[0], cmd[2], cmd[3:], env)
+                return fork_server.spawn(cmd[0], module, args, env=env, cwd=cwd)
             except (fork_server.ForkServerUnavailable, OSError) as e:  # not an error: a slower start
                 log.warning("trainer fork server unavailable (%s); starting a fresh process", e)
         try:
-            return _spawn(cmd, env)
+            return _spawn(cmd, env, cwd)
         except (OSError, subprocess.SubprocessError) as e:
-            raise ProvisionError(f"cannot start {shlex.join(cmd[:3])}: {e}", retryable=False) from e
+            shown = shlex.join(cmd[: len(cmd) - len(args)])
+            raise ProvisionError(f"cannot start {shown}: {e}", retryable=False) from e
 
     def watch(
         self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None
@@ -373,25 +379,25 @@ def worker_dir(workdir: Path, job: JobSpec) -> Path:
 OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _child_env(job: JobSpec, flow_run_id: str | None = None) -> dict[str, str]:
+def _child_env(job: JobSpec, flow_run_id: str | None = None, cwd: Path | None = None) -> dict[str, str]:
     """The flow's environment as a trainer may see it (allow-list and the job's `env`, trainer_env.py),
-    this project on PYTHONPATH, unbuffered output (lines are heartbeats), OpenMP threads that sleep while
-    they wait (unless the environment says otherwise)."""
-    spec = importlib.util.find_spec("trainer")
-    root = str(Path(spec.origin).resolve().parents[1]) if spec and spec.origin else os.getcwd()
+    a worker's PYTHONPATH (spotrun's root, then `cwd`, where a loop beside the job file lives, then the
+    environment's own: trainer/interpreter.py), unbuffered output (lines are heartbeats), OpenMP threads
+    that sleep while they wait (unless the environment says otherwise)."""
     env = trainer_env(os.environ, job.env)
-    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(worker_path(cwd, env.get("PYTHONPATH")))
     run = {"SPOTRUN_FLOW_RUN_ID": flow_run_id} if flow_run_id else {}
     return {**OMP_WAIT, **env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **run}
 
 
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return on_spawner_thread(lambda: _popen(cmd, env))
+def _spawn(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return on_spawner_thread(lambda: _popen(cmd, env, cwd))
 
 
-def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+def _popen(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         cmd,
+        cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
