@@ -66,8 +66,8 @@ def test_the_transformers_script_survives_three_reclaims_bitwise(
     assert [r.outcome.value for r in rows] == ["preempted", "preempted", "preempted", "completed"]
     noticed = [r for r in rows[:3] if "without notice" not in r.cause]
     assert len(noticed) == 2
-    for r in noticed:  # the stop step was saved and published: no step lost
-        assert r.lost_steps == 0 and r.last_durable_step == r.last_step, r
+    for r in noticed:  # the stop step was saved and published (or training had ended): no step lost
+        assert r.lost_steps == 0, r
     reference = tmp_path / "reference"
     reference.mkdir()
     (reference / "job.yaml").write_text(json.dumps(hf_job.model_dump(mode="json")))

@@ -385,6 +385,7 @@ json.dump(beat, open(path, "w"))
     assert (workdir / "job.yaml").read_text() == job[1].read_text()
     assert result.exit_code == 0 and result.trainer_code == "COMPLETED" and result.last_step == 7
     assert json.loads(result.trainer_error) == [
+        "-P",  # the worker's directory cannot shadow spotrun's packages
         "-m",
         "trainer",
         "--config",

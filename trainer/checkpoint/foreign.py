@@ -4,7 +4,8 @@
 Every file's digest is checked first (trainer/checkpoint/validate.py). Then by kind: a `.safetensors` file
 opens and its tensors are finite; a torch file (`.pt`, `.pth`, `.bin`, `.ckpt`) loads with
 `weights_only=True` (with the numpy allow-list HF itself loads its RNG files with) and its tensors are
-finite; a `.json` file parses. spotrun never unpickles stored bytes: a file that only a full unpickler
+finite (a Lightning checkpoint's weights and optimizer states); a `.json` file parses.
+spotrun never unpickles stored bytes: a file that only a full unpickler
 reads (HF's `training_args.bin`, a TrainingArguments object) is held to its digest alone, and a torch
 file that fails a weights-only load is refused as unsafe or unreadable.
 """
@@ -60,8 +61,17 @@ def _check(path: Path, base: str, scan: bool) -> str | None:
 
         with numpy_allowed():
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return _first_bad(iter(iter_tensors(obj))) if scan else None
+        return _first_bad(iter(iter_tensors(trained(obj)))) if scan else None
     return None
+
+
+def trained(obj: Any) -> Any:
+    """The part of a loaded file whose values training computed: a Lightning checkpoint's weights and
+    optimizer states (its callbacks keep infinities on purpose: ModelCheckpoint's `kth_value` starts at
+    inf), anything else whole."""
+    if isinstance(obj, dict) and "state_dict" in obj and "pytorch-lightning_version" in obj:
+        return {"state_dict": obj["state_dict"], "optimizer_states": obj.get("optimizer_states")}
+    return obj
 
 
 def _first_bad(tensors: Iterator[tuple[str, Any]]) -> str | None:
