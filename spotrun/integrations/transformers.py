@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.command.layouts import find
 from trainer.command.link import CommandLink
 from trainer.exitcodes import ExitCode
 
@@ -48,15 +49,12 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     @property
     def resume_from(self) -> str | None:
         """The restored checkpoint to hand to `train(resume_from_checkpoint=...)`: the newest
-        `checkpoint-N` under {checkpoint_dir}, None on a first start (where `=True` would raise)."""
+        `checkpoint-N` under {checkpoint_dir} (found as the publisher finds them), None on a first
+        start (where `=True` would raise)."""
         if self.link is None:
             return None
-        steps = [
-            (int(p.name.rpartition("-")[2]), p)
-            for p in self.link.checkpoint_dir.glob("checkpoint-*")
-            if p.is_dir() and p.name.rpartition("-")[2].isdigit()
-        ]
-        return str(max(steps)[1]) if steps else None
+        found = [f for f in find(self.link.checkpoint_dir) if f.layout == "transformers"]
+        return str(self.link.checkpoint_dir / found[-1].files[0].partition("/")[0]) if found else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.link is None:
