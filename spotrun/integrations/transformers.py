@@ -43,6 +43,7 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def __init__(self) -> None:
         self.link = CommandLink.from_env()
         self._stopping = False
+        self._last_log = 0  # the step this process last logged at (or resumed from): the start of HF's mean
         if self.link is not None:
             self.link.catch_stop_signal()
 
@@ -59,6 +60,7 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.link is None:
             return
+        self._last_log = state.global_step
         out = Path(args.output_dir).resolve()
         if out != self.link.checkpoint_dir.resolve():
             raise SystemExit(
@@ -91,8 +93,20 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             return
         extra = {k: v for k, v in logs.items() if k not in ("loss", "learning_rate", "epoch", "step")}
         lr = logs.get("learning_rate")
-        self.link.report(state.global_step, float(logs["loss"]), lr=lr, **extra)
+        whole = _logs_at(self._last_log, args=args, state=state)
+        self._last_log = state.global_step
+        self.link.report(state.global_step, float(logs["loss"]), lr=lr, compare=whole, **extra)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._stopping:  # the save of the stop step is on disk: spotrun publishes it, then exits preempted
             raise SystemExit(int(ExitCode.PREEMPTED))
+
+
+def _logs_at(step: int, *, args: Any, state: Any) -> bool:
+    """Whether an uninterrupted run logs at `step` (or starts there): then the mean HF logs next covers
+    the same steps it would without the resume, and another attempt's value for it is comparable. A
+    resume from a notice's save between two logging steps cuts the first window short."""
+    if args.logging_strategy != "steps":  # an epoch's mean: whole only from a run's first step
+        return step == 0
+    every = state.logging_steps
+    return step == 0 or (every > 0 and step % every == 0) or (step == 1 and args.logging_first_step)

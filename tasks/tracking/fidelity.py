@@ -248,13 +248,20 @@ def replayed(
 ) -> tuple[dict[int, float], dict[int, float]]:
     """From a metrics file (attempts appended one after another), the lost attempt's and the resumed
     attempt's losses for the steps after `resumed_from`. The resumed attempt's lines start at the last
-    line with step resumed_from + 1 that does not continue the line before it; the lost attempt's are
-    the run of consecutive steps just before that. ({}, {}) when no attempt restarted there."""
+    line past `resumed_from` that goes back (its step is not after the line before: a restart that
+    computes steps again), or that is step resumed_from + 1 without continuing the line before; the lost
+    attempt's are the rising run just before that. Steps may be sparse (a Transformers script logs every
+    `logging_steps`): only steps both attempts logged are compared later. ({}, {}) when no attempt
+    restarted there."""
     start = next(
         (
             i
             for i in range(len(lines) - 1, 0, -1)
-            if lines[i][0] == resumed_from + 1 and lines[i - 1][0] != resumed_from
+            if lines[i][0] > resumed_from
+            and (
+                lines[i][0] <= lines[i - 1][0]
+                or (lines[i][0] == resumed_from + 1 and lines[i - 1][0] != resumed_from)
+            )
         ),
         None,
     )
@@ -262,12 +269,12 @@ def replayed(
         return {}, {}
     lost: dict[int, float] = {}
     i = start - 1
-    while i >= 0 and lines[i][0] > resumed_from and (i == start - 1 or lines[i][0] == lines[i + 1][0] - 1):
+    while i >= 0 and lines[i][0] > resumed_from and (i == start - 1 or lines[i][0] < lines[i + 1][0]):
         lost[lines[i][0]] = lines[i][1]
         i -= 1
     mine: dict[int, float] = {}
     for j in range(start, len(lines)):
-        if j > start and lines[j][0] != lines[j - 1][0] + 1:
+        if j > start and lines[j][0] <= lines[j - 1][0]:
             break
         mine[lines[j][0]] = lines[j][1]
     return lost, mine

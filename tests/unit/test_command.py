@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -168,6 +169,32 @@ def test_the_scripts_link_reads_the_notice_and_reports_steps(tmp_path: Path) -> 
     link.report(21, 0.5, lr=1e-3, grad_norm=float("nan"), acc=0.75)
     (line,) = read_steps(tmp_path / "steps.jsonl", 0)[0]
     assert line == {"step": 21, "loss": (0.5).hex(), "lr": (1e-3).hex(), "m": {"acc": (0.75).hex()}}
+    link.report(25, 0.25, compare=False)  # a mean over a window a resume cut short: MLflow's, not compared
+    (line,) = read_steps(tmp_path / "steps.jsonl", 0)[0][1:]
+    assert line == {"step": 25, "compare": False, "loss": (0.25).hex()}
+
+
+# (the step this process last logged at or resumed from, logging strategy, logging_steps,
+#  logging_first_step: whether the next mean HF logs covers the steps an uninterrupted run's does)
+WINDOWS = [
+    (0, "steps", 5, False, True),  # a first start
+    (10, "steps", 5, False, True),  # resumed at a logging step (a save_steps multiple)
+    (12, "steps", 5, False, False),  # resumed from a notice's save between two logging steps
+    (1, "steps", 5, True, True),  # logged at step 1 (logging_first_step)
+    (1, "steps", 5, False, False),
+    (0, "epoch", 5, False, True),
+    (20, "epoch", 5, False, False),  # an epoch's mean: a resume anywhere may have cut it
+]
+
+
+@pytest.mark.parametrize(("since", "strategy", "every", "first", "whole"), WINDOWS)
+def test_a_logged_mean_is_compared_only_when_its_window_is_whole(
+    since: int, strategy: str, every: int, first: bool, whole: bool
+) -> None:
+    from spotrun.integrations.transformers import _logs_at  # here: importing transformers takes seconds
+
+    args = SimpleNamespace(logging_strategy=strategy, logging_first_step=first)
+    assert _logs_at(since, args=args, state=SimpleNamespace(logging_steps=every)) is whole
 
 
 def test_published_checkpoints_restore_the_newest_valid_one_at_their_paths(tmp_path: Path) -> None:

@@ -85,7 +85,10 @@ def test_each_entrypoint_is_a_flow_relative_to_the_repository(name: str) -> None
     assert flow.name == func.replace("_", "-")  # DeployedNames relies on it
 
 
-@pytest.mark.parametrize("name", ["resilient-training", "nightly-retraining"])
+TRAINING = ["resilient-training", "nightly-retraining", "transformers-example"]
+
+
+@pytest.mark.parametrize("name", TRAINING)
 def test_training_parameters_are_a_valid_job_spec_and_policy(name: str) -> None:
     params = DEPLOYMENTS[name]["parameters"]
     JobSpec.model_validate(params["job"])
@@ -99,6 +102,7 @@ def test_shared_settings_come_from_definitions() -> None:
     assert DeployedNames.read().pools == {
         "resilient-training/resilient-training": "spotrun-local",
         "resilient-training/nightly-retraining": "spotrun-local",
+        "resilient-training/transformers-example": "spotrun-local",
         "sweep-instances/sweep-instances": "spotrun-local",
         ALERT_DEPLOYMENT: "spotrun-local",
         RECOVER_DEPLOYMENT: "spotrun-local",
@@ -110,13 +114,13 @@ def test_shared_settings_come_from_definitions() -> None:
     assert DEPLOYMENTS["nightly-retraining"]["parameters"]["job"]["name"] != "digits"
 
 
-@pytest.mark.parametrize("name", ["resilient-training", "nightly-retraining"])
+@pytest.mark.parametrize("name", TRAINING)
 def test_training_runs_beat_and_carry_the_tag_the_recovery_automations_watch(name: str) -> None:
     d = DEPLOYMENTS[name]
     env = d["work_pool"]["job_variables"]["env"]
     assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_S)
     assert HEARTBEAT_TAG in d["tags"] and d["entrypoint"].endswith(":" + TRAINING_FLOW.replace("-", "_"))
-    others = [n for n in DEPLOYMENTS if n not in ("resilient-training", "nightly-retraining")]
+    others = [n for n in DEPLOYMENTS if n not in TRAINING]
     assert not any(HEARTBEAT_TAG in DEPLOYMENTS[n].get("tags", []) for n in others)
 
 

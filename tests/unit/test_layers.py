@@ -94,8 +94,14 @@ def module_name(path: Path) -> str:
 
 @functools.cache
 def sources() -> dict[str, Path]:
-    """Every first-party module by name."""
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    """Every first-party module by name. deployments/jobs/ is not one: its scripts are examples of a
+    user's own training code (run as `command:` jobs), which stands above all of spotrun."""
+    return {
+        module_name(p): p
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if not p.is_relative_to(ROOT / "deployments" / "jobs")
+    }
 
 
 def statements(body: list[ast.stmt]) -> Iterator[ast.AST]:

@@ -100,6 +100,12 @@ def _lines(*steps: int) -> list[tuple[int, float]]:
         # resumed from scratch after a reclaim before the first checkpoint
         (_lines(1, 2, 3, 1, 2), 0, range(1, 4), range(1, 3)),
         ([], 10, (), ()),
+        # logged every 5 steps: attempt 1 logged 5-15 (10 durable) and was killed; attempt 2 logs 15, 20
+        (_lines(5, 10, 15, 15, 20), 10, [15], [15, 20]),
+        # the same with a notice at step 12: attempt 2 continues the line, nothing computed twice
+        (_lines(5, 10, 15, 20), 12, (), ()),
+        # a resume from 12 after a kill at 27: attempt 2 (from 12) logged 15-25, attempt 3 logs 15 on
+        (_lines(5, 10, 15, 20, 25, 15, 20), 12, [15, 20, 25], [15, 20]),
     ],
 )
 def test_replayed_steps_from_the_metrics_file(

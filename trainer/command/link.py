@@ -12,7 +12,8 @@ The trainer starts the command with these in its environment (docs/integrations.
     SPOTRUN_STOP_SIGNAL     the name of that signal (SIGTERM, or the job file's `stop_signal`)
     SPOTRUN_STEPS_FILE      the script may append one JSON line per optimizer step, {"step": N} with
                             "loss" (and "lr") where it has them: its progress, and the losses MLflow
-                            gets exactly once and the resume-fidelity check compares
+                            gets exactly once and the resume-fidelity check compares (unless the
+                            line says "compare": false)
 
 A callback (spotrun.integrations.*) or any script reads these through `CommandLink`; nothing here
 imports torch or a framework.
@@ -94,9 +95,21 @@ class CommandLink:
             return {"reason": "signal"} if self._signalled.is_set() else {}
         return body if isinstance(body, dict) else {}
 
-    def report(self, step: int, loss: float | None = None, lr: float | None = None, **metrics: float) -> None:
-        """One optimizer step done (its loss, learning rate and other values where the script has them)."""
+    def report(
+        self,
+        step: int,
+        loss: float | None = None,
+        lr: float | None = None,
+        *,
+        compare: bool = True,
+        **metrics: float,
+    ) -> None:
+        """One optimizer step done (its loss, learning rate and other values where the script has them).
+        `compare=False`: the loss is right for MLflow but no other attempt computed the same value (a
+        mean over a logging window that a resume cut short), so the resume-fidelity check skips it."""
         line: dict[str, Any] = {"step": int(step)}
+        if not compare:
+            line["compare"] = False
         if loss is not None and math.isfinite(float(loss)):
             line["loss"] = float(loss).hex()
         if lr is not None and math.isfinite(float(lr)):

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,11 +103,12 @@ class _Follower:
         step = int(line["step"])
         loss = _float(line.get("loss"))
         if loss is not None:
-            lr = _float(line.get("lr"))
-            lr = 0.0 if lr is None else lr
             extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}
-            self.metrics.record(step, loss, lr=lr, lr_next=lr, metrics=extra)
-            if self.losses is not None:
+            # the rate the scheduler set next is the script's secret: the fidelity check compares no rate
+            self.metrics.record(step, loss, lr=_float(line.get("lr")), lr_next=None, metrics=extra)
+            if line.get("compare") is False:  # for MLflow only: no other attempt computed this value
+                loss = None
+            elif self.losses is not None:
                 self.losses.write(json.dumps({"step": step, "loss": loss.hex()}) + "\n")
                 self.losses.flush()
         if step > self.step:
@@ -169,6 +171,7 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         "step": str(start),
         "world_size": "1",
         "total_steps": str(spec.total_steps),
+        "python": sys.executable,
     }
     argv = [fill(a, values, f"command[{i}]") for i, a in enumerate(spec.command)]
     env = {

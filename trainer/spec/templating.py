@@ -26,6 +26,7 @@ VOCABULARY = {
     "step": "the step the command resumes from (0 on a first start)",
     "world_size": "processes in the job (1)",
     "total_steps": "the job file's total_steps",
+    "python": "the worker's own Python interpreter, the one spotrun runs in (a bare `python` is PATH's)",
 }
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 

@@ -62,10 +62,16 @@ class MetricsLog:
         self._lock = threading.Lock()
 
     def record(
-        self, step: int, loss: float, lr: float, lr_next: float, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        loss: float,
+        lr: float | None,
+        lr_next: float | None,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         """Step `step` trained at rate `lr` and got `loss`; the scheduler then set `lr_next`. `metrics`:
-        the loop's own at this step (`s.step_done(loss, eval_loss=...)`), sent to MLflow once as well."""
+        the loop's own at this step (`s.step_done(loss, eval_loss=...)`), sent to MLflow once as well.
+        None: not known (a command's script reports the rate a step used, never the next one)."""
         if self.storage is None:
             return
         now = time.time()
@@ -74,15 +80,17 @@ class MetricsLog:
             "step": step,
             "t": round(now, 3),
             "loss": float(loss).hex(),
-            "lr": float(lr).hex(),
         }
+        if lr is not None:
+            entry["lr"] = float(lr).hex()
         if metrics:
             entry["m"] = {str(k): float(v).hex() for k, v in metrics.items()}
         if len(self._times) > 1:
             entry["sps"] = round((len(self._times) - 1) / max(now - self._times[0], 1e-9), 3)
         with self._lock:
             self._buf.append(entry)
-            self._lr_next[step] = float(lr_next)
+            if lr_next is not None:
+                self._lr_next[step] = float(lr_next)
 
     def sidecars(self, step: int) -> dict[str, bytes]:
         """The object for a checkpoint at `step`: the buffered steps up to it, for the checkpointer to
