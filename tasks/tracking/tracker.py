@@ -383,6 +383,9 @@ def _final_weights(storage: Storage, step: int) -> Iterator[Path | None]:
                     weights = path / MODEL_FILE
                 elif DCP_METADATA in files:
                     weights = _gather_dcp(path, files, out)
+                else:  # a command's checkpoint (layout `directory`): HF's checkpoint-N/model.safetensors
+                    nested = [f for f in files if f.rsplit("/", 1)[-1] == MODEL_FILE]
+                    weights = path / nested[0] if len(nested) == 1 else None
         except (OSError, StorageError, ValueError) as e:
             log.warning("final weights of step %d not read: %s", step, e)
         yield weights

@@ -62,7 +62,7 @@ def hf_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> JobSpec:
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
     spec: dict[str, Any] = yaml.safe_load((REPO / "deployments/jobs/tiny-gpt2.yaml").read_text())
     spec["command"][1] = str(REPO / spec["command"][1])  # the reference run starts in another directory
-    return JobSpec.model_validate(spec | {"storage": str(tmp_path / "store"), "tracking": {"mlflow": False}})
+    return JobSpec.model_validate(spec | {"storage": str(tmp_path / "store")})
 
 
 def test_the_transformers_script_survives_three_reclaims_bitwise(
@@ -81,6 +81,15 @@ def test_the_transformers_script_survives_three_reclaims_bitwise(
     # bit for bit; a window a notice's save cut short is never compared (no false mismatch)
     checks = [r.extra["resume_check"] for r in rows if "resume_check" in r.extra]
     assert {c["verdict"] for c in checks} <= {"exact"}, checks
+    # one MLflow run: each logged loss once (a replayed logging step is not sent again), the model
+    from mlflow import MlflowClient  # here: the module takes seconds to import
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(hf_job.name).experiment_id])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(h.step for h in history) == list(range(5, hf_job.total_steps + 1, 5))
+    assert run.data.tags["spotrun.attempts"] == "4" and run.info.status == "FINISHED"
+    assert client.get_registered_model(hf_job.name).latest_versions
 
     reference = tmp_path / "reference"
     reference.mkdir()
