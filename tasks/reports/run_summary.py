@@ -40,7 +40,7 @@ class Summary:
     on_demand_usd: float | None = None  # the same instance hours at the on-demand price
     checkpoint_interval: dict[str, Any] | None = None  # `every: auto`: the last choice and why
     resume_checks: list[dict[str, Any]] = field(default_factory=list)  # one per resumed attempt checked
-    resume_fidelity: str | None = None  # the worst verdict: exact, close or mismatch (None: none checked)
+    resume_fidelity: str | None = None  # the worst verdict: exact, unchecked, close, mismatch (None: none)
     mlflow: dict[str, Any] | None = None  # the MLflow run (tasks.tracking.TrackingInfo); None: tracking off
     run_key: str | None = None  # a keyed job's run key
     promotion: dict[str, Any] | None = None  # the promotion gate's decision (tasks/decisions/promotion.py)

@@ -93,7 +93,8 @@ class RunTracking:
         try:
             if self.checker is None:
                 storage = self.job.open_storage()
-                self.checker = ResumeChecker(storage, self.job.tracking.resume_rtol)
+                rtol = self.job.tracking.resume_rtol
+                self.checker = ResumeChecker(storage, rtol, command=self.job.command is not None)
             return self.checker.check(worker, result, previous, attempt)
         except Exception as e:  # a check that cannot be made must not lose the attempt's row
             self.sink.log(logging.WARNING, f"resume check of attempt {attempt} not made: {e}")

@@ -41,6 +41,11 @@ from trainer.storage import Storage
 
 EXACT, CLOSE, MISMATCH = "exact", "close", "mismatch"
 VERDICTS = (EXACT, CLOSE, MISMATCH)  # best first
+# A command's resume with no value computed twice (its script reports no loss, or none over the same
+# steps): nothing says it was exact. A run with one is no better than `unchecked`, and no worse than
+# `close` (which found a difference).
+UNCHECKED = "unchecked"
+RUN_ORDER = (EXACT, UNCHECKED, CLOSE, MISMATCH)
 REPLAY, CONTINUITY = "replay", "continuity"
 TREND_WINDOW, TREND_SIGMAS, TREND_SLACK = 50, 4.0, 0.25
 MIN_TREND = 5  # fewer recent losses than this: the loss is not judged, only the rate
@@ -208,9 +213,10 @@ def continuity_verdict(
 
 
 def worst_verdict(verdicts: Sequence[str]) -> str | None:
-    """The worst of these verdicts (mismatch > close > exact); None for none."""
-    known = [v for v in verdicts if v in VERDICTS]
-    return max(known, key=VERDICTS.index) if known else None
+    """The run's verdict from its resumes': the worst (mismatch > close > unchecked > exact); None for
+    none."""
+    known = [v for v in verdicts if v in RUN_ORDER]
+    return max(known, key=RUN_ORDER.index) if known else None
 
 
 # -- where the values come from ---------------------------------------------------------------------
@@ -283,19 +289,39 @@ def replayed(
 class ResumeChecker:
     """Checks each attempt that resumed after another, from what the run log sees of both."""
 
-    def __init__(self, storage: Storage, rtol: float) -> None:
-        self.storage, self.rtol = storage, rtol
+    def __init__(self, storage: Storage, rtol: float, *, command: bool = False) -> None:
+        """`command`: the job is a `command:` (its script's losses are sparse or absent): a resume with
+        nothing to compare is recorded as `unchecked` rather than not at all."""
+        self.storage, self.rtol, self.command = storage, rtol, command
         self._last_losses: dict[int, float] = {}  # the previous attempt's step records' losses
 
     def check(
         self, worker: Worker, result: WatchResult, previous: AttemptRecord | None, attempt: int
     ) -> ResumeCheck | None:
         """The verdict on `attempt` (which `result` describes), given the attempt before it; None when
-        there is nothing to check (the first attempt, one that never started, or no values)."""
+        there is nothing to check (the first attempt, one that never started, or no values: for a
+        command, `unchecked`)."""
         samples, self._last_losses = self._last_losses, dict(result.losses)
         if previous is None or result.started is None or previous.outcome is Outcome.PROVISION_FAILED:
             return None
         start = result.resumed_from or 0
+        check = self._compare(worker, start, previous=previous, samples=samples, attempt=attempt)
+        if check is None and self.command and (start > 0 or previous.last_step > 0):
+            return ResumeCheck(
+                attempt=attempt,
+                method=REPLAY if previous.last_step > start else CONTINUITY,
+                resumed_from=start,
+                verdict=UNCHECKED,
+                steps=0,
+                first_diff=None,
+                max_rel=0.0,
+                detail="no loss the script reported was computed by both attempts over the same steps",
+            )
+        return check
+
+    def _compare(
+        self, worker: Worker, start: int, *, previous: AttemptRecord, samples: dict[int, float], attempt: int
+    ) -> ResumeCheck | None:
         file = local_metrics_file(worker)
         lines = read_losses(file) if file is not None else []
         lost, mine = replayed(lines, start)

@@ -82,6 +82,19 @@ def test_worst_verdict() -> None:
     assert worst_verdict(["exact", "close", "exact"]) == "close"
     assert worst_verdict(["close", "mismatch"]) == "mismatch"
     assert worst_verdict([]) is None
+    assert worst_verdict(["exact", "unchecked"]) == "unchecked"  # one resume nobody could check
+    assert worst_verdict(["unchecked", "close"]) == "close"
+
+
+def test_a_commands_resume_with_nothing_to_compare_is_unchecked(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "store")
+    metrics = _file(tmp_path / "m.jsonl")  # the script reported no loss
+    for command, expect in ((False, None), (True, "unchecked")):
+        checker = ResumeChecker(storage, rtol=1e-3, command=command)
+        check = checker.check(_worker(metrics), _watched(20), _attempt(1, 23), 2)
+        assert (check.verdict if check else None) == expect
+    fresh = ResumeChecker(storage, rtol=1e-3, command=True)  # a restart from scratch that lost nothing
+    assert fresh.check(_worker(metrics), _watched(None), _attempt(1, 0), 2) is None
 
 
 def _lines(*steps: int) -> list[tuple[int, float]]:
