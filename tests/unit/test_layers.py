@@ -64,8 +64,10 @@ ROOMS = {
         "entry",
     ],
     "tasks": [
+        "market",
         "providers",
         "decisions",
+        "deadlines",
         "history",
         "floor",
         "tracking",
