@@ -17,10 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from trainer.telemetry.heartbeat import MAX_LOSSES
 from trainer.telemetry.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
+
+# What a worker is rented on. The controller's deadline policy (tasks/deadlines/) picks it per attempt;
+# "spot" leaves the choice to the provider's own rules (AWS: its on_demand_after_* fallback).
+Market = Literal["spot", "on-demand"]
 
 if TYPE_CHECKING:
     from typing import Self
@@ -86,6 +90,8 @@ class Worker:
     attempt: int
     started_at: float  # epoch seconds the trainer process was started
     handle: Any = field(default=None, repr=False, compare=False)  # the provider's own state
+    market: Market = "spot"  # what it was rented on
+    zone: str = ""  # where, when the provider knows (a trace replay's zone, an EC2 availability zone)
     # What the provider has seen so far; final once `watch` returned or was interrupted (a cancel or
     # Ctrl-C in the controller: the provider stops the trainer gracefully, then re-raises).
     result: WatchResult | None = field(default=None, repr=False, compare=False)
@@ -200,8 +206,11 @@ class Provider(Protocol):
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
 
-    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
-        """Start the trainer for `attempt` (1-based) on a fresh worker; raise ProvisionError if none."""
+    def provision(
+        self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
+    ) -> Worker:
+        """Start the trainer for `attempt` (1-based) on a fresh worker on `market`; raise ProvisionError
+        if none (a spot market without capacity: retryable)."""
         ...
 
     def watch(

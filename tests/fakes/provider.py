@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from tasks.providers.base import (
     KillReason,
     LogCallback,
+    Market,
     NoticeKind,
     ProvisionError,
     StatusCallback,
@@ -107,7 +108,9 @@ class FakeProvider:
         self.provisioned: list[Worker] = []
         self.released: list[str] = []  # worker ids, in release order (repeats included)
 
-    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
+    def provision(
+        self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
+    ) -> Worker:
         """A worker for `attempt` that exists only in memory; the script's provision_error if it has one."""
         script = self.script[attempt - 1] if attempt <= len(self.script) else FakeAttempt()
         if script.provision_error is not None:

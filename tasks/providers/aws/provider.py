@@ -159,7 +159,9 @@ class AwsProvider:
     ) -> AwsProvider:
         return cls(cfg, make_ec2_client(cfg, session), **kwargs)
 
-    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
+    def provision(
+        self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
+    ) -> Worker:
         """Launch the attempt's instance (one per node) in the best pool with capacity and wait until
         every one runs."""
         text = self._job_text(job, spec_path)
@@ -191,7 +193,8 @@ class AwsProvider:
         script(launch.NodeRole(0, nnodes, None) if nnodes > 1 else None)  # refused before anything launches
         azs, root = self._lookups()
         self._reap_groups(0.0)  # those earlier attempts left in use
-        market = choose_market(self.cfg, self.history, time.time())
+        if market == "spot":  # the controller's policy left it to the fallback rules
+            market = choose_market(self.cfg, self.history, time.time())
         pools = rank_placements(self.cfg, self.history, azs, market)
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
         tags = launch.launch_tags(

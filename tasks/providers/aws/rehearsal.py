@@ -21,7 +21,7 @@ from pathlib import Path
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.provider import AwsProvider
 from tasks.providers.aws.watch import AwsWorkerState
-from tasks.providers.base import LogCallback, StatusCallback, StopCause, WatchResult, Worker
+from tasks.providers.base import LogCallback, Market, StatusCallback, StopCause, WatchResult, Worker
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from tasks.providers.trainer_env import trainer_env
 from trainer.spec.job import EnvOptions, JobSpec
@@ -103,8 +103,10 @@ class RehearsalProvider:
             exit_status=self.instances.exit_status,
         )
 
-    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
-        return self.inner.provision(job, attempt, spec_path, extra_args)
+    def provision(
+        self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
+    ) -> Worker:
+        return self.inner.provision(job, attempt, spec_path, extra_args, market=market)
 
     def watch(
         self, worker: Worker, on_status: StatusCallback | None = None, on_log: LogCallback | None = None

@@ -30,6 +30,7 @@ from typing import IO, TYPE_CHECKING
 from tasks.providers.base import (
     KillReason,
     LogCallback,
+    Market,
     NoticeKind,
     ProvisionError,
     StatusCallback,
@@ -99,7 +100,9 @@ class LocalProvider:
         self.prewarm = self.cfg.prewarm
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
 
-    def provision(self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str]) -> Worker:
+    def provision(
+        self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
+    ) -> Worker:
         """Start the trainer for `attempt`; returns once the process exists (training starts later)."""
         if not spec_path.is_file():
             raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
