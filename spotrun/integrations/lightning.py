@@ -11,8 +11,11 @@ Lightning writes, and forwards a notice. This callback does the script's half:
   trained as `spotrun-step=N.ckpt` (written whole, then renamed into place) and stops the Trainer: no step
   is lost; `fit()` then ends with SystemExit(75), and spotrun publishes the save before the worker exits
   as preempted;
-- it keeps the RNG states (Python, numpy, torch, CUDA) in every checkpoint and puts them back when
-  training starts, which Lightning itself does not: dropout after a resume draws what it drew before;
+- it keeps the RNG states (Python, numpy, torch, CUDA) in every checkpoint, in types a weights-only load
+  rebuilds (Lightning loads a local `ckpt_path` weights-only), and puts them back when `fit()` starts,
+  before the Trainer makes its first data iterator, which Lightning itself does not: a resume at an
+  epoch boundary shuffles and drops out what the uninterrupted run did (bitwise; a plain DataLoader
+  resumed mid-epoch starts that epoch's order anew: docs/integrations.md);
 - it reports each step's number and loss (a training step's returned loss: every step, not a mean) for
   MLflow, exactly once, and for the resume-fidelity check;
 - it refuses a `max_steps` that differs from the job's `total_steps` in one line.

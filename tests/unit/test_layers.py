@@ -94,8 +94,14 @@ def module_name(path: Path) -> str:
 
 @functools.cache
 def sources() -> dict[str, Path]:
-    """Every first-party module by name."""
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    """Every first-party module by name: a `.py` file in a package, not a script kept in a plain folder
+    below one (deployments/jobs/scripts/: a job's `command:` runs it as a user's script would run)."""
+    return {
+        module_name(p): p
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if all((d / "__init__.py").is_file() for d in p.parents if ROOT / pkg in d.parents)
+    }
 
 
 def statements(body: list[ast.stmt]) -> Iterator[ast.AST]:

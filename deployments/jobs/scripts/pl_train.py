@@ -41,7 +41,12 @@ def main() -> None:
     model = MLP()
     cb = SpotrunCallback()
     saves = ModelCheckpoint(
-        dirpath=a.out, filename="{epoch}-{step}", every_n_train_steps=10, save_top_k=3, monitor="step", mode="max"
+        dirpath=a.out,
+        filename="{epoch}-{step}",
+        every_n_train_steps=10,
+        save_top_k=3,
+        monitor="step",
+        mode="max",
     )
     trainer = L.Trainer(
         max_steps=a.max_steps,
