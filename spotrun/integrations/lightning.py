@@ -11,8 +11,11 @@ Lightning writes, and forwards a notice. This callback does the script's half:
   trained as `spotrun-step=N.ckpt` (written whole, then renamed into place) and stops the Trainer: no step
   is lost; `fit()` then ends with SystemExit(75), and spotrun publishes the save before the worker exits
   as preempted;
-- it keeps the RNG states (Python, numpy, torch, CUDA) in every checkpoint and puts them back when
-  training starts, which Lightning itself does not: dropout after a resume draws what it drew before;
+- it keeps the RNG states (Python, numpy, torch, CUDA) in every checkpoint, in types a weights-only load
+  rebuilds (Lightning loads a local `ckpt_path` weights-only), and puts them back when `fit()` starts,
+  before the Trainer makes its first data iterator, which Lightning itself does not: a resume at an
+  epoch boundary shuffles and drops out what the uninterrupted run did (bitwise; a plain DataLoader
+  resumed mid-epoch starts that epoch's order anew: docs/integrations.md);
 - it reports each step's number and loss (a training step's returned loss: every step, not a mean) for
   MLflow, exactly once, and for the resume-fidelity check;
 - it refuses a `max_steps` that differs from the job's `total_steps` in one line.
@@ -48,6 +51,7 @@ class SpotrunCallback(L.Callback):  # type: ignore[misc]  # lightning is not typ
         self.link = CommandLink.from_env()
         self._stopping = False
         self._rng: dict[str, Any] | None = None
+        self._fit_started = False
         if self.link is not None:
             self.link.catch_stop_signal()
 
@@ -61,6 +65,10 @@ class SpotrunCallback(L.Callback):  # type: ignore[misc]  # lightning is not typ
         return str(self.link.checkpoint_dir / found[-1].files[0]) if found else None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fit_started = True
+        if self._rng is not None:  # the checkpoint's RNG, before the Trainer makes its first data iterator
+            _set_rng(self._rng)
+            self._rng = None
         if self.link is None:
             return
         total = self.link.total_steps
@@ -69,11 +77,6 @@ class SpotrunCallback(L.Callback):  # type: ignore[misc]  # lightning is not typ
                 f"spotrun: max_steps is {trainer.max_steps}, but the job file says total_steps: {total}; "
                 "set the two equal"
             )
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._rng is not None:  # after Lightning's own restore and set-up: the checkpoint's RNG last
-            _set_rng(self._rng)
-            self._rng = None
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -96,7 +99,11 @@ class SpotrunCallback(L.Callback):  # type: ignore[misc]  # lightning is not typ
         checkpoint[RNG_KEY] = _get_rng()
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._rng = checkpoint.get(RNG_KEY)
+        state = checkpoint.get(RNG_KEY)
+        if state is not None and self._fit_started:  # a strategy that restores after set-up (FSDP, DeepSpeed)
+            _set_rng(state)
+        else:
+            self._rng = state
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the save of the stop step is on disk: spotrun publishes it, then exits preempted
@@ -111,9 +118,18 @@ def _lr(trainer: Any) -> float | None:
 
 
 def _get_rng() -> dict[str, Any]:
+    """The RNG states in types a weights-only load rebuilds (Lightning loads a local `ckpt_path` with
+    torch's default, `weights_only=True`): numpy's key array as a tensor, no numpy object."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -123,7 +139,9 @@ def _get_rng() -> dict[str, Any]:
 
 def _set_rng(state: dict[str, Any]) -> None:
     random.setstate(_python_state(state["python"]))
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    keys = np.asarray(n["keys"].numpy(), dtype=np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -21,7 +21,7 @@ from trainer.checkpoint.validate import validate_dir
 from trainer.command.layouts import MARKER, Found, Seen, find
 from trainer.command.link import CommandLink, read_steps, write_notice
 from trainer.command.publish import publish, restore
-from trainer.command.runner import _classify
+from trainer.command.runner import _classify, _Follower
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
 from trainer.spec.job import JobSpec
@@ -269,3 +269,43 @@ def test_content_checks_need_no_model(
     publish(found, root=tmp_path / "out", storage=store, cache=tmp_path / "cache", spec=spec(tmp_path))
     problems = validate_dir(tmp_path / "store" / step_dir(5))
     assert [p.kind for p in problems] == ([kind] if kind else [])
+
+
+def test_the_restored_checkpoint_is_no_sign_that_the_script_trained(tmp_path: Path) -> None:
+    """The training clock (the `started` record: reclaims and restart cost count from it) starts at the
+    script's first step or first new checkpoint, not when the checkpoint spotrun restored holds still."""
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    torch.save({}, ckpt_dir / "spotrun-step=30.ckpt")
+    began: list[bool] = []
+    follower = _Follower(
+        spec=Any,  # type: ignore[arg-type]  # not read until a checkpoint is published
+        storage=LocalStorage(tmp_path / "store"),
+        opts=Any,  # type: ignore[arg-type]
+        ckpt_dir=ckpt_dir,
+        steps_file=tmp_path / "steps.jsonl",
+        step=30,
+        durable=30,
+        started=lambda: began.append(True),
+    )
+    for _ in range(3):
+        follower.look()
+    follower.look(settled=True)
+    assert began == []
+
+
+def test_the_lightning_callbacks_rng_state_loads_weights_only_and_restores(tmp_path: Path) -> None:
+    """Lightning loads a local ckpt_path with torch's default, weights_only=True: the RNG states the
+    callback keeps in the checkpoint must be rebuilt by it (numpy's state as a tensor, no numpy object)."""
+    import random
+
+    import numpy as np
+
+    from spotrun.integrations.lightning import _get_rng, _set_rng
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    torch.save({"rng": _get_rng()}, tmp_path / "c.ckpt")
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    _set_rng(torch.load(tmp_path / "c.ckpt", weights_only=True)["rng"])
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])

@@ -85,7 +85,7 @@ def test_each_entrypoint_is_a_flow_relative_to_the_repository(name: str) -> None
     assert flow.name == func.replace("_", "-")  # DeployedNames relies on it
 
 
-TRAINING = ["resilient-training", "nightly-retraining", "transformers-example"]
+TRAINING = ["resilient-training", "nightly-retraining", "transformers-example", "lightning-example"]
 
 
 @pytest.mark.parametrize("name", TRAINING)
@@ -103,6 +103,7 @@ def test_shared_settings_come_from_definitions() -> None:
         "resilient-training/resilient-training": "spotrun-local",
         "resilient-training/nightly-retraining": "spotrun-local",
         "resilient-training/transformers-example": "spotrun-local",
+        "resilient-training/lightning-example": "spotrun-local",
         "sweep-instances/sweep-instances": "spotrun-local",
         ALERT_DEPLOYMENT: "spotrun-local",
         RECOVER_DEPLOYMENT: "spotrun-local",

@@ -96,13 +96,13 @@ def module_name(path: Path) -> str:
 
 @functools.cache
 def sources() -> dict[str, Path]:
-    """Every first-party module by name. deployments/jobs/ is not one: its scripts are examples of a
-    user's own training code (run as `command:` jobs), which stands above all of spotrun."""
+    """Every first-party module by name: a `.py` file in a package, not a script kept in a plain folder
+    below one (deployments/jobs/scripts/: a job's `command:` runs it as a user's script would run)."""
     return {
         module_name(p): p
         for pkg in PACKAGES
         for p in sorted((ROOT / pkg).rglob("*.py"))
-        if not p.is_relative_to(ROOT / "deployments" / "jobs")
+        if all((d / "__init__.py").is_file() for d in p.parents if ROOT / pkg in d.parents)
     }
 
 

@@ -209,13 +209,15 @@ def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
     from deployments.apply import PREFECT_FILE, allowed_by_defaults
 
     shipped = yaml.safe_load(PREFECT_FILE.read_text())
-    # built-in recipes only; the nightly job's keep_runs is the least a form may keep; the Transformers
-    # example's command exactly as written
-    example = (
+    # built-in recipes only; the nightly job's keep_runs is the least a form may keep; the two
+    # integration examples' commands exactly as written
+    examples = {
         "'{python}' deployments/jobs/scripts/hf_train.py --output_dir '{checkpoint_dir}' "
-        "--max_steps '{total_steps}'"
-    )
-    assert allowed_by_defaults(shipped) == Allowed(keep_runs=frozenset({"7"}), commands=frozenset({example}))
+        "--max_steps '{total_steps}'",
+        "'{python}' deployments/jobs/scripts/pl_train.py --out '{checkpoint_dir}' "
+        "--max_steps '{total_steps}'",
+    }
+    assert allowed_by_defaults(shipped) == Allowed(keep_runs=frozenset({"7"}), commands=frozenset(examples))
     job, provider = {"job": {"recipe": "team.models:build"}}, {"provider": {"python": "/opt/py"}}
     team = {"deployments": [{"parameters": job}, {"parameters": provider}, {"name": "sweep"}]}
     assert allowed_by_defaults(team) == Allowed(

@@ -4,8 +4,8 @@ Three layouts are recognised, each with its own sign that a checkpoint is comple
 - HF Transformers: a `checkpoint-N/` directory whose `trainer_state.json` (the Trainer writes it last)
   parses and says `global_step` N. Step N.
 - Lightning: a `*.ckpt` file whose name holds `step=N`, unchanged in size and time since the previous
-  look (Lightning writes it in place), or any `.ckpt` that spotrun's CheckpointIO plugin wrote (renamed
-  into place whole) with `step=N` in its name. Step N.
+  look (Lightning writes it in place; spotrun's callback writes its notice save `spotrun-step=N.ckpt`
+  whole and renames it into place). Step N.
 - Anything else: a directory holding the marker file `SPOTRUN_COMPLETE`, written last, whose content is
   the step as a decimal number (or JSON `{"step": N}`). Step N; its files are the directory's.
 

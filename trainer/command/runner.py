@@ -94,9 +94,9 @@ class _Follower:
         for line in lines:
             self._step(line)
         for found in find(self.ckpt_dir, None if settled else self.seen):
-            self.begin()  # a script that reports no steps has trained once it wrote a checkpoint
             if (self.durable is not None and found.step <= self.durable) or found.step in self.failed:
-                continue
+                continue  # the restored checkpoint (or an older one) is no sign that the script trained
+            self.begin()  # a script that reports no steps has trained once it wrote a checkpoint
             self._publish(found)
 
     def _step(self, line: dict[str, Any]) -> None:
