@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 from trainer.spec.job import JobSpec, load_spec
 
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
@@ -111,6 +111,7 @@ def run_one(
             markup=False,
         )
         return EXIT_OK
+    _check_deadline(job, settings.database_url, out)
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
         out.print(server_line(api), markup=False)
         out.print(f"flow run of {which} against {api.url}; checkpoints in {job.storage}", markup=False)
@@ -440,3 +441,31 @@ def add_run(sub: Subparsers) -> None:
         help="without PREFECT_API_URL: a Prefect server for this run alone, stopped after it (dead links)",
     )
     p.set_defaults(handler=cmd_run)
+
+
+def _check_deadline(job: JobSpec, database_url: str, out: Any) -> None:
+    """A deadline or budget the job cannot meet even on on-demand is refused before anything starts: one
+    line, exit 2 (the flow checks again, with what it measures)."""
+    if job.deadline is None and job.budget_usd is None:
+        return
+    from tasks.deadlines.plan import measure, submission_problem
+    from tasks.history.store import HistoryStore
+    from trainer.checkpoint.catalog import read_latest
+
+    store = HistoryStore.open(database_url)
+    try:
+        history = store.attempts(job=job.name)
+    finally:
+        store.close()
+    try:
+        done = read_latest(job.open_storage(create=False)) or 0
+    except (OSError, StorageError):
+        done = 0
+    now = time.time()
+    problem, warning = submission_problem(
+        job, now=now, start=now, done_step=done, measured=measure(job, history), prices=None
+    )
+    if warning is not None:
+        out.print(f"warning: {warning}", markup=False)
+    if problem is not None:
+        raise ConfigError(f"refused: {problem}")

@@ -15,6 +15,7 @@ records the attempt in flight and the job run's status before it propagates (Job
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import socket
@@ -32,12 +33,13 @@ from tasks.control.checkpoints import (
     disk_full,
     empty_cache,
 )
+from tasks.control.market import MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
 from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.decisions.outcome import resharded
 from tasks.decisions.policy import RetryPolicy, decide
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
+from tasks.providers.base import Market, Provider, ProvisionError, WatchResult, Worker, stop_cause
 from tasks.reports import reporting as report
 from tasks.reports.run_summary import Summary
 from tasks.settings import Settings
@@ -158,11 +160,17 @@ def _loop(
     rng = random.Random(job.seed)
     started = time.time()
     ahead: Prewarm | None = None  # the next attempt's worker, started at this attempt's notice
+    chooser = _chooser(job, runlog, sink=sink, sleep=sleep, started=started, provider=provider)
+    if chooser is not None and (refused := chooser.admit(runlog.records, runlog.resume_step or 0, None)):
+        sink.log(logging.ERROR, f"refused: {refused}")
+        return _finish(runlog, "failed", f"refused: {refused}", started)
     try:
         while True:
             attempt = len(runlog.records) + 1
             sink.event(report.ATTEMPT_STARTED, job.name, {"attempt": attempt, "step": runlog.resume_step})
-            record, ahead = _attempt(job, provider, sink, runlog=runlog, attempt=attempt, ready=ahead)
+            record, ahead = _attempt(
+                job, provider, sink, runlog=runlog, attempt=attempt, ready=ahead, chooser=chooser
+            )
             if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
                 point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
                 if point is not None:
@@ -208,12 +216,37 @@ def _loop(
             ahead.discard(provider)
 
 
+def _chooser(
+    job: JobSpec,
+    runlog: JobRunLog,
+    *,
+    sink: Sink,
+    sleep: Callable[[float], None],
+    started: float,
+    provider: Provider,
+) -> MarketChooser | None:
+    """The market policy's chooser when the job has a deadline or a max_wait_s (else None: spot)."""
+    if not MarketChooser.wanted(job):
+        return None
+    mine = {r.worker_id for r in runlog.records}  # an adopted run's own attempts come with each decision
+    history: list[AttemptRecord] = [r for r in runlog.store.attempts(job=job.name) if r.worker_id not in mine]
+    return MarketChooser(job, history, started, sink, sleep=sleep, poll_s=provider.capacity_poll_s)
+
+
 def _attempt(
-    job: JobSpec, provider: Provider, sink: Sink, *, runlog: JobRunLog, attempt: int, ready: Prewarm | None
+    job: JobSpec,
+    provider: Provider,
+    sink: Sink,
+    *,
+    runlog: JobRunLog,
+    attempt: int,
+    ready: Prewarm | None,
+    chooser: MarketChooser | None = None,
 ) -> tuple[AttemptRecord, Prewarm | None]:
     """One attempt, on the worker prewarmed for it or a fresh one, watched and released; its record,
     classified, and the next attempt's worker if this one's notice started it."""
     t0 = time.time()
+    market_extra: dict[str, Any] = {}
     worker = ready.take() if ready is not None else None
     if worker is not None:
         lead = t0 - (ready.started_at or t0) if ready is not None else 0.0
@@ -223,7 +256,14 @@ def _attempt(
     else:
         try:
             args = (provider, job, attempt, runlog.spec_path, runlog.released, sink, runlog.trainer_args())
-            worker = sink.step("provision", provision, *args)
+            if chooser is None:
+                worker = sink.step("provision", provision, *args)
+            else:  # the market policy picks spot or on-demand, and waits out an outage where it pays
+                done = runlog.resume_step or 0
+                launch = functools.partial(_provision_on, args)
+                worker, market_extra = chooser.provision(
+                    lambda market: sink.step("provision", launch, market), runlog.records, done
+                )
         except ProvisionError as e:
             return runlog.provision_failed(attempt, e, t0), None
     runlog.in_flight = worker
@@ -251,7 +291,9 @@ def _attempt(
         runlog.released = worker.id  # gone: the next trainer may take over its storage lease
         if ahead is not None and ahead.started:
             _hand_off(job, worker.id, sink)
-    return runlog.classify(worker, result), (ahead if ahead is not None and ahead.started else None)
+    record = runlog.classify(worker, result)
+    record.extra.update(market_extra)
+    return record, (ahead if ahead is not None and ahead.started else None)
 
 
 def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, sink: Sink) -> None:
@@ -284,6 +326,10 @@ def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:
         sink.log(logging.WARNING, f"lease handoff for {worker_id} not written: {e}")
 
 
+def _provision_on(args: tuple[Any, ...], market: Market) -> Worker:
+    return provision(*args, market=market)
+
+
 def provision(
     provider: Provider,
     job: JobSpec,
@@ -292,12 +338,14 @@ def provision(
     released: str | None,
     sink: Sink,
     more: Sequence[str] = (),
+    *,
+    market: Market = "spot",
 ) -> Worker:
     """Rent (or, locally, start) a worker running the trainer. `released`: the worker released last (or
     left by a dead controller); the new trainer may take over its storage lease at once. `more`: other
     trainer arguments (the reclaim rate an adaptive checkpoint interval plans for)."""
     extra = (["--lease-takeover", released] if released else []) + list(more)
-    worker = provider.provision(job, attempt, spec_path, extra)
+    worker = provider.provision(job, attempt, spec_path, extra, market=market)
     sink.log(logging.INFO, f"attempt {attempt}: worker {worker.id} ({provider.name}) provisioned")
     return worker
 

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-Market = Literal["spot", "on-demand"]
+from tasks.providers.base import Market
+
 Choice = Literal["spot", "on-demand", "wait"]
 
 

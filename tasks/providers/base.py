@@ -205,6 +205,9 @@ class Provider(Protocol):
 
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
+    capacity_poll_s: (
+        float  # how often a market without spot capacity is asked again (tasks/control/market.py)
+    )
 
     def provision(
         self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"

@@ -98,6 +98,7 @@ class FakeProvider:
     ) -> None:
         self.name, self.script = name, list(script)
         self.prewarm = False  # scripted attempts: nothing to start ahead
+        self.capacity_poll_s = 0.0
         self.checkpoint_every, self.step_s, self.heartbeat_timeout_s = (
             checkpoint_every,
             step_s,
@@ -106,6 +107,7 @@ class FakeProvider:
         self.write_marker = write_marker  # a completed attempt writes COMPLETED.json to the job's storage
         self.durable: dict[str, int] = {}  # job name -> newest durable step any attempt reached
         self.provisioned: list[Worker] = []
+        self.spot_refusals = 0  # the next this many spot launches are refused for capacity (retryable)
         self.released: list[str] = []  # worker ids, in release order (repeats included)
 
     def provision(
@@ -115,9 +117,17 @@ class FakeProvider:
         script = self.script[attempt - 1] if attempt <= len(self.script) else FakeAttempt()
         if script.provision_error is not None:
             raise script.provision_error
+        if market == "spot" and self.spot_refusals > 0:
+            self.spot_refusals -= 1
+            raise ProvisionError("no spot capacity (scripted)", retryable=True)
         handle = _Handle(script, job, self.durable.get(job.name))
         worker = Worker(
-            f"fake-{job.name}-{attempt}", self.name, attempt, started_at=time.time(), handle=handle
+            f"fake-{job.name}-{attempt}",
+            self.name,
+            attempt,
+            started_at=time.time(),
+            handle=handle,
+            market=market,
         )
         self.provisioned.append(worker)
         return worker

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.errors import ConfigError
 from trainer.redact import redact_tree
+from trainer.spec.deadline import deadline_problem
 from trainer.spec.entrypoints import code_problem, command_problem, entrypoint_problem
 from trainer.spec.messages import explain_errors
 from trainer.spec.runs import (
@@ -336,6 +337,31 @@ class JobSpec(BaseModel):
         "changing another one is a change of trajectory; none: every arg is shape",
     )
     total_steps: int = Field(ge=1, description="optimizer steps to train")
+    deadline: str | None = Field(
+        default=None,
+        description="when the job must be done: a time with its timezone (2026-12-07T08:00:00Z) or a "
+        "duration from the job run's start, or a scheduled run's slot (12h, 90m, 2d); the market policy "
+        "then buys on-demand only when spot would miss it",
+    )
+    budget_usd: float | None = Field(
+        default=None, gt=0, description="the most the job may cost; refused at submission when too little"
+    )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="the longest the job waits for spot capacity, counted from the last failure; then "
+        "on-demand",
+    )
+    seconds_per_step: float | None = Field(
+        default=None,
+        gt=0,
+        description="your estimate of one step's time on a worker, for the deadline check before the job "
+        "has history (it then uses the measured rate)",
+    )
+    market_policy: Literal["spotrun", "uniform-progress", "greedy", "on-demand"] = Field(
+        default="spotrun",
+        description="with a deadline: how spot and on-demand are chosen (docs/benchmarks.md compares them)",
+    )
     batch_size: int = Field(
         default=64,
         ge=1,
@@ -411,6 +437,13 @@ class JobSpec(BaseModel):
     def _recipe_form(cls, v: str | None) -> str | None:
         if v is not None and (not v or (":" in v and (v.startswith(":") or v.endswith(":")))):
             raise ValueError("use a built-in name (digits, charlm) or 'package.module:function'")
+        return v
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_form(cls, v: str | None) -> str | None:
+        if v is not None and (problem := deadline_problem(v)):
+            raise ValueError(problem)
         return v
 
     @field_validator("entrypoint")

@@ -144,6 +144,7 @@ class AwsProvider:
         open_store: Callable[[JobSpec], Storage] = default_store,
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
         self.installation = installation  # None: untagged, so no sweeper or adopting controller ends them
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store

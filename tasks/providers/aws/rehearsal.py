@@ -94,6 +94,7 @@ class RehearsalProvider:
         self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None, installation: str | None = None
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.capacity_poll_s = 30.0
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
             cfg,

@@ -98,6 +98,7 @@ class LocalProvider:
     def __init__(self, cfg: LocalProviderConfig | None = None, flow_run_id: str | None = None) -> None:
         self.cfg = cfg or LocalProviderConfig()
         self.prewarm = self.cfg.prewarm
+        self.capacity_poll_s = 30.0  # a spot market without capacity: asked again this often
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
 
     def provision(

@@ -1,0 +1,136 @@
+"""Which market the next attempt rents, for a job with a deadline (or a `max_wait_s`): the policy of
+tasks/deadlines/policy.py asked at each provisioning, with what SQL measured of the job.
+
+    worker, extra = chooser.provision(lambda market: provider.provision(..., market=market))
+
+The answer is spot, on-demand, or wait. Waiting is not an attempt: the loop sleeps `poll_s` and asks
+again (spot is tried again then: a capacity error costs nothing). A spot launch refused for capacity is
+not an attempt either: it marks spot unavailable from that moment (the policy's `spot_short_s`, and
+`max_wait_s`), and the policy is asked again. What was chosen and why goes to the attempt row's
+`extra` (`market`, `market_reason`, `waited_s`) and to an event when the market changes.
+
+Without a deadline and without `max_wait_s` nothing here runs: spot, and a capacity error is the
+retry policy's, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tasks.deadlines.plan import Measured, Prices, measure, situation, submission_problem
+from tasks.deadlines.policy import POLICIES, Decision
+from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.providers.base import Market, ProvisionError, Worker
+from trainer.spec.job import JobSpec
+
+MARKET_CHOSEN = "spotrun.market.chosen"
+POLL_S = 30.0  # between two looks at a market that has no spot capacity
+
+
+class Sink(Protocol):
+    def log(self, level: int, msg: str) -> None: ...
+
+    def event(
+        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
+    ) -> None: ...
+
+
+@dataclass
+class MarketChooser:
+    """One job run's market decisions. `start`: when its deadline's clock started (epoch seconds)."""
+
+    job: JobSpec
+    history: list[AttemptRecord]  # every attempt of the job in SQL, for the measured rates
+    start: float
+    sink: Sink
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.time
+    poll_s: float = POLL_S
+    short_since: float | None = None  # when spot was last refused for capacity (None: not short)
+    last: Decision | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # every change, for the summary
+
+    @staticmethod
+    def wanted(job: JobSpec) -> bool:
+        return job.deadline is not None or job.max_wait_s is not None
+
+    def measured(self, records: list[AttemptRecord]) -> Measured:
+        return measure(self.job, [*self.history, *records])
+
+    def admit(self, records: list[AttemptRecord], done_step: int, prices: Prices | None) -> str | None:
+        """Why the job is refused at submission (one line with the numbers), or None; a warning is
+        logged."""
+        problem, warning = submission_problem(
+            self.job,
+            now=self.clock(),
+            start=self.start,
+            done_step=done_step,
+            measured=self.measured(records),
+            prices=prices,
+        )
+        if warning is not None:
+            self.sink.log(logging.WARNING, warning)
+        return problem
+
+    def decide(self, records: list[AttemptRecord], done_step: int) -> Decision:
+        now = self.clock()
+        short = 0.0 if self.short_since is None else now - self.short_since
+        if self.job.max_wait_s is not None and self.short_since is not None and short >= self.job.max_wait_s:
+            return Decision(
+                "on-demand", f"no spot capacity for {short:.0f} s >= max_wait_s {self.job.max_wait_s:g}"
+            )
+        sit = situation(
+            self.job,
+            now=now,
+            start=self.start,
+            done_step=done_step,
+            measured=self.measured(records),
+            running=None,
+            spot_available=self.short_since is None,
+            preemptions=sum(1 for r in records if r.outcome is Outcome.PREEMPTED),
+            spot_short_s=short,
+        )
+        if sit is None:  # no deadline (max_wait_s alone), or no step rate yet
+            return Decision("spot" if self.short_since is None else "wait", "spot (no deadline policy)")
+        return POLICIES[self.job.market_policy](sit)
+
+    def provision(
+        self, launch: Callable[[Market], Worker], records: list[AttemptRecord], done_step: int
+    ) -> tuple[Worker, dict[str, Any]]:
+        """Ask, wait or launch until a worker runs; raises the provider's other errors."""
+        t0 = self.clock()
+        while True:
+            decision = self.decide(records, done_step)
+            self._note(decision)
+            market: Market = "on-demand" if decision.choice == "on-demand" else "spot"
+            if decision.choice == "wait":  # then look again: a launch refused for capacity costs nothing
+                self.sleep(self.poll_s)
+            try:
+                worker = launch(market)
+            except ProvisionError as e:
+                if not e.retryable or market != "spot":
+                    raise
+                if self.short_since is None:
+                    self.short_since = self.clock()
+                    self.sink.log(logging.INFO, f"no spot capacity: {e}")
+                continue
+            if market == "spot":
+                self.short_since = None
+            waited = round(self.clock() - t0, 1)
+            if decision.choice == "wait":  # the look after the wait found spot
+                decision = Decision("spot", f"spot capacity is back after {waited:g} s of waiting")
+                self._note(decision)
+            return worker, {"market": market, "market_reason": decision.reason, "waited_s": waited}
+
+    def _note(self, decision: Decision) -> None:
+        if self.last is not None and self.last.choice == decision.choice:
+            return
+        self.last = decision
+        self.sink.log(logging.INFO, f"market: {decision.choice} ({decision.reason})")
+        payload = {"choice": decision.choice, "reason": decision.reason, "policy": self.job.market_policy}
+        self.decisions.append({"t": round(self.clock() - self.start, 1), **payload})
+        self.sink.event(MARKET_CHOSEN, self.job.name, payload)

@@ -1,0 +1,179 @@
+"""The market decision at each provisioning, for a job with a deadline or a max_wait_s: what SQL
+measured of the job, the refusal at submission with its numbers, and the control loop's choice (spot,
+on-demand, or wait out an outage) recorded on the attempt row, on a fake clock and scripted providers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.control.loop import PlainSink, run_job
+from tasks.control.market import MARKET_CHOSEN, MarketChooser
+from tasks.deadlines.plan import DEFAULT_RESTART_S, Prices, measure, submission_problem
+from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.policy import RetryPolicy
+from tasks.history import HistoryStore
+from tasks.providers.base import Market, ProvisionError, Worker
+from tasks.settings import Settings
+from tests.fakes.provider import FakeAttempt, FakeProvider
+from trainer.spec.job import JobSpec
+
+H = 3600.0
+
+
+def job(**fields: Any) -> JobSpec:
+    return JobSpec.model_validate({"name": "dated", "recipe": "digits", "total_steps": 1000} | fields)
+
+
+def attempt(
+    n: int, *, resumed: int | None, durable: int, productive_s: float, startup_s: float
+) -> AttemptRecord:
+    return AttemptRecord(
+        n,
+        f"w{n}",
+        "fake",
+        started_at=100.0,
+        ended_at=200.0,
+        outcome=Outcome.PREEMPTED,
+        cause="",
+        resumed_from=resumed,
+        last_durable_step=durable,
+        productive_s=productive_s,
+        extra={"started_training_at": 100.0 + startup_s},
+    )
+
+
+def test_the_step_rate_and_the_start_cost_come_from_history_else_the_job_file() -> None:
+    history = [
+        attempt(1, resumed=None, durable=100, productive_s=50.0, startup_s=20.0),
+        attempt(2, resumed=100, durable=400, productive_s=150.0, startup_s=40.0),
+        attempt(3, resumed=400, durable=400, productive_s=0.0, startup_s=30.0),
+    ]
+    m = measure(job(seconds_per_step=9.0), history)
+    assert (m.step_s, m.step_from, m.restart_s, m.restart_from) == (0.5, "history", 30.0, "history")
+    m = measure(job(seconds_per_step=9.0), [])
+    assert (m.step_s, m.step_from, m.restart_s, m.restart_from) == (
+        9.0,
+        "declared",
+        DEFAULT_RESTART_S,
+        "assumed",
+    )
+    assert measure(job(), []).step_s is None
+
+
+# (job fields, done step, refused because, warned because); 1,000 steps at 1 s each, a 120 s start
+SUBMISSIONS: list[tuple[dict[str, Any], int, str | None, str | None]] = [
+    ({}, 0, None, None),  # neither a deadline nor a budget
+    ({"deadline": "2h", "seconds_per_step": 1}, 0, None, None),
+    ({"deadline": "15m", "seconds_per_step": 1}, 0, "even on on-demand", None),
+    ({"deadline": "15m", "seconds_per_step": 1}, 900, None, None),  # 100 steps left
+    ({"deadline": "2h"}, 0, None, "no step rate known"),
+    ({"budget_usd": 0.1, "seconds_per_step": 1}, 0, "cannot pay", None),  # $0.28 on spot
+    ({"budget_usd": 0.5, "seconds_per_step": 1}, 0, None, "but not on on-demand"),  # $0.95 on-demand
+    ({"budget_usd": 5, "seconds_per_step": 1}, 0, None, None),
+]
+
+
+@pytest.mark.parametrize(("fields", "done", "refused", "warned"), SUBMISSIONS)
+def test_a_job_that_cannot_make_its_deadline_or_budget_is_refused_with_the_numbers(
+    fields: dict[str, Any], done: int, refused: str | None, warned: str | None
+) -> None:
+    j = job(**fields)
+    problem, warning = submission_problem(
+        j, now=0.0, start=0.0, done_step=done, measured=measure(j, []), prices=Prices(0.918, 3.06)
+    )
+    assert (problem is None) == (refused is None) and (warning is None) == (warned is None), (
+        problem,
+        warning,
+    )
+    for line, part in ((problem, refused), (warning, warned)):
+        if part is not None:
+            assert line is not None and part in line and "\n" not in line
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class Market_:
+    """Launches that are refused for spot while `outage(t)` is true."""
+
+    def __init__(self, clock: Clock, outage: Any) -> None:
+        self.clock, self.outage, self.launched = clock, outage, []
+
+    def __call__(self, market: Market) -> Worker:
+        if market == "spot" and self.outage(self.clock.t):
+            raise ProvisionError("no spot capacity", retryable=True)
+        self.launched.append((self.clock.t, market))
+        return Worker("w", "fake", 1, started_at=self.clock.t, market=market)
+
+
+def chooser(j: JobSpec, clock: Clock, sink: PlainSink) -> MarketChooser:
+    return MarketChooser(j, [], 0.0, sink, sleep=clock.sleep, clock=clock, poll_s=60.0)
+
+
+def test_a_roomy_deadline_waits_an_outage_out_and_takes_spot_when_it_is_back() -> None:
+    clock, sink = Clock(), PlainSink()
+    launch = Market_(clock, lambda t: t < 600)
+    worker, extra = chooser(job(deadline="10h", seconds_per_step=1), clock, sink).provision(launch, [], 0)
+    assert launch.launched == [(600.0, "spot")] and worker.market == "spot"
+    assert extra["market"] == "spot" and extra["waited_s"] == 600.0
+    assert [p["choice"] for e, p in sink.events if e == MARKET_CHOSEN] == ["spot", "wait", "spot"]
+
+
+def test_a_tight_deadline_buys_on_demand_when_spot_is_short() -> None:
+    clock, sink = Clock(), PlainSink()
+    launch = Market_(clock, lambda t: True)
+    _, extra = chooser(job(deadline="20m", seconds_per_step=1), clock, sink).provision(launch, [], 0)
+    assert launch.launched == [(0.0, "on-demand")] and extra["market"] == "on-demand"
+    assert "no slack" in extra["market_reason"] or "reserve" in extra["market_reason"]
+
+
+def test_max_wait_without_a_deadline_turns_to_on_demand_after_that_long_without_capacity() -> None:
+    clock, sink = Clock(), PlainSink()
+    launch = Market_(clock, lambda t: True)
+    _, extra = chooser(job(max_wait_s=300), clock, sink).provision(launch, [], 0)
+    assert launch.launched == [(300.0, "on-demand")]
+    assert "max_wait_s 300" in extra["market_reason"]
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may call Prefect
+    return Settings(tmp_path / "home", f"sqlite:///{tmp_path / 'history.db'}")
+
+
+def _attempts(settings: Settings) -> list[AttemptRecord]:
+    store = HistoryStore.open(settings.database_url)
+    try:
+        return list(store.attempts(job="dated"))
+    finally:
+        store.close()
+
+
+def test_the_loop_records_the_market_on_the_attempt_row(tmp_path: Path, settings: Settings) -> None:
+    provider = FakeProvider([FakeAttempt()], checkpoint_every=100)
+    provider.spot_refusals = 2
+    j = job(deadline="10h", seconds_per_step=0.01, total_steps=100, storage=str(tmp_path / "store"))
+    result = run_job(j, provider, RetryPolicy(), PlainSink(), settings=settings, sleep=lambda s: None)
+    assert result.completed, result.message
+    (row,) = _attempts(settings)
+    assert row.outcome is Outcome.COMPLETED and row.extra["market"] == "spot"
+    assert "spot" in row.extra["market_reason"] and provider.spot_refusals == 0
+
+
+def test_an_impossible_deadline_is_refused_before_any_worker(tmp_path: Path, settings: Settings) -> None:
+    provider = FakeProvider([FakeAttempt()])
+    j = job(deadline="1m", seconds_per_step=1, storage=str(tmp_path / "store"))
+    result = run_job(j, provider, RetryPolicy(), PlainSink(), settings=settings, sleep=lambda s: None)
+    assert not result.completed and result.message.startswith("refused: deadline 1m is 0.02 h away")
+    assert provider.provisioned == [] and _attempts(settings) == []
