@@ -504,3 +504,18 @@ def test_deploy_uses_the_background_server(tmp_path: Path) -> None:
             assert json.load(resp)["id"] == applied["recover-job/recover-job"]  # on that server
     finally:
         stop_background(home)
+
+
+def test_run_refuses_a_deadline_even_on_demand_cannot_make_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # refused before any server is asked
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: dated\nrecipe: digits\ntotal_steps: 1000\nseconds_per_step: 1\ndeadline: 10m\n"
+        f"storage: {tmp_path / 'store'}\n"
+    )
+    code, _, err = run(capsys, "run", str(spec))
+    assert_one_line_error(code, err, "refused: deadline 10m is 0.17 h away", "1000 steps left take 0.31 h")
+    assert not (tmp_path / "home" / "prefect").exists()  # no server was started, no flow run made

@@ -264,3 +264,34 @@ def test_the_benchmark_runs_on_the_tests_traces_and_ends_with_its_json(tmp_path:
         text=True,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--slack below 1" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("12h", None),
+        ("1h30m", None),
+        ("2d", None),
+        ("2026-12-07T08:00:00Z", None),
+        ("2026-12-07T09:00:00+01:00", None),
+        ("2026-12-07T08:00:00", "has no timezone"),
+        ("tomorrow", "neither a time"),
+        ("0h", "zero duration"),
+    ],
+)
+def test_a_deadline_is_a_time_with_its_zone_or_a_duration(text: str, problem: str | None) -> None:
+    from pydantic import ValidationError
+
+    from trainer.spec.deadline import deadline_at
+    from trainer.spec.job import JobSpec
+
+    fields = {"name": "d", "recipe": "digits", "total_steps": 10, "deadline": text}
+    if problem is None:
+        JobSpec.model_validate(fields)
+        if text == "1h30m":
+            assert deadline_at(text, 1000.0) == 1000.0 + 5400
+        if text.endswith("+01:00"):
+            assert deadline_at(text, 0.0) == deadline_at("2026-12-07T08:00:00Z", 0.0)
+    else:
+        with pytest.raises(ValidationError, match=problem):
+            JobSpec.model_validate(fields)
