@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from tasks.market.traces import Trace, best_zone
@@ -169,3 +170,13 @@ def test_settings_build_the_replay(tmp_path: Path) -> None:
     assert (m.spot_price_per_h, m.on_demand_price_per_h) == (0.918, 3.06)  # p3.2xlarge, us-east-1
     one = TraceMarket.of(LocalProviderConfig(trace=str(_trace_file(tmp_path / "z-1a_v100_1.json", [0, 1]))))
     assert one is not None and one.zones == ["z-1a"]
+
+
+def test_the_docs_example_is_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/architecture.md's trace replay example parses, and its trace is the slice in tests/data."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc.split("**Trace replay.**", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(REPO)  # the example's trace path is relative to the repository
+    cfg = LocalProviderConfig.model_validate(yaml.safe_load(block)["provider"])
+    m = TraceMarket.of(cfg)
+    assert m is not None and m.zones == ["us-east-2a", "us-east-2b"] and m.traces[0].gap_s / m.compress == 0.5
