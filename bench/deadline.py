@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.deadlines.optimum import optimum_cost
 from tasks.deadlines.policy import POLICIES
-from tasks.deadlines.simulate import DAY_S, Job, simulate
-from tasks.market.traces import Trace, load
+from tasks.deadlines.simulate import Job, simulate
+from tasks.market.traces import DAY_S, Trace, load
 
 OUT = Path(__file__).resolve().parent / "out" / "deadline"
 BASELINES = ("on-demand", "greedy", "uniform-progress")

@@ -22,9 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tasks.deadlines.policy import Decision, Market, Policy, Situation
-from tasks.market.traces import Trace
-
-DAY_S = 86_400.0
+from tasks.market.traces import Trace, best_zone
 
 
 @dataclass(frozen=True)
@@ -154,15 +152,3 @@ def simulate(
                 run.finished_tick = tick + 1
                 return run
     return run
-
-
-def best_zone(traces: Sequence[Trace], tick: int, caps: Sequence[bool]) -> int:
-    """Of the zones with capacity now, the one that had the most over the last day (ties: name order)."""
-    window = max(1, int(DAY_S / traces[0].gap_s))
-    lo = max(0, tick - window)
-
-    def seen(i: int) -> int:
-        return sum(1 for k in range(lo, tick) if traces[i].at(k) > 0)
-
-    candidates = [i for i, up in enumerate(caps) if up]
-    return max(candidates, key=lambda i: (seen(i), -i))

@@ -6,8 +6,9 @@ The format is the one the *Can't Be Late* authors (NSDI '24) published their AWS
 
 one integer per tick of G seconds, the instances available (1-node traces: 0 or 1). A file is one
 zone, named `<zone>_<anything>.json` (`us-east-1a_v100_1.json`); a folder of them is a region whose
-zones share the clock. Both the local simulator (a spot worker preempted when its zone's capacity
-drops) and bench/deadline.py read traces through `load`.
+zones share the clock. Both the local provider's replay (a spot worker preempted when its zone's
+capacity drops: tasks/providers/local/market.py) and the deadline simulator (bench/deadline.py) read
+traces through `load` and place a spot worker by `best_zone`, so that the two agree on where it runs.
 
 A trace is input like a job file: a malformed one is refused in one line that names the file and the
 problem, never half-read.
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import ConfigError
+
+DAY_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -111,3 +114,15 @@ def load(path: Path, zones: Sequence[str] = ()) -> list[Trace]:
     if len(gaps) > 1:
         raise ConfigError(f"spot traces in {path} tick at different rates {sorted(gaps)}; give one clock")
     return traces
+
+
+def best_zone(traces: Sequence[Trace], tick: int, caps: Sequence[bool]) -> int:
+    """Of the zones with capacity now, the one that had the most over the last day (ties: name order)."""
+    window = max(1, int(DAY_S / traces[0].gap_s))
+    lo = max(0, tick - window)
+
+    def seen(i: int) -> int:
+        return sum(1 for k in range(lo, tick) if traces[i].at(k) > 0)
+
+    candidates = [i for i, up in enumerate(caps) if up]
+    return max(candidates, key=lambda i: (seen(i), -i))

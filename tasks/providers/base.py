@@ -40,6 +40,7 @@ class NoticeKind(StrEnum):
 
     SIM_NOTICE = "sim-notice"  # the local simulator: SIGTERM, then SIGKILL after the notice window
     SIM_NO_NOTICE = "sim-no-notice"  # the local simulator: SIGKILL with no warning
+    SIM_TRACE = "sim-trace"  # the local trace replay: the zone's capacity dropped (SIGTERM, then SIGKILL)
     SPOT_INTERRUPTION = "spot-interruption"  # the cloud's spot market took the instance
 
 

@@ -337,7 +337,7 @@ def _cost(
 ) -> tuple[float | None, float | None]:
     priced = [(r.attempt, r.extra["cost"]) for r in rows if isinstance(r.extra.get("cost"), dict)]
     if not priced:
-        why = "no attempt row carries a price (extra.cost): the local simulator does not price attempts"
+        why = "no attempt row carries a price (extra.cost): the local simulator prices only a trace replay"
         unavailable["cost_usd"] = unavailable["on_demand_usd"] = why
         return None, None
     unpriced = [

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tasks.decisions.attempts import Outcome
-from tasks.decisions.outcome import classify, to_record
+from tasks.decisions.outcome import add_facts, classify, to_record
 from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
 from tasks.providers.local import (
     LocalProvider,
@@ -167,6 +167,47 @@ def test_reclaim_with_notice_exits_preempted(tmp_path: Path) -> None:
     assert result.last_durable_step == result.last_step > 0  # the emergency checkpoint
     assert result.notice_at is not None and result.started_training_at is not None
     assert result.notice_at - result.started_training_at >= 0.5
+
+
+def test_a_trace_replay_reclaims_a_running_spot_worker_when_its_zone_empties(tmp_path: Path) -> None:
+    """A one-zone trace of 1 s ticks replayed twice as fast (0.5 s a tick): capacity for 4 ticks, then
+    none. The replay's clock is the test's: it moves to tick 4 once the trainer has taken steps, so the
+    drop meets a running worker however slow the machine. The worker gets the notice, takes its
+    emergency checkpoint and exits PREEMPTED, priced at the spot price; spot is then refused
+    (retryable), on-demand still placed."""
+    trace = tmp_path / "us-test-1a_v100_1.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 1}, "data": [1] * 4 + [0] * 60}))
+    clock = [100.0]
+    cfg = LocalProviderConfig(workdir=str(tmp_path / "work"), trace=str(trace), compress=2, notice_s=30)
+    provider = LocalProvider(cfg, clock=lambda: clock[0])
+    job, spec = _job(tmp_path, **LONG)
+    worker = provider.provision(job, 1, spec, [])
+    assert (worker.market, worker.zone) == ("spot", "us-test-1a")
+
+    def on_status(rec: Record) -> None:
+        if isinstance(rec, Step) and rec.step >= 3:
+            clock[0] = 102.0  # 2 s in, at compress 2: tick 4, no capacity
+
+    try:
+        result = provider.watch(worker, on_status, None)
+    finally:
+        provider.release(worker)
+    assert result.notice_kind == "sim-trace" and result.notice_at is not None
+    assert result.facts["trace"] == {"zone": "us-test-1a", "reclaimed_at_tick": 4}
+    outcome, cause = classify(result, False)
+    assert outcome is Outcome.PREEMPTED and cause.startswith("spot notice, exited PREEMPTED after"), cause
+    assert result.killed_at is None and result.last_durable_step == result.last_step >= 3
+    record = to_record(worker, result, outcome, cause)
+    add_facts(record, result, 1)
+    cost = record.extra["cost"]
+    assert (cost["market"], cost["zone"], cost["price_per_h"]) == ("spot", "us-test-1a", 0.918)
+    assert cost["hours"] > 0 and cost["usd"] == pytest.approx(0.918 * cost["hours"])
+    with pytest.raises(ProvisionError, match="no spot capacity in us-test-1a at trace tick 4") as e:
+        provider.provision(job, 2, spec, [])
+    assert e.value.retryable
+    on_demand = provider.provision(job, 2, spec, [], market="on-demand")
+    provider.release(on_demand)
+    assert (on_demand.market, on_demand.zone) == ("on-demand", "")
 
 
 def test_reclaim_without_notice_is_a_sigkill(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ for GPUs.
   `PlannedPreemption`, `plan_preemption`, `simulator_rng`).
 - `provider`: `LocalProvider`, its factory `build`, where a job's workers keep their files
   (`worker_dir`) and how their threads wait (`OMP_WAIT`).
+- `market`: the replay of a spot capacity trace (`TraceMarket`): where a spot worker starts, when its
+  zone's capacity is gone, what an attempt costs.
 - `fork_server`: trainers forked from a server that imported torch once (seconds less per attempt).
 """
 

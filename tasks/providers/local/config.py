@@ -1,4 +1,5 @@
-"""The local provider's settings and the spot simulator's plan: when each attempt is reclaimed."""
+"""The local provider's settings and the spot simulator's plan: when each attempt is reclaimed, by a
+schedule, random draws, or the replay of a capacity trace (tasks/providers/local/market.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tasks.market.traces import load
 from tasks.providers.trainer_env import trainer_env
 from trainer.checkpoint.signing import KEY_ENV
+from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
@@ -114,9 +117,50 @@ class LocalProviderConfig(BaseModel):
         default_factory=SpotSimulatorConfig,
         description="when simulated spot reclaims happen: a schedule, random ones, or none",
     )
+    trace: str | None = Field(
+        default=None,
+        description="replay a spot capacity trace (a file: one zone; a folder: a region, tasks/market/"
+        "traces.py): a spot worker starts in a zone with capacity and gets a notice when that zone's "
+        "capacity drops to 0; spot is refused while no zone has any; on-demand is always there. Not "
+        "together with a simulator schedule or mean_interval_s",
+    )
+    zones: list[str] = Field(
+        default_factory=list, description="the trace folder's zones to use; empty: all of them"
+    )
+    compress: float = Field(
+        default=1.0,
+        gt=0,
+        description="replay speed: each trace tick lasts gap_seconds / compress of wall time",
+    )
+    trace_start_tick: int = Field(default=0, ge=0, description="the trace tick the replay begins at")
+    spot_price_per_h: float = Field(
+        default=0.918, ge=0, description="USD per hour of a spot worker on a trace (p3.2xlarge us-east-1)"
+    )
+    on_demand_price_per_h: float = Field(
+        default=3.06,
+        ge=0,
+        description="USD per hour of an on-demand worker on a trace (p3.2xlarge, us-east-1)",
+    )
 
     # What the controller asks of any provider's settings (tasks/providers/base.py ProviderSettings).
     workers_here: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _one_source_of_reclaims(self) -> LocalProviderConfig:
+        if self.trace is None:
+            if self.zones:
+                raise ValueError("zones picks zones of a trace: set trace too, or leave zones out")
+            return self
+        if self.simulator.schedule or self.simulator.mean_interval_s is not None:
+            raise ValueError(
+                "set trace or a simulator schedule/mean_interval_s, not both: each decides when workers "
+                "are reclaimed"
+            )
+        try:
+            load(Path(self.trace), self.zones)
+        except ConfigError as e:  # the trace's own one line, as a settings error
+            raise ValueError(str(e)) from None
+        return self
 
     def workers_dir(self, default: Path) -> Path:
         """`workdir` if set, else `default`."""

@@ -6,6 +6,11 @@ there `notice_s` later, a hard kill (SIGKILL to its whole session); some reclaim
 Times count from the attempt's `started` status line, so interpreter start-up and `import torch` never
 use up a planned interval. A worker that stops writing lines is killed and reported lost.
 
+With a capacity trace (`trace`, market.py) the market is measured rather than drawn: a spot worker
+starts in a zone that has capacity at the replay's tick (none: a retryable ProvisionError), gets the
+same notice the moment its zone's capacity is 0, started or not (a real market does not wait for
+`import torch`), and each attempt is priced; on-demand workers are always placed and never reclaimed.
+
 A trainer never outlives the process that started it: it runs in its own session (signals reach it
 and its data-loader workers, which leave its process group but not its session) and with
 PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along.
@@ -23,6 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -45,6 +51,7 @@ from tasks.providers.local.config import (
     plan_preemption,
     simulator_rng,
 )
+from tasks.providers.local.market import TraceMarket
 from tasks.providers.processes import (
     Proc,
     die_with_parent,
@@ -80,6 +87,8 @@ class _Handle:
     readers: list[threading.Thread]
     started_mono: float
     released_at: float | None = None
+    market: TraceMarket | None = None  # the trace replay the worker was placed by
+    clock: Callable[[], float] = time.time  # the replay's clock
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,18 @@ class LocalProvider:
 
     name = "local"
 
-    def __init__(self, cfg: LocalProviderConfig | None = None, flow_run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LocalProviderConfig | None = None,
+        flow_run_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg or LocalProviderConfig()
         self.prewarm = self.cfg.prewarm
         self.capacity_poll_s = 30.0  # a spot market without capacity: asked again this often
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
+        self.market = TraceMarket.of(self.cfg)  # one replay clock for all this provider's workers
+        self.clock = clock  # the replay's (a test moves it to a tick of its choosing)
 
     def provision(
         self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
@@ -107,6 +123,7 @@ class LocalProvider:
         """Start the trainer for `attempt`; returns once the process exists (training starts later)."""
         if not spec_path.is_file():
             raise ProvisionError(f"job file {spec_path} does not exist", retryable=False)
+        zone = self.market.place(market, self.clock()) if self.market is not None else ""
         # Keyed by storage too: two jobs sharing a name must not share a cache. No --worker-id: the
         # trainer's default lease holder is `local-<pid>`, this worker's id, and a heartbeat is not needed.
         work = worker_dir(Path(self.cfg.workdir or ".spotrun/local"), job)
@@ -123,13 +140,22 @@ class LocalProvider:
         cmd = python_m("trainer", *args, python=self.cfg.python)
         env = _child_env(job, self.flow_run_id, cwd)
         proc = self._start(cmd, "trainer", args, env=env, cwd=cwd)
-        handle = _Handle(proc, queue.Queue(), [], time.monotonic())
+        handle = _Handle(proc, queue.Queue(), [], time.monotonic(), market=self.market, clock=self.clock)
         for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
             t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
             t.start()
             handle.readers.append(t)
-        log.info("attempt %d: trainer pid %d: %s", attempt, proc.pid, shlex.join(cmd))
-        return Worker(f"local-{proc.pid}", self.name, attempt, started_at=time.time(), handle=handle)
+        where = f" in {zone}" if zone else ""
+        log.info("attempt %d (%s%s): trainer pid %d: %s", attempt, market, where, proc.pid, shlex.join(cmd))
+        return Worker(
+            f"local-{proc.pid}",
+            self.name,
+            attempt,
+            started_at=time.time(),
+            handle=handle,
+            market=market,
+            zone=zone,
+        )
 
     def _start(self, cmd: list[str], module: str, args: list[str], *, env: dict[str, str], cwd: Path) -> Proc:
         """`cmd` (`python_m(module, *args)`) in `cwd`: forked from a fork server, or a fresh process."""
@@ -311,20 +337,44 @@ class _Watch:
             self.hard_kill_at = None
             self._kill(KillReason.NOTICE_WINDOW)
             return
-        if self.plan is None or self.training_mono is None or r.notice_kind is not None:
-            return
-        if r.exit is not None or now - self.training_mono < self.plan.after_s:
+        if r.notice_kind is not None or r.exit is not None:
             return  # an attempt that has reported its exit is over: a reclaim now would only blur it
-        pid, after = self.h.proc.pid, self.plan.after_s
+        if self.h.market is not None:
+            self._replay(now, self.h.market)
+            return
+        if self.plan is None or self.training_mono is None or now - self.training_mono < self.plan.after_s:
+            return
+        after = self.plan.after_s
         if self.plan.notice:
-            r.notice_kind, r.notice_at = NoticeKind.SIM_NOTICE, time.time()
-            self.hard_kill_at = now + self.cfg.notice_s
             log.info("spot simulator: notice (SIGTERM) to %s after %.2f s of training", self.worker.id, after)
-            signal_group(pid, signal.SIGTERM)
+            self._notice(now, NoticeKind.SIM_NOTICE)
         else:
             r.notice_kind = NoticeKind.SIM_NO_NOTICE
             log.info("spot simulator: %s reclaimed without notice after %.2f s", self.worker.id, after)
             self._kill(KillReason.NO_NOTICE)
+
+    def _replay(self, now: float, market: TraceMarket) -> None:
+        """The trace's reclaim: a notice the moment the worker's zone has no capacity left."""
+        w = self.worker
+        tick = market.reclaimed_at(w.market, w.zone, self.h.clock())
+        if tick is None:
+            return
+        self.result.facts["trace"] = {"zone": w.zone, "reclaimed_at_tick": tick}
+        log.info(
+            "spot simulator: no capacity in %s at trace tick %d: notice (SIGTERM) to %s, SIGKILL in %g s",
+            w.zone,
+            tick,
+            w.id,
+            self.cfg.notice_s,
+        )
+        self._notice(now, NoticeKind.SIM_TRACE)
+
+    def _notice(self, now: float, kind: NoticeKind) -> None:
+        """SIGTERM now, SIGKILL once `notice_s` has passed (`_simulate`) if the trainer is still there."""
+        r = self.result
+        r.notice_kind, r.notice_at = kind, time.time()
+        self.hard_kill_at = now + self.cfg.notice_s
+        signal_group(self.h.proc.pid, signal.SIGTERM)
 
     def _check_heartbeat(self, now: float) -> None:
         r = self.result
@@ -352,6 +402,9 @@ class _Watch:
             r.killed_at, r.kill_reason = self.h.released_at, KillReason.RELEASE
         r.step_times = list(self.steps)
         r.log_tail = "\n".join(self.tail)[-TAIL_BYTES:]
+        if self.h.market is not None:  # priced like an EC2 attempt: the attempts table and the summary
+            w, market = self.worker, self.h.market
+            r.facts["cost"] = market.cost(w.market, w.zone, started_at=w.started_at, ended_at=r.ended_at)
         return r
 
 
