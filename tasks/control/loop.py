@@ -161,7 +161,9 @@ def _loop(
     started = time.time()
     ahead: Prewarm | None = None  # the next attempt's worker, started at this attempt's notice
     chooser = _chooser(job, runlog, sink=sink, sleep=sleep, started=started, provider=provider)
-    if chooser is not None and (refused := chooser.admit(runlog.records, runlog.resume_step or 0, None)):
+    if chooser is not None and (
+        refused := chooser.admit(runlog.records, runlog.resume_step or 0, provider.prices)
+    ):
         sink.log(logging.ERROR, f"refused: {refused}")
         return _finish(runlog, "failed", f"refused: {refused}", started)
     try:
@@ -250,6 +252,12 @@ def _attempt(
     worker = ready.take() if ready is not None else None
     if worker is not None:
         lead = t0 - (ready.started_at or t0) if ready is not None else 0.0
+        if chooser is not None:
+            market_extra = {
+                "market": worker.market,
+                "market_reason": "prewarmed at the notice",
+                "waited_s": 0.0,
+            }
         sink.log(
             logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago, at the notice"
         )
@@ -262,7 +270,9 @@ def _attempt(
                 done = runlog.resume_step or 0
                 launch = functools.partial(_provision_on, args)
                 worker, market_extra = chooser.provision(
-                    lambda market: sink.step("provision", launch, market), runlog.records, done
+                    lambda market: _worker_or_raise(sink.step("provision", launch, market)),
+                    runlog.records,
+                    done,
                 )
         except ProvisionError as e:
             return runlog.provision_failed(attempt, e, t0), None
@@ -326,8 +336,21 @@ def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:
         sink.log(logging.WARNING, f"lease handoff for {worker_id} not written: {e}")
 
 
-def _provision_on(args: tuple[Any, ...], market: Market) -> Worker:
-    return provision(*args, market=market)
+def _provision_on(args: tuple[Any, ...], market: Market) -> Worker | ProvisionError:
+    """`provision` on `market`; a retryable refusal (no spot capacity) is returned, not raised: the
+    market policy decides what follows, and the task run is not a failure in the UI."""
+    try:
+        return provision(*args, market=market)
+    except ProvisionError as e:
+        if not e.retryable:
+            raise
+        return e
+
+
+def _worker_or_raise(got: Worker | ProvisionError) -> Worker:
+    if isinstance(got, ProvisionError):
+        raise got
+    return got
 
 
 def provision(

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tasks.deadlines.plan import Measured, Prices, measure, situation, submission_problem
+from tasks.deadlines.plan import Measured, measure, situation, submission_problem
 from tasks.deadlines.policy import POLICIES, Decision
 from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.market.prices import Prices
 from tasks.providers.base import Market, ProvisionError, Worker
 from trainer.spec.job import JobSpec
 

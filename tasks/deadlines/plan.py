@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tasks.deadlines.policy import Market, Situation
 from tasks.decisions.attempts import AttemptRecord
+from tasks.market.prices import Prices
 from trainer.spec.deadline import deadline_at
 from trainer.spec.job import JobSpec
 
@@ -34,12 +35,6 @@ class Measured:
     step_from: str  # "history", "declared" or "" (unknown)
     restart_s: float
     restart_from: str  # "history" or "assumed"
-
-
-@dataclass(frozen=True)
-class Prices:
-    spot_per_h: float
-    on_demand_per_h: float
 
 
 def measure(job: JobSpec, history: Sequence[AttemptRecord]) -> Measured:

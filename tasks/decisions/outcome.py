@@ -200,6 +200,8 @@ def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> No
     resharded resume, allowed spec changes (not bitwise) and the `every: auto` interval with its reason."""
     if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
         record.extra["cost"] = dict(result.facts["cost"])
+    if "trace" in result.facts:  # a trace replay's reclaim: the zone whose capacity dropped, and when
+        record.extra["trace"] = dict(result.facts["trace"])
     started = result.started
     if started is not None and started.resharded_from is not None:
         record.extra["resharded"] = resharded(started.resharded_from, world_size)

@@ -19,6 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
+from tasks.market.prices import Prices
 from trainer.telemetry.heartbeat import MAX_LOSSES
 from trainer.telemetry.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
 
@@ -206,9 +207,8 @@ class Provider(Protocol):
 
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
-    capacity_poll_s: (
-        float  # how often a market without spot capacity is asked again (tasks/control/market.py)
-    )
+    capacity_poll_s: float  # how often a market short of spot is asked again (tasks/control/market.py)
+    prices: Prices | None  # an hour on each market, where the provider knows it (the budget check)
 
     def provision(
         self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"

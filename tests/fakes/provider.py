@@ -25,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.market.prices import Prices
 from tasks.providers.base import (
     KillReason,
     LogCallback,
@@ -99,6 +100,7 @@ class FakeProvider:
         self.name, self.script = name, list(script)
         self.prewarm = False  # scripted attempts: nothing to start ahead
         self.capacity_poll_s = 0.0
+        self.prices: Prices | None = None
         self.checkpoint_every, self.step_s, self.heartbeat_timeout_s = (
             checkpoint_every,
             step_s,

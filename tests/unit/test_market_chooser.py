@@ -11,10 +11,11 @@ import pytest
 
 from tasks.control.loop import PlainSink, run_job
 from tasks.control.market import MARKET_CHOSEN, MarketChooser
-from tasks.deadlines.plan import DEFAULT_RESTART_S, Prices, measure, submission_problem
+from tasks.deadlines.plan import DEFAULT_RESTART_S, measure, submission_problem
 from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
+from tasks.market.prices import Prices
 from tasks.providers.base import Market, ProvisionError, Worker
 from tasks.settings import Settings
 from tests.fakes.provider import FakeAttempt, FakeProvider

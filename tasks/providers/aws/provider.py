@@ -36,6 +36,7 @@ import boto3
 from botocore import exceptions as bce
 from botocore.config import Config
 
+from tasks.market.prices import Prices
 from tasks.providers.aws import launch
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.cost import Cost, attempt_cost, spot_price
@@ -145,6 +146,7 @@ class AwsProvider:
     ) -> None:
         self.prewarm = cfg.prewarm
         self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
+        self.prices: Prices | None = None  # EC2 prices each attempt as it runs (aws/cost.py), not before
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
         self.installation = installation  # None: untagged, so no sweeper or adopting controller ends them
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store

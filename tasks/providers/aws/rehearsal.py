@@ -18,6 +18,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from tasks.market.prices import Prices
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.provider import AwsProvider
 from tasks.providers.aws.watch import AwsWorkerState
@@ -95,6 +96,7 @@ class RehearsalProvider:
     ) -> None:
         self.prewarm = cfg.prewarm
         self.capacity_poll_s = 30.0
+        self.prices: Prices | None = None
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
             cfg,
