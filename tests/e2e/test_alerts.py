@@ -161,7 +161,7 @@ def test_deploy_twice_changes_nothing(stack: Stack) -> None:
         assert len(spotrun_automations(client)) == 11
         names = _deployment_names(client)
         nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
-    assert names == set(stack.report.deployments) and len(names) == 5  # + recover-job
+    assert names == set(stack.report.deployments) and len(names) == 7  # + recover-job and two examples
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]  # type: ignore[union-attr]
 
 
