@@ -202,9 +202,10 @@ def test_the_lightning_script_survives_three_reclaims_bitwise(
     assert_trained_equal(Path(pl_job.storage) / final, reference / "store" / final)
 
 
-def test_a_plain_dataloader_resumes_exactly_at_an_epoch_boundary_and_not_mid_epoch(tmp_path: Path) -> None:
-    """The documented limit, measured: the script at 4 batches an epoch, resumed at step 20 (an epoch's
-    end) and at step 30 (mid-epoch) from an uninterrupted run's own checkpoints."""
+def test_a_plain_dataloader_does_not_resume_exactly_mid_epoch(tmp_path: Path) -> None:
+    """The documented limit, measured: the script at 4 batches an epoch, resumed at step 30 (mid-epoch)
+    from an uninterrupted run's own checkpoint, ends elsewhere. (At an epoch's end it is exact: the flow
+    test above resumes at epoch boundaries only, since its epochs are one batch.)"""
     text = doc_block('"""pl_train.py')
     assert text.count("batch_size=64") == 1
     script = tmp_path / "pl_train.py"
@@ -228,6 +229,5 @@ def test_a_plain_dataloader_resumes_exactly_at_an_epoch_boundary_and_not_mid_epo
         return out / "epoch=9-step=40.ckpt"
 
     whole = fit("whole")  # keeps steps 20, 30 and 40
-    assert_trained_equal(fit("boundary", whole.parent / "epoch=4-step=20.ckpt"), whole)
     mid = trained(fit("mid", whole.parent / "epoch=7-step=30.ckpt"))
     assert any(not torch.equal(t, mid[k]) for k, t in trained(whole).items())
