@@ -1,19 +1,14 @@
 """docs/integrations.md's scripts, exactly as printed, run as `command:` jobs through the flow (as `spotrun
 run` runs them) with three reclaims, one without notice: each ends with the same model and optimizer
 bytes as the same job run once without interruption, a notice costs no step, and the documented
-examples differ from the framework's plain ones by at most 5 lines. The Lightning example's limit, a
-mid-epoch resume of a plain DataLoader, is measured here too, so the page's claim fails with it."""
+examples differ from the framework's plain ones by at most 5 lines."""
 
 from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +21,6 @@ from tests.e2e.test_flow import attempts, run_flow, schedule
 from tests.trainer_runs import trainer
 from trainer.checkpoint.foreign import numpy_allowed
 from trainer.checkpoint.format import step_dir
-from trainer.command.link import CHECKPOINT_DIR, NOTICE_FILE, STEPS_FILE, TOTAL_STEPS
 from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
@@ -200,34 +194,3 @@ def test_the_lightning_script_survives_three_reclaims_bitwise(
     assert r.returncode == 0, r.stderr[-2000:]
     final = f"{step_dir(pl_job.total_steps)}/epoch={pl_job.total_steps - 1}-step={pl_job.total_steps}.ckpt"
     assert_trained_equal(Path(pl_job.storage) / final, reference / "store" / final)
-
-
-def test_a_plain_dataloader_does_not_resume_exactly_mid_epoch(tmp_path: Path) -> None:
-    """The documented limit, measured: the script at 4 batches an epoch, resumed at step 30 (mid-epoch)
-    from an uninterrupted run's own checkpoint, ends elsewhere. (At an epoch's end it is exact: the flow
-    test above resumes at epoch boundaries only, since its epochs are one batch.)"""
-    text = doc_block('"""pl_train.py')
-    assert text.count("batch_size=64") == 1
-    script = tmp_path / "pl_train.py"
-    script.write_text(text.replace("batch_size=64", "batch_size=16"))
-
-    def fit(name: str, start: Path | None = None) -> Path:
-        out = tmp_path / name
-        out.mkdir()
-        if start is not None:
-            shutil.copy(start, out)
-        env = os.environ | {
-            CHECKPOINT_DIR: str(out),
-            TOTAL_STEPS: "40",
-            NOTICE_FILE: str(tmp_path / f"{name}.notice"),
-            STEPS_FILE: str(tmp_path / f"{name}.steps"),
-            "PYTHONPATH": str(REPO),
-        }
-        argv = [sys.executable, str(script), "--out", str(out), "--max_steps", "40"]
-        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return out / "epoch=9-step=40.ckpt"
-
-    whole = fit("whole")  # keeps steps 20, 30 and 40
-    mid = trained(fit("mid", whole.parent / "epoch=7-step=30.ckpt"))
-    assert any(not torch.equal(t, mid[k]) for k, t in trained(whole).items())
