@@ -88,9 +88,17 @@ class Run:
 
 
 def simulate(
-    policy: Policy, traces: Sequence[Trace], job: Job, *, start: int = 0, limit_factor: float = 3.0
+    policy: Policy,
+    traces: Sequence[Trace],
+    job: Job,
+    *,
+    start: int = 0,
+    limit_factor: float = 3.0,
+    at_provisioning: bool = False,
 ) -> Run:
-    """Run `job` from tick `start` of `traces` (one zone each, one clock) under `policy`."""
+    """Run `job` from tick `start` of `traces` (one zone each, one clock) under `policy`.
+    `at_provisioning`: the policy is asked only while nothing runs, as spotrun's controller asks it
+    today (a running worker keeps its market until it ends or is reclaimed)."""
     run = Run()
     g = job.gap_s
     running: Market | None = None
@@ -120,7 +128,10 @@ def simulate(
             preemptions=run.preemptions,
             spot_short_s=0.0 if short_since is None else (tick - short_since) * g,
         )
-        decision: Decision = policy(situation)
+        if at_provisioning and running is not None:
+            decision: Decision = Decision(running, "running")
+        else:
+            decision = policy(situation)
         choice = decision.choice
         if choice == "spot" and not available:
             choice = "wait"

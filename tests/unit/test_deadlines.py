@@ -295,3 +295,15 @@ def test_a_deadline_is_a_time_with_its_zone_or_a_duration(text: str, problem: st
     else:
         with pytest.raises(ValidationError, match=problem):
             JobSpec.model_validate(fields)
+
+
+def test_at_provisioning_a_running_worker_keeps_its_market() -> None:
+    """As the controller asks the policy today: only while nothing runs."""
+    j = job(work=6, deadline=12)
+    cap = [trace("00" + "1" * 30)]
+    anytime = simulate(POLICIES["spotrun"], cap, j)
+    deployed = simulate(POLICIES["spotrun"], cap, j, at_provisioning=True)
+    assert anytime.met(j) and deployed.met(j)
+    assert [s.choice for s in deployed.steps] == ["wait", "on-demand"] and deployed.spot_ticks == 0
+    assert [s.choice for s in anytime.steps] == ["wait", "on-demand", "spot"]  # back to spot at tick 2
+    assert deployed.cost >= anytime.cost
