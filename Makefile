@@ -38,7 +38,8 @@ typecheck: $(VENV)/.installed
 # Three workers, one test file each at a time (files share servers through module fixtures): some
 # end-to-end tests mostly wait (on Prefect servers, heartbeats, the zombie window), and a third
 # worker fills those waits. On 2 cores the suite is CPU-bound (84% busy, sampled): pytest took 11.0
-# min on 2026-12-03 once torchrun and its ranks forked from the worker (13.3-13.8 min before).
+# min on 2026-12-03 once torchrun and its ranks forked from the worker (13.3-13.8 min before), and 11.8
+# min on 2026-12-06 with the Transformers and Lightning flows and the deadline replay (2,119 tests).
 test: $(VENV)/.installed browser lint typecheck
 	$(VENV)/bin/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
