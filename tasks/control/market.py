@@ -26,6 +26,7 @@ from tasks.deadlines.policy import POLICIES, Decision
 from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.market.prices import Prices
 from tasks.providers.base import Market, ProvisionError, Worker
+from trainer.spec.deadline import deadline_at
 from trainer.spec.job import JobSpec
 
 MARKET_CHOSEN = "spotrun.market.chosen"
@@ -122,10 +123,13 @@ class MarketChooser:
             if market == "spot":
                 self.short_since = None
             waited = round(self.clock() - t0, 1)
+            extra: dict[str, Any] = {"market": market, "waited_s": waited}
+            if self.job.deadline is not None:  # the report's margin reads it back from the rows
+                extra["deadline_at"] = deadline_at(self.job.deadline, self.start)
             if decision.choice == "wait":  # the look after the wait found spot
                 decision = Decision("spot", f"spot capacity is back after {waited:g} s of waiting")
                 self._note(decision)
-            return worker, {"market": market, "market_reason": decision.reason, "waited_s": waited}
+            return worker, extra | {"market_reason": decision.reason}
 
     def _note(self, decision: Decision) -> None:
         if self.last is not None and self.last.choice == decision.choice:

@@ -110,6 +110,10 @@ class GoodputReport:
     saved: float | None  # 1 - cost / on-demand cost
     attempts: list[AttemptFigures]
     unavailable: dict[str, str] = field(default_factory=dict)  # figure -> why it is None
+    # the job's deadline (epoch seconds, from the attempts' market decisions) and what was left of it at
+    # the wall time's end: negative when late; None without a deadline
+    deadline_at: float | None = None
+    deadline_margin_s: float | None = None
     notes: list[str] = field(default_factory=list)  # assumptions and partial coverage
 
     def as_dict(self) -> dict[str, Any]:
@@ -202,6 +206,8 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
     total_steps = next(
         (int(t) for r in reversed(rows) if (t := r.extra.get("total_steps")) is not None), None
     )
+    dated = [r.extra["deadline_at"] for r in rows if isinstance(r.extra.get("deadline_at"), int | float)]
+    deadline = float(dated[-1]) if dated else None
     return GoodputReport(
         job=run.job,
         job_run_id=run.job_run_id,
@@ -228,6 +234,8 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
         attempts=figures,
         unavailable=unavailable,
         notes=notes,
+        deadline_at=deadline,
+        deadline_margin_s=deadline - ended_at if deadline is not None and ended_at is not None else None,
     )
 
 
@@ -402,7 +410,17 @@ def summary_rows(rep: GoodputReport) -> list[tuple[str, str]]:
         ("recovery", recovery),
         ("checkpoint overhead", overhead),
         ("cost", cost),
+        *([("deadline", _deadline(rep))] if rep.deadline_margin_s is not None else []),
     ]
+
+
+def _deadline(rep: GoodputReport) -> str:
+    """`met with 1.20 h to spare`, `missed by 0.30 h`, or, while the job runs, what is left."""
+    margin = rep.deadline_margin_s or 0.0
+    hours = f"{abs(margin) / 3600:.2f} h"
+    if rep.status == RUNNING:
+        return f"{hours} left" if margin >= 0 else f"passed {hours} ago"
+    return f"met with {hours} to spare" if margin >= 0 else f"missed by {hours}"
 
 
 def _usd(x: float) -> str:

@@ -303,3 +303,20 @@ def test_progress_lines_for_the_plot() -> None:
     assert lines[3].points == [(T + 160, 100), (T + 160 + 50 * 0.6, 150), (T + 160 + 140 * 0.6, 240)]
     assert (lines[3].kept_step, lines[3].start_step) == (150, 100)
     assert lines[5].points == [(T + 350, 150), (T + 350 + 150 * 0.5, 300)]
+
+
+@pytest.mark.parametrize(
+    ("deadline", "run", "row"),
+    [
+        (None, DONE, None),  # no deadline: no row
+        (ENDED + 4320, DONE, "met with 1.20 h to spare"),
+        (ENDED - 1080, DONE, "missed by 0.30 h"),
+        (T + 3600 + 500, RunInfo(JOB, RUN, "running", None), "1.00 h left"),  # now = T + 500
+    ],
+)
+def test_the_deadline_margin_from_the_attempts_market_decisions(
+    deadline: float | None, run: RunInfo, row: str | None
+) -> None:
+    rows = [replace(r, extra={**r.extra, **({"deadline_at": deadline} if deadline else {})}) for r in HISTORY]
+    rep = compute(rows, run, now=T + 500)
+    assert dict(summary_rows(rep)).get("deadline") == row

@@ -128,6 +128,7 @@ def test_a_roomy_deadline_waits_an_outage_out_and_takes_spot_when_it_is_back() -
     worker, extra = chooser(job(deadline="10h", seconds_per_step=1), clock, sink).provision(launch, [], 0)
     assert launch.launched == [(600.0, "spot")] and worker.market == "spot"
     assert extra["market"] == "spot" and extra["waited_s"] == 600.0
+    assert extra["deadline_at"] == 10 * H  # started at 0: the report's margin reads it back
     assert [p["choice"] for e, p in sink.events if e == MARKET_CHOSEN] == ["spot", "wait", "spot"]
 
 
