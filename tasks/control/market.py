@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tasks.deadlines.plan import Measured, measure, situation, submission_problem
@@ -53,8 +53,7 @@ class MarketChooser:
     clock: Callable[[], float] = time.time
     poll_s: float = POLL_S
     short_since: float | None = None  # when spot was last refused for capacity (None: not short)
-    last: Decision | None = None
-    decisions: list[dict[str, Any]] = field(default_factory=list)  # every change, for the summary
+    last: Decision | None = None  # the decision last announced (an event only when it changes)
 
     @staticmethod
     def wanted(job: JobSpec) -> bool:
@@ -137,5 +136,4 @@ class MarketChooser:
         self.last = decision
         self.sink.log(logging.INFO, f"market: {decision.choice} ({decision.reason})")
         payload = {"choice": decision.choice, "reason": decision.reason, "policy": self.job.market_policy}
-        self.decisions.append({"t": round(self.clock() - self.start, 1), **payload})
         self.sink.event(MARKET_CHOSEN, self.job.name, payload)

@@ -52,13 +52,14 @@ def run_flow(spec: JobSpec, provider: LocalProviderConfig, policy: RetryPolicy |
     return resilient_training(spec, provider, policy or RetryPolicy(), return_state=True)
 
 
-def reference_dir(spec: JobSpec, tmp_path: Path) -> Path:
-    """The same job trained without interruption, by the trainer alone."""
+def reference_dir(spec: JobSpec, tmp_path: Path, *, timeout: float = 120) -> Path:
+    """The same job trained without interruption, by the trainer alone: its final checkpoint (the job
+    file is `job.yaml` two levels up, the store one level up)."""
     work = tmp_path / "reference"
     work.mkdir()
     cfg = work / "job.yaml"
     cfg.write_text(json.dumps(spec.model_dump(mode="json")))
-    r = trainer(cfg, str(work / "store"), work)
+    r = trainer(cfg, str(work / "store"), work, timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return work / "store" / step_dir(spec.total_steps)
 

@@ -7,7 +7,6 @@ test_integrations_lightning.py (a file of its own: the two spread over the suite
 from __future__ import annotations
 
 import difflib
-import json
 import re
 import shlex
 from pathlib import Path
@@ -17,9 +16,8 @@ import pytest
 import yaml
 
 from deployments.apply import allowed_by_defaults
-from tests.e2e.test_flow import attempts, run_flow, schedule
+from tests.e2e.test_flow import attempts, reference_dir, run_flow, schedule
 from tests.trainer_runs import trainer
-from trainer.checkpoint.format import step_dir
 from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
@@ -45,25 +43,41 @@ def test_the_transformers_example_is_hfs_plain_script_and_four_lines() -> None:
     assert changed_lines(plain.split("\n", 1)[1], ours.split("\n", 1)[1]) <= 5
 
 
-def test_the_shipped_job_and_deployment_are_the_documented_ones() -> None:
-    """deployments/jobs/ holds the docs' script and job file as printed, and the `transformers-example`
-    deployment runs that job, so `spotrun deploy` allows exactly its command on this host."""
-    assert (REPO / "deployments/jobs/scripts/hf_train.py").read_text() == doc_block('"""hf_train.py')
-    job = yaml.safe_load((REPO / "deployments/jobs/tiny-gpt2.yaml").read_text())
-    assert job == yaml.safe_load(doc_block("# A tiny GPT-2"))
+# (script, job file, the job file's block in the docs, its deployment): each way in's shipped example
+SHIPPED = [
+    ("hf_train.py", "tiny-gpt2.yaml", "# A tiny GPT-2", "transformers-example"),
+    ("pl_train.py", "tiny-mlp-lightning.yaml", "# A tiny MLP", "lightning-example"),
+]
+
+
+@pytest.mark.parametrize(("script", "job_file", "block", "name"), SHIPPED)
+def test_the_shipped_jobs_and_deployments_are_the_documented_ones(
+    script: str, job_file: str, block: str, name: str
+) -> None:
+    """deployments/jobs/ holds the docs' scripts and job files as printed, and each example deployment
+    runs its job, so `spotrun deploy` allows exactly its command on this host."""
+    assert (REPO / "deployments/jobs/scripts" / script).read_text() == doc_block(f'"""{script}')
+    job = yaml.safe_load((REPO / "deployments/jobs" / job_file).read_text())
+    assert job == yaml.safe_load(doc_block(block))
     doc = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
-    (deployment,) = [d for d in doc["deployments"] if d["name"] == "transformers-example"]
+    (deployment,) = [d for d in doc["deployments"] if d["name"] == name]
     assert deployment["parameters"]["job"] == job
     assert shlex.join(job["command"]) in allowed_by_defaults(doc).commands
+
+
+def shipped_spec(job_file: str, tmp_path: Path, **fields: Any) -> JobSpec:
+    """A shipped example job with its script's absolute path (the reference run starts in another
+    directory) and a store of the test's own."""
+    spec: dict[str, Any] = yaml.safe_load((REPO / "deployments/jobs" / job_file).read_text())
+    spec["command"][1] = str(REPO / spec["command"][1])
+    return JobSpec.model_validate(spec | {"storage": str(tmp_path / "store"), **fields})
 
 
 @pytest.fixture
 def hf_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> JobSpec:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
-    spec: dict[str, Any] = yaml.safe_load((REPO / "deployments/jobs/tiny-gpt2.yaml").read_text())
-    spec["command"][1] = str(REPO / spec["command"][1])  # the reference run starts in another directory
-    return JobSpec.model_validate(spec | {"storage": str(tmp_path / "store")})
+    return shipped_spec("tiny-gpt2.yaml", tmp_path)
 
 
 def test_the_transformers_script_survives_three_reclaims_bitwise(
@@ -98,25 +112,21 @@ def test_the_transformers_script_survives_three_reclaims_bitwise(
     )
     assert client.get_registered_model(hf_job.name).latest_versions
 
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    (reference / "job.yaml").write_text(json.dumps(hf_job.model_dump(mode="json")))
-    r = trainer(reference / "job.yaml", str(reference / "store"), reference, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    final = f"{step_dir(hf_job.total_steps)}/checkpoint-{hf_job.total_steps}"
+    final = reference_dir(hf_job, tmp_path, timeout=300) / f"checkpoint-{hf_job.total_steps}"
     names = ("model.safetensors", "optimizer.pt", "scheduler.pt")
-    ours = {n: (Path(hf_job.storage) / final / n).read_bytes() for n in names}
-    assert ours == {n: (reference / "store" / final / n).read_bytes() for n in names}
+    ours = {n: (Path(hf_job.storage) / final.parent.name / final.name / n).read_bytes() for n in names}
+    assert ours == {n: (final / n).read_bytes() for n in names}
 
     # the newest checkpoint damaged in the store (and the job not yet finished): the next start passes
     # over it to the one before, trains the last steps again and ends with the same bytes
-    damaged = reference / "store" / final / "model.safetensors"
+    store = final.parent.parent
+    damaged = final / "model.safetensors"
     body = bytearray(damaged.read_bytes())
     body[-1] ^= 0xFF
     damaged.write_bytes(bytes(body))
-    (reference / "store" / "COMPLETED.json").unlink()
-    r = trainer(reference / "job.yaml", str(reference / "store"), reference, timeout=300)
+    (store / "COMPLETED.json").unlink()
+    r = trainer(store.parent / "job.yaml", str(store), store.parent, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     said = f"resuming from step {hf_job.total_steps - 10} of "
     assert said in r.stderr and f"rejected step {hf_job.total_steps}:" in r.stderr, r.stderr[-2000:]
-    assert {n: (reference / "store" / final / n).read_bytes() for n in names} == ours
+    assert {n: (final / n).read_bytes() for n in names} == ours

@@ -5,21 +5,15 @@ documented example differs from Lightning's plain one by at most 5 lines."""
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
-from deployments.apply import allowed_by_defaults
-from tests.e2e.test_flow import attempts, run_flow, schedule
-from tests.e2e.test_integrations import REPO, changed_lines, doc_block
-from tests.trainer_runs import trainer
+from tests.e2e.test_flow import attempts, reference_dir, run_flow, schedule
+from tests.e2e.test_integrations import changed_lines, doc_block, shipped_spec
 from trainer.checkpoint.foreign import numpy_allowed
-from trainer.checkpoint.format import step_dir
 from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
@@ -30,21 +24,9 @@ def test_the_lightning_example_is_lightnings_plain_script_and_four_lines() -> No
     assert changed_lines(plain.split("\n", 1)[1], ours.split("\n", 1)[1]) <= 5
 
 
-def test_the_shipped_lightning_job_and_deployment_are_the_documented_ones() -> None:
-    assert (REPO / "deployments/jobs/scripts/pl_train.py").read_text() == doc_block('"""pl_train.py')
-    job = yaml.safe_load((REPO / "deployments/jobs/tiny-mlp-lightning.yaml").read_text())
-    assert job == yaml.safe_load(doc_block("# A tiny MLP"))
-    doc = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
-    (deployment,) = [d for d in doc["deployments"] if d["name"] == "lightning-example"]
-    assert deployment["parameters"]["job"] == job
-    assert shlex.join(job["command"]) in allowed_by_defaults(doc).commands
-
-
 @pytest.fixture
 def pl_job(tmp_path: Path) -> JobSpec:
-    spec: dict[str, Any] = yaml.safe_load((REPO / "deployments/jobs/tiny-mlp-lightning.yaml").read_text())
-    spec["command"][1] = str(REPO / spec["command"][1])  # the reference run starts in another directory
-    return JobSpec.model_validate(spec | {"storage": str(tmp_path / "store"), "tracking": {"mlflow": False}})
+    return shipped_spec("tiny-mlp-lightning.yaml", tmp_path, tracking={"mlflow": False})
 
 
 def trained(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -89,10 +71,6 @@ def test_the_lightning_script_survives_three_reclaims_bitwise(
         assert r.lost_steps == 0, r
     # the attempt after the reclaim without notice replayed steps whose every loss was reported
     assert rows[2].extra["resume_check"]["verdict"] == "exact", rows[2].extra
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    (reference / "job.yaml").write_text(json.dumps(pl_job.model_dump(mode="json")))
-    r = trainer(reference / "job.yaml", str(reference / "store"), reference, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    final = f"{step_dir(pl_job.total_steps)}/epoch={pl_job.total_steps - 1}-step={pl_job.total_steps}.ckpt"
-    assert_trained_equal(Path(pl_job.storage) / final, reference / "store" / final)
+    reference = reference_dir(pl_job, tmp_path, timeout=300)
+    final = f"epoch={pl_job.total_steps - 1}-step={pl_job.total_steps}.ckpt"
+    assert_trained_equal(Path(pl_job.storage) / reference.name / final, reference / final)
