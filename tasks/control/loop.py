@@ -33,13 +33,22 @@ from tasks.control.checkpoints import (
     disk_full,
     empty_cache,
 )
-from tasks.control.market import MarketChooser
+from tasks.control.market import BackToSpot, MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.decisions.outcome import resharded
 from tasks.decisions.policy import RetryPolicy, decide
-from tasks.providers.base import Market, Provider, ProvisionError, WatchResult, Worker, stop_cause
+from tasks.providers.base import (
+    Market,
+    Provider,
+    ProvisionError,
+    StopCause,
+    StopWorker,
+    WatchResult,
+    Worker,
+    stop_cause,
+)
 from tasks.reports import reporting as report
 from tasks.reports.run_summary import Summary
 from tasks.settings import Settings
@@ -250,16 +259,12 @@ def _attempt(
     t0 = time.time()
     market_extra: dict[str, Any] = {}
     worker = ready.take() if ready is not None else None
-    if worker is not None:
-        lead = t0 - (ready.started_at or t0) if ready is not None else 0.0
+    if worker is not None and ready is not None:
+        lead = t0 - (ready.started_at or t0)
         if chooser is not None:
-            market_extra = {
-                "market": worker.market,
-                "market_reason": "prewarmed at the notice",
-                "waited_s": 0.0,
-            }
+            market_extra = {"market": worker.market, "market_reason": ready.reason, "waited_s": 0.0}
         sink.log(
-            logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago, at the notice"
+            logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago ({ready.reason})"
         )
     else:
         try:
@@ -287,8 +292,17 @@ def _attempt(
 
     try:
         ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
+        back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
         result = sink.step(
-            "train", watch, provider, worker, job, sink, at_notice if ahead else None, runlog.started
+            "train",
+            watch,
+            provider,
+            worker,
+            job,
+            sink,
+            at_notice if ahead else None,
+            runlog.started,
+            back.on_step if back is not None else None,
         )
     except BaseException as e:
         if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
@@ -303,7 +317,24 @@ def _attempt(
             _hand_off(job, worker.id, sink)
     record = runlog.classify(worker, result)
     record.extra.update(market_extra)
+    if result.stopped_by is StopCause.MARKET:
+        record.extra[MARKET_MOVE] = "spot"
     return record, (ahead if ahead is not None and ahead.started else None)
+
+
+def _back_to_spot(
+    chooser: MarketChooser | None, ahead: Prewarm | None, worker: Worker, *, runlog: JobRunLog, sink: Sink
+) -> BackToSpot | None:
+    """The on-demand worker's watch for a move back to spot (None: not on-demand, no deadline policy, or
+    a provider that cannot start a worker ahead: then only the next provisioning asks)."""
+    if chooser is None or ahead is None or worker.market != "on-demand":
+        return None
+
+    def args() -> list[str]:  # the spot trainer takes over the lease as a notice's replacement does
+        _announce(chooser.job, worker.id, sink)
+        return runlog.trainer_args()
+
+    return BackToSpot(chooser, ahead, runlog.records, args)
 
 
 def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, sink: Sink) -> None:
@@ -380,15 +411,20 @@ def watch(
     sink: Sink,
     on_stopping: Callable[[], None] | None = None,
     on_started: Callable[[Started], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> WatchResult:
     """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
     when the trainer reports a stop request or a cloud notice (the worker is going away); `on_started`:
-    with the trainer's first status record (where it trains from)."""
+    with the trainer's first status record (where it trains from); `on_step`: with the newest durable
+    step at each step record (it may end the attempt: `StopWorker`)."""
     last_update = 0.0
+    durable = 0
     trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
 
     def on_status(rec: Record) -> None:
-        nonlocal last_update
+        nonlocal last_update, durable
+        if isinstance(rec, Durable):
+            durable = max(durable, rec.step)
         if isinstance(rec, Started):
             sink.log(logging.INFO, f"training from {rec.checkpoint or rec.resumed_from or 'scratch'}")
             for r in rec.rejected:
@@ -408,16 +444,26 @@ def watch(
                 on_stopping()
         elif isinstance(rec, Notice) and rec.stop and on_stopping is not None:
             on_stopping()
-        elif isinstance(rec, Step) and time.monotonic() - last_update > PROGRESS_EVERY_S:
-            last_update = time.monotonic()
-            sink.progress(job.name, rec.step, job.total_steps)
+        elif isinstance(rec, Step):
+            durable = max(durable, rec.durable_step or 0)
+            if on_step is not None:
+                on_step(durable)
+            if time.monotonic() - last_update > PROGRESS_EVERY_S:
+                last_update = time.monotonic()
+                sink.progress(job.name, rec.step, job.total_steps)
 
     def on_log(line: str) -> None:
         nonlocal trainer_log
         trainer_log = True
         sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
 
-    return provider.watch(worker, on_status, on_log)
+    try:
+        return provider.watch(worker, on_status, on_log)
+    except StopWorker as e:  # a planned end: the provider stopped the worker as for a cancel
+        sink.log(logging.INFO, f"{worker.id}: {e}")
+        if worker.result is not None and worker.result.stopped_by is not None:
+            return worker.result
+        return provider.stop(worker, e.cause)
 
 
 def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object]:

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tasks.control.prewarm import Prewarm
 from tasks.deadlines.plan import Measured, measure, situation, submission_problem
 from tasks.deadlines.policy import POLICIES, Decision
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.market.prices import Prices
-from tasks.providers.base import Market, ProvisionError, Worker
+from tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, Worker
 from trainer.spec.deadline import deadline_at
 from trainer.spec.job import JobSpec
 
@@ -77,10 +78,17 @@ class MarketChooser:
             self.sink.log(logging.WARNING, warning)
         return problem
 
-    def decide(self, records: list[AttemptRecord], done_step: int) -> Decision:
+    def decide(self, records: list[AttemptRecord], done_step: int, running: Market | None = None) -> Decision:
+        """The policy's answer now. `running`: "on-demand" while an on-demand worker trains (is spot worth
+        a move?); spot counts as available then, as a move is tried by provisioning spot ahead."""
         now = self.clock()
         short = 0.0 if self.short_since is None else now - self.short_since
-        if self.job.max_wait_s is not None and self.short_since is not None and short >= self.job.max_wait_s:
+        if (
+            running is None
+            and self.job.max_wait_s is not None
+            and self.short_since is not None
+            and short >= self.job.max_wait_s
+        ):
             return Decision(
                 "on-demand", f"no spot capacity for {short:.0f} s >= max_wait_s {self.job.max_wait_s:g}"
             )
@@ -90,12 +98,16 @@ class MarketChooser:
             start=self.start,
             done_step=done_step,
             measured=self.measured(records),
-            running=None,
-            spot_available=self.short_since is None,
-            preemptions=sum(1 for r in records if r.outcome is Outcome.PREEMPTED),
+            running=running,
+            spot_available=running is not None or self.short_since is None,
+            preemptions=sum(
+                1 for r in records if r.outcome is Outcome.PREEMPTED and not r.extra.get(MARKET_MOVE)
+            ),
             spot_short_s=short,
         )
         if sit is None:  # no deadline (max_wait_s alone), or no step rate yet
+            if running is not None:  # max_wait_s alone: on-demand once chosen stays to the end
+                return Decision(running, "no deadline policy: stays")
             return Decision("spot" if self.short_since is None else "wait", "spot (no deadline policy)")
         return POLICIES[self.job.market_policy](sit)
 
@@ -106,7 +118,7 @@ class MarketChooser:
         t0 = self.clock()
         while True:
             decision = self.decide(records, done_step)
-            self._note(decision)
+            self.note(decision)
             market: Market = "on-demand" if decision.choice == "on-demand" else "spot"
             if decision.choice == "wait":  # then look again: a launch refused for capacity costs nothing
                 self.sleep(self.poll_s)
@@ -127,13 +139,50 @@ class MarketChooser:
                 extra["deadline_at"] = deadline_at(self.job.deadline, self.start)
             if decision.choice == "wait":  # the look after the wait found spot
                 decision = Decision("spot", f"spot capacity is back after {waited:g} s of waiting")
-                self._note(decision)
+                self.note(decision)
             return worker, extra | {"market_reason": decision.reason}
 
-    def _note(self, decision: Decision) -> None:
+    def note(self, decision: Decision) -> None:
         if self.last is not None and self.last.choice == decision.choice:
             return
         self.last = decision
         self.sink.log(logging.INFO, f"market: {decision.choice} ({decision.reason})")
         payload = {"choice": decision.choice, "reason": decision.reason, "policy": self.job.market_policy}
         self.sink.event(MARKET_CHOSEN, self.job.name, payload)
+
+
+@dataclass
+class BackToSpot:
+    """While an on-demand worker trains, ask the policy every `chooser.poll_s` whether spot is worth a
+    move; when it is, provision a spot worker ahead (`prewarm`, as at a notice), and once that one
+    stands by, end the on-demand attempt (`StopWorker`: the trainer's emergency checkpoint, then the
+    lease goes to the spot trainer). A spot launch refused for capacity leaves the job where it is, to
+    be asked again a poll later. Called with each step record from the watch (the controller's thread).
+    """
+
+    chooser: MarketChooser
+    prewarm: Prewarm
+    records: list[AttemptRecord]
+    args: Callable[[], list[str]]  # the spot trainer's extra arguments
+    asked_at: float = float("-inf")
+
+    def on_step(self, durable_step: int) -> None:
+        c = self.chooser
+        if self.prewarm.started:
+            if self.prewarm.ready:
+                c.short_since = None
+                c.note(Decision("spot", self.prewarm.reason))
+                raise StopWorker(StopCause.MARKET, f"moving to spot: {self.prewarm.reason}")
+            error = self.prewarm.failure()
+            if error is not None:
+                c.sink.log(logging.INFO, f"staying on on-demand: no spot worker ({error})")
+                if c.short_since is None:
+                    c.short_since = c.clock()
+            return
+        now = c.clock()
+        if now - self.asked_at < c.poll_s:
+            return
+        self.asked_at = now
+        decision = c.decide(self.records, durable_step, running="on-demand")
+        if decision.choice == "spot":  # announced once its worker stands by
+            self.prewarm.start(self.args, reason=decision.reason)

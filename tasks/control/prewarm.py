@@ -40,15 +40,30 @@ class Prewarm:
         self._worker: Worker | None = None
         self._error: BaseException | None = None
         self.started_at: float | None = None
+        self.reason = "prewarmed at the notice"  # why it was started (the next attempt's market_reason)
 
     @property
     def started(self) -> bool:
         return self._thread is not None
 
-    def start(self, args: Callable[[], list[str]]) -> None:
+    @property
+    def ready(self) -> bool:
+        """Provisioned: its trainer is building or already waits on the lease."""
+        return self._thread is not None and not self._thread.is_alive() and self._worker is not None
+
+    def failure(self) -> BaseException | None:
+        """The error that ended its provisioning, once the thread is done (then it may be started again)."""
+        if self._thread is None or self._thread.is_alive() or self._error is None:
+            return None
+        error, self._error, self._thread = self._error, None, None
+        return error
+
+    def start(self, args: Callable[[], list[str]], reason: str | None = None) -> None:
         """Provision in a thread, with `args()` (computed here, in the caller's thread) for the trainer."""
         if self._thread is not None:
             return
+        if reason is not None:
+            self.reason = reason
         self.started_at = time.time()
         extra = [*args(), "--prewarm-wait", f"{PREWARM_WAIT_S:g}"]
         self._thread = threading.Thread(target=self._run, args=(extra,), name="spotrun-prewarm", daemon=True)

@@ -94,11 +94,12 @@ def simulate(
     *,
     start: int = 0,
     limit_factor: float = 3.0,
-    at_provisioning: bool = False,
+    keep_spot: bool = False,
 ) -> Run:
     """Run `job` from tick `start` of `traces` (one zone each, one clock) under `policy`.
-    `at_provisioning`: the policy is asked only while nothing runs, as spotrun's controller asks it
-    today (a running worker keeps its market until it ends or is reclaimed)."""
+    `keep_spot`: the policy is not asked while a spot worker runs, as spotrun's controller asks it (at
+    each provisioning, and each poll while on-demand runs: tasks/control/market.py `BackToSpot`); a
+    spot worker keeps its market until its reclaim."""
     run = Run()
     g = job.gap_s
     running: Market | None = None
@@ -128,8 +129,8 @@ def simulate(
             preemptions=run.preemptions,
             spot_short_s=0.0 if short_since is None else (tick - short_since) * g,
         )
-        if at_provisioning and running is not None:
-            decision: Decision = Decision(running, "running")
+        if keep_spot and running == "spot":
+            decision: Decision = Decision("spot", "running")
         else:
             decision = policy(situation)
         choice = decision.choice

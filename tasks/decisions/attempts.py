@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+# An attempt's `extra` key set when the market policy ended it to move the job back to spot (its value:
+# the market moved to). Such an attempt is PREEMPTED but draws on no budget and counts as no reclaim.
+MARKET_MOVE = "market_move"
+
 
 class Outcome(StrEnum):
     COMPLETED = "completed"  # the completion marker exists (not just exit code 0)

@@ -33,6 +33,8 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
     if completed:
         ended = f" (then {_how_ended(result)})" if result.exit_code != 0 else ""
         return Outcome.COMPLETED, f"completed at step {result.last_step}{ended}"
+    if result.stopped_by is StopCause.MARKET:  # a planned move: retried at once, like a reclaim
+        return Outcome.PREEMPTED, _stopped_cause(result)
     if result.stopped_by is not None:
         return Outcome.CANCELLED, _stopped_cause(result)
     if result.lost:
@@ -94,6 +96,7 @@ STOPPED_BY = {
     StopCause.CANCEL: "flow run cancelled (or its worker shut down)",
     StopCause.INTERRUPT: "interrupted (Ctrl-C)",
     StopCause.ERROR: "the controller failed",
+    StopCause.MARKET: "moved to spot by the market policy",
 }
 
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.decisions.outcome import FATAL_CODES
 
 DuplicateRuns = Literal[
@@ -139,5 +139,11 @@ def _error_key(a: AttemptRecord) -> tuple[str, int]:
 
 def _count(attempts: list[AttemptRecord], outcomes: tuple[Outcome, ...]) -> int:
     # An attempt lost with its controller is the controller's failure, not the job's: recover-job's own
-    # bound (restarts per job per hour) limits those, so they do not use up the error budget.
-    return sum(1 for a in attempts if a.outcome in outcomes and not a.extra.get("controller_died"))
+    # bound (restarts per job per hour) limits those, so they do not use up the error budget. A move
+    # back to spot is the policy's choice, not the market's reclaim: it uses no preemption.
+    return sum(1 for a in attempts if a.outcome in outcomes and not _not_counted(a))
+
+
+def _not_counted(a: AttemptRecord) -> bool:
+    """An attempt lost with its controller, or ended by the market policy's own move back to spot."""
+    return bool(a.extra.get("controller_died") or a.extra.get(MARKET_MOVE))

@@ -63,10 +63,22 @@ class StopCause(StrEnum):
     CANCEL = "cancel"  # a flow-run cancel or a Prefect worker shutdown (SIGTERM to the flow)
     INTERRUPT = "interrupt"  # Ctrl-C
     ERROR = "error"  # the controller itself failed (a callback raised)
+    MARKET = "market"  # the market policy moves the job to another market (tasks/control/market.py)
+
+
+class StopWorker(Exception):
+    """Raised by a watch callback to end the attempt on purpose: the provider stops the worker as an
+    interrupted watch does (its trainer's emergency checkpoint first) and re-raises."""
+
+    def __init__(self, cause: StopCause, why: str) -> None:
+        super().__init__(why)
+        self.cause = cause
 
 
 def stop_cause(e: BaseException) -> StopCause:
     """Why the controller stopped a worker, from what interrupted its watch."""
+    if isinstance(e, StopWorker):
+        return e.cause
     if isinstance(e, KeyboardInterrupt):
         return StopCause.INTERRUPT
     if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge: a cancel or a worker shutdown

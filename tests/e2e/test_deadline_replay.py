@@ -46,3 +46,29 @@ def test_a_dated_job_waits_out_outages_and_completes_bitwise(
     assert rows[0].extra["waited_s"] >= 1.5 and "spot capacity is back" in rows[0].extra["market_reason"]
     assert rows[0].extra["cost"]["market"] == "spot" and rows[0].extra["cost"]["zone"] == "us-test-1a"
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
+
+
+def test_a_job_put_on_on_demand_moves_back_to_spot_when_it_returns(
+    prefect_api: str, home: Path, tmp_path: Path
+) -> None:
+    """Spot is short at the start and the slack (declared: 1.5 s a step) is down to the reserve, so the
+    policy rents on-demand; on on-demand that slack holds the two starts a move costs, so the controller
+    tries spot ahead each poll, and once the zone has capacity again the spot trainer stands by, takes
+    over from the on-demand one's emergency checkpoint, and the job ends bitwise as if uninterrupted."""
+    trace = tmp_path / "us-test-1a_v100_1.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 1}, "data": [0] * 6 + [1] * 400}))
+    # 1,500 s of declared work and 30 minutes: slack 180 s after a 120 s start (reserve: 480 s), and
+    # 300 s once on-demand runs (a move needs 240 s)
+    spec = job(tmp_path, total_steps=1000, deadline="30m", seconds_per_step=1.5)
+    provider = LocalProviderConfig(trace=str(trace), compress=2, notice_s=10, heartbeat_timeout_s=60)
+    state = run_flow(spec, provider)
+    assert state.is_completed(), state.message
+    rows = attempts(home)
+    assert [(r.outcome.value, r.extra["market"]) for r in rows] == [
+        ("preempted", "on-demand"),
+        ("completed", "spot"),
+    ], [(r.outcome, r.cause, r.extra) for r in rows]
+    assert rows[0].extra["market_move"] == "spot" and "moved to spot" in rows[0].cause
+    assert "reserve" in rows[0].extra["market_reason"] and "2 restarts" in rows[1].extra["market_reason"]
+    assert rows[0].lost_steps == 0  # the on-demand trainer's emergency checkpoint is where spot resumed
+    assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tasks.deadlines.optimum import optimum_cost
-from tasks.deadlines.policy import POLICIES, FixedRule, Situation, fixed
+from tasks.deadlines.policy import POLICIES, Decision, FixedRule, Situation, fixed
 from tasks.deadlines.simulate import Job, simulate
 from tasks.market.traces import Trace, load, load_file
 from trainer.errors import ConfigError
@@ -297,13 +297,21 @@ def test_a_deadline_is_a_time_with_its_zone_or_a_duration(text: str, problem: st
             JobSpec.model_validate(fields)
 
 
-def test_at_provisioning_a_running_worker_keeps_its_market() -> None:
-    """As the controller asks the policy today: only while nothing runs."""
+def test_as_deployed_a_running_spot_worker_is_not_asked() -> None:
+    """As the controller asks the policy: at provisioning and while on-demand runs, never while spot does."""
     j = job(work=6, deadline=12)
     cap = [trace("00" + "1" * 30)]
-    anytime = simulate(POLICIES["spotrun"], cap, j)
-    deployed = simulate(POLICIES["spotrun"], cap, j, at_provisioning=True)
-    assert anytime.met(j) and deployed.met(j)
-    assert [s.choice for s in deployed.steps] == ["wait", "on-demand"] and deployed.spot_ticks == 0
-    assert [s.choice for s in anytime.steps] == ["wait", "on-demand", "spot"]  # back to spot at tick 2
-    assert deployed.cost >= anytime.cost
+    on_demand_first = simulate(POLICIES["spotrun"], cap, j, keep_spot=True)
+    assert [s.choice for s in on_demand_first.steps] == [
+        "wait",
+        "on-demand",
+        "spot",
+    ]  # back to spot at tick 2
+
+    def leave_spot(s: Situation) -> Decision:
+        return Decision("on-demand" if s.running == "spot" else "spot", "test")
+
+    asked = simulate(leave_spot, cap, job(work=6, deadline=20), start=2)
+    kept = simulate(leave_spot, cap, job(work=6, deadline=20), start=2, keep_spot=True)
+    assert [s.choice for s in asked.steps][:2] == ["spot", "on-demand"]
+    assert [s.choice for s in kept.steps] == ["spot"] and kept.on_demand_ticks == 0

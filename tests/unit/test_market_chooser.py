@@ -4,19 +4,22 @@ on-demand, or wait out an outage) recorded on the attempt row, on a fake clock a
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tasks.control.loop import PlainSink, run_job
-from tasks.control.market import MARKET_CHOSEN, MarketChooser
+from tasks.control.market import MARKET_CHOSEN, BackToSpot, MarketChooser
+from tasks.control.prewarm import Prewarm
 from tasks.deadlines.plan import DEFAULT_RESTART_S, measure, submission_problem
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.policy import RetryPolicy
+from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
+from tasks.decisions.outcome import classify
+from tasks.decisions.policy import RetryPolicy, decide
 from tasks.history import HistoryStore
 from tasks.market.prices import Prices
-from tasks.providers.base import Market, ProvisionError, Worker
+from tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, WatchResult, Worker
 from tasks.settings import Settings
 from tests.fakes.provider import FakeAttempt, FakeProvider
 from trainer.spec.job import JobSpec
@@ -179,3 +182,66 @@ def test_an_impossible_deadline_is_refused_before_any_worker(tmp_path: Path, set
     result = run_job(j, provider, RetryPolicy(), PlainSink(), settings=settings, sleep=lambda s: None)
     assert not result.completed and result.message.startswith("refused: deadline 1m is 0.02 h away")
     assert provider.provisioned == [] and _attempts(settings) == []
+
+
+class Spot:
+    """A spot launch for the move back: refused while `short`, else a worker (in the prewarm's thread)."""
+
+    def __init__(self) -> None:
+        self.short, self.calls = True, 0
+
+    def __call__(self, extra: list[str]) -> Worker:
+        self.calls += 1
+        if self.short:
+            raise ProvisionError("no spot capacity", retryable=True)
+        return Worker("spot-1", "fake", 2, started_at=0.0, market="spot")
+
+
+def _settle(prewarm: Prewarm) -> None:
+    """Wait for the prewarm's thread without taking its worker."""
+    thread = prewarm._thread
+    if thread is not None:
+        thread.join()
+
+
+def test_an_on_demand_worker_moves_back_to_spot_once_a_spot_worker_stands_by() -> None:
+    clock, sink, spot = Clock(), PlainSink(), Spot()
+    c = chooser(job(deadline="30m", seconds_per_step=0.5, total_steps=3000), clock, sink)
+    prewarm = Prewarm(spot)
+    back = BackToSpot(c, prewarm, [], lambda: [])
+    back.on_step(0)  # slack 300 s on on-demand holds 2 starts of 120 s: try spot ahead
+    _settle(prewarm)
+    back.on_step(10)  # refused for capacity: stays, spot short from now
+    assert spot.calls == 1 and c.short_since == 0.0 and not prewarm.started
+    clock.t = 30.0
+    back.on_step(20)  # within the poll: not asked
+    assert spot.calls == 1
+    spot.short, clock.t = False, 61.0
+    back.on_step(30)
+    _settle(prewarm)
+    with pytest.raises(StopWorker) as stop:
+        back.on_step(40)
+    assert stop.value.cause is StopCause.MARKET and "holds 2 restarts" in str(stop.value)
+    assert c.short_since is None and prewarm.take() is not None
+    assert [p["choice"] for e, p in sink.events if e == MARKET_CHOSEN] == ["spot"]
+
+
+def test_an_on_demand_worker_stays_when_the_slack_cannot_pay_for_the_move() -> None:
+    clock, sink, spot = Clock(), PlainSink(), Spot()
+    spot.short = False
+    c = chooser(job(deadline="30m", seconds_per_step=0.5, total_steps=3000), clock, sink)
+    back = BackToSpot(c, Prewarm(spot), [], lambda: [])
+    clock.t = 200.0  # 1,600 s left for 1,500 s of work: 100 s of slack, not two starts
+    back.on_step(0)
+    assert spot.calls == 0 and not back.prewarm.started
+
+
+def test_a_move_back_to_spot_is_retried_at_once_and_uses_no_preemption() -> None:
+    result = WatchResult(started_at=0.0, stopped_by=StopCause.MARKET, last_step=40)
+    result.last_durable_step = 40
+    outcome, cause = classify(result, completed=False)
+    assert outcome is Outcome.PREEMPTED and cause.startswith("moved to spot by the market policy")
+    moved = attempt(1, resumed=None, durable=40, productive_s=1.0, startup_s=1.0)
+    moved.extra[MARKET_MOVE] = "spot"
+    d = decide([moved], RetryPolicy(max_preemptions=1), random.Random(0))
+    assert (d.action, d.delay_s) == ("retry", 0.0), d
