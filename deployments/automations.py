@@ -41,6 +41,7 @@ from deployments.run_alerts import build_run_automations
 from deployments.schedules import ScheduledTraining
 from tasks.alerts.message import AlertKind, ResumeFacts
 from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from tasks.control.market import DEADLINE_AT_RISK
 from tasks.reports.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
@@ -58,6 +59,7 @@ CRASHED = f"{NAME_PREFIX}: restart crashed training"
 MISMATCH = f"{NAME_PREFIX}: resume mismatch"
 UNVERIFIED = f"{NAME_PREFIX}: checkpoint cannot be verified"
 DISK_FULL = f"{NAME_PREFIX}: controller disk full"
+AT_RISK = f"{NAME_PREFIX}: deadline at risk"
 HEARTBEAT_TAG = "spotrun-heartbeat"  # prefect.yaml: the deployments whose runs beat every HEARTBEAT_S
 HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefect's minimum
 
@@ -138,6 +140,7 @@ def build_automations(
     )
     out.append(_unverified(rules, alert_deployment_id))
     out.append(_disk_full(rules, alert_deployment_id))
+    out.append(_at_risk(rules, alert_deployment_id))
     return out + build_run_automations(rules, alert_deployment_id, scheduled)
 
 
@@ -197,6 +200,25 @@ def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
         f"the controller's disk filled up during its checkpoint check (at most one alert per job within"
         f" {rules.restart_window_s:g} s); the check was skipped and the next one retries",
         _once_a_window(CONTROLLER_DISK_FULL, rules),
+        deployment_id=alert_deployment_id,
+        parameters=parameters,
+    )
+
+
+def _at_risk(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
+    """A job that even on-demand can no longer finish by its deadline (tasks/control/market.py)."""
+    parameters = alert_parameters(
+        AlertKind.DEADLINE_AT_RISK.value,
+        rules,
+        checkpoint="{{ event.payload.deadline | default('') }}",
+        reason="{{ event.payload.problem | default('') }}",
+        training_flow_run_id=_EMITTING_RUN,
+    )
+    return automation(
+        AT_RISK,
+        f"a job cannot make its deadline even on on-demand (at most one alert per job within"
+        f" {rules.restart_window_s:g} s); it goes on best-effort",
+        _once_a_window(DEADLINE_AT_RISK, rules),
         deployment_id=alert_deployment_id,
         parameters=parameters,
     )

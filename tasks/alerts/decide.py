@@ -105,6 +105,7 @@ _PER_WINDOW = {
     AlertKind.RESTART_STORM: "storm",
     AlertKind.CANNOT_VERIFY: "unverifiable checkpoint",
     AlertKind.DISK_FULL: "full disk",
+    AlertKind.DEADLINE_AT_RISK: "deadline at risk",
 }
 
 

@@ -38,6 +38,7 @@ class AlertKind(StrEnum):
     RESUME_MISMATCH = "resume-mismatch"  # a resumed attempt did not continue the lost one's training
     CANNOT_VERIFY = "cannot-verify"  # a checkpoint's signature cannot be checked with the keys held here
     DISK_FULL = "disk-full"  # the controller's disk filled up during a check: the check was skipped
+    DEADLINE_AT_RISK = "deadline-at-risk"  # even on-demand from now on cannot finish by the job's deadline
     PROMOTION = "promotion"  # a keyed run's new model was promoted to the alias, or the alias kept
     MISSED_RUN = "missed-run"  # a scheduled run had not finished by its deadline after its slot
     RUN_FAILED = "run-failed"  # a training flow run ended Failed (a give-up alert covers its own)
@@ -46,7 +47,12 @@ class AlertKind(StrEnum):
 # Kinds about something other than restarts: the restart list and the last log lines are left out.
 # About one run of a keyed or scheduled job (tasks/alerts/runs.py says what they say).
 _ABOUT_RUNS = frozenset({AlertKind.PROMOTION, AlertKind.MISSED_RUN, AlertKind.RUN_FAILED})
-_NOT_ABOUT_RESTARTS = _ABOUT_RUNS | {AlertKind.RESUME_MISMATCH, AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL}
+_NOT_ABOUT_RESTARTS = _ABOUT_RUNS | {
+    AlertKind.RESUME_MISMATCH,
+    AlertKind.CANNOT_VERIFY,
+    AlertKind.DISK_FULL,
+    AlertKind.DEADLINE_AT_RISK,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +80,7 @@ class AlertContext:
     window_s: float
     threshold: int
     checkpoint: str | None  # what the job resumes from (CANNOT_VERIFY: the checkpoint it is about;
-    # DISK_FULL: where, the controller's flow cache and host)
+    # DISK_FULL: where, the controller's flow cache and host; DEADLINE_AT_RISK: the deadline)
     flow_run_url: str | None  # the training flow run in the Prefect UI
     reason: str = ""  # why it gave up (CANNOT_VERIFY: the verifier's problem; DISK_FULL: the OS error)
     now: float  # epoch seconds
@@ -111,6 +117,7 @@ _EMOJI = {
     AlertKind.RESUME_MISMATCH: ":warning:",
     AlertKind.CANNOT_VERIFY: ":lock:",
     AlertKind.DISK_FULL: ":floppy_disk:",
+    AlertKind.DEADLINE_AT_RISK: ":hourglass:",
     AlertKind.PROMOTION: ":trophy:",
     AlertKind.MISSED_RUN: ":alarm_clock:",
     AlertKind.RUN_FAILED: ":x:",
@@ -214,6 +221,9 @@ def title(ctx: AlertContext) -> str:
         return f"spotrun: {job} has a checkpoint it cannot verify{which}: kept, not quarantined"
     if ctx.kind is AlertKind.DISK_FULL:
         return f"spotrun: {job}: controller disk full, checkpoint check skipped (the next one retries)"
+    if ctx.kind is AlertKind.DEADLINE_AT_RISK:
+        due = f" {_clip(_one_line(ctx.checkpoint), 40)}" if ctx.checkpoint else ""
+        return f"spotrun: {job} can no longer make its deadline{due}: going on best-effort"
     count = _times(len(ctx.restarts), "time") if ctx.restarts else f"at least {ctx.threshold} times"
     return f"spotrun: {job} restarted {count} in {human_duration(ctx.window_s)}"
 
@@ -232,7 +242,7 @@ def fallback_text(ctx: AlertContext) -> str:
         r = ctx.resume
         what = (r.diff or r.detail) if r is not None else ""
         return f"{text}: {_clip(_one_line(what), CAUSE_MAX_CHARS * 2)}" if what else text
-    if ctx.kind in (AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL):
+    if ctx.kind in (AlertKind.CANNOT_VERIFY, AlertKind.DISK_FULL, AlertKind.DEADLINE_AT_RISK):
         return f"{text}: {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}" if ctx.reason else text
     if ctx.kind is AlertKind.GAVE_UP and ctx.reason:
         text += f": {_clip(_one_line(ctx.reason), CAUSE_MAX_CHARS)}"
@@ -258,6 +268,8 @@ def _plain_facts(ctx: AlertContext) -> list[tuple[str, str]]:
         return _unverified_facts(ctx)
     if ctx.kind is AlertKind.DISK_FULL:
         return _disk_full_facts(ctx)
+    if ctx.kind is AlertKind.DEADLINE_AT_RISK:
+        return _at_risk_facts(ctx)
     if ctx.kind is AlertKind.PROMOTION:
         return promotion_facts(ctx.job, ctx.promotion or PromotionFacts())
     if ctx.kind is AlertKind.MISSED_RUN:
@@ -319,6 +331,24 @@ def _unverified_facts(ctx: AlertContext) -> list[tuple[str, str]]:
             "Fix",
             f"give the workers and the controller the same {KEY_ENV}; if it was signed with a retired"
             f" key, add that key to {OLD_KEYS_ENV} (comma-separated) where the controller runs",
+        ),
+    ]
+
+
+def _at_risk_facts(ctx: AlertContext) -> list[tuple[str, str]]:
+    """A job that even on-demand cannot finish by its deadline: by how much, what goes on, the fix."""
+    return [
+        ("Job", ctx.job),
+        ("Deadline", _clip(_one_line(ctx.checkpoint), URI_MAX_CHARS) if ctx.checkpoint else "not known"),
+        ("Problem", _clip(_one_line(ctx.reason), CAUSE_MAX_CHARS * 2) or "not known"),
+        (
+            "Done",
+            "training goes on best-effort, on on-demand from the next start: it finishes late rather"
+            " than not at all",
+        ),
+        (
+            "Fix",
+            "cancel the run if a late result is worthless; else give later deadlines or fewer total_steps",
         ),
     ]
 

@@ -175,6 +175,7 @@ _NO_COUNTS = (
     AlertKind.RESUME_MISMATCH,
     AlertKind.CANNOT_VERIFY,
     AlertKind.DISK_FULL,
+    AlertKind.DEADLINE_AT_RISK,
 )
 
 

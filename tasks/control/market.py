@@ -19,11 +19,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from tasks.control.prewarm import Prewarm
 from tasks.deadlines.plan import Measured, measure, situation, submission_problem
-from tasks.deadlines.policy import POLICIES, Decision
+from tasks.deadlines.policy import POLICIES, Decision, Situation
 from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.market.prices import Prices
 from tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, Worker
@@ -31,6 +32,7 @@ from trainer.spec.deadline import deadline_at
 from trainer.spec.job import JobSpec
 
 MARKET_CHOSEN = "spotrun.market.chosen"
+DEADLINE_AT_RISK = "spotrun.deadline.at-risk"  # even on-demand cannot finish in time (an alert; once a run)
 POLL_S = 30.0  # between two looks at a market that has no spot capacity
 
 
@@ -55,6 +57,7 @@ class MarketChooser:
     poll_s: float = POLL_S
     short_since: float | None = None  # when spot was last refused for capacity (None: not short)
     last: Decision | None = None  # the decision last announced (an event only when it changes)
+    at_risk: bool = False  # DEADLINE_AT_RISK was announced (once per job run)
 
     @staticmethod
     def wanted(job: JobSpec) -> bool:
@@ -105,6 +108,8 @@ class MarketChooser:
             ),
             spot_short_s=short,
         )
+        if sit is not None and sit.slack_s < 0 and not self.at_risk:
+            self._at_risk(sit)
         if sit is None:  # no deadline (max_wait_s alone), or no step rate yet
             if running is not None:  # max_wait_s alone: on-demand once chosen stays to the end
                 return Decision(running, "no deadline policy: stays")
@@ -141,6 +146,20 @@ class MarketChooser:
                 decision = Decision("spot", f"spot capacity is back after {waited:g} s of waiting")
                 self.note(decision)
             return worker, extra | {"market_reason": decision.reason}
+
+    def _at_risk(self, sit: Situation) -> None:
+        """Announce once that the deadline cannot be met any more; the job goes on (on-demand, the
+        policies' answer once the slack is gone), finishing late rather than not at all."""
+        self.at_risk = True
+        due = datetime.fromtimestamp(self.start + sit.deadline_s, UTC).strftime("%Y-%m-%d %H:%M UTC")
+        problem = (
+            f"{sit.remaining_s / 3600:.2f} h of work left (plus {sit.restart_s:.0f} s to start) and "
+            f"{max(sit.left_s, 0) / 3600:.2f} h to the deadline: late by {-sit.slack_s / 3600:.2f} h "
+            "even on on-demand"
+        )
+        self.sink.log(logging.WARNING, f"deadline at risk: {problem}; going on best-effort")
+        payload = {"deadline": f"{self.job.deadline} ({due})", "problem": problem}
+        self.sink.event(DEADLINE_AT_RISK, self.job.name, payload)
 
     def note(self, decision: Decision) -> None:
         if self.last is not None and self.last.choice == decision.choice:

@@ -357,7 +357,13 @@ def test_every_text_stays_within_slacks_limits() -> None:
         assert len(msg.blocks[0]["text"]["text"]) <= 150
         assert len(msg.text) < 3000
         log_section = [t for _, t in texts(msg.blocks) if t.startswith("*Last log lines*")]
-        if kind in (MISMATCH, UNVERIFIED, DISK, *ABOUT_RUNS):  # not about restarts: no restarts, no log
+        if kind in (
+            MISMATCH,
+            UNVERIFIED,
+            DISK,
+            AlertKind.DEADLINE_AT_RISK,
+            *ABOUT_RUNS,
+        ):  # no restarts, no log
             assert not log_section and "earlier not shown" not in str(msg.blocks)
             continue
         if kind is not RECOVERED:  # a recovery shows no log
@@ -649,6 +655,25 @@ def test_disk_full_with_what_the_event_left_out(
     msg = build_message(disk_full(**changes))
     assert msg.text == text
     assert expected.items() <= fields(msg.blocks).items()
+
+
+AT_RISK_TITLE = (
+    "spotrun: digits can no longer make its deadline 8h (2026-12-07 06:00 UTC): going on best-effort"
+)
+LATE = (
+    "2.10 h of work left (plus 120 s to start) and 1.50 h to the deadline: late by 0.63 h even on on-demand"
+)
+
+
+def test_a_deadline_at_risk_says_by_how_much_that_it_goes_on_and_the_fix() -> None:
+    ctx = storm(kind=AlertKind.DEADLINE_AT_RISK, checkpoint="8h (2026-12-07 06:00 UTC)", reason=LATE)
+    msg = build_message(ctx)
+    assert msg.blocks[0]["text"]["text"] == f":hourglass: {AT_RISK_TITLE}"
+    assert msg.text == f"{AT_RISK_TITLE}: {LATE}"
+    f = fields(msg.blocks)
+    assert (f["*Deadline*"], f["*Problem*"]) == ("8h (2026-12-07 06:00 UTC)", LATE)
+    assert "best-effort" in f["*Done*"] and "later deadlines" in f["*Fix*"]
+    assert [b["type"] for b in msg.blocks] == ["header", "section", "actions"]
 
 
 @pytest.mark.parametrize(

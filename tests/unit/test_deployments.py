@@ -22,6 +22,7 @@ import yaml
 from deployments.alert_parts import AlertRules as PartsRules
 from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
 from deployments.automations import (
+    AT_RISK,
     CRASHED,
     DISK_FULL,
     GAVE_UP,
@@ -51,6 +52,7 @@ from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
 from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
 from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from tasks.control.market import DEADLINE_AT_RISK
 from tasks.decisions.policy import RetryPolicy
 from tasks.decisions.promotion import PROMOTION_LABEL, decide_promotion, event_payload
 from tasks.ownership.recovery import (
@@ -160,6 +162,7 @@ def test_recovery_note_can_be_switched_off() -> None:
         MISMATCH,
         UNVERIFIED,
         DISK_FULL,
+        AT_RISK,
         PROMOTION,
         RUN_FAILED,
     }
@@ -179,13 +182,14 @@ def test_a_resume_mismatch_alerts_with_the_check_from_the_event() -> None:
     assert params["job"] == "{{ event.payload.job }}"
 
 
-@pytest.mark.parametrize("name", [UNVERIFIED, DISK_FULL])
+@pytest.mark.parametrize("name", [UNVERIFIED, DISK_FULL, AT_RISK])
 def test_what_the_check_between_attempts_finds_alerts_once_a_window_per_job(name: str) -> None:
     auto = _by_name(AlertRules(restart_window_s=1800))[name]
     t = auto.trigger
     event, kind = {
         UNVERIFIED: (CHECKPOINT_UNVERIFIED, "cannot-verify"),
         DISK_FULL: (CONTROLLER_DISK_FULL, "disk-full"),
+        AT_RISK: (DEADLINE_AT_RISK, "deadline-at-risk"),
     }[name]
     assert (t.expect, t.for_each, t.posture, t.threshold, t.within) == (
         {event},
@@ -709,3 +713,14 @@ def test_a_scheduled_run_not_ended_by_its_deadline_alerts_once() -> None:
     rrule = ScheduledTraining("odd", "j", None)
     assert build_missed_run_automations(AlertRules(), uuid4(), [rrule]) == []  # no period: set the deadline
     assert len(build_missed_run_automations(AlertRules(missed_run_after_s=3600), uuid4(), [rrule])) == 1
+
+
+def test_the_deadline_at_risk_event_renders_into_the_alert_flows_parameters() -> None:
+    from flows.restart_alert import restart_alert
+
+    payload = {"job": "digits", "deadline": "8h (2026-12-07 06:00 UTC)", "problem": "late by 0.50 h"}
+    event = {"event": DEADLINE_AT_RISK, "resource": job_resource("digits"), "payload": payload}
+    auto = _by_name(AlertRules())[AT_RISK]
+    params = restart_alert.validate_parameters(_rendered(auto.actions[0].parameters, event, None))
+    assert (params["kind"], params["job"]) == (AlertKind.DEADLINE_AT_RISK, "digits")
+    assert (params["checkpoint"], params["reason"]) == (payload["deadline"], "late by 0.50 h")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tasks.control.loop import PlainSink, run_job
-from tasks.control.market import MARKET_CHOSEN, BackToSpot, MarketChooser
+from tasks.control.market import DEADLINE_AT_RISK, MARKET_CHOSEN, BackToSpot, MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.deadlines.plan import DEFAULT_RESTART_S, measure, submission_problem
 from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
@@ -245,3 +245,13 @@ def test_a_move_back_to_spot_is_retried_at_once_and_uses_no_preemption() -> None
     moved.extra[MARKET_MOVE] = "spot"
     d = decide([moved], RetryPolicy(max_preemptions=1), random.Random(0))
     assert (d.action, d.delay_s) == ("retry", 0.0), d
+
+
+def test_a_deadline_even_on_demand_cannot_make_is_announced_once_and_the_job_goes_on() -> None:
+    clock, sink = Clock(), PlainSink()
+    c = chooser(job(deadline="20m", seconds_per_step=1), clock, sink)
+    assert c.decide([], 0).choice == "spot" and not sink.events  # 80 s of slack
+    clock.t = 200.0  # 1,000 s of work and a 120 s start in the 1,000 s left
+    assert c.decide([], 0).choice == "on-demand" and c.decide([], 10).choice == "on-demand"
+    (risk,) = [p for e, p in sink.events if e == DEADLINE_AT_RISK]
+    assert risk["deadline"].startswith("20m (1970-01-01 00:20 UTC)") and "late by 0.03 h" in risk["problem"]
