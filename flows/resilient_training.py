@@ -64,8 +64,16 @@ def resilient_training(
     run_id = str(flow_run.get_id() or "")
     workers = build_provider(provider, settings.job_dir(job.name, job.run_key) / "workers", run_id)
     recovers = recovered_run(flow_run.get_tags())  # started by recover-job: continue that job run
+    scheduled = flow_run.get_scheduled_start_time()  # a deadline's duration counts from the slot
     result = run_job(
-        job, workers, policy, PrefectSink(), settings=settings, flow_run_id=run_id, recovers=recovers
+        job,
+        workers,
+        policy,
+        PrefectSink(),
+        settings=settings,
+        flow_run_id=run_id,
+        recovers=recovers,
+        submitted=scheduled.timestamp() if scheduled is not None else None,
     )
     _link_mlflow(job, result.summary.mlflow)
     state = Completed if result.completed else Failed

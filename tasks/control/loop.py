@@ -132,10 +132,12 @@ def run_job(
     settings: Settings,
     flow_run_id: str = "",
     recovers: str = "",
+    submitted: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> JobResult:
     """Train `job` on `provider`'s workers until it completes or the policy gives up. `recovers`: the
-    crashed flow run this one replaces (its job run is continued)."""
+    crashed flow run this one replaces (its job run is continued). `submitted`: when the run was asked
+    for (a deployment run's scheduled start, epoch seconds), from which a deadline's duration counts."""
     job = settings.resolve(job)  # a relative storage: under SPOTRUN_HOME, for every worker and record
     runlog = JobRunLog.start(
         settings, job, provider.name, flow_run_id=flow_run_id, sink=sink, recovers=recovers
@@ -149,7 +151,8 @@ def run_job(
             text = f"already completed at step {done} in {job.storage}: nothing to run"
             sink.log(logging.INFO, f"job {job.name} {text}")
             return _finish(runlog, "completed", text, time.time())
-        return _loop(job, provider, policy, sink=sink, runlog=runlog, sleep=sleep)
+        since = min(runlog.started_at, submitted or runlog.started_at)  # a deadline's clock
+        return _loop(job, provider, policy, sink=sink, runlog=runlog, sleep=sleep, since=since)
     except BaseException as e:  # a cancel (TerminationSignal), Ctrl-C or a bug here: record, then re-raise
         runlog.interrupted(e)
         raise
@@ -165,11 +168,12 @@ def _loop(
     sink: Sink,
     runlog: JobRunLog,
     sleep: Callable[[float], None],
+    since: float,
 ) -> JobResult:
     rng = random.Random(job.seed)
     started = time.time()
     ahead: Prewarm | None = None  # the next attempt's worker, started at this attempt's notice
-    chooser = _chooser(job, runlog, sink=sink, sleep=sleep, started=started, provider=provider)
+    chooser = _chooser(job, runlog, sink=sink, sleep=sleep, started=since, provider=provider)
     if chooser is not None and (
         refused := chooser.admit(runlog.records, runlog.resume_step or 0, provider.prices)
     ):

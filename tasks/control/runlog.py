@@ -88,6 +88,7 @@ class JobRunLog:
         self.leftover: adoption.WorkerInfo | None = None  # a worker a dead controller left (adoption)
         self.released: str | None = None  # the last worker released: its lease may be taken at once
         self.adopted_from = ""  # the dead controller's flow run, when this run adopted its job run
+        self.started_at = time.time()  # the job run's start (an adopted one's: its first controller's)
         self.mlflow_run_id: str | None = None  # the adopted job run's MLflow run, from SQL
         self.tracking = RunTracking(job, flow_run_id, sink, store)
         self.report = RunReport(job, job_run_id, self.dir, sink)
@@ -162,6 +163,7 @@ class JobRunLog:
         self.store.adopt_job_run(orphan.id, self.flow_run_id or None)
         self.adopted_from = orphan.flow_run_id or ""
         self.mlflow_run_id = orphan.mlflow_run_id
+        self.started_at = orphan.started_at
         self.records = adoption.to_records(self.store.attempts(job_run_id=orphan.id, limit=100_000))
         left = adoption.read_worker(self.dir)
         self.leftover = left if left is not None and left.job_run_id == orphan.id else None

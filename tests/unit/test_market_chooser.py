@@ -5,6 +5,7 @@ on-demand, or wait out an outage) recorded on the attempt row, on a fake clock a
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +256,15 @@ def test_a_deadline_even_on_demand_cannot_make_is_announced_once_and_the_job_goe
     assert c.decide([], 0).choice == "on-demand" and c.decide([], 10).choice == "on-demand"
     (risk,) = [p for e, p in sink.events if e == DEADLINE_AT_RISK]
     assert risk["deadline"].startswith("20m (1970-01-01 00:20 UTC)") and "late by 0.03 h" in risk["problem"]
+
+
+def test_a_deadline_duration_counts_from_the_runs_slot(tmp_path: Path, settings: Settings) -> None:
+    """A scheduled run that started an hour after its slot has an hour less (the flow passes the slot)."""
+    provider = FakeProvider([FakeAttempt()], checkpoint_every=100)
+    j = job(deadline="10h", seconds_per_step=0.01, total_steps=100, storage=str(tmp_path / "store"))
+    slot = time.time() - H
+    policy, sink = RetryPolicy(), PlainSink()
+    result = run_job(j, provider, policy, sink, settings=settings, submitted=slot, sleep=lambda s: None)
+    assert result.completed, result.message
+    (row,) = _attempts(settings)
+    assert row.extra["deadline_at"] == slot + 10 * H
