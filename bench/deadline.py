@@ -20,8 +20,11 @@ measures it per job; 600 s is a cold GPU worker's.
 Per-case results go to bench/out/deadline/<trace>.json and a PNG of cost against slack (one line per
 policy, means over traces and starts) to bench/out/deadline/cost_vs_slack.png. The last line is JSON:
 ratios are means over traces, slacks and starts of spotrun's cost over each baseline's; deadlines_met
-counts the cases spotrun met (of `cases`). `e2e_agrees` is null: the end-to-end replay of a compressed
-trace through the real flow is not built yet.
+counts the cases spotrun met (of `cases`). `e2e_agrees`: one dated job replayed end to end through the
+control loop and real trainers on a compressed stretch of one of the traces ran the same markets in
+the same order as its simulation fed the product's measured step rate and start cost, and both met
+the deadline (bench/deadline_e2e.py; ~1.5 min; `--no-e2e` skips it: null); `e2e_cost_ratio` is the
+replay's cost over the simulation's. Details in bench/out/deadline/e2e.json.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.deadline_e2e import e2e_replay
 from tasks.deadlines.optimum import optimum_cost
 from tasks.deadlines.policy import POLICIES
 from tasks.deadlines.simulate import Job, simulate
@@ -96,6 +100,7 @@ def main() -> int:
     p.add_argument("--on-demand-per-h", type=float, default=3.06)
     p.add_argument("--regions", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end replay (e2e_agrees: null)")
     args = p.parse_args()
     try:
         slacks = [float(x) for x in args.slack.split(",")]
@@ -148,6 +153,16 @@ def main() -> int:
         f"cases over 10% above the optimum: {len(gaps)} of {len(rows)}; above uniform progress: {len(worse)}"
     )
     _plot(by_slack, args.out / "cost_vs_slack.png")
+    e2e: dict[str, Any] = {"agrees": None, "cost_ratio": None} if args.no_e2e else e2e_replay(sets, args.out)
+    if e2e.get("why"):
+        print(f"end-to-end replay not run: {e2e['why']}")
+    elif not args.no_e2e:
+        product, sim = e2e["product"], e2e["simulation"]
+        print(
+            f"end-to-end replay of {e2e['trace']} from tick {e2e['start_tick']}: product {product['markets']}"
+            f" (${product['cost_usd']:.4f}, met {product['met']}), simulation {sim['markets']}"
+            f" (${sim['cost_usd']:.4f}, met {sim['met']})"
+        )
     summary = {
         "traces": len(sets),
         "cases": len(rows),
@@ -159,7 +174,8 @@ def main() -> int:
         "greedy_vs_optimum": round(ratio("greedy", "optimum"), 4),
         "over_10pct_of_optimum": len(gaps),
         "worse_than_uniform_progress": len(worse),
-        "e2e_agrees": None,
+        "e2e_agrees": e2e["agrees"],
+        "e2e_cost_ratio": e2e.get("cost_ratio"),
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(summary))
