@@ -158,3 +158,18 @@ def test_cli_bad_input_is_one_line_exit_2_and_touches_nothing(
     assert says.format(t=t) in r.stderr, r.stderr
     assert "secret" not in r.stderr
     assert _tree(tmp_path) == before  # nothing deleted, changed or created
+
+
+@pytest.mark.parametrize(
+    ("hooks", "needle"),
+    [
+        ({"on_stop": []}, "field 'hooks.on_stop': the hook's command is empty"),
+        ({"timeout_s": 0}, "not positive"),
+    ],
+)
+def test_bad_hooks_are_one_line_before_training(
+    tmp_path: Path, hooks: dict[str, object], needle: str
+) -> None:
+    job = write_spec(tmp_path / "job.yaml", hooks=hooks)
+    _assert_one_clear_error(trainer(job, str(tmp_path / "s"), tmp_path), needle)
+    assert not (tmp_path / "s").exists()  # refused before any storage or worker
