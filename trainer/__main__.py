@@ -32,6 +32,7 @@ from trainer.errors import (
 )
 from trainer.exitcodes import ExitCode
 from trainer.home import spotrun_home
+from trainer.hooks.worker import StopSeen, ending_of, run_worker_hook
 from trainer.launch.start import (
     LAUNCHER_ID,
     RANK_EXITS,
@@ -293,6 +294,8 @@ def _run(
     if heartbeat is not None:
         reporter.subscribe(heartbeat)
         cleanup.callback(heartbeat.close)
+    seen = StopSeen()
+    reporter.subscribe(seen)
     launched = None
     try:
         if spec.distributed is not None and env.ranks is None:  # the worker's command: start the ranks
@@ -318,7 +321,9 @@ def _run(
         reporter.emit("notice", **n.record())
 
     if launched is not None:
-        return relay(launched, reporter)
+        code, error = relay(launched, reporter)
+        _hooks(spec, code, stop=stop, seen=seen, reporter=reporter, sigterm_window_s=args.sigterm_window_s)
+        return code, error
     ranks = Ranks.solo()
     if env.ranks is not None:
         assert spec.distributed is not None
@@ -373,7 +378,27 @@ def _run(
     start = "from scratch" if result.resumed_from is None else f"resumed from step {result.resumed_from}"
     durable = "none durable" if result.durable_step is None else f"durable {result.durable_step}"
     log.info("attempt finished: %s at step %d (%s, %s)", result.code.name, result.step, start, durable)
+    if solo:  # a launcher's or a single process's: a rank runs none
+        _hooks(
+            spec, result.code, stop=stop, seen=seen, reporter=reporter, sigterm_window_s=args.sigterm_window_s
+        )
     return result.code, ""
+
+
+def _hooks(
+    spec: JobSpec,
+    code: ExitCode,
+    *,
+    stop: StopRequest,
+    seen: StopSeen,
+    reporter: StatusReporter,
+    sigterm_window_s: float,
+) -> None:
+    """The job's hook for this ending (trainer/hooks/worker.py), after the last checkpoint is durable and
+    the lease given back, before the exit record."""
+    if spec.hooks is not None:
+        ending = ending_of(code, stop, seen, reporter=reporter, sigterm_window_s=sigterm_window_s)
+        run_worker_hook(spec, ending, environ=os.environ, reporter=reporter)
 
 
 def _resume_source(value: str | None, spec: JobSpec) -> ResumeSource | None:

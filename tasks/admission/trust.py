@@ -3,10 +3,10 @@
 The operator's own job file (given to `spotrun run` or `python -m trainer --config`) is trusted as
 written. A deployment run's parameters come from whoever can reach the Prefect API: the UI's form, the
 API, an automation. Prefect OSS has no roles, so whoever can start a run can also edit a deployment's
-defaults; what such a run may name (an interpreter, a recipe module, an entry point, environment names,
-a non-https endpoint, a tracking URI) is therefore decided on the worker host, from a 0600 settings file
-under $SPOTRUN_HOME (ALLOWED_FILE) that `spotrun deploy` writes from the deployments' own defaults and
-that the operator may add to. Nothing read back from the API widens it.
+defaults; what such a run may name (an interpreter, a recipe module, an entry point, a command or a
+hook, environment names, a non-https endpoint, a tracking URI) is therefore decided on the worker host,
+from a 0600 settings file under $SPOTRUN_HOME (ALLOWED_FILE) that `spotrun deploy` writes from the
+deployments' own defaults and that the operator may add to. Nothing read back from the API widens it.
 
 `refusal` is the decision (pure); `refuse_untrusted_parameters` applies it at a flow's start, to
 deployment runs only: a run started in-process by `spotrun run` has no deployment.
@@ -52,8 +52,8 @@ class Allowed:
     python: frozenset[str] = frozenset()  # provider.python: interpreters
     recipes: frozenset[str] = frozenset()  # recipe import strings, package.module:function
     entrypoints: frozenset[str] = frozenset()  # entry points (package.module:function): code, always listed
-    # commands, each its whole argv as `shlex.join` writes it: a program's arguments can run code too
-    # (`python -c ...`), so the exact command is allowed, never a program with any arguments
+    # commands and hooks, each its whole argv as `shlex.join` writes it: a program's arguments can run code
+    # too (`python -c ...`), so the exact command is allowed, never a program with any arguments
     commands: frozenset[str] = frozenset()
     env: frozenset[str] = frozenset()  # names in env.pass and env.set
     endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
@@ -123,6 +123,12 @@ def refusal(
     if job.command is not None and shlex.join(job.command) not in allowed.commands:
         what = f"command: {shlex.join(job.command)!r} is not a command this host lets a deployment run start"
         return f"{what}; {fix('commands')}"
+    for event, argv in (job.hooks.commands() if job.hooks is not None else {}).items():
+        if shlex.join(argv) not in allowed.commands:  # a hook is a command: the same list, exact
+            what = (
+                f"hooks.{event}: {shlex.join(argv)!r} is not a command this host lets a deployment run start"
+            )
+            return f"{what}; {fix('commands')}"
     for where, names in (("env.pass", job.env.pass_), ("env.set", list(job.env.set_))):
         for name in names:  # passing a variable that passes anyway changes nothing; setting one may
             if name not in allowed.env and not (where == "env.pass" and passes(name)):
@@ -195,7 +201,7 @@ def named(params: Mapping[str, Any]) -> Allowed:
         python=_present([provider.get("python")]),
         recipes=_present([recipe] if isinstance(recipe, str) and ":" in recipe else []),
         entrypoints=_present([job.get("entrypoint")]),
-        commands=_present([_joined(job.get("command"))]),
+        commands=_present([_joined(job.get("command")), *_hook_commands(job.get("hooks"))]),
         env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
         endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
         tracking=_present([_dict(job.get("tracking")).get("uri")]),
@@ -207,6 +213,19 @@ def _joined(argv: Any) -> str | None:
     """A command as the allow-list writes it (shlex.join), None when it is not a list of strings."""
     ok = isinstance(argv, list) and all(isinstance(a, str) for a in argv)
     return shlex.join(argv) if ok else None
+
+
+def _hook_commands(hooks: Any) -> list[str | None]:
+    """The hooks' commands as the allow-list writes them (a string split as the job spec splits it)."""
+    out: list[str | None] = []
+    for event, argv in _dict(hooks).items():
+        if event == "timeout_s":
+            continue
+        try:
+            out.append(_joined(shlex.split(argv) if isinstance(argv, str) else argv))
+        except ValueError:  # unbalanced quotes: the spec refuses it, so nothing to allow
+            continue
+    return out
 
 
 def _dict(v: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Modules: `loop` (`run_job`), `runlog` (the job run's SQL rows and records), `checkpoints` (the controller's
 integrity check), `prewarm` (the replacement started at a notice), `trainer_args` (what the next trainer is
-told from history), `sweeping` (the sweeper's Prefect side).
+told from history), `hooks` (the hooks' events and `on_attempt_end`), `sweeping` (the sweeper's Prefect side).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from tasks.control.checkpoints import (
     disk_full,
     empty_cache,
 )
+from tasks.control.hooks import after_attempt
 from tasks.control.market import BackToSpot, MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
@@ -186,6 +187,7 @@ def _loop(
             record, ahead = _attempt(
                 job, provider, sink, runlog=runlog, attempt=attempt, ready=ahead, chooser=chooser
             )
+            after_attempt(job, record, sink)  # the hooks' events, and on_attempt_end (tasks/control/hooks.py)
             if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
                 point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
                 if point is not None:

@@ -200,7 +200,8 @@ def to_record(
 
 def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> None:
     """What the trainer and the provider said beyond the ending, into the row's `extra`: the price, a
-    resharded resume, allowed spec changes (not bitwise) and the `every: auto` interval with its reason."""
+    resharded resume, allowed spec changes (not bitwise), the `every: auto` interval with its reason, and
+    the worker's hook (`hooks`, a list: the controller's on_attempt_end joins it)."""
     if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
         record.extra["cost"] = dict(result.facts["cost"])
     if "trace" in result.facts:  # a trace replay's reclaim: the zone whose capacity dropped, and when
@@ -210,6 +211,9 @@ def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> No
         record.extra["resharded"] = resharded(started.resharded_from, world_size)
     if started is not None and started.changes:  # resume.allow_changes: not bitwise
         record.extra["spec_changes"] = [asdict(c) for c in started.changes]
+    if result.hook is not None:  # the worker's hook: its exit code, duration and output's tail
+        hook = result.hook.to_json()
+        record.extra["hooks"] = [{k: v for k, v in hook.items() if k not in ("kind", "t")}]
     if result.interval is not None:  # `every: auto`: the interval it settled on, and why
         iv = result.interval
         record.extra["checkpoint_interval"] = {

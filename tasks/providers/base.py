@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 
 from tasks.market.prices import Prices
 from trainer.telemetry.heartbeat import MAX_LOSSES
-from trainer.telemetry.records import Durable, Exit, Interval, Notice, Record, Started, Step, Stopping
+from trainer.telemetry.records import Durable, Exit, Hook, Interval, Notice, Record, Started, Step, Stopping
 
 # What a worker is rented on. The controller's deadline policy (tasks/deadlines/) picks it per attempt;
 # "spot" leaves the choice to the provider's own rules (AWS: its on_demand_after_* fallback).
@@ -119,6 +119,7 @@ _SLOT = {
     "notice": "notice",
     "stopping": "stopping",
     "interval": "interval",
+    "hook": "hook",
     "exit": "exit",
 }
 
@@ -140,6 +141,7 @@ class WatchResult:
     notice: Notice | None = None
     stopping: Stopping | None = None
     interval: Interval | None = None  # the checkpoint interval `every: auto` settled on last
+    hook: Hook | None = None  # the job's hook the ending fired on the worker (trainer/hooks/worker.py)
     exit: Exit | None = None
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # the provider's own: "ec2", "cost", ...
     started_training_at: float | None = None  # the `started` record arrived

@@ -101,6 +101,8 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("misspelt recipe arg", ["run", "{t}/typo.yaml"], {},
      "recipe 'digits' has no argument 'hiden': did you mean 'hidden'? (fix args in the job file)"),
     ("storage is a file", ["run", "{t}/job.yaml", "--storage", "{t}/afile"], {}, "{t}/afile is a file"),
+    ("a hook with a timeout of 0", ["run", "{t}/hooked.yaml"], {},
+     "field 'hooks.timeout_s': timeout_s 0 is not positive: give the seconds a hook may run, e.g. 60"),
     ("relative storage under a file", ["run", "{t}/under.yaml"], {}, "under {t}/home/afile, which is a file"),
     ("run with a mysql URL", ["run", "{t}/job.yaml"], {"SPOTRUN_DATABASE_URL": MYSQL},
      "mysql is not supported"),
@@ -141,6 +143,8 @@ def test_cli_bad_input_is_one_line_exit_2_and_touches_nothing(
     (tmp_path / "nosuch.yaml").write_text(JOB.format(recipe="nosuchrecipe", storage="ckpt"))
     (tmp_path / "typo.yaml").write_text(JOB.format(recipe="digits", storage="ckpt") + "args: {hiden: 8}\n")
     (tmp_path / "under.yaml").write_text(JOB.format(recipe="digits", storage="afile/ckpt"))
+    hooked = JOB.format(recipe="digits", storage="ckpt") + "hooks: {on_stop: [python, x.py], timeout_s: 0}\n"
+    (tmp_path / "hooked.yaml").write_text(hooked)
     before = _tree(tmp_path)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRUN_", "PREFECT_"))}
     # a case that got past its check would fail on this API rather than start a server
@@ -158,3 +162,18 @@ def test_cli_bad_input_is_one_line_exit_2_and_touches_nothing(
     assert says.format(t=t) in r.stderr, r.stderr
     assert "secret" not in r.stderr
     assert _tree(tmp_path) == before  # nothing deleted, changed or created
+
+
+@pytest.mark.parametrize(
+    ("hooks", "needle"),
+    [
+        ({"on_stop": []}, "field 'hooks.on_stop': the hook's command is empty"),
+        ({"timeout_s": 0}, "not positive"),
+    ],
+)
+def test_bad_hooks_are_one_line_before_training(
+    tmp_path: Path, hooks: dict[str, object], needle: str
+) -> None:
+    job = write_spec(tmp_path / "job.yaml", hooks=hooks)
+    _assert_one_clear_error(trainer(job, str(tmp_path / "s"), tmp_path), needle)
+    assert not (tmp_path / "s").exists()  # refused before any storage or worker

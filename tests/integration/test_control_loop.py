@@ -60,7 +60,9 @@ def _settings(tmp_path: Path) -> Settings:
 
 def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> None:
     sink = PlainSink()
-    job = _job(tmp_path)
+    # hooks: the worker's, through its status record, and the controller's, into the rows and events
+    end = ["sh", "-c", "echo $SPOTRUN_OUTCOME at $SPOTRUN_STEP"]
+    job = _job(tmp_path, hooks={"on_preempt": ["true"], "on_complete": ["false"], "on_attempt_end": end})
     settings = _settings(tmp_path)
     result = run_job(
         job,
@@ -74,9 +76,13 @@ def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> N
     names = [name for name, _ in sink.events]
     assert names == [
         "spotrun.attempt.started",
+        "spotrun.hook.ran",  # on_preempt, on the worker (the simulator's SIGTERM with its notice window)
+        "spotrun.hook.ran",  # on_attempt_end
         "spotrun.attempt.preempted",
         "spotrun.job.restarted",
         "spotrun.attempt.started",
+        "spotrun.hook.failed",  # on_complete exits 1: recorded, and the job completes all the same
+        "spotrun.hook.ran",
         "spotrun.attempt.resume-checked",
         "spotrun.job.completed",
     ]
@@ -86,6 +92,11 @@ def test_run_job_without_a_prefect_server(tmp_path: Path, no_prefect: None) -> N
     assert [r.status for r in runs] == [JobStatus.COMPLETED]
     assert [r.outcome.value for r in rows] == ["preempted", "completed"]
     assert rows[1].resumed_from == rows[0].last_durable_step
+    hooks = [[(h["event"], h["code"], h["output"]) for h in r.extra["hooks"]] for r in rows]
+    assert hooks == [
+        [("on_preempt", 0, ""), ("on_attempt_end", 0, f"preempted at {rows[0].last_step}\n")],
+        [("on_complete", 1, ""), ("on_attempt_end", 0, "completed at 600\n")],
+    ]
     # the replacement was started at the notice, while attempt 1 still saved (provider.prewarm)
     assert rows[1].started_at < rows[0].ended_at
     assert not (settings.job_dir("plain") / adoption.CONTROLLER_FILE).exists()  # released at the end

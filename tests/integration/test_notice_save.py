@@ -46,14 +46,17 @@ def train_until_notice(
     after_steps: int,
     *extra: str,
     margin_s: float = 5.0,
+    fields: dict[str, Any] | None = None,
 ) -> Run:
-    """Start a long digits run watching `fake`, call `trigger` once `after_steps` steps are done."""
+    """Start a long digits run watching `fake`, call `trigger` once `after_steps` steps are done.
+    `fields`: more of the job file (hooks)."""
     spec = write_spec(
         work / "job.yaml",
         total_steps=100_000,
         log_every=100_000,
         checkpoint={"every_steps": 20, "keep": 2},
         preemption={"notice": notice, "poll_s": 0.05, "save_margin_s": margin_s},
+        **(fields or {}),
     )
     metrics, out, err = work / "metrics.jsonl", work / "stdout", work / "stderr"
     cmd = [sys.executable, "-m", "trainer", "--config", str(spec), "--storage", str(work / "store")]

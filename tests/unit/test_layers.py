@@ -56,6 +56,7 @@ ROOMS = {
         "telemetry",
         "distributed",
         "preemption",
+        "hooks",
         "saving",
         "recipes",
         "session",
@@ -85,8 +86,8 @@ FLOOR = {
     "tasks": {"settings"},
 }
 # what the controller shares with a worker: the job, storage, checkpoints, what a trainer reports, the
-# handover protocol, and the fork server the local provider talks to
-CONTRACT = {"floor", "spec", "storage", "checkpoint", "telemetry", "preemption", "launch"}
+# handover protocol, the hook runner (on_attempt_end), and the fork server the local provider talks to
+CONTRACT = {"floor", "spec", "storage", "checkpoint", "telemetry", "preemption", "hooks", "launch"}
 
 
 def module_name(path: Path) -> str:

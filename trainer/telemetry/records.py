@@ -11,6 +11,8 @@ trainer's clock):
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
   Stopping  reason, step [, save, save_reason, deadline]            a stop request reached the loop
   Interval  seconds, cost_s, mtbf_s, measured, reason               `every: auto` chose an interval
+  Hook      event, command, code, timed_out, duration_s,           a hook of the job ran (trainer/hooks/),
+            timeout_s, output, error                                before the exit record
   Exit      code, name, error, step, durable_step                   the attempt is over
 
 The JSON form is `{"kind", "t", *fields in declaration order}`: `to_json` writes it, `parse_record`
@@ -246,6 +248,19 @@ class Interval(RecordBase):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Hook(RecordBase):
+    kind: ClassVar[str] = "hook"
+    event: str = _f(_str)  # on_preempt | on_stop | on_complete
+    command: str = _f(_str, "")
+    code: int | None = _f(_optional(_int), None)  # None: killed at its timeout, not started, or skipped
+    timed_out: bool = _f(_bool, False)
+    duration_s: float = _f(_float, 0.0)
+    timeout_s: float = _f(_float, 0.0)
+    output: str = _f(_str, "")  # the tail of its stdout and stderr
+    error: str = _f(_str, "")  # why it did not start, or was skipped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Exit(RecordBase):
     kind: ClassVar[str] = "exit"
     code: int = _f(_int)
@@ -255,9 +270,9 @@ class Exit(RecordBase):
     durable_step: int | None = _f(_optional(_int), None)
 
 
-Record = Started | Step | Durable | Notice | Stopping | Interval | Exit
+Record = Started | Step | Durable | Notice | Stopping | Interval | Hook | Exit
 KINDS: dict[str, type[Record]] = {
-    c.kind: c for c in (Started, Step, Durable, Notice, Stopping, Interval, Exit)
+    c.kind: c for c in (Started, Step, Durable, Notice, Stopping, Interval, Hook, Exit)
 }
 
 

@@ -19,6 +19,8 @@ what a recipe prints and the log on stderr stays for people). Kinds:
             + {save, save_reason, deadline}                    when it carried a deadline: emergency
                                                                checkpoint taken or skipped, and why
   interval  {seconds, cost_s, mtbf_s, measured, reason}        `checkpoint.every: auto` chose an interval
+  hook      {event, command, code, timed_out, duration_s,      a hook of the job ran (trainer/hooks/):
+             timeout_s, output, error}                         its exit code, or killed at its timeout
   exit      {code, name, error, step, durable_step}            the attempt is over
 A supervisor treats the time since the last line as the heartbeat: a hung trainer stops writing.
 Each record is a typed dataclass (trainer/telemetry/records.py) on both sides; the line is its JSON form.
