@@ -6,7 +6,10 @@ One rule per section (start-up, step, save), applied in this order:
   3. the job's history in SQL measured it: max(floor, k x the largest p99     source "history"
      of its recent attempts)
   4. nothing measured yet: the provider's heartbeat timeout                   source "heartbeat"
-so a job is never held to a tighter limit than today's heartbeat before its own times say so.
+so a job is never held to a tighter limit than today's heartbeat before its own times say so. A
+"heartbeat" limit is recorded but not enforced by the watchdog: the provider's own silence check
+already is that limit (the attempt ends `lost`, as before), and two clocks racing for one kill would
+make the outcome a coin toss.
 
 What is measured, all from the trainer's status records (their `t`, the trainer's clock), so the same on
 every provider: a step is the gap between two progress records (one per step for steps over 0.25 s,
