@@ -47,8 +47,9 @@ class WatchdogOptions(BaseModel):
     @model_validator(mode="after")
     def _fixed_or_floor(self) -> WatchdogOptions:
         for section in SECTIONS:
-            fixed = getattr(self, f"{section}_s")
-            if fixed is not None and f"{section}_floor_s" in self.model_fields_set:
+            fixed, floor = getattr(self, f"{section}_s"), f"{section}_floor_s"
+            # a floor other than its default: a dumped spec (the worker's job.yaml) lists every field
+            if fixed is not None and getattr(self, floor) != type(self).model_fields[floor].default:
                 raise ValueError(
                     f"watchdog {section}_s fixes the timeout, so {section}_floor_s would never apply: "
                     "set one of them"
