@@ -83,10 +83,12 @@ CLASSIFY_CASES = [
     ("released mid-run", _result(signal=KILL, kill_reason=KR.RELEASE), False,
      Outcome.CRASHED, "killed by release() while running"),
     ("hung step", _result(signal=KILL, kill_reason=KR.RELEASE, hung=HUNG), False,
-     Outcome.HUNG, "hung: no step after step 40 for 3.1 s (step timeout 3 s, from the attempt); worker killed"),
+     Outcome.HUNG,
+     "hung: no step after step 40 for 3.1 s (step timeout 3 s, from the attempt); worker killed"),
     ("hung, then the heartbeat too", _result(signal=KILL, hung=HUNG, lost=True, silent_s=3.2), False,
      Outcome.HUNG, "hung: no step after step 40"),
-    ("hung, yet completed", _result(signal=KILL, hung=HUNG, last_step=40), True, Outcome.COMPLETED, "completed"),
+    ("hung, yet completed", _result(signal=KILL, hung=HUNG, last_step=40), True,
+     Outcome.COMPLETED, "completed"),
 ]  # fmt: skip  # a decision table, one case per row
 
 
@@ -234,8 +236,10 @@ DECIDE_CASES = [
     ("same hang, same step", [_rec(L, "no heartbeat for 3 s", 20), _rec(L, "no heartbeat for 3.1 s", 20)],
      "give_up", "same error at step 20 twice"),
     ("hung: at once", [_rec(H, step=40)], "retry", "hung (1 of 2)"),
-    ("hung uses its own budget", [_rec(C, "a", 1), _rec(C, "b", 2), _rec(H, step=40)], "retry", "hung (1 of 2)"),
-    ("hung budget", [_rec(H, step=40), _rec(H, step=90)], "give_up", "gave up after 2 hung attempts (budget 2)"),
+    ("hung uses its own budget", [_rec(C, "a", 1), _rec(C, "b", 2), _rec(H, step=40)], "retry",
+     "hung (1 of 2)"),
+    ("hung budget", [_rec(H, step=40), _rec(H, step=90)], "give_up",
+     "gave up after 2 hung attempts (budget 2)"),
     ("hung twice at one step", [_rec(H, step=40), _rec(P), _rec(H, step=40)], "give_up",
      "hung at step 40 2 times"),
     ("hung does not use the error budget", [_rec(H, step=4), _rec(C, "a", 1), _rec(C, "b", 2)], "retry",

@@ -11,12 +11,12 @@ import pytest
 
 from trainer.telemetry.records import (
     Durable,
-    Saving,
     Exit,
     MalformedRecord,
     Notice,
     Record,
     Rejected,
+    Saving,
     Started,
     Step,
     Stopping,
