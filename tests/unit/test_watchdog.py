@@ -54,7 +54,16 @@ def test_p99_is_nearest_rank(samples: list[float], q: float) -> None:
 
 def _row(measured: dict[str, Any] | None) -> AttemptRecord:
     extra = {"watchdog": {"measured": measured}} if measured is not None else {}
-    return AttemptRecord(1, "w", "local", 0.0, 1.0, Outcome.PREEMPTED, "c", extra=extra)
+    return AttemptRecord(
+        attempt=1,
+        worker_id="w",
+        provider="local",
+        started_at=0.0,
+        ended_at=1.0,
+        outcome=Outcome.PREEMPTED,
+        cause="c",
+        extra=extra,
+    )
 
 
 def test_history_figures_and_the_next_attempts_limits() -> None:
