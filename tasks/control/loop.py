@@ -37,6 +37,7 @@ from tasks.control.hooks import after_attempt
 from tasks.control.market import BackToSpot, MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
+from tasks.control.watchdog import ProgressWatchdog, for_attempt, job_history, watched
 from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.decisions.outcome import resharded
 from tasks.decisions.policy import RetryPolicy, decide
@@ -296,6 +297,8 @@ def _attempt(
             _announce(job, worker.id, sink)
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
+    history = job_history(runlog.store, job.name, runlog.records)
+    dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)
     try:
         ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
         back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
@@ -309,6 +312,7 @@ def _attempt(
             at_notice if ahead else None,
             runlog.started,
             back.on_step if back is not None else None,
+            dog,
         )
     except BaseException as e:
         if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
@@ -418,11 +422,13 @@ def watch(
     on_stopping: Callable[[], None] | None = None,
     on_started: Callable[[Started], None] | None = None,
     on_step: Callable[[int], None] | None = None,
+    dog: ProgressWatchdog | None = None,
 ) -> WatchResult:
     """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
     when the trainer reports a stop request or a cloud notice (the worker is going away); `on_started`:
     with the trainer's first status record (where it trains from); `on_step`: with the newest durable
-    step at each step record (it may end the attempt: `StopWorker`)."""
+    step at each step record (it may end the attempt: `StopWorker`); `dog`: kills a worker that stops
+    making progress (tasks/control/watchdog.py)."""
     last_update = 0.0
     durable = 0
     trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
@@ -431,6 +437,8 @@ def watch(
         nonlocal last_update, durable
         if isinstance(rec, Durable):
             durable = max(durable, rec.step)
+        if dog is not None:
+            dog.observe(rec)
         if isinstance(rec, Started):
             sink.log(logging.INFO, f"training from {rec.checkpoint or rec.resumed_from or 'scratch'}")
             for r in rec.rejected:
@@ -464,7 +472,7 @@ def watch(
         sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
 
     try:
-        return provider.watch(worker, on_status, on_log)
+        return watched(provider, worker, dog, on_status=on_status, on_log=on_log)
     except StopWorker as e:  # a planned end: the provider stopped the worker as for a cancel
         sink.log(logging.INFO, f"{worker.id}: {e}")
         if worker.result is not None and worker.result.stopped_by is not None:

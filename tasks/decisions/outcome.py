@@ -3,7 +3,8 @@
 Pure functions over a provider's `WatchResult` and the completion marker. The marker outranks
 everything: a SIGTERM during interpreter teardown yields -15 after all work was done, and torchrun
 returns 1 on SIGTERM though its workers exited 0 (measured with torch 2.13). After it, the order is:
-lost (the provider gave up on a silent worker), the trainer's own non-retryable verdict, a reclaim the
+hung (the controller's progress watchdog killed it), lost (the provider gave up on a silent worker),
+the trainer's own non-retryable verdict, a reclaim the
 simulator (or a cloud) announced or performed, and last whatever the exit code or signal says.
 """
 
@@ -13,9 +14,11 @@ import re
 import signal
 from bisect import bisect_left
 from dataclasses import asdict
+from typing import Any
 
 from tasks.decisions import lost_steps as rule
 from tasks.decisions.attempts import AttemptRecord, Outcome
+from tasks.decisions.watchdog import describe
 from tasks.providers.base import KillReason, NoticeKind, ProvisionError, StopCause, WatchResult, Worker
 from trainer.exitcodes import ExitCode
 
@@ -37,6 +40,8 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
         return Outcome.PREEMPTED, _stopped_cause(result)
     if result.stopped_by is not None:
         return Outcome.CANCELLED, _stopped_cause(result)
+    if result.hung is not None:
+        return Outcome.HUNG, _hung_cause(result.hung)
     if result.lost:
         return Outcome.LOST, _lost_cause(result)
     if code in FATAL_CODES:
@@ -117,6 +122,10 @@ def _lost_cause(result: WatchResult) -> str:
     return f"no heartbeat for {silent} (after step {result.last_step}); worker killed"
 
 
+def _hung_cause(hung: dict[str, Any]) -> str:
+    return f"{describe(hung.get('fired', {}))}; worker killed"
+
+
 def lost_steps(result: WatchResult, next_resume_step: int | None, *, completed: bool = False) -> int:
     """Steps this attempt reached that the next one must redo (it resumes at `next_resume_step`; None:
     not known yet), by the one rule (tasks/decisions/lost_steps.py)."""
@@ -152,7 +161,7 @@ def error_summary(result: WatchResult, outcome: Outcome, cause: str) -> str:
     text = _first_line(result.trainer_error) or last_exception(result.log_tail)
     if text:
         return text
-    return cause if outcome in (Outcome.CRASHED, Outcome.LOST) else ""
+    return cause if outcome in (Outcome.CRASHED, Outcome.LOST, Outcome.HUNG) else ""
 
 
 def to_record(
@@ -204,6 +213,8 @@ def add_facts(record: AttemptRecord, result: WatchResult, world_size: int) -> No
     the worker's hook (`hooks`, a list: the controller's on_attempt_end joins it)."""
     if "cost" in result.facts:  # providers that rent machines price each attempt in their watch
         record.extra["cost"] = dict(result.facts["cost"])
+    if "watchdog" in result.facts:  # the controller's progress watchdog: its limits, figures, firing
+        record.extra["watchdog"] = dict(result.facts["watchdog"])
     if "trace" in result.facts:  # a trace replay's reclaim: the zone whose capacity dropped, and when
         record.extra["trace"] = dict(result.facts["trace"])
     started = result.started

@@ -3,7 +3,10 @@
 Preemptions and errors draw on separate budgets, as SkyPilot keeps a restart budget for user errors
 apart from preemptions: a spot market reclaiming workers twenty times is normal weather and is retried
 at once on a fresh worker, while a crash, a lost worker or a failed provision is retried after an
-exponential backoff with jitter (so a fleet of flows does not stampede a recovering service). Some
+exponential backoff with jitter (so a fleet of flows does not stampede a recovering service). A hung
+worker (the progress watchdog killed it: a stuck collective, a dead file system) has a budget of its own,
+`max_hung`, and is retried at once on a fresh worker, unless it hung at the same step
+`same_error_limit` times (a deadlock in the code, not the machine). Some
 errors stop the run at once: a bad spec or an incompatible checkpoint (CONFIG_ERROR), a diverged loss
 (DIVERGED, a retry from the same checkpoint repeats it), a provider that will never accept the setup,
 and the same error at the same step recurring `same_error_limit` times (a deterministic bug).
@@ -49,6 +52,11 @@ class RetryPolicy(BaseModel):
     jitter: float = Field(
         default=0.5, ge=0, le=1, description="random spread of each wait, as a fraction (0.5: ±50%)"
     )
+    max_hung: int = Field(
+        default=3,
+        ge=1,
+        description="give up at this many hung attempts (the progress watchdog's kills; retried at once)",
+    )
     same_error_limit: int = Field(
         default=2,
         ge=2,
@@ -90,7 +98,24 @@ def decide(attempts: list[AttemptRecord], policy: RetryPolicy, rng: random.Rando
                 f"gave up after {n} preemptions (budget {policy.max_preemptions}): {last.cause}",
             )
         return Decision("retry", 0.0, f"preempted ({n} of {policy.max_preemptions}): {last.cause}")
+    if last.outcome is Outcome.HUNG:
+        return _after_hang(attempts, policy)
     return _after_error(attempts, policy, rng)
+
+
+def _after_hang(attempts: list[AttemptRecord], policy: RetryPolicy) -> Decision:
+    last = attempts[-1]
+    hung = [a for a in attempts if a.outcome is Outcome.HUNG and not a.extra.get("controller_died")]
+    here = sum(1 for a in hung if a.last_step == last.last_step)
+    if here >= policy.same_error_limit:
+        return Decision("give_up", 0.0, f"hung at step {last.last_step} {here} times: {last.cause}")
+    if len(hung) >= policy.max_hung:
+        return Decision(
+            "give_up",
+            0.0,
+            f"gave up after {len(hung)} hung attempts (budget {policy.max_hung}): {last.cause}",
+        )
+    return Decision("retry", 0.0, f"hung ({len(hung)} of {policy.max_hung}): {last.cause}")
 
 
 def _after_error(attempts: list[AttemptRecord], policy: RetryPolicy, rng: random.Random) -> Decision:

@@ -21,7 +21,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 
 from tasks.market.prices import Prices
 from trainer.telemetry.heartbeat import MAX_LOSSES
-from trainer.telemetry.records import Durable, Exit, Hook, Interval, Notice, Record, Started, Step, Stopping
+from trainer.telemetry.records import (
+    Durable,
+    Exit,
+    Hook,
+    Interval,
+    Notice,
+    Record,
+    Saving,
+    Started,
+    Step,
+    Stopping,
+)
 
 # What a worker is rented on. The controller's deadline policy (tasks/deadlines/) picks it per attempt;
 # "spot" leaves the choice to the provider's own rules (AWS: its on_demand_after_* fallback).
@@ -115,6 +126,7 @@ class Worker:
 _SLOT = {
     "started": "started",
     "step": "progress",
+    "saving": "saving",
     "durable": "durable",
     "notice": "notice",
     "stopping": "stopping",
@@ -137,6 +149,7 @@ class WatchResult:
     # The last status record of each kind (`fold`).
     started: Started | None = None
     progress: Step | None = None
+    saving: Saving | None = None
     durable: Durable | None = None
     notice: Notice | None = None
     stopping: Stopping | None = None
@@ -161,6 +174,9 @@ class WatchResult:
     silent_s: float | None = None  # with `lost`: seconds without a line (or without `started`)
     log_tail: str = ""  # the last lines of stdout and stderr, status lines excluded
     stopped_by: StopCause | None = None  # the controller stopped the worker
+    # the controller's progress watchdog killed it (tasks/control/watchdog.py): the timeout that fired,
+    # the silence it saw and the calibration numbers, as the attempt row's `extra.watchdog` stores them
+    hung: dict[str, Any] | None = None
 
     def fold(self, rec: Record) -> None:
         """Take one trainer status record: the last of each kind, the highest step and durable step."""
@@ -222,6 +238,7 @@ class Provider(Protocol):
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
     capacity_poll_s: float  # how often a market short of spot is asked again (tasks/control/market.py)
+    heartbeat_timeout_s: float  # silence that makes a worker lost: the watchdog's figure before history
     prices: Prices | None  # an hour on each market, where the provider knows it (the budget check)
 
     def provision(

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 ATTEMPT_STARTED = "spotrun.attempt.started"
 ATTEMPT_PREEMPTED = "spotrun.attempt.preempted"
 ATTEMPT_FAILED = "spotrun.attempt.failed"
+ATTEMPT_HUNG = "spotrun.attempt.hung"  # the progress watchdog killed the worker (tasks/control/watchdog.py)
 JOB_RESTARTED = "spotrun.job.restarted"
 JOB_COMPLETED = "spotrun.job.completed"
 JOB_GAVE_UP = "spotrun.job.gave-up"
@@ -56,6 +57,8 @@ def emit_labeled(event: str, job: str, labels: dict[str, str], payload: dict[str
 
 
 def attempt_event(record: AttemptRecord) -> str:
+    if record.outcome is Outcome.HUNG:
+        return ATTEMPT_HUNG
     return ATTEMPT_PREEMPTED if record.outcome is Outcome.PREEMPTED else ATTEMPT_FAILED
 
 

@@ -11,6 +11,7 @@ COLORS = {
     "preempted": "tab:orange",
     "crashed": "tab:red",
     "lost": "tab:purple",
+    "hung": "tab:brown",
     "cancelled": "tab:blue",
 }
 

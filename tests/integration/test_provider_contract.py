@@ -33,7 +33,7 @@ from trainer.checkpoint.catalog import Catalog
 from trainer.exitcodes import ExitCode
 from trainer.spec.job import JobSpec, load_spec
 from trainer.storage import open_storage
-from trainer.telemetry.records import Durable, Exit, Notice, Record, Started, Step, Stopping
+from trainer.telemetry.records import Durable, Exit, Notice, Record, Saving, Started, Step, Stopping
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,9 +193,9 @@ def run(
 
 
 def assert_typed_in_order(seen: list[Record]) -> None:
-    assert seen and all(isinstance(r, Started | Step | Durable | Notice | Stopping | Exit) for r in seen), (
-        seen
-    )
+    assert seen and all(
+        isinstance(r, Started | Step | Saving | Durable | Notice | Stopping | Exit) for r in seen
+    ), seen
     assert isinstance(seen[0], Started)
     assert [r.t for r in seen] == sorted(r.t for r in seen)
 

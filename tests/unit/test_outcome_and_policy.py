@@ -40,6 +40,7 @@ def _result(**kw: Any) -> WatchResult:
 
 
 NOTICE = {"notice_kind": NK.SIM_NOTICE, "notice_at": T0 + 8}
+HUNG = {"fired": {"section": "step", "timeout_s": 3.0, "silent_s": 3.08, "source": "attempt", "step": 40}}
 CLASSIFY_CASES = [
     # completed marker outranks every exit code and signal
     ("done, exit 0", _result(exit_code=0, **_exit("COMPLETED"), last_step=30), True,
@@ -81,6 +82,13 @@ CLASSIFY_CASES = [
      Outcome.CRASHED, "exited with code 1 before reporting: ImportError: no torch"),
     ("released mid-run", _result(signal=KILL, kill_reason=KR.RELEASE), False,
      Outcome.CRASHED, "killed by release() while running"),
+    ("hung step", _result(signal=KILL, kill_reason=KR.RELEASE, hung=HUNG), False,
+     Outcome.HUNG,
+     "hung: no step after step 40 for 3.1 s (step timeout 3 s, from the attempt); worker killed"),
+    ("hung, then the heartbeat too", _result(signal=KILL, hung=HUNG, lost=True, silent_s=3.2), False,
+     Outcome.HUNG, "hung: no step after step 40"),
+    ("hung, yet completed", _result(signal=KILL, hung=HUNG, last_step=40), True,
+     Outcome.COMPLETED, "completed"),
 ]  # fmt: skip  # a decision table, one case per row
 
 
@@ -199,7 +207,7 @@ def _rec(
     )
 
 
-P, C, L, F = Outcome.PREEMPTED, Outcome.CRASHED, Outcome.LOST, Outcome.PROVISION_FAILED
+P, C, L, F, H = Outcome.PREEMPTED, Outcome.CRASHED, Outcome.LOST, Outcome.PROVISION_FAILED, Outcome.HUNG
 CRASH30 = "RuntimeError: injected crash at step 30"
 DECIDE_CASES = [
     ("first attempt", [], "retry", "first attempt"),
@@ -227,6 +235,15 @@ DECIDE_CASES = [
     ("same error, other step", [_rec(C, "OOM", 30), _rec(C, "OOM", 31)], "retry", "error 2 of 3"),
     ("same hang, same step", [_rec(L, "no heartbeat for 3 s", 20), _rec(L, "no heartbeat for 3.1 s", 20)],
      "give_up", "same error at step 20 twice"),
+    ("hung: at once", [_rec(H, step=40)], "retry", "hung (1 of 2)"),
+    ("hung uses its own budget", [_rec(C, "a", 1), _rec(C, "b", 2), _rec(H, step=40)], "retry",
+     "hung (1 of 2)"),
+    ("hung budget", [_rec(H, step=40), _rec(H, step=90)], "give_up",
+     "gave up after 2 hung attempts (budget 2)"),
+    ("hung twice at one step", [_rec(H, step=40), _rec(P), _rec(H, step=40)], "give_up",
+     "hung at step 40 2 times"),
+    ("hung does not use the error budget", [_rec(H, step=4), _rec(C, "a", 1), _rec(C, "b", 2)], "retry",
+     "error 2 of 3"),
 ]  # fmt: skip  # a decision table, one case per row
 
 
@@ -234,11 +251,11 @@ DECIDE_CASES = [
     ("attempts", "action", "reason"), [c[1:] for c in DECIDE_CASES], ids=[c[0] for c in DECIDE_CASES]
 )
 def test_decide(attempts: list[AttemptRecord], action: str, reason: str) -> None:
-    policy = RetryPolicy(max_preemptions=3, max_errors=3)
+    policy = RetryPolicy(max_preemptions=3, max_errors=3, max_hung=2)
     d = decide(attempts, policy, random.Random(0))
     assert (d.action, reason in d.reason) == (action, True), d.reason
     assert "\n" not in d.reason
-    if action == "retry" and attempts and attempts[-1].outcome is P:
+    if action == "retry" and attempts and attempts[-1].outcome in (P, H):
         assert d.delay_s == 0.0  # a fresh worker at once
     if action != "retry":
         assert d.delay_s == 0.0
@@ -268,6 +285,8 @@ def test_retry_policy_validation() -> None:
         RetryPolicy(backoff_base_s=10, backoff_max_s=5)
     with pytest.raises(ValidationError, match="same_error_limit"):
         RetryPolicy(same_error_limit=1)
+    with pytest.raises(ValidationError, match="max_hung"):
+        RetryPolicy(max_hung=0)
     with pytest.raises(ValidationError, match="extra"):
         RetryPolicy.model_validate({"heartbeat_timeout_s": 60})
 

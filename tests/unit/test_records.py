@@ -16,6 +16,7 @@ from trainer.telemetry.records import (
     Notice,
     Record,
     Rejected,
+    Saving,
     Started,
     Step,
     Stopping,
@@ -47,6 +48,7 @@ LINES: list[tuple[Record, str]] = [
         Step(t=2.0, step=5, loss=0.25, steps_per_s=3.125, durable_step=None),
         '{"kind":"step","t":2.0,"step":5,"loss":0.25,"steps_per_s":3.125,"durable_step":null}',
     ),
+    (Saving(t=2.5, step=5), '{"kind":"saving","t":2.5,"step":5}'),
     (Durable(t=3.0, step=5), '{"kind":"durable","t":3.0,"step":5}'),
     (
         Notice(t=4.0, cloud="aws", action="terminate", stop=True, deadline=124.0),

@@ -194,6 +194,8 @@ class Session(SessionState):
     def checkpoint(self, wait: bool = False) -> float:
         """Snapshot the full state and persist it; returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
+        if self.ranks.is_zero:  # the controller's watchdog times the save from here to its `durable`
+            self.opts.reporter.emit("saving", step=self.step)
         self.ckpt.wait()  # (save's own first step) the last save's steps leave the buffer before this
         sidecars = self.steps_log.sidecars(self.step)  # object is cut: each step in one object
         self.ckpt.save(self.state.capture(), self._manifest_base(), wait=wait, sidecars=sidecars)

@@ -30,6 +30,7 @@ from trainer.spec.runs import (
     keyed_problem,
 )
 from trainer.spec.templating import uses_templates
+from trainer.spec.watchdog import WatchdogOptions
 from trainer.storage import Storage, open_storage
 from trainer.storage.options import S3Options
 from trainer.storage.registry import backend_for
@@ -405,6 +406,11 @@ class JobSpec(BaseModel):
     )
     resume: ResumeOptions = Field(
         default_factory=ResumeOptions, description="which differences from a checkpoint's job to accept"
+    )
+    watchdog: WatchdogOptions = Field(
+        default_factory=WatchdogOptions,
+        description="how long a start-up, a step and a save may take before the worker counts as hung "
+        "(killed and retried): max(floor, multiplier x p99) of the job's measured times, or fixed values",
     )
     env: EnvOptions = Field(
         default_factory=EnvOptions,

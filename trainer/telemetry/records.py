@@ -7,6 +7,7 @@ trainer's clock):
             [, resharded_from, changes]                             (a resharded or changed resume)
             [, warm_start]                                          (a run started from another's)
   Step      step, loss, steps_per_s, durable_step                   progress, at most 4 a second
+  Saving    step                                                    a checkpoint of `step` begun
   Durable   step                                                    a checkpoint verified in storage
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
   Stopping  reason, step [, save, save_reason, deadline]            a stop request reached the loop
@@ -213,6 +214,14 @@ class Step(RecordBase):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Saving(RecordBase):
+    """A checkpoint of `step` has begun (the controller's watchdog times the save until its `durable`)."""
+
+    kind: ClassVar[str] = "saving"
+    step: int = _f(_int)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Durable(RecordBase):
     kind: ClassVar[str] = "durable"
     step: int = _f(_int)
@@ -270,9 +279,9 @@ class Exit(RecordBase):
     durable_step: int | None = _f(_optional(_int), None)
 
 
-Record = Started | Step | Durable | Notice | Stopping | Interval | Hook | Exit
+Record = Started | Step | Saving | Durable | Notice | Stopping | Interval | Hook | Exit
 KINDS: dict[str, type[Record]] = {
-    c.kind: c for c in (Started, Step, Durable, Notice, Stopping, Interval, Hook, Exit)
+    c.kind: c for c in (Started, Step, Saving, Durable, Notice, Stopping, Interval, Hook, Exit)
 }
 
 

@@ -145,6 +145,7 @@ class AwsProvider:
         open_store: Callable[[JobSpec], Storage] = default_store,
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
         self.prices: Prices | None = None  # EC2 prices each attempt as it runs (aws/cost.py), not before
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id

@@ -95,6 +95,7 @@ class RehearsalProvider:
         self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None, installation: str | None = None
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.capacity_poll_s = 30.0
         self.prices: Prices | None = None
         self.instances = LocalInstances(root)
