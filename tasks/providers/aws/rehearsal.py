@@ -95,6 +95,7 @@ class RehearsalProvider:
         self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None, installation: str | None = None
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0
         self.prices: Prices | None = None
         self.instances = LocalInstances(root)
