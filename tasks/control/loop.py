@@ -285,10 +285,24 @@ def _attempt(
             _announce(job, worker.id, sink)
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
+    def at_rebalance(rec: Notice) -> None:  # elevated risk: the replacement boots, this one trains on
+        assert ahead is not None and worker is not None
+        if not ahead.started:
+            market_extra.update(rebalance_at=rec.t, prewarmed_at="rebalance")
+            sink.log(
+                logging.WARNING, f"worker {worker.id}: {rec.cloud} {rec.action}: starting its replacement"
+            )
+            _announce(job, worker.id, sink)  # read only once a notice stops it: then it hands over
+        ahead.start(
+            lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at),
+            stand_by_s=provider.rebalance_wait_s,
+        )
+
     try:
         ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
+        early = at_rebalance if ahead and provider.rebalance_wait_s else None
         result = sink.step(
-            "train", watch, provider, worker, job, sink, at_notice if ahead else None, runlog.started
+            "train", watch, provider, worker, job, sink, at_notice if ahead else None, runlog.started, early
         )
     except BaseException as e:
         if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
@@ -317,7 +331,7 @@ def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, si
 
 def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:
     """The next attempt's worker, to be started (in a thread) when this one reports it is stopping."""
-    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra))
+    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra), provider.release)
 
 
 def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
@@ -380,10 +394,12 @@ def watch(
     sink: Sink,
     on_stopping: Callable[[], None] | None = None,
     on_started: Callable[[Started], None] | None = None,
+    on_rebalance: Callable[[Notice], None] | None = None,
 ) -> WatchResult:
     """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
     when the trainer reports a stop request or a cloud notice (the worker is going away); `on_started`:
-    with the trainer's first status record (where it trains from)."""
+    with the trainer's first status record (where it trains from); `on_rebalance`: at a notice that is
+    no stop (EC2's rebalance recommendation: the trainer trains on)."""
     last_update = 0.0
     trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
 
@@ -408,6 +424,8 @@ def watch(
                 on_stopping()
         elif isinstance(rec, Notice) and rec.stop and on_stopping is not None:
             on_stopping()
+        elif isinstance(rec, Notice) and not rec.stop and on_rebalance is not None:
+            on_rebalance(rec)
         elif isinstance(rec, Step) and time.monotonic() - last_update > PROGRESS_EVERY_S:
             last_update = time.monotonic()
             sink.progress(job.name, rec.step, job.total_steps)
