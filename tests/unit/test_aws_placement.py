@@ -101,7 +101,7 @@ def test_scores_break_the_ties_the_history_leaves(
 
 
 def test_on_demand_ignores_spot_scores_and_a_rebalance_is_no_preemption() -> None:
-    od = rank_placements(cfg(), [], AZS, "on-demand", SCORES)
+    od = rank_placements(cfg(), [], AZS, "on-demand", scores=SCORES)
     assert [p.subnet for p in od[:3]] == [A, B, C]
     rebalanced = [ev(A, "g5.xlarge", REB, 1.0), ev(B, "g5.xlarge", REB, 2.0)]
     assert choose_market(cfg(on_demand_after_preemptions=1), rebalanced, 3.0) == "spot"

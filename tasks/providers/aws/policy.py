@@ -105,6 +105,7 @@ def rank_placements(
     history: list[PlacementEvent],
     azs: dict[str, str],
     market: Market,
+    *,
     scores: Mapping[str, int] | None = None,
 ) -> list[Placement]:
     """Every pool for `market`, best first. `azs` maps each subnet to its availability zone; `scores`
@@ -138,7 +139,7 @@ def next_placement(
     scores: Mapping[str, int] | None = None,
 ) -> Placement:
     """The pool and market the next launch tries first."""
-    return rank_placements(cfg, history, azs, choose_market(cfg, history, now), scores)[0]
+    return rank_placements(cfg, history, azs, choose_market(cfg, history, now), scores=scores)[0]
 
 
 def zone_scores(response: Mapping[str, Any], zone_names: Mapping[str, str]) -> dict[str, int]:

@@ -214,7 +214,9 @@ class AwsProvider:
         self._reap_groups(0.0)  # those earlier attempts left in use
         if market == "spot":  # the controller's policy left it to the fallback rules
             market = choose_market(self.cfg, self.history, time.time())
-        pools = rank_placements(self.cfg, self.history, azs, market, self._placement_scores(nnodes, market))
+        pools = rank_placements(
+            self.cfg, self.history, azs, market, scores=self._placement_scores(nnodes, market)
+        )
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
         tags = launch.launch_tags(
             self.cfg,
