@@ -297,23 +297,31 @@ def _attempt(
             _announce(job, worker.id, sink)
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
+    def at_rebalance(rec: Notice) -> None:  # elevated risk: the replacement boots, this one trains on
+        assert ahead is not None and worker is not None
+        if not ahead.started:
+            market_extra.update(rebalance_at=rec.t, prewarmed_at="rebalance")
+            sink.log(
+                logging.WARNING, f"worker {worker.id}: {rec.cloud} {rec.action}: starting its replacement"
+            )
+            _announce(job, worker.id, sink)  # read only once a notice stops it: then it hands over
+        ahead.start(
+            lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at),
+            stand_by_s=provider.rebalance_wait_s,
+        )
+
     history = job_history(runlog.store, job.name, runlog.records)
     dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)
     try:
         ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
         back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
-        result = sink.step(
-            "train",
-            watch,
-            provider,
-            worker,
-            job,
-            sink,
-            at_notice if ahead else None,
-            runlog.started,
-            back.on_step if back is not None else None,
-            dog,
+        calls = WatchCalls(
+            stopping=at_notice if ahead else None,
+            started=runlog.started,
+            step=back.on_step if back is not None else None,
+            rebalance=at_rebalance if ahead and provider.rebalance_wait_s else None,
         )
+        result = sink.step("train", watch, provider, worker, job, sink, calls, dog)
     except BaseException as e:
         if worker.result is None:  # interrupted before the watch began (it stops its worker itself)
             _stop_unwatched(provider, worker, e, sink)
@@ -358,7 +366,7 @@ def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, si
 
 def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:
     """The next attempt's worker, to be started (in a thread) when this one reports it is stopping."""
-    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra))
+    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra), provider.release)
 
 
 def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
@@ -414,21 +422,27 @@ def provision(
     return worker
 
 
+@dataclass(frozen=True)
+class WatchCalls:
+    """What the controller does as a worker's records arrive (each optional)."""
+
+    stopping: Callable[[], None] | None = None  # a stop request or a cloud notice: the worker goes away
+    started: Callable[[Started], None] | None = None  # the first status record: where it trains from
+    step: Callable[[int], None] | None = None  # each step, with the newest durable step (may `StopWorker`)
+    rebalance: Callable[[Notice], None] | None = None  # a notice that is no stop (EC2's rebalance)
+
+
 def watch(
     provider: Provider,
     worker: Worker,
     job: JobSpec,
     sink: Sink,
-    on_stopping: Callable[[], None] | None = None,
-    on_started: Callable[[Started], None] | None = None,
-    on_step: Callable[[int], None] | None = None,
+    calls: WatchCalls | None = None,
     dog: ProgressWatchdog | None = None,
 ) -> WatchResult:
-    """Stream the worker's log and progress to the sink until the worker is gone. `on_stopping`: called
-    when the trainer reports a stop request or a cloud notice (the worker is going away); `on_started`:
-    with the trainer's first status record (where it trains from); `on_step`: with the newest durable
-    step at each step record (it may end the attempt: `StopWorker`); `dog`: kills a worker that stops
-    making progress (tasks/control/watchdog.py)."""
+    """Stream the worker's log and progress to the sink until the worker is gone, calling `calls` on
+    the way; `dog` kills a worker that stops making progress (tasks/control/watchdog.py)."""
+    calls = calls or WatchCalls()
     last_update = 0.0
     durable = 0
     trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
@@ -448,20 +462,22 @@ def watch(
             if rec.changes:  # allowed by resume.allow_changes: the run's numbers part from here
                 changed = ", ".join(f"{c.field} {c.old} -> {c.new}" for c in rec.changes)
                 sink.log(logging.WARNING, f"resumed with changed training settings ({changed}): not bitwise")
-            if on_started is not None:
-                on_started(rec)
+            if calls.started is not None:
+                calls.started(rec)
         elif isinstance(rec, Durable) and not trainer_log:  # once: EC2 streams no log, the status says it
             sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
         elif isinstance(rec, Stopping):
             sink.log(logging.WARNING, f"worker stopping on {rec.reason} at step {rec.step}")
-            if on_stopping is not None:
-                on_stopping()
-        elif isinstance(rec, Notice) and rec.stop and on_stopping is not None:
-            on_stopping()
+            if calls.stopping is not None:
+                calls.stopping()
+        elif isinstance(rec, Notice) and rec.stop and calls.stopping is not None:
+            calls.stopping()
+        elif isinstance(rec, Notice) and not rec.stop and calls.rebalance is not None:
+            calls.rebalance(rec)
         elif isinstance(rec, Step):
             durable = max(durable, rec.durable_step or 0)
-            if on_step is not None:
-                on_step(durable)
+            if calls.step is not None:
+                calls.step(durable)
             if time.monotonic() - last_update > PROGRESS_EVERY_S:
                 last_update = time.monotonic()
                 sink.progress(job.name, rec.step, job.total_steps)

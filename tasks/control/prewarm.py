@@ -13,6 +13,15 @@ durable. Meanwhile the old trainer trains on through its notice until this one s
 
 If the attempt ends in a way that needs no replacement (completed, gave up, cancelled), the prewarmed
 worker is released unused.
+
+EC2 also sends a rebalance recommendation: an elevated risk of interruption, often minutes before the
+notice, sometimes with no notice after it. Booting an instance takes most of the notice's two minutes,
+so the controller starts the replacement already then (`start(..., stand_by_s=...)`) and the old
+trainer trains on: it does not stop for a recommendation. The replacement waits `stand_by_s` for the
+lease instead of PREWARM_WAIT_S; once less than PREWARM_WAIT_S of that is left with no notice, it is
+released (a recommendation EC2 never followed up costs at most that long of a second worker) and a
+later notice starts a fresh one. A notice within the window finds it standing by: the old trainer's
+handover sees its `waiting` standby and stops at once.
 """
 
 from __future__ import annotations
@@ -34,11 +43,16 @@ PREWARM_WAIT_S = 180.0
 class Prewarm:
     """At most one worker started ahead of its attempt. `start` is idempotent and returns at once."""
 
-    def __init__(self, provision: Callable[[list[str]], Worker]) -> None:
+    def __init__(
+        self, provision: Callable[[list[str]], Worker], release: Callable[[Worker], None] | None = None
+    ) -> None:
         self._provision = provision  # called with the trainer's extra arguments, in a thread
+        self._release = release  # ends a replacement a rebalance started and no notice followed
         self._thread: threading.Thread | None = None
         self._worker: Worker | None = None
         self._error: BaseException | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
         self.started_at: float | None = None
         self.reason = "prewarmed at the notice"  # why it was started (the next attempt's market_reason)
 
@@ -53,21 +67,51 @@ class Prewarm:
 
     def failure(self) -> BaseException | None:
         """The error that ended its provisioning, once the thread is done (then it may be started again)."""
-        if self._thread is None or self._thread.is_alive() or self._error is None:
-            return None
-        error, self._error, self._thread = self._error, None, None
-        return error
+        with self._lock:
+            if self._thread is None or self._thread.is_alive() or self._error is None:
+                return None
+            error, self._error, self._thread = self._error, None, None
+            return error
 
-    def start(self, args: Callable[[], list[str]], reason: str | None = None) -> None:
-        """Provision in a thread, with `args()` (computed here, in the caller's thread) for the trainer."""
-        if self._thread is not None:
-            return
-        if reason is not None:
-            self.reason = reason
-        self.started_at = time.time()
-        extra = [*args(), "--prewarm-wait", f"{PREWARM_WAIT_S:g}"]
-        self._thread = threading.Thread(target=self._run, args=(extra,), name="spotrun-prewarm", daemon=True)
-        self._thread.start()
+    def start(
+        self, args: Callable[[], list[str]], *, stand_by_s: float | None = None, reason: str | None = None
+    ) -> None:
+        """Provision in a thread, with `args()` (computed here, in the caller's thread) for the trainer.
+        `stand_by_s`: started ahead of any notice (a rebalance recommendation), the replacement stands by
+        this long; a later start (the notice) keeps it for good. `reason`: why (the next attempt's row)."""
+        with self._lock:
+            if self._thread is not None:
+                if self._timer is not None and stand_by_s is None:
+                    self._timer.cancel()  # the notice came: this replacement is needed
+                    self._timer = None
+                return
+            if reason is not None:
+                self.reason = reason
+            self.started_at, self._error = time.time(), None
+            wait = PREWARM_WAIT_S if stand_by_s is None else stand_by_s
+            extra = [*args(), "--prewarm-wait", f"{wait:g}"]
+            self._thread = threading.Thread(
+                target=self._run, args=(extra,), name="spotrun-prewarm", daemon=True
+            )
+            if stand_by_s is not None and self._release is not None:
+                self._timer = threading.Timer(max(0.0, stand_by_s - PREWARM_WAIT_S), self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+            self._thread.start()
+
+    def _expire(self) -> None:
+        """No notice within the stand-by window: release the replacement; a later notice starts anew."""
+        with self._lock:  # held throughout: a take() meanwhile waits, then finds nothing
+            if self._timer is None or self._thread is None:
+                return  # taken or confirmed by a notice meanwhile
+            self._thread.join()
+            worker, self._worker = self._worker, None
+            self._timer = self._thread = self._error = None
+        if worker is not None and self._release is not None:
+            self._release(worker)
+            log.info(
+                "released prewarmed worker %s: no notice followed the rebalance recommendation", worker.id
+            )
 
     def _run(self, extra: list[str]) -> None:
         try:
@@ -77,13 +121,19 @@ class Prewarm:
 
     def take(self) -> Worker | None:
         """The prewarmed worker (waiting for its thread), or None: none started, or it failed."""
-        if self._thread is None:
+        with self._lock:
+            thread = self._thread
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if thread is None:
             return None
-        self._thread.join()
-        if self._error is not None:
-            why = self._error if isinstance(self._error, ProvisionError) else repr(self._error)
-            log.warning("prewarmed worker not provisioned (%s): the next attempt starts cold", why)
-        worker, self._worker, self._thread = self._worker, None, None
+        thread.join()
+        with self._lock:
+            if self._error is not None:
+                why = self._error if isinstance(self._error, ProvisionError) else repr(self._error)
+                log.warning("prewarmed worker not provisioned (%s): the next attempt starts cold", why)
+            worker, self._worker, self._thread = self._worker, None, None
         return worker
 
     def discard(self, provider: Provider) -> None:

@@ -25,6 +25,10 @@ from pathlib import Path
 from trainer.errors import ConfigError
 
 DAY_S = 86_400.0
+# A zone that took capacity back this recently ranks below every other zone with capacity: drops
+# cluster (a zone that just emptied often empties again soon), and the last day's tally alone would
+# still send the next worker into a zone with 23 good hours and a reclaim a minute ago.
+RECLAIM_AVOID_S = 3_600.0
 
 
 @dataclass(frozen=True)
@@ -117,12 +121,19 @@ def load(path: Path, zones: Sequence[str] = ()) -> list[Trace]:
 
 
 def best_zone(traces: Sequence[Trace], tick: int, caps: Sequence[bool]) -> int:
-    """Of the zones with capacity now, the one that had the most over the last day (ties: name order)."""
+    """Of the zones with capacity now, one that reclaimed none within RECLAIM_AVOID_S, then the one that
+    had the most over the last day (ties: name order)."""
     window = max(1, int(DAY_S / traces[0].gap_s))
     lo = max(0, tick - window)
+    avoid = max(1, int(RECLAIM_AVOID_S / traces[0].gap_s))
 
     def seen(i: int) -> int:
         return sum(1 for k in range(lo, tick) if traces[i].at(k) > 0)
 
     candidates = [i for i, up in enumerate(caps) if up]
-    return max(candidates, key=lambda i: (seen(i), -i))
+    return max(candidates, key=lambda i: (not reclaimed_within(traces[i], tick, avoid), seen(i), -i))
+
+
+def reclaimed_within(trace: Trace, tick: int, ticks: int) -> bool:
+    """Whether the zone's capacity dropped to 0 (from some) at a tick in the `ticks` up to `tick`."""
+    return any(trace.at(k - 1) > 0 and trace.at(k) == 0 for k in range(max(1, tick - ticks + 1), tick + 1))

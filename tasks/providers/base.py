@@ -237,6 +237,8 @@ class Provider(Protocol):
 
     name: str
     prewarm: bool  # start the next attempt's worker at a notice (tasks/control/prewarm.py)
+    # and at a rebalance recommendation, standing by this long for the notice (None: not at one)
+    rebalance_wait_s: float | None
     capacity_poll_s: float  # how often a market short of spot is asked again (tasks/control/market.py)
     heartbeat_timeout_s: float  # silence that makes a worker lost: the watchdog's figure before history
     prices: Prices | None  # an hour on each market, where the provider knows it (the budget check)

@@ -99,6 +99,7 @@ class FakeProvider:
     ) -> None:
         self.name, self.script = name, list(script)
         self.prewarm = False  # scripted attempts: nothing to start ahead
+        self.rebalance_wait_s: float | None = None
         self.capacity_poll_s = 0.0
         self.prices: Prices | None = None
         self.checkpoint_every, self.step_s, self.heartbeat_timeout_s = (

@@ -139,7 +139,8 @@ def test_every_launch_terminate_and_retag_names_this_installation(over: dict[str
                 and cond["ForAllValues:StringEquals"]["aws:TagKeys"] == ["spotrun:lease-until"]
             )
         if "*" in resources(s):
-            assert all(a.startswith("ec2:Describe") for a in acts)
+            # read-only looks: Describe*, and the placement scores (advice, no resource)
+            assert all(a.startswith("ec2:Describe") or a == "ec2:GetSpotPlacementScores" for a in acts)
 
 
 @pytest.mark.parametrize(
@@ -220,3 +221,9 @@ def test_the_docs_show_the_generated_policies() -> None:
     scope = Scope(ACCOUNT, ID, "s3://BUCKET/jobs", key)
     assert json.loads(_docs_block("### Controller", "json")) == controller_policy(walkthrough, scope)
     assert json.loads(_docs_block("### Worker", "json")) == worker_policy("s3://BUCKET/jobs/my-job", key)
+
+
+@pytest.mark.parametrize("scores", [True, False])
+def test_placement_scores_bring_their_one_read_only_action(scores: bool) -> None:
+    look = by_sid(controller_policy(cfg(placement_scores=scores), SCOPE))["Look"]
+    assert ("ec2:GetSpotPlacementScores" in actions(look)) is scores

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tasks.control.prewarm import Prewarm
+from tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
 from tasks.providers.base import ProvisionError, Worker
 
 
@@ -51,3 +51,35 @@ def test_a_failed_prewarm_leaves_a_cold_start_and_an_unused_one_is_released() ->
     q.start(list)
     q.discard(provider)  # type: ignore[arg-type]
     assert provider.ids == ["w3"]
+
+
+def test_started_at_a_rebalance_it_stands_by_then_is_released_unless_a_notice_keeps_it() -> None:
+    """stand_by_s just over PREWARM_WAIT_S: released 0.05 s after the start, with no notice."""
+    released = Released()
+    calls: list[list[str]] = []
+
+    def provision(extra: list[str]) -> Worker:
+        calls.append(extra)
+        return Worker(f"w{len(calls)}", "fake", 2, time.time())
+
+    p = Prewarm(provision, released.release)
+    p.start(list, stand_by_s=PREWARM_WAIT_S + 0.05)
+    assert calls == [["--prewarm-wait", f"{PREWARM_WAIT_S + 0.05:g}"]]
+    deadline = time.monotonic() + 5
+    while p.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released.ids == ["w1"] and not p.started and p.take() is None
+    # a notice after the window: a fresh replacement, the notice's own wait, kept
+    p.start(list)
+    p.start(list, stand_by_s=PREWARM_WAIT_S + 0.05)  # a late recommendation changes nothing
+    time.sleep(0.1)
+    worker = p.take()
+    assert worker is not None and worker.id == "w2" and released.ids == ["w1"]
+
+    q = Prewarm(provision, released.release)
+    q.start(list, stand_by_s=PREWARM_WAIT_S + 0.05)
+    q.start(list)  # the notice within the window: this one is needed
+    time.sleep(0.1)
+    assert q.started and released.ids == ["w1"]
+    kept = q.take()
+    assert kept is not None and kept.id == "w3"

@@ -60,7 +60,8 @@ def test_the_clock_starts_at_the_first_placement_only() -> None:
         ([("a", [1, 1]), ("b", [1, 1])], 1, "a"),  # ties: name order
         ([("a", [0, 1]), ("b", [1, 1])], 1, "b"),  # b had more over the last day
         ([("a", [1, 0]), ("b", [0, 1])], 1, "b"),  # only b has capacity now
-        ([("a", [1, 1, 0, 1]), ("b", [0, 0, 1, 1])], 3, "a"),  # a: 2 of the 3 ticks before, b: 1
+        ([("a", [1, 1, 1, 1]), ("b", [0, 0, 1, 1])], 3, "a"),  # a: 3 of the 3 ticks before, b: 1
+        ([("a", [1, 1, 0, 1]), ("b", [0, 0, 1, 1])], 3, "b"),  # a had more, but reclaimed a tick ago
         ([("a", [5, 2]), ("b", [1, 1])], 1, "a"),  # capacity is a count; any > 0 is "has capacity"
     ],
 )

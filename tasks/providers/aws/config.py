@@ -85,6 +85,31 @@ class AwsProviderConfig(BaseModel):
         description="run-instances: try (subnet, type) pairs in the order the re-provision policy "
         "ranks them; fleet: one instant EC2 Fleet, price-capacity-optimized over all pairs",
     )
+    spot_allocation_strategy: Literal[
+        "price-capacity-optimized", "capacity-optimized", "capacity-optimized-prioritized"
+    ] = Field(
+        default="price-capacity-optimized",
+        description="allocation: fleet only. price-capacity-optimized: the pools least likely to be "
+        "interrupted, then the cheapest of them; capacity-optimized-prioritized: the pools with the most "
+        "capacity, and among comparable ones the earlier of instance_types (each type's place in that "
+        "list is its Priority); capacity-optimized: capacity alone",
+    )
+    placement_scores: bool = Field(
+        default=True,
+        description="order the subnets' zones by EC2's spot placement scores (GetSpotPlacementScores: "
+        "one call per provisioning at most, cached) where the job's own history prefers none; an "
+        "endpoint or identity that refuses the call means one warning and the configured order",
+    )
+    placement_scores_ttl_s: float = Field(
+        default=600, ge=0, description="seconds a spot placement score is reused before EC2 is asked again"
+    )
+    rebalance_prewarm_s: float | None = Field(
+        default=900,
+        gt=180,
+        description="at a rebalance recommendation (EC2's early warning, before the 2-minute notice) start "
+        "the next worker and let it stand by this many seconds for the notice, while this one trains on; "
+        "released unused if no notice comes. Empty: only the notice starts it",
+    )
     placement_group: bool = Field(
         default=False,
         description="multi-node jobs: launch each attempt's instances into a cluster placement group of "
@@ -212,6 +237,11 @@ class AwsProviderConfig(BaseModel):
             raise ValueError("set image_id or launch_template, not both (the template names its own AMI)")
         if self.kms_key_id and not self.encrypted:
             raise ValueError("kms_key_id needs encrypted: true")
+        if self.spot_allocation_strategy != "price-capacity-optimized" and self.allocation != "fleet":
+            raise ValueError(
+                f"spot_allocation_strategy {self.spot_allocation_strategy}: only an EC2 Fleet allocates; "
+                "set allocation: fleet, or leave spot_allocation_strategy out"
+            )
         if self.placement_group and self.rehearse_locally:
             raise ValueError(
                 "placement_group: the rehearsal's test endpoint (moto 5) has no placement groups; "

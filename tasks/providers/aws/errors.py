@@ -5,6 +5,9 @@ A capacity error is the spot market's weather: retryable, and the re-provision p
 connection) is retryable where it stands. Everything else (quota, a bad AMI or instance type, a missing
 subnet or profile, credentials, permissions) will fail the same way until a person fixes the setup, so
 it stops the run with a line that names the problem and the fix.
+
+GetSpotPlacementScores is advice, never a reason to stop or wait: `scores_refusal` maps its every
+failure to the one warning line after which the provider keeps the configured zone order.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from botocore import exceptions as bce
+from botocore.parsers import ResponseParserError
 
 from tasks.providers.base import ProvisionError
 
@@ -28,6 +32,8 @@ class ErrorKind(StrEnum):
     UNKNOWN = "unknown"
 
 
+# What a GetSpotPlacementScores call may raise: botocore's errors, and a reply that is not EC2's.
+SCORES_ERRORS = (bce.ClientError, bce.BotoCoreError, ResponseParserError)
 RETRYABLE = frozenset({ErrorKind.CAPACITY, ErrorKind.TRANSIENT})
 
 CAPACITY_CODES = frozenset(
@@ -213,3 +219,23 @@ def _config_fix(code: str, message: str, ctx: LaunchContext) -> str:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0][:300] if text.strip() else ""
+
+
+def scores_refusal(e: BaseException, region: str) -> str:
+    """The one warning line for a GetSpotPlacementScores call that gave nothing; provisioning goes on in
+    the configured zone order."""
+    tail = "zones in the configured order"
+    if isinstance(e, ResponseParserError):  # moto answers an action it lacks with an HTML 500 page
+        return (
+            f"the EC2 endpoint in {region} does not serve GetSpotPlacementScores (a test endpoint?): {tail}"
+        )
+    found = classify_error(e, LaunchContext(region))
+    if found.kind is ErrorKind.AUTH:
+        return (
+            f"spot placement scores refused in {region} ({found.code}): allow ec2:GetSpotPlacementScores "
+            f"(`spotrun iam` prints the policy) or set placement_scores: false; {tail}"
+        )
+    if found.kind is ErrorKind.TRANSIENT:
+        return f"spot placement scores unavailable in {region} ({found.code}): {tail} this time"
+    detail = f"{found.code or type(e).__name__}: {_first_line(str(e))}"
+    return f"spot placement scores not available in {region} ({detail}): {tail}"

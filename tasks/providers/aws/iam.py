@@ -256,6 +256,8 @@ def _look(cfg: AwsProviderConfig) -> Statement:
     ]
     if cfg.allocation == "fleet" or cfg.launch_template:
         actions.append("ec2:DescribeLaunchTemplateVersions")
+    if cfg.placement_scores:  # advice on zones; refused, the provider keeps the configured order
+        actions.append("ec2:GetSpotPlacementScores")
     return {
         "Sid": "Look",
         "Effect": "Allow",

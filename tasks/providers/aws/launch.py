@@ -293,8 +293,10 @@ def template_data(
 def fleet_params(
     cfg: AwsProviderConfig, template_id: str, pools: list[Placement], *, tags: dict[str, str], market: Market
 ) -> dict[str, Any]:
-    """An instant fleet of one instance over `pools` (ranked best first): spot by price-capacity-optimized,
-    on-demand by the ranking (prioritized)."""
+    """An instant fleet of one instance over `pools` (ranked best first): spot by the configured
+    allocation strategy (capacity-optimized-prioritized: each type's Priority is its place in
+    instance_types, 0 the most wanted), on-demand by the ranking (prioritized)."""
+    prioritized = market == "spot" and cfg.spot_allocation_strategy == "capacity-optimized-prioritized"
     overrides = []
     for i, p in enumerate(pools):
         o: dict[str, Any] = {"InstanceType": p.instance_type}
@@ -304,6 +306,8 @@ def fleet_params(
             o["MaxPrice"] = cfg.max_price
         if market == "on-demand":
             o["Priority"] = float(i)
+        elif prioritized:
+            o["Priority"] = float(cfg.instance_types.index(p.instance_type))
         overrides.append(o)
     params: dict[str, Any] = {
         "Type": "instant",
@@ -318,7 +322,7 @@ def fleet_params(
     }
     if market == "spot":
         params["SpotOptions"] = {
-            "AllocationStrategy": "price-capacity-optimized",
+            "AllocationStrategy": cfg.spot_allocation_strategy,
             "InstanceInterruptionBehavior": "terminate",
         }
     else:

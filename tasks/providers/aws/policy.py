@@ -9,6 +9,20 @@ first, then subnet). With subnets [a, b, c] and types [g5, g6] that reads:
     b/g6 preempted -> c/g5 (the zone never hit; g5 was hit longer ago than g6)
     c/g5 no capacity -> a/g6 (every zone hit: the one hit longest ago)
 
+Where the history gives no reason to prefer one zone, EC2's spot placement scores (1-10: how likely
+a spot request of this size succeeds in that zone now) order the zones of one instance type before the
+configured subnet order: the history is what this job met, the score is EC2's guess for everyone, so
+the history ranks first. Type preference stays above both (the operator's order of instance types is a
+choice about the job, not about the market). With subnets [a, b, c], types [g5] and scores
+{a: 3, b: 9, c: 6}:
+
+    nothing bad yet -> b/g5 (the best score)
+    b/g5 preempted -> c/g5 (b is marked; c scores above a)
+
+A rebalance recommendation (EC2's early warning, before any notice) marks its pool, zone and type as
+a preemption does, so that a replacement started at it lands elsewhere, but counts toward no
+on-demand fallback: nothing was taken back yet.
+
 Spot turns to on-demand after `on_demand_after_preemptions` spot preemptions, or once spot launches
 have been failing for capacity for `on_demand_after_s` seconds with no spot launch since the first
 failure. Both are sticky: the run stays on on-demand (only a spot launch would end the streak).
@@ -16,9 +30,10 @@ failure. Both are sticky: the run stays on on-demand (only a spot launch would e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from tasks.providers.aws.config import AwsProviderConfig
 
@@ -44,10 +59,11 @@ class PlacementOutcome(StrEnum):
     CAPACITY = "capacity"  # the launch was refused for lack of capacity
     FAILED = "failed"  # the launch was refused for another reason (transient or setup)
     PREEMPTED = "preempted"  # EC2 took the running instance back
+    REBALANCE = "rebalance"  # EC2 recommended moving off the running instance (elevated risk)
     ENDED = "ended"  # the attempt ended otherwise: completed, crashed, lost, released
 
 
-BAD = (PlacementOutcome.PREEMPTED, PlacementOutcome.CAPACITY)
+BAD = (PlacementOutcome.PREEMPTED, PlacementOutcome.CAPACITY, PlacementOutcome.REBALANCE)
 
 
 @dataclass(frozen=True)
@@ -85,16 +101,23 @@ def spot_shortage_since(history: list[PlacementEvent]) -> float | None:
 
 
 def rank_placements(
-    cfg: AwsProviderConfig, history: list[PlacementEvent], azs: dict[str, str], market: Market
+    cfg: AwsProviderConfig,
+    history: list[PlacementEvent],
+    azs: dict[str, str],
+    market: Market,
+    *,
+    scores: Mapping[str, int] | None = None,
 ) -> list[Placement]:
-    """Every pool for `market`, best first. `azs` maps each subnet to its availability zone."""
+    """Every pool for `market`, best first. `azs` maps each subnet to its availability zone; `scores`
+    each zone to its spot placement score (a zone without one ranks below those with one)."""
     bad = [e for e in history if e.outcome in BAD]
     ranked = []
     subnets: list[str | None] = list(cfg.subnets) or [None]
     for ti, itype in enumerate(cfg.instance_types):
         for si, subnet in enumerate(subnets):
             az = azs.get(subnet) if subnet else None
-            key = (*_marks(bad, subnet, az, itype), ti, si)
+            score = (scores or {}).get(az or "", 0) if market == "spot" else 0
+            key = (*_marks(bad, subnet, az, itype), ti, -score, si)
             ranked.append((key, Placement(subnet, az, itype, market)))
     ranked.sort(key=lambda kp: kp[0])
     return [p for _, p in ranked]
@@ -109,7 +132,26 @@ def _marks(bad: list[PlacementEvent], subnet: str | None, az: str | None, itype:
 
 
 def next_placement(
-    cfg: AwsProviderConfig, history: list[PlacementEvent], azs: dict[str, str], now: float
+    cfg: AwsProviderConfig,
+    history: list[PlacementEvent],
+    azs: dict[str, str],
+    now: float,
+    scores: Mapping[str, int] | None = None,
 ) -> Placement:
     """The pool and market the next launch tries first."""
-    return rank_placements(cfg, history, azs, choose_market(cfg, history, now))[0]
+    return rank_placements(cfg, history, azs, choose_market(cfg, history, now), scores=scores)[0]
+
+
+def zone_scores(response: Mapping[str, Any], zone_names: Mapping[str, str]) -> dict[str, int]:
+    """GetSpotPlacementScores' answer (SingleAvailabilityZone) as zone name -> score. EC2 names zones
+    by id (use1-az4: the same physical zone in every account); `zone_names` maps the ids of the
+    configured subnets' zones to their names in this account. Zones not configured are dropped; a
+    zone listed twice keeps its best score."""
+    out: dict[str, int] = {}
+    for row in response.get("SpotPlacementScores") or []:
+        name = zone_names.get(str(row.get("AvailabilityZoneId") or ""))
+        score = row.get("Score")
+        if name is None or not isinstance(score, int):
+            continue
+        out[name] = max(score, out.get(name, score))
+    return out

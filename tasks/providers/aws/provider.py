@@ -1,7 +1,9 @@
 """The `aws` provider: each attempt runs on a fresh EC2 spot instance in one pinned region, or for a
 multi-node job (`distributed.nnodes` = K) on K instances launched and released together.
 
-provision ranks the (subnet, instance type) pools with the re-provision policy (policy.py) and
+provision ranks the (subnet, instance type) pools with the re-provision policy (policy.py), which
+reads the job's placement history and EC2's spot placement scores (asked once per provisioning at
+most, cached for `placement_scores_ttl_s`; a refusal is one warning and the configured order), and
 launches into the best one that has capacity, by RunInstances pool after pool or by one instant EC2
 Fleet over all of them; the instance boots a user-data script that writes the job file and execs the
 trainer. watch polls EC2 and the trainer's heartbeat object (watch.py). release terminates the
@@ -40,7 +42,15 @@ from tasks.market.prices import Prices
 from tasks.providers.aws import launch
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.cost import Cost, attempt_cost, spot_price
-from tasks.providers.aws.errors import ErrorKind, LaunchContext, classify_code, classify_error, error_code
+from tasks.providers.aws.errors import (
+    SCORES_ERRORS,
+    ErrorKind,
+    LaunchContext,
+    classify_code,
+    classify_error,
+    error_code,
+    scores_refusal,
+)
 from tasks.providers.aws.policy import (
     Market,
     Placement,
@@ -48,6 +58,7 @@ from tasks.providers.aws.policy import (
     PlacementOutcome,
     choose_market,
     rank_placements,
+    zone_scores,
 )
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
@@ -146,6 +157,8 @@ class AwsProvider:
     ) -> None:
         self.prewarm = cfg.prewarm
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
+        # a rebalance recommendation starts the replacement too; it stands by this long for the notice
+        self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
         self.prices: Prices | None = None  # EC2 prices each attempt as it runs (aws/cost.py), not before
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
@@ -153,6 +166,9 @@ class AwsProvider:
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store
         self.history: list[PlacementEvent] = list(history or [])  # this provider's launches and ends
         self._azs: dict[str, str] | None = None
+        self._zone_names: dict[str, str] = {}  # the subnets' zone ids (use1-az4) -> names (us-east-1a)
+        self._scores: dict[int, tuple[float, dict[str, int]]] = {}  # nodes -> (asked at, zone -> score)
+        self._scores_warned = False
         self._root_device: str | None = None
         self._groups: dict[str, list[str]] = {}  # placement group -> instances launched in it, to delete
         self._released_peers: list[str] = []  # the other nodes of the worker released last
@@ -199,7 +215,9 @@ class AwsProvider:
         self._reap_groups(0.0)  # those earlier attempts left in use
         if market == "spot":  # the controller's policy left it to the fallback rules
             market = choose_market(self.cfg, self.history, time.time())
-        pools = rank_placements(self.cfg, self.history, azs, market)
+        pools = rank_placements(
+            self.cfg, self.history, azs, market, scores=self._placement_scores(nnodes, market)
+        )
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
         tags = launch.launch_tags(
             self.cfg,
@@ -268,12 +286,15 @@ class AwsProvider:
         noticed = False
 
         def status(rec: Record) -> None:
-            # A spot notice marks the pool at once, before the controller hears of it: the replacement
-            # it provisions at the notice (tasks/control/prewarm.py) must land elsewhere, as a retry would.
+            # A spot notice (or a rebalance recommendation) marks the pool at once, before the controller
+            # hears of it: the replacement it provisions then (tasks/control/prewarm.py) must land
+            # elsewhere, as a retry would.
             nonlocal noticed
             if isinstance(rec, Notice) and rec.stop and not noticed:
                 noticed = True
                 self.history.append(PlacementEvent(state.placement, PlacementOutcome.PREEMPTED, time.time()))
+            elif isinstance(rec, Notice) and not rec.stop:
+                self.history.append(PlacementEvent(state.placement, PlacementOutcome.REBALANCE, time.time()))
             if on_status is not None:
                 on_status(rec)
 
@@ -346,6 +367,11 @@ class AwsProvider:
                     else []
                 )
                 self._azs = {s["SubnetId"]: s["AvailabilityZone"] for s in subnets}
+                self._zone_names = {
+                    s["AvailabilityZoneId"]: s["AvailabilityZone"]
+                    for s in subnets
+                    if s.get("AvailabilityZoneId")
+                }
             if self._root_device is None and self.cfg.image_id is not None:
                 images = self.ec2.describe_images(ImageIds=[self.cfg.image_id]).get("Images", [])
                 if not images:
@@ -354,6 +380,34 @@ class AwsProvider:
         except BOTO_ERRORS as e:
             raise classify_error(e, ctx).error() from e
         return self._azs, self._root_device
+
+    def _placement_scores(self, nnodes: int, market: Market) -> dict[str, int]:
+        """Zone name -> EC2's spot placement score for `nnodes` instances of the configured types, asked
+        at most once per `placement_scores_ttl_s`; {} when turned off, on-demand, one zone, or refused."""
+        if not self.cfg.placement_scores or market != "spot" or len(set(self._zone_names.values())) < 2:
+            return {}
+        now = time.monotonic()
+        cached = self._scores.get(nnodes)
+        if cached is not None and now - cached[0] < self.cfg.placement_scores_ttl_s:
+            return cached[1]
+        try:
+            out = self.ec2.get_spot_placement_scores(
+                InstanceTypes=list(self.cfg.instance_types),
+                TargetCapacity=nnodes,
+                TargetCapacityUnitType="units",
+                SingleAvailabilityZone=True,
+                RegionNames=[self.cfg.region],
+            )
+            scores = zone_scores(out, self._zone_names)  # type: ignore[arg-type]
+            log.info(
+                "spot placement scores for %d x %s: %s", nnodes, ",".join(self.cfg.instance_types), scores
+            )
+        except SCORES_ERRORS as e:  # advice only: the configured order serves
+            scores = {}
+            (log.debug if self._scores_warned else log.warning)("%s", scores_refusal(e, self.cfg.region))
+            self._scores_warned = True
+        self._scores[nnodes] = (now, scores)
+        return scores
 
     def _ctx(self, pool: Placement | None) -> LaunchContext:
         cfg, lt = self.cfg, self.cfg.launch_template

@@ -96,6 +96,7 @@ class RehearsalProvider:
     ) -> None:
         self.prewarm = cfg.prewarm
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
+        self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0
         self.prices: Prices | None = None
         self.instances = LocalInstances(root)

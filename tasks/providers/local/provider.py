@@ -114,6 +114,7 @@ class LocalProvider:
         self.cfg = cfg or LocalProviderConfig()
         self.prewarm = self.cfg.prewarm
         self.heartbeat_timeout_s = self.cfg.heartbeat_timeout_s
+        self.rebalance_wait_s: float | None = None  # no cloud here sends rebalance recommendations
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
         self.market = TraceMarket.of(self.cfg)  # one replay clock for all this provider's workers
         self.capacity_poll_s = 30.0  # a spot market without capacity: asked again this often
