@@ -56,10 +56,12 @@ def test_a_job_put_on_on_demand_moves_back_to_spot_when_it_returns(
     tries spot ahead each poll, and once the zone has capacity again the spot trainer stands by, takes
     over from the on-demand one's emergency checkpoint, and the job ends bitwise as if uninterrupted."""
     trace = tmp_path / "us-test-1a_v100_1.json"
-    trace.write_text(json.dumps({"metadata": {"gap_seconds": 1}, "data": [0] * 6 + [1] * 400}))
+    # no spot for the first second (the first launch is refused), then spot: the on-demand trainer is
+    # moved while it trains (2,000 steps: 4-20 s here, whatever the fork server has warmed up)
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 1}, "data": [0] * 2 + [1] * 400}))
     # 1,500 s of declared work and 30 minutes: slack 180 s after a 120 s start (reserve: 480 s), and
     # 300 s once on-demand runs (a move needs 240 s)
-    spec = job(tmp_path, total_steps=1000, deadline="30m", seconds_per_step=1.5)
+    spec = job(tmp_path, total_steps=2000, deadline="30m", seconds_per_step=0.75)
     provider = LocalProviderConfig(trace=str(trace), compress=2, notice_s=10, heartbeat_timeout_s=60)
     state = run_flow(spec, provider)
     assert state.is_completed(), state.message
