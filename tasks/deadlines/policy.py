@@ -35,7 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from tasks.market.fallback import FixedRule
 from tasks.providers.base import Market
+
+__all__ = ["POLICIES", "Decision", "FixedRule", "Policy", "Situation", "fixed"]
 
 Choice = Literal["spot", "on-demand", "wait"]
 
@@ -74,14 +77,6 @@ class Situation:
 class Decision:
     choice: Choice
     reason: str  # one line
-
-
-@dataclass(frozen=True)
-class FixedRule:
-    """The fixed policy's thresholds (None: that rule is off)."""
-
-    after_preemptions: int | None = None
-    after_s: float | None = None
 
 
 def on_demand(s: Situation) -> Decision:
@@ -142,10 +137,10 @@ def fixed(rule: FixedRule) -> Callable[[Situation], Decision]:
     def decide(s: Situation) -> Decision:
         if s.running == "on-demand":
             return Decision("on-demand", "on-demand stays (the fixed rules are sticky)")
-        if rule.after_preemptions is not None and s.preemptions >= rule.after_preemptions:
-            return Decision("on-demand", f"{s.preemptions} preemption(s) >= {rule.after_preemptions}")
-        if rule.after_s is not None and not s.spot_available and s.spot_short_s >= rule.after_s:
-            return Decision("on-demand", f"no spot for {s.spot_short_s:.0f} s >= {rule.after_s:g} s")
+        short = None if s.spot_available else s.spot_short_s
+        reason = rule.on_demand_reason(preemptions=s.preemptions, short_s=short)
+        if reason is not None:
+            return Decision("on-demand", reason)
         if s.spot_available:
             return Decision("spot", "spot available")
         return Decision("wait", "no spot yet")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
+from tasks.market.fallback import FixedRule
 from tasks.providers.aws.config import AwsProviderConfig
 
 Market = Literal["spot", "on-demand"]
@@ -78,13 +79,11 @@ class PlacementEvent:
 
 def choose_market(cfg: AwsProviderConfig, history: list[PlacementEvent], now: float) -> Market:
     """Spot, unless the on-demand fallback rules say the spot market has had its chances."""
+    rule = FixedRule(cfg.on_demand_after_preemptions, cfg.on_demand_after_s)
     preempted = sum(1 for e in history if e.outcome is PlacementOutcome.PREEMPTED)
-    if cfg.on_demand_after_preemptions is not None and preempted >= cfg.on_demand_after_preemptions:
-        return "on-demand"
     since = spot_shortage_since(history)
-    if cfg.on_demand_after_s is not None and since is not None and now - since >= cfg.on_demand_after_s:
-        return "on-demand"
-    return "spot"
+    short = None if since is None else now - since
+    return "spot" if rule.on_demand_reason(preemptions=preempted, short_s=short) is None else "on-demand"
 
 
 def spot_shortage_since(history: list[PlacementEvent]) -> float | None:
