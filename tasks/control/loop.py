@@ -313,7 +313,11 @@ def _attempt(
     history = job_history(runlog.store, job.name, runlog.records)
     dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)
     try:
-        ahead = _prewarm(provider, job, runlog, attempt + 1) if provider.prewarm else None
+        ahead = (
+            _prewarm(provider, job, runlog, attempt=attempt + 1, now=worker, chooser=chooser)
+            if provider.prewarm
+            else None
+        )
         back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
         calls = WatchCalls(
             stopping=at_notice if ahead else None,
@@ -364,9 +368,35 @@ def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, si
         sink.log(logging.WARNING, f"could not stop {worker.id} gracefully: {e}")
 
 
-def _prewarm(provider: Provider, job: JobSpec, runlog: JobRunLog, attempt: int) -> Prewarm:
-    """The next attempt's worker, to be started (in a thread) when this one reports it is stopping."""
-    return Prewarm(lambda extra: provider.provision(job, attempt, runlog.spec_path, extra), provider.release)
+def _prewarm(
+    provider: Provider,
+    job: JobSpec,
+    runlog: JobRunLog,
+    *,
+    attempt: int,
+    now: Worker,
+    chooser: MarketChooser | None,
+) -> Prewarm:
+    """The next attempt's worker, to be started (in a thread) when `now` reports it is stopping; with a
+    deadline policy, for a spot worker, on the market the policy picks when spot is short (an on-demand
+    worker's is the move back to spot: spot only)."""
+
+    def plain(extra: list[str]) -> Worker:
+        return provider.provision(job, attempt, runlog.spec_path, extra)
+
+    if chooser is None or now.market == "on-demand":
+        return Prewarm(plain, provider.release)
+
+    def chosen(extra: list[str]) -> Worker:
+        def launch(market: Market) -> Worker:
+            return provider.provision(job, attempt, runlog.spec_path, extra, market=market)
+
+        done = (now.result.last_durable_step if now.result is not None else None) or runlog.resume_step or 0
+        worker, prewarm.reason = chooser.replacement(launch, runlog.records, done)
+        return worker
+
+    prewarm = Prewarm(chosen, provider.release)
+    return prewarm
 
 
 def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:

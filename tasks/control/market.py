@@ -161,6 +161,27 @@ class MarketChooser:
         payload = {"deadline": f"{self.job.deadline} ({due})", "problem": problem}
         self.sink.event(DEADLINE_AT_RISK, self.job.name, payload)
 
+    def replacement(
+        self, launch: Callable[[Market], Worker], records: list[AttemptRecord], done_step: int
+    ) -> tuple[Worker, str]:
+        """The worker started at a spot worker's notice (tasks/control/prewarm.py, in its thread): spot
+        elsewhere if there is some, else what the policy says with spot short (on-demand now, rather
+        than after the reclaim); raises the refusal when the policy would wait. With the reason."""
+        try:
+            worker = launch("spot")
+            self.short_since = None
+            return worker, "prewarmed at the notice"
+        except ProvisionError as e:
+            if not e.retryable:
+                raise
+            if self.short_since is None:
+                self.short_since = self.clock()
+            decision = self.decide(records, done_step)
+            if decision.choice != "on-demand":
+                raise
+        self.note(decision)
+        return launch("on-demand"), f"prewarmed at the notice: {decision.reason}"
+
     def note(self, decision: Decision) -> None:
         if self.last is not None and self.last.choice == decision.choice:
             return

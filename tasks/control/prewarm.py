@@ -26,6 +26,7 @@ handover sees its `waiting` standby and stops at once.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -90,8 +91,10 @@ class Prewarm:
             self.started_at, self._error = time.time(), None
             wait = PREWARM_WAIT_S if stand_by_s is None else stand_by_s
             extra = [*args(), "--prewarm-wait", f"{wait:g}"]
+            # in the caller's context: what it reports (a market decision) lands in its Prefect task run
+            ctx = contextvars.copy_context()
             self._thread = threading.Thread(
-                target=self._run, args=(extra,), name="spotrun-prewarm", daemon=True
+                target=ctx.run, args=(self._run, extra), name="spotrun-prewarm", daemon=True
             )
             if stand_by_s is not None and self._release is not None:
                 self._timer = threading.Timer(max(0.0, stand_by_s - PREWARM_WAIT_S), self._expire)

@@ -268,3 +268,17 @@ def test_a_deadline_duration_counts_from_the_runs_slot(tmp_path: Path, settings:
     assert result.completed, result.message
     (row,) = _attempts(settings)
     assert row.extra["deadline_at"] == slot + 10 * H
+
+
+def test_at_a_notice_the_replacement_goes_on_demand_when_spot_is_short_and_the_slack_says_so() -> None:
+    clock, sink = Clock(), PlainSink()
+    launch = Market_(clock, lambda t: True)  # no spot anywhere
+    tight = chooser(job(deadline="20m", seconds_per_step=1), clock, sink)
+    worker, reason = tight.replacement(launch, [], 0)
+    assert worker.market == "on-demand" and launch.launched == [(0.0, "on-demand")]
+    assert reason.startswith("prewarmed at the notice: ") and "reserve" in reason
+    roomy = chooser(job(deadline="10h", seconds_per_step=1), clock, sink)
+    with pytest.raises(ProvisionError):  # the policy would wait: the next attempt waits, cold
+        roomy.replacement(launch, [], 0)
+    spot = Market_(clock, lambda t: False)
+    assert roomy.replacement(spot, [], 0)[0].market == "spot"
