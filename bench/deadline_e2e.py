@@ -137,7 +137,8 @@ def e2e_replay(sets: dict[str, list[Trace]], out: Path) -> dict[str, Any]:
         finally:
             store.close()
     rows.sort(key=lambda r: r.attempt)
-    met = bool(rows) and result.completed and rows[-1].ended_at <= float(rows[-1].extra["deadline_at"])
+    due = rows[-1].extra.get("deadline_at") if rows else None
+    met = result.completed and due is not None and rows[-1].ended_at <= float(due)
     product = _markets([str(r.extra.get("market", "spot")) for r in rows])
     product_cost = sum(float(r.extra.get("cost", {}).get("usd", 0.0)) for r in rows)
     sim_job = Job.of(

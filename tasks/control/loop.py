@@ -269,7 +269,7 @@ def _attempt(
     if worker is not None and ready is not None:
         lead = t0 - (ready.started_at or t0)
         if chooser is not None:
-            market_extra = {"market": worker.market, "market_reason": ready.reason, "waited_s": 0.0}
+            market_extra = chooser.row(worker.market, ready.reason)
         sink.log(
             logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago ({ready.reason})"
         )

@@ -139,13 +139,17 @@ class MarketChooser:
             if market == "spot":
                 self.short_since = None
             waited = round(self.clock() - t0, 1)
-            extra: dict[str, Any] = {"market": market, "waited_s": waited}
-            if self.job.deadline is not None:  # the report's margin reads it back from the rows
-                extra["deadline_at"] = deadline_at(self.job.deadline, self.start)
             if decision.choice == "wait":  # the look after the wait found spot
                 decision = Decision("spot", f"spot capacity is back after {waited:g} s of waiting")
                 self.note(decision)
-            return worker, extra | {"market_reason": decision.reason}
+            return worker, self.row(market, decision.reason, waited)
+
+    def row(self, market: Market, reason: str, waited_s: float = 0.0) -> dict[str, Any]:
+        """What an attempt's row says of its market (`extra`)."""
+        extra: dict[str, Any] = {"market": market, "market_reason": reason, "waited_s": waited_s}
+        if self.job.deadline is not None:  # the report's margin reads it back from the rows
+            extra["deadline_at"] = deadline_at(self.job.deadline, self.start)
+        return extra
 
     def _at_risk(self, sit: Situation) -> None:
         """Announce once that the deadline cannot be met any more; the job goes on (on-demand, the

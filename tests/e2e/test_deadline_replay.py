@@ -73,4 +73,5 @@ def test_a_job_put_on_on_demand_moves_back_to_spot_when_it_returns(
     assert rows[0].extra["market_move"] == "spot" and "moved to spot" in rows[0].cause
     assert "reserve" in rows[0].extra["market_reason"] and "2 restarts" in rows[1].extra["market_reason"]
     assert rows[0].lost_steps == 0  # the on-demand trainer's emergency checkpoint is where spot resumed
+    assert all("deadline_at" in r.extra for r in rows)  # the prewarmed spot attempt's row too (the report)
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference_dir(spec, tmp_path))
