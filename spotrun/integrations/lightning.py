@@ -105,6 +105,14 @@ class SpotrunCallback(L.Callback):  # type: ignore[misc]  # lightning is not typ
         else:
             self._rng = state
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.link is not None:  # an evaluation is no hung step (the controller's watchdog)
+            self.link.section("eval", begin=True, step=trainer.global_step)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.link is not None:
+            self.link.section("eval", begin=False, step=trainer.global_step)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._stopping:  # the save of the stop step is on disk: spotrun publishes it, then exits preempted
             raise SystemExit(int(ExitCode.PREEMPTED))

@@ -43,6 +43,7 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def __init__(self) -> None:
         self.link = CommandLink.from_env()
         self._stopping = False
+        self._evaluating = False  # between an evaluation's first batch and on_evaluate
         self._last_log = 0  # the step this process last logged at (or resumed from): the start of HF's mean
         if self.link is not None:
             self.link.catch_stop_signal()
@@ -96,6 +97,16 @@ class SpotrunCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         whole = _logs_at(self._last_log, args=args, state=state)
         self._last_log = state.global_step
         self.link.report(state.global_step, float(logs["loss"]), lr=lr, compare=whole, **extra)
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.link is not None and not self._evaluating:  # an evaluation began: no hung step
+            self._evaluating = True
+            self.link.section("eval", begin=True, step=state.global_step)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.link is not None and self._evaluating:
+            self._evaluating = False
+            self.link.section("eval", begin=False, step=state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._stopping:  # the save of the stop step is on disk: spotrun publishes it, then exits preempted

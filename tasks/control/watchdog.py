@@ -37,7 +37,17 @@ from tasks.decisions.watchdog import Limit, describe, history_figures, limits, m
 from tasks.history import HistoryStore, StoreUnavailable
 from tasks.providers.base import LogCallback, Provider, StatusCallback, WatchResult, Worker
 from trainer.spec.watchdog import WatchdogOptions
-from trainer.telemetry.records import Durable, Exit, Notice, Record, Saving, Started, Step, Stopping
+from trainer.telemetry.records import (
+    Durable,
+    Exit,
+    Notice,
+    Record,
+    Saving,
+    Section,
+    Started,
+    Step,
+    Stopping,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +76,7 @@ class ProgressWatchdog:
         self._last_t: float | None = None  # the newest step record's own time
         self._started_t = 0.0
         self._saving: tuple[int, float, float] | None = None  # (step, arrival, record t) in flight
+        self._section: tuple[str, float] | None = None  # (name, arrival): an evaluation, untimed as a step
         self.last_step = 0
         self.starts: list[float] = []
         self.steps: deque[float] = deque(maxlen=SAMPLES)
@@ -83,6 +94,9 @@ class ProgressWatchdog:
                 self.phase, self._armed_at, self._started_t = "startup", now, rec.t
             elif isinstance(rec, Step | Saving):
                 self._progress(rec, now)
+            elif isinstance(rec, Section):
+                self._section = (rec.name, now) if rec.begin else None
+                self._armed_at = max(self._armed_at, now)  # the step clock starts again at its end
             elif isinstance(rec, Durable):
                 if self._saving is not None and rec.step >= self._saving[0]:
                     self.saves.append(max(0.0, rec.t - self._saving[2]))
@@ -121,6 +135,13 @@ class ProgressWatchdog:
         with self._lock:
             if not self.opts.enabled or self.fired is not None or self.phase in ("waiting", "off"):
                 return None
+            if self._section is not None:  # a long evaluation is no hang: timed only if the job says so
+                if self.opts.section_s is None:
+                    return None
+                lim, since = Limit(self.opts.section_s, "job file"), self._section[1]
+                if now - since < lim.seconds:
+                    return None
+                return self._fire("section", lim, now - since)
             if self._saving is not None:
                 section, since = "save", self._saving[1]
             else:
@@ -129,17 +150,23 @@ class ProgressWatchdog:
             silent = now - since
             if lim.source == "heartbeat" or silent < lim.seconds:  # unmeasured: the provider's to time
                 return None
-            self.fired = {
-                "section": section,
-                "timeout_s": round(lim.seconds, 3),
-                "silent_s": round(silent, 3),
-                "source": lim.source,
-                "step": self.last_step,
-                "saving_step": self._saving[0] if self._saving is not None else None,
-                "fired_at": time.time(),
-                "silent_since": time.time() - silent,
-            }
-            return self.fired
+            return self._fire(section, lim, silent)
+
+    def _fire(self, section: str, lim: Limit, silent: float) -> dict[str, Any]:
+        """Record the firing (the lock is held)."""
+        self.fired = {
+            "section": section,
+            "timeout_s": round(lim.seconds, 3),
+            "silent_s": round(silent, 3),
+            "source": lim.source,
+            "step": self.last_step,
+            "saving_step": self._saving[0] if self._saving is not None else None,
+            "fired_at": time.time(),
+            "silent_since": time.time() - silent,
+        }
+        if section == "section" and self._section is not None:
+            self.fired["name"] = self._section[0]
+        return self.fired
 
     @contextlib.contextmanager
     def guard(self, kill: Callable[[], None], name: str = "") -> Iterator[None]:

@@ -143,6 +143,7 @@ def describe(fired: dict[str, Any]) -> str:
         "startup": "no first step after start",
         "step": f"no step after step {fired.get('step')}",
         "save": f"checkpoint of step {fired.get('saving_step')} not durable",
+        "section": f"{fired.get('name') or 'section'} after step {fired.get('step')} not over",
     }.get(section, "no progress")
     silent, timeout = fired.get("silent_s", 0.0), fired.get("timeout_s", 0.0)
     return (

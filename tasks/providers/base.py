@@ -29,6 +29,7 @@ from trainer.telemetry.records import (
     Notice,
     Record,
     Saving,
+    Section,
     Started,
     Step,
     Stopping,
@@ -127,6 +128,7 @@ _SLOT = {
     "started": "started",
     "step": "progress",
     "saving": "saving",
+    "section": "section",
     "durable": "durable",
     "notice": "notice",
     "stopping": "stopping",
@@ -150,6 +152,7 @@ class WatchResult:
     started: Started | None = None
     progress: Step | None = None
     saving: Saving | None = None
+    section: Section | None = None  # the last section record (an evaluation begun or ended)
     durable: Durable | None = None
     notice: Notice | None = None
     stopping: Stopping | None = None

@@ -88,3 +88,14 @@ def micro_batches(args: dict[str, Any]) -> None:
     model, opt = _model()
     with spotrun.session(model=model, optimizer=opt) as s:
         s.batches(DATA, micro_batches=args["k"])
+
+
+def evaluates(args: dict[str, Any]) -> None:
+    """An evaluation after every fifth step, inside `s.section("eval")`."""
+    model, opt = _model()
+    with spotrun.session(model=model, optimizer=opt) as s:
+        for batch in s.batches(DATA):
+            s.step_done(_step(model, opt, batch))
+            if s.step % 5 == 0:
+                with s.section("eval"), torch.no_grad():
+                    model(batch[0] if isinstance(batch, list | tuple) else batch)

@@ -26,6 +26,7 @@ from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
 from trainer.spec.job import JobSpec
 from trainer.storage import LocalStorage
+from trainer.telemetry.status import StatusReporter
 
 
 def hf(root: Path, step: int, state_step: int | None = None, state: str | None = None) -> Path:
@@ -309,3 +310,35 @@ def test_the_lightning_callbacks_rng_state_loads_weights_only_and_restores(tmp_p
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     _set_rng(torch.load(tmp_path / "c.ckpt", weights_only=True)["rng"])
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
+
+
+def test_an_evaluation_the_script_reports_is_a_section_record_and_no_step(tmp_path: Path) -> None:
+    env = {
+        "SPOTRUN_CHECKPOINT_DIR": str(tmp_path / "out"),
+        "SPOTRUN_NOTICE_FILE": str(tmp_path / "notice.json"),
+        "SPOTRUN_STEPS_FILE": str(tmp_path / "s.jsonl"),
+    }
+    link = CommandLink.from_env(env)
+    assert link is not None
+    link.report(7, 0.5)
+    link.section("eval", begin=True, step=7)
+    link.section("eval", begin=False, step=7)
+    records: list[Any] = []
+    reporter = StatusReporter()
+    reporter.subscribe(records.append)
+    follower = _Follower(
+        spec=Any,  # type: ignore[arg-type]  # not read until a checkpoint is published
+        storage=LocalStorage(tmp_path / "store"),
+        opts=SimpleNamespace(reporter=reporter),  # type: ignore[arg-type]
+        ckpt_dir=tmp_path / "out",
+        steps_file=tmp_path / "s.jsonl",
+        step=0,
+        durable=None,
+    )
+    follower.look()
+    assert [(r.kind, getattr(r, "begin", None), r.step) for r in records] == [
+        ("step", None, 7),
+        ("section", True, 7),
+        ("section", False, 7),
+    ]
+    assert follower.step == 7

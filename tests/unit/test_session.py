@@ -68,3 +68,23 @@ def test_attempt_options_are_frozen_once_built(tmp_path: Path) -> None:
     opts = AttemptOptions(cache=tmp_path / "cache")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.max_steps = 3  # type: ignore[misc]
+
+
+def test_an_evaluation_in_a_section_is_reported_around_no_step(tmp_path: Path) -> None:
+    records: list[Any] = []
+    opts = AttemptOptions(cache=tmp_path / "cache")
+    opts.reporter.subscribe(records.append)
+    job = JobSpec.model_validate(
+        {
+            "name": "own",
+            "entrypoint": "tests.fakes.session_loops:evaluates",
+            "total_steps": 10,
+            "batch_size": 1,
+            "threads": 1,
+            "tracking": {"mlflow": False},
+        }
+    )
+    result = run_attempt(job, LocalStorage(tmp_path / "store"), opts)
+    assert result.code == ExitCode.COMPLETED
+    sections = [(r.name, r.begin, r.step) for r in records if r.kind == "section"]
+    assert sections == [("eval", True, 5), ("eval", False, 5), ("eval", True, 10), ("eval", False, 10)]

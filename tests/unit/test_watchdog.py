@@ -11,11 +11,11 @@ from pydantic import ValidationError
 
 from tasks.control.watchdog import ProgressWatchdog, for_attempt
 from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.watchdog import Limit, history_figures, limit, limits, p99
+from tasks.decisions.watchdog import Limit, describe, history_figures, limit, limits, p99
 from tasks.providers.base import WatchResult
 from trainer.spec.job import JobSpec
 from trainer.spec.watchdog import WatchdogOptions
-from trainer.telemetry.records import Durable, Exit, Saving, Started, Step, Stopping
+from trainer.telemetry.records import Durable, Exit, Saving, Section, Started, Step, Stopping
 
 MS = [0.002] * 19 + [0.004]  # 20 steps of 2 ms, one of 4 ms
 KW: dict[str, Any] = {
@@ -164,6 +164,34 @@ def test_a_save_is_timed_from_saving_to_durable_and_the_step_clock_waits() -> No
         30,
         "history",
     )
+
+
+@pytest.mark.parametrize("section_s", [None, 30.0])
+def test_an_evaluation_is_no_hung_step_and_is_timed_only_if_the_job_says_so(section_s: float | None) -> None:
+    dog, clock = _dog(section_s=section_s)
+    dog.observe(Started(t=clock.now, step=0))
+    _steps(dog, clock, 1, 30)
+    dog.observe(Section(t=clock.now, name="eval", begin=True, step=30))
+    clock.now += 29.0  # far past the 2 s step limit
+    assert dog.check(clock.now) is None
+    if section_s is None:
+        clock.now += 1000
+        assert dog.check(clock.now) is None
+        dog.observe(Section(t=clock.now, name="eval", begin=False, step=30))
+        clock.now += 1.9
+        assert dog.check(clock.now) is None  # the step clock starts again at the section's end
+        clock.now += 0.2
+        fired = dog.check(clock.now)
+        assert fired is not None and fired["section"] == "step"
+    else:
+        clock.now += 1.1
+        fired = dog.check(clock.now)
+        assert fired is not None and (fired["section"], fired["name"], fired["source"]) == (
+            "section",
+            "eval",
+            "job file",
+        )
+        assert describe(fired).startswith("hung: eval after step 30 not over for 30.1 s")
 
 
 @pytest.mark.parametrize(

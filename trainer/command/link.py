@@ -13,7 +13,9 @@ The trainer starts the command with these in its environment (docs/integrations.
     SPOTRUN_STEPS_FILE      the script may append one JSON line per optimizer step, {"step": N} with
                             "loss" (and "lr") where it has them: its progress, and the losses MLflow
                             gets exactly once and the resume-fidelity check compares (unless the
-                            line says "compare": false)
+                            line says "compare": false); {"step": N, "section": "eval", "begin": true}
+                            and then "begin": false around an evaluation (no step: the watchdog does
+                            not take it for a hung one)
 
 A callback (spotrun.integrations.*) or any script reads these through `CommandLink`; nothing here
 imports torch or a framework.
@@ -117,6 +119,13 @@ class CommandLink:
         for k, v in metrics.items():
             if isinstance(v, int | float) and math.isfinite(float(v)):
                 line.setdefault("m", {})[str(k)] = float(v).hex()
+        with self.steps_file.open("a") as f:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def section(self, name: str, *, begin: bool, step: int) -> None:
+        """An evaluation (or another stretch that is no step) began or ended at `step`: the controller's
+        watchdog does not take it for a hung step."""
+        line = {"step": int(step), "section": str(name)[:64], "begin": bool(begin)}
         with self.steps_file.open("a") as f:
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
 

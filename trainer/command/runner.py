@@ -101,6 +101,10 @@ class _Follower:
 
     def _step(self, line: dict[str, Any]) -> None:
         step = int(line["step"])
+        if "section" in line:  # an evaluation began or ended: no step
+            name, begin = str(line["section"])[:64], line.get("begin") is True
+            self.opts.reporter.emit("section", name=name, begin=begin, step=step)
+            return
         loss = _float(line.get("loss"))
         if loss is not None:
             extra = {k: v for k, h in (line.get("m") or {}).items() if (v := _float(h)) is not None}

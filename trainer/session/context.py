@@ -130,6 +130,14 @@ class UserSession:
         self.fence()
         yield
 
+    @contextmanager
+    def section(self, name: str = "eval") -> Iterator[None]:
+        """`with s.section("eval"):` around a stretch that is no training step (an evaluation, a data
+        reload): the controller's watchdog does not take it for a hung step (`watchdog.section_s` may
+        bound it), and the step timer starts again after it."""
+        with self._s.section(name):
+            yield
+
     def log(self, **metrics: float) -> None:
         """Log metrics in the trainer's log, at this step."""
         shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())

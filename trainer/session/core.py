@@ -16,6 +16,7 @@ waits for the copy (nothing else writes them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -190,6 +191,18 @@ class Session(SessionState):
         """`by_time`: the clock said so at this step's agreement (any rank's clock, for ranks)."""
         pol = self.spec.checkpoint
         return (pol.every_steps is not None and self.step % pol.every_steps == 0) or by_time
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """A stretch that is no step, reported (rank 0) so that the watchdog does not time it as one."""
+        if self.ranks.is_zero:
+            self.opts.reporter.emit("section", name=name, begin=True, step=self.step)
+        try:
+            yield
+        finally:
+            if self.ranks.is_zero:
+                self.opts.reporter.emit("section", name=name, begin=False, step=self.step)
+            self._t_step = time.perf_counter()  # the next step's time leaves the section out
 
     def checkpoint(self, wait: bool = False) -> float:
         """Snapshot the full state and persist it; returns the seconds the loop was blocked."""

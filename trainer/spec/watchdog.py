@@ -43,6 +43,12 @@ class WatchdogOptions(BaseModel):
     save_s: float | None = Field(
         default=None, gt=0, description="a fixed save timeout (no calibration); empty: calibrated"
     )
+    section_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="the longest an evaluation (a `section` of the loop) may run; empty: not timed by "
+        "the watchdog (the provider's heartbeat still applies)",
+    )
 
     @model_validator(mode="after")
     def _fixed_or_floor(self) -> WatchdogOptions:

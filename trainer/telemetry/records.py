@@ -222,6 +222,18 @@ class Saving(RecordBase):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Section(RecordBase):
+    """The training loop entered (`begin`) or left a stretch that is no step: an evaluation, a data
+    reload (`with session.section("eval")`, HF's and Lightning's evaluations). The controller's watchdog
+    does not time it as a step (a long evaluation is no hang); `watchdog.section_s` may bound it."""
+
+    kind: ClassVar[str] = "section"
+    name: str = _f(_str, "")
+    begin: bool = _f(_bool)
+    step: int = _f(_int)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Durable(RecordBase):
     kind: ClassVar[str] = "durable"
     step: int = _f(_int)
@@ -279,9 +291,9 @@ class Exit(RecordBase):
     durable_step: int | None = _f(_optional(_int), None)
 
 
-Record = Started | Step | Saving | Durable | Notice | Stopping | Interval | Hook | Exit
+Record = Started | Step | Saving | Section | Durable | Notice | Stopping | Interval | Hook | Exit
 KINDS: dict[str, type[Record]] = {
-    c.kind: c for c in (Started, Step, Saving, Durable, Notice, Stopping, Interval, Hook, Exit)
+    c.kind: c for c in (Started, Step, Saving, Section, Durable, Notice, Stopping, Interval, Hook, Exit)
 }
 
 

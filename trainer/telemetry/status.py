@@ -14,6 +14,8 @@ what a recipe prints and the log on stderr stays for people). Kinds:
                                                                attempt; a resumed one from its checkpoint)
   step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
   saving    {step}                                             a checkpoint of that step has begun
+  section   {name, begin, step}                                an evaluation (or other non-step stretch)
+                                                               began or ended
   durable   {step}                                             a checkpoint was read back and verified
   notice    {cloud, action, stop, deadline}                    a cloud notice (a rebalance: stop false)
   stopping  {reason, step}                                     a stop request (SIGTERM, notice) arrived
