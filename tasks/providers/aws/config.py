@@ -180,7 +180,8 @@ class AwsProviderConfig(BaseModel):
     )
     on_demand_price_per_h: dict[str, float] = Field(
         default_factory=dict,
-        description="instance type -> on-demand USD per hour, for cost reports and the spot comparison",
+        description="instance type -> on-demand USD per hour, for cost reports, the spot comparison and "
+        "the budget check (types not named: a table of us-east-1 list prices, for the budget check only)",
     )
 
     @field_validator("region")

@@ -60,6 +60,7 @@ from tasks.providers.aws.policy import (
     rank_placements,
     zone_scores,
 )
+from tasks.providers.aws.prices import quote
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
@@ -81,6 +82,13 @@ BOTO_ERRORS = (bce.ClientError, bce.BotoCoreError)
 # can be deleted (EC2 refuses while any is shutting down). A group still in use then is deleted at the
 # next provision; an empty group costs nothing but counts toward the region's quota of groups.
 GROUP_WAIT_S = 180.0
+
+
+class _Unasked:
+    """`AwsProvider.prices` before EC2 was asked."""
+
+
+_UNASKED = _Unasked()
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ class AwsProvider:
         # a rebalance recommendation starts the replacement too; it stands by this long for the notice
         self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
-        self.prices: Prices | None = None  # EC2 prices each attempt as it runs (aws/cost.py), not before
+        self._prices: Prices | _Unasked | None = _UNASKED  # asked of EC2 at the first read (prices.py)
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
         self.installation = installation  # None: untagged, so no sweeper or adopting controller ends them
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store
@@ -172,6 +180,24 @@ class AwsProvider:
         self._root_device: str | None = None
         self._groups: dict[str, list[str]] = {}  # placement group -> instances launched in it, to delete
         self._released_peers: list[str] = []  # the other nodes of the worker released last
+
+    @property
+    def prices(self) -> Prices | None:
+        """An hour on each market for the budget check at submission: the cheapest spot price of the
+        configured types in the subnets' zones, and the on-demand price (prices.py); asked of EC2 once,
+        at the first read. None when EC2 or the config will not say (the check then waits)."""
+        if isinstance(self._prices, _Unasked):
+            try:
+                azs, _ = self._lookups()
+                zones: set[str] | None = set(azs.values()) or None
+            except ProvisionError:  # a setup error: the first provision stops with its line
+                zones = None
+            self._prices = quote(self.cfg, {self.cfg.region: self.ec2}, zones)
+        return self._prices
+
+    @prices.setter
+    def prices(self, value: Prices | None) -> None:
+        self._prices = value
 
     @classmethod
     def from_config(
