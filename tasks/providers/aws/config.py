@@ -104,7 +104,8 @@ def _image_source(image_id: str | None, template: LaunchTemplateRef | None, wher
 
 
 class AwsProviderConfig(BaseModel):
-    """Run each attempt on a fresh EC2 spot instance in one pinned region."""
+    """Run each attempt on a fresh EC2 spot instance in one pinned region (or, opted in, one of
+    `regions`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -134,8 +134,8 @@ def rank_placements(
             for si, subnet in enumerate(subnets):
                 az = azs.get(subnet) if subnet else None
                 score = (scores or {}).get(az or "", 0) if market == "spot" else 0
-                key = (*_marks(bad, Placement(subnet, az, itype, market, region)), ti, -score, ri, si)
-                ranked.append((key, Placement(subnet, az, itype, market, region)))
+                pool = Placement(subnet, az, itype, market, region=region)
+                ranked.append(((*_marks(bad, pool), ti, -score, ri, si), pool))
     ranked.sort(key=lambda kp: kp[0])
     return [p for _, p in ranked]
 

@@ -20,7 +20,13 @@ terminated and the whole gang tries the next pool. One Worker holds every instan
 ends the attempt (watch.py), and release terminates them all. With `placement_group: true` each
 try gets a cluster placement group of its own, deleted once its instances are terminated.
 
-The EC2 client is given (`make_ec2_client` builds one); the provider never builds one itself.
+Several regions (`regions`, an opt-in): the pools of every region are ranked together (policy.py: the
+job's history marks regions as it marks zones), one placement-score call names them all, and each
+launch, watch, release and sweep goes through its region's client. Checkpoints stay in the one bucket,
+which a worker in another region reads across regions (docs/aws.md: the cost, and data residency).
+
+The EC2 clients are given (`make_ec2_client` and `make_ec2_clients` build them, one per region); the
+provider never builds one itself.
 """
 
 from __future__ import annotations
