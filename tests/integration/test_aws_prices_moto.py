@@ -23,14 +23,14 @@ def test_prices_are_asked_once_before_any_launch_and_check_the_budget(
     ec2_world: Ec2World, tmp_path: Path
 ) -> None:
     provider, _ = make_provider(ec2_world)  # on-demand: g5.xlarge 1.2 configured, g6.xlarge from the table
-    asked = calls(provider, "DescribeSpotPriceHistory")
+    asked, launched = calls(provider, "DescribeSpotPriceHistory"), calls(provider, "RunInstances")
     prices = provider.prices
     assert prices == Prices(
         spot_per_h=pytest.approx(0.00001), on_demand_per_h=ON_DEMAND_LIST_PRICES["g6.xlarge"]
     )
     assert provider.prices is prices and len(asked) == 1  # asked once, for every type in one call
     assert asked[0]["InstanceTypes"] == ["g5.xlarge", "g6.xlarge"]
-    assert not ec2_world.ec2.describe_instances()["Reservations"]  # nothing launched to learn them
+    assert launched == []  # nothing launched to learn them
 
     def check(budget: float) -> tuple[str | None, str | None]:
         job = JobSpec.model_validate(
