@@ -1,4 +1,5 @@
-"""The `aws` provider (`kind: aws`): each attempt on fresh EC2 spot instances in one pinned region.
+"""The `aws` provider (`kind: aws`): each attempt on fresh EC2 spot instances in one pinned
+region, or (`regions`, an opt-in) in one of several.
 
 - `config`: its settings (`AwsProviderConfig`, `LaunchTemplateRef`).
 - `provider`: `AwsProvider` (launch, watch, release a gang of instances) and its EC2 client

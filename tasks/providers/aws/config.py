@@ -42,15 +42,85 @@ class LaunchTemplateRef(BaseModel):
         return {**key, "Version": self.version}
 
 
+class RegionSettings(BaseModel):
+    """One more region workers may run in, with what EC2 keeps per region: subnets, the AMI or launch
+    template, security groups, the EBS key and the key pair. Everything else (instance types, the
+    instance profile, the market settings) is the provider's, shared by every region."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    region: str = Field(description="the region, e.g. us-east-1")
+    subnets: list[str] = Field(
+        default_factory=list,
+        description="subnet ids there, one per availability zone, in order of preference; empty: the "
+        "region's default VPC picks",
+    )
+    image_id: str | None = Field(default=None, description="the AMI there (AMIs are per region)")
+    launch_template: LaunchTemplateRef | None = Field(
+        default=None, description="a launch template there that supplies the AMI (or set image_id)"
+    )
+    security_groups: list[str] = Field(default_factory=list, description="security group ids there")
+    kms_key_id: str | None = Field(
+        default=None, description="the root volumes' KMS key there (keys are per region)"
+    )
+    key_name: str | None = Field(default=None, description="an EC2 key pair there; empty: none")
+
+    @field_validator("region")
+    @classmethod
+    def _region_form(cls, v: str) -> str:
+        return _region_name(v)
+
+    @field_validator("subnets")
+    @classmethod
+    def _subnet_ids(cls, v: list[str]) -> list[str]:
+        return _subnet_list(v)
+
+    @model_validator(mode="after")
+    def _one_image_source(self) -> RegionSettings:
+        _image_source(self.image_id, self.launch_template, where=f"regions[{self.region}]: ")
+        return self
+
+
+def _region_name(v: str) -> str:
+    if not _REGION.match(v):
+        raise ValueError(f"{v!r} is not a region name: use one like ca-central-1 (not a zone like ...-1a)")
+    return v
+
+
+def _subnet_list(v: list[str]) -> list[str]:
+    bad = [s for s in v if not _SUBNET.match(s)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a subnet id: use subnet-... ids, one per availability zone")
+    if len(set(v)) != len(v):
+        raise ValueError("a subnet is listed twice: list each once, in order of preference")
+    return v
+
+
+def _image_source(image_id: str | None, template: LaunchTemplateRef | None, where: str = "") -> None:
+    if image_id is None and template is None:
+        raise ValueError(f"{where}set image_id (an AMI) or launch_template")
+    if image_id is not None and template is not None:
+        raise ValueError(f"{where}set image_id or launch_template, not both (the template names its own AMI)")
+
+
 class AwsProviderConfig(BaseModel):
-    """Run each attempt on a fresh EC2 spot instance in one pinned region."""
+    """Run each attempt on a fresh EC2 spot instance in one pinned region (or, opted in, one of
+    `regions`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["aws"] = Field(default="aws", description="selects this provider")
     region: str = Field(
-        description="the one region workers run in (data residency), e.g. ca-central-1; the checkpoint "
-        "bucket should live there too"
+        description="the region workers run in (data residency), e.g. ca-central-1; the checkpoint "
+        "bucket should live there too. Its subnets, image and groups are the fields below"
+    )
+    regions: list[RegionSettings] = Field(
+        default_factory=list,
+        description="opt-in: more regions workers may also run in, in order of preference after "
+        "`region`, each with its own subnets and image; a reclaim or a capacity refusal in one region "
+        "moves the next attempt to another. Workers there read and write the one checkpoint bucket "
+        "across regions (transfer charges; the data leaves `region`'s residency): empty, the default, "
+        "keeps every worker in `region`",
     )
     instance_types: list[str] = Field(
         min_length=1,
@@ -180,27 +250,19 @@ class AwsProviderConfig(BaseModel):
     )
     on_demand_price_per_h: dict[str, float] = Field(
         default_factory=dict,
-        description="instance type -> on-demand USD per hour, for cost reports and the spot comparison",
+        description="instance type -> on-demand USD per hour, for cost reports, the spot comparison and "
+        "the budget check (types not named: a table of us-east-1 list prices, for the budget check only)",
     )
 
     @field_validator("region")
     @classmethod
     def _region_form(cls, v: str) -> str:
-        if not _REGION.match(v):
-            raise ValueError(
-                f"{v!r} is not a region name: use one like ca-central-1 (not a zone like ...-1a)"
-            )
-        return v
+        return _region_name(v)
 
     @field_validator("subnets")
     @classmethod
     def _subnet_ids(cls, v: list[str]) -> list[str]:
-        bad = [s for s in v if not _SUBNET.match(s)]
-        if bad:
-            raise ValueError(f"{bad[0]!r} is not a subnet id: use subnet-... ids, one per availability zone")
-        if len(set(v)) != len(v):
-            raise ValueError("a subnet is listed twice: list each once, in order of preference")
-        return v
+        return _subnet_list(v)
 
     @field_validator("instance_types")
     @classmethod
@@ -231,10 +293,8 @@ class AwsProviderConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_image_source(self) -> AwsProviderConfig:
-        if self.image_id is None and self.launch_template is None:
-            raise ValueError("set image_id (an AMI) or launch_template")
-        if self.image_id is not None and self.launch_template is not None:
-            raise ValueError("set image_id or launch_template, not both (the template names its own AMI)")
+        _image_source(self.image_id, self.launch_template)
+        self._check_regions()
         if self.kms_key_id and not self.encrypted:
             raise ValueError("kms_key_id needs encrypted: true")
         if self.spot_allocation_strategy != "price-capacity-optimized" and self.allocation != "fleet":
@@ -248,6 +308,41 @@ class AwsProviderConfig(BaseModel):
                 "set placement_group: false to rehearse"
             )
         return self
+
+    def _check_regions(self) -> None:
+        names = [self.region, *(r.region for r in self.regions)]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                "regions: a region is listed twice (or repeats `region`): list each once; `region`'s own "
+                "subnets and image are the top-level fields"
+            )
+        if self.regions and self.allocation == "fleet":
+            raise ValueError(
+                "regions: an EC2 Fleet is per region, and spotrun does not yet make one per "
+                "region; set allocation: run-instances, or leave regions out"
+            )
+        if self.regions and self.placement_group:
+            raise ValueError("regions: placement_group is not built for several regions yet; leave one out")
+
+    def region_names(self) -> list[str]:
+        """`region`, then `regions` in their order."""
+        return [self.region, *(r.region for r in self.regions)]
+
+    def site(self, region: str | None) -> AwsProviderConfig:
+        """These settings as seen from one region (None or `region`: unchanged): that region's subnets,
+        image and groups in the top-level fields, so that what builds a launch reads one region."""
+        if region is None or region == self.region:
+            return self
+        found = next((r for r in self.regions if r.region == region), None)
+        if found is None:
+            raise ValueError(f"region {region} is not configured: add it to regions")
+        return self.model_copy(
+            update={
+                **found.model_dump(exclude={"launch_template"}),
+                "launch_template": found.launch_template,
+                "regions": [],
+            }
+        )
 
     # What the controller asks of any provider's settings (tasks/providers/base.py ProviderSettings).
     workers_here: ClassVar[bool] = False  # an EC2 image may hold what this machine lacks

@@ -120,17 +120,31 @@ def s3_statements(storage: str, s3_key: str | None, sid: str) -> list[Statement]
 
 
 def controller_policy(cfg: AwsProviderConfig, scope: Scope) -> dict[str, Any]:
-    """The controller's permissions for these provider settings (the flow and the sweeper)."""
+    """The controller's permissions for these provider settings (the flow and the sweeper). With
+    `regions`, the EC2 and EBS-key statements are made for each region from that region's own subnets,
+    image, groups and key, each Sid suffixed with its region (CaCentral1); IAM and S3 are global."""
+    sites = [(cfg.site(r), r if cfg.regions else None) for r in cfg.region_names()]
     return document(
         [
-            *_launch(cfg, scope),
-            *_own_workers(cfg, scope),
-            _look(cfg),
+            *(
+                s
+                for site, r in sites
+                for s in _in_region([*_launch(site, scope), *_own_workers(site, scope)], r)
+            ),
+            *(s for site, r in sites for s in _in_region([_look(site)], r)),
             *_pass_role(cfg, scope),
-            *_ebs_key(cfg, scope),
+            *(s for site, r in sites for s in _in_region(_ebs_key(site, scope), r)),
             *s3_statements(scope.storage, scope.s3_key, "Checkpoint"),
         ]
     )
+
+
+def _in_region(statements: list[Statement], region: str | None) -> list[Statement]:
+    """The statements with their Sids suffixed by `region` (None: as they are), unique in one document."""
+    if region is None:
+        return statements
+    suffix = "".join(part.capitalize() for part in region.split("-"))
+    return [{**s, "Sid": s["Sid"] + suffix} for s in statements]
 
 
 def _arn(cfg: AwsProviderConfig, scope: Scope, resource: str) -> str:

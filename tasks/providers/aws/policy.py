@@ -19,6 +19,16 @@ choice about the job, not about the market). With subnets [a, b, c], types [g5] 
     nothing bad yet -> b/g5 (the best score)
     b/g5 preempted -> c/g5 (b is marked; c scores above a)
 
+With more regions (`regions`, an opt-in) a pool also has a region, and a preemption or a capacity
+error marks that region as well, ranked below the pool and the zone and above the type: zones of one
+region often fail together. Ties keep the type order, then the score (zones of every region compare),
+then the configured region order, then the subnet order. With `region` A (subnets a1, a2), `regions`
+[B] (subnet b1) and one type:
+
+    nothing bad yet -> a1 (the configured order)
+    a1 no capacity -> b1 (A is hit; B is not)
+    b1 preempted -> a2 (every region hit: A longest ago, and a2's zone never)
+
 A rebalance recommendation (EC2's early warning, before any notice) marks its pool, zone and type as
 a preemption does, so that a replacement started at it lands elsewhere, but counts toward no
 on-demand fallback: nothing was taken back yet.
@@ -50,9 +60,11 @@ class Placement:
     az: str | None  # the subnet's zone (or the zone the instance landed in)
     instance_type: str
     market: Market = "spot"
+    region: str | None = None  # None: the config's `region`; else one of its `regions`
 
     def describe(self) -> str:
-        return f"{self.instance_type} {self.market} in {self.az or self.subnet or 'any zone'}"
+        where = self.az or self.subnet or (f"any zone of {self.region}" if self.region else "any zone")
+        return f"{self.instance_type} {self.market} in {where}"
 
 
 class PlacementOutcome(StrEnum):
@@ -107,27 +119,39 @@ def rank_placements(
     *,
     scores: Mapping[str, int] | None = None,
 ) -> list[Placement]:
-    """Every pool for `market`, best first. `azs` maps each subnet to its availability zone; `scores`
-    each zone to its spot placement score (a zone without one ranks below those with one)."""
+    """Every pool for `market`, best first, over `region` and then `regions`. `azs` maps each subnet to
+    its availability zone; `scores` each zone to its spot placement score (a zone without one ranks
+    below those with one; zone names are unique across regions)."""
     bad = [e for e in history if e.outcome in BAD]
     ranked = []
-    subnets: list[str | None] = list(cfg.subnets) or [None]
+    sites: list[tuple[str | None, list[str]]] = [
+        (None, cfg.subnets),
+        *((r.region, r.subnets) for r in cfg.regions),
+    ]
     for ti, itype in enumerate(cfg.instance_types):
-        for si, subnet in enumerate(subnets):
-            az = azs.get(subnet) if subnet else None
-            score = (scores or {}).get(az or "", 0) if market == "spot" else 0
-            key = (*_marks(bad, subnet, az, itype), ti, -score, si)
-            ranked.append((key, Placement(subnet, az, itype, market)))
+        for ri, (region, site_subnets) in enumerate(sites):
+            subnets: list[str | None] = list(site_subnets) or [None]
+            for si, subnet in enumerate(subnets):
+                az = azs.get(subnet) if subnet else None
+                score = (scores or {}).get(az or "", 0) if market == "spot" else 0
+                pool = Placement(subnet, az, itype, market, region=region)
+                ranked.append(((*_marks(bad, pool), ti, -score, ri, si), pool))
     ranked.sort(key=lambda kp: kp[0])
     return [p for _, p in ranked]
 
 
-def _marks(bad: list[PlacementEvent], subnet: str | None, az: str | None, itype: str) -> tuple[float, ...]:
-    """When the pool, its zone and its type were last bad (NEVER if not yet): smaller ranks first."""
-    pool = [e.t for e in bad if (e.placement.subnet, e.placement.instance_type) == (subnet, itype)]
-    zone = [e.t for e in bad if az is not None and e.placement.az == az]
-    family = [e.t for e in bad if e.placement.instance_type == itype]
-    return tuple(max(ts, default=NEVER) for ts in (pool, zone, family))
+def _marks(bad: list[PlacementEvent], pool: Placement) -> tuple[float, ...]:
+    """When the pool, its zone, its region and its type were last bad (NEVER if not yet): smaller ranks
+    first. The region ranks below the zone and above the type: zones of one region often fail
+    together, so once one is hit an unhit region goes before the hit region's other zones."""
+    where = (pool.region, pool.subnet, pool.instance_type)
+    same_pool = [
+        e.t for e in bad if (e.placement.region, e.placement.subnet, e.placement.instance_type) == where
+    ]
+    zone = [e.t for e in bad if pool.az is not None and e.placement.az == pool.az]
+    region = [e.t for e in bad if e.placement.region == pool.region]
+    family = [e.t for e in bad if e.placement.instance_type == pool.instance_type]
+    return tuple(max(ts, default=NEVER) for ts in (same_pool, zone, region, family))
 
 
 def next_placement(

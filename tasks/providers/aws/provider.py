@@ -20,7 +20,13 @@ terminated and the whole gang tries the next pool. One Worker holds every instan
 ends the attempt (watch.py), and release terminates them all. With `placement_group: true` each
 try gets a cluster placement group of its own, deleted once its instances are terminated.
 
-The EC2 client is given (`make_ec2_client` builds one); the provider never builds one itself.
+Several regions (`regions`, an opt-in): the pools of every region are ranked together (policy.py: the
+job's history marks regions as it marks zones), one placement-score call names them all, and each
+launch, watch, release and sweep goes through its region's client. Checkpoints stay in the one bucket,
+which a worker in another region reads across regions (docs/aws.md: the cost, and data residency).
+
+The EC2 clients are given (`make_ec2_client` and `make_ec2_clients` build them, one per region); the
+provider never builds one itself.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -60,6 +66,7 @@ from tasks.providers.aws.policy import (
     rank_placements,
     zone_scores,
 )
+from tasks.providers.aws.prices import quote
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
 from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
@@ -83,6 +90,13 @@ BOTO_ERRORS = (bce.ClientError, bce.BotoCoreError)
 GROUP_WAIT_S = 180.0
 
 
+class _Unasked:
+    """`AwsProvider.prices` before EC2 was asked."""
+
+
+_UNASKED = _Unasked()
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What every launch try of one attempt shares."""
@@ -91,7 +105,7 @@ class _Plan:
     nnodes: int
     tags: dict[str, str]
     launch_id: str
-    root: str | None
+    roots: dict[str | None, str | None]  # region (None: `region`) -> its AMI's root device name
     placement_groups: bool
 
     def role(self, rank: int, master_addr: str | None) -> launch.NodeRole | None:
@@ -129,6 +143,13 @@ def make_ec2_client(cfg: AwsProviderConfig, session: boto3.session.Session | Non
     return ec2_client(cfg.region, cfg.endpoint_url, session)
 
 
+def make_ec2_clients(
+    cfg: AwsProviderConfig, session: boto3.session.Session | None = None
+) -> dict[str, EC2Client]:
+    """One client for each of the config's further `regions` (the same endpoint)."""
+    return {r.region: ec2_client(r.region, cfg.endpoint_url, session) for r in cfg.regions}
+
+
 def default_store(job: JobSpec) -> Storage:
     return job.open_storage()
 
@@ -154,14 +175,18 @@ class AwsProvider:
         exit_status: ExitStatus | None = None,
         history: list[PlacementEvent] | None = None,
         open_store: Callable[[JobSpec], Storage] = default_store,
+        regions_ec2: Mapping[str, EC2Client] | None = None,
     ) -> None:
         self.prewarm = cfg.prewarm
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         # a rebalance recommendation starts the replacement too; it stands by this long for the notice
         self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0  # a spot pool without capacity: asked again this often
-        self.prices: Prices | None = None  # EC2 prices each attempt as it runs (aws/cost.py), not before
+        self._prices: Prices | _Unasked | None = _UNASKED  # asked of EC2 at the first read (prices.py)
         self.cfg, self.ec2, self.flow_run_id = cfg, ec2, flow_run_id
+        self._clients: dict[str, EC2Client] = {cfg.region: ec2, **(regions_ec2 or {})}  # one per region
+        if missing := [r for r in cfg.region_names() if r not in self._clients]:
+            raise ValueError(f"no EC2 client for region(s) {', '.join(missing)}: pass regions_ec2")
         self.installation = installation  # None: untagged, so no sweeper or adopting controller ends them
         self.launcher, self.exit_status, self.open_store = launcher, exit_status, open_store
         self.history: list[PlacementEvent] = list(history or [])  # this provider's launches and ends
@@ -169,15 +194,33 @@ class AwsProvider:
         self._zone_names: dict[str, str] = {}  # the subnets' zone ids (use1-az4) -> names (us-east-1a)
         self._scores: dict[int, tuple[float, dict[str, int]]] = {}  # nodes -> (asked at, zone -> score)
         self._scores_warned = False
-        self._root_device: str | None = None
+        self._roots: dict[str | None, str | None] = {}  # region (None: `region`) -> the AMI's root device
         self._groups: dict[str, list[str]] = {}  # placement group -> instances launched in it, to delete
         self._released_peers: list[str] = []  # the other nodes of the worker released last
+
+    @property
+    def prices(self) -> Prices | None:
+        """An hour on each market for the budget check at submission: the cheapest spot price of the
+        configured types in the subnets' zones, and the on-demand price (prices.py); asked of EC2 once,
+        at the first read. None when EC2 or the config will not say (the check then waits)."""
+        if isinstance(self._prices, _Unasked):
+            try:
+                azs, _ = self._lookups()
+                zones: set[str] | None = set(azs.values()) or None
+            except ProvisionError:  # a setup error: the first provision stops with its line
+                zones = None
+            self._prices = quote(self.cfg, self._clients, zones)
+        return self._prices
+
+    @prices.setter
+    def prices(self, value: Prices | None) -> None:
+        self._prices = value
 
     @classmethod
     def from_config(
         cls, cfg: AwsProviderConfig, session: boto3.session.Session | None = None, **kwargs: Any
     ) -> AwsProvider:
-        return cls(cfg, make_ec2_client(cfg, session), **kwargs)
+        return cls(cfg, make_ec2_client(cfg, session), regions_ec2=make_ec2_clients(cfg, session), **kwargs)
 
     def provision(
         self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
@@ -211,7 +254,7 @@ class AwsProvider:
             return s
 
         script(launch.NodeRole(0, nnodes, None) if nnodes > 1 else None)  # refused before anything launches
-        azs, root = self._lookups()
+        azs, roots = self._lookups()
         self._reap_groups(0.0)  # those earlier attempts left in use
         if market == "spot":  # the controller's policy left it to the fallback rules
             market = choose_market(self.cfg, self.history, time.time())
@@ -232,7 +275,7 @@ class AwsProvider:
             nnodes,
             tags,
             launch_id=launch_id,
-            root=root,
+            roots=roots,
             placement_groups=self.cfg.placement_group and nnodes > 1,
         )
         store = self.open_store(job)
@@ -240,10 +283,11 @@ class AwsProvider:
             gang = self._launch_fleet(pools, plan, market)
         else:
             gang = self._launch_first(pools, plan)
-        with _terminate_on_error(self.ec2, gang.ids):  # until the caller holds the worker, it is ours to end
-            where = gang.landed
+        where = gang.landed
+        ec2 = self._client(where.region)
+        with _terminate_on_error(ec2, gang.ids):  # until the caller holds the worker, it is ours to end
             od = self.cfg.on_demand_price_per_h.get(where.instance_type)
-            price = spot_price(self.ec2, where.instance_type, where.az) if where.market == "spot" else od
+            price = spot_price(ec2, where.instance_type, where.az) if where.market == "spot" else od
             state = AwsWorkerState(
                 instance_id=gang.ids[0],
                 placement=where,
@@ -298,7 +342,8 @@ class AwsProvider:
             if on_status is not None:
                 on_status(rec)
 
-        result = WorkerWatch(self.ec2, self.cfg, worker, on_status=status, exit_status=self.exit_status).run()
+        ec2 = self._client(state.placement.region)
+        result = WorkerWatch(ec2, self.cfg, worker, on_status=status, exit_status=self.exit_status).run()
         result.facts["cost"] = asdict(attempt_cost(state, result.ended_at))
         reclaimed = result.notice_kind == SPOT_INTERRUPTION or (
             result.trainer_code == "PREEMPTED" and state.released_at is None
@@ -322,20 +367,21 @@ class AwsProvider:
         state: AwsWorkerState = worker.handle
         if state.released_at is None:
             state.released_at = time.time()
-        self._terminate(state.instance_ids)
+        self._terminate(state.instance_ids, state.placement.region)
         self._released_peers = list(state.peers)
         if state.placement_group is not None and state.placement_group in self._groups:
             self._reap_groups(GROUP_WAIT_S)
 
-    def _terminate(self, ids: list[str]) -> None:
-        """TerminateInstances; an unknown id fails the whole call, so then each is ended alone."""
+    def _terminate(self, ids: list[str], region: str | None = None) -> None:
+        """TerminateInstances in `region` (None: `region` of the config); an unknown id fails the whole
+        call, so then each is ended alone."""
         try:
-            self.ec2.terminate_instances(InstanceIds=ids)
+            self._client(region).terminate_instances(InstanceIds=ids)
         except BOTO_ERRORS as e:
             if error_code(e) == "InvalidInstanceID.NotFound":
                 if len(ids) > 1:
                     for iid in ids:
-                        self._terminate([iid])
+                        self._terminate([iid], region)
                 return
             raise RuntimeError(f"could not terminate {', '.join(ids)}: {e}; terminate it by hand") from e
 
@@ -344,11 +390,13 @@ class AwsProvider:
         their trainers get the OS's SIGTERM at shutdown. Returns their ids (the newest last)."""
         if self.installation is None:
             return []  # launched untagged: nothing to find them by
-        try:
-            return sweep_flow_run(self.ec2, flow_run_id, self.installation)
-        except BOTO_ERRORS as e:  # the sweeper deployment is the backstop; the new trainer's lease waits
-            log.warning("could not look for instances of flow run %s: %s", flow_run_id, e)
-            return []
+        found: list[str] = []
+        for region, ec2 in self._clients.items():
+            try:
+                found += sweep_flow_run(ec2, flow_run_id, self.installation)
+            except BOTO_ERRORS as e:  # the sweeper deployment is the backstop; the new trainer's lease waits
+                log.warning("could not look for instances of flow run %s in %s: %s", flow_run_id, region, e)
+        return found
 
     def cost(self, worker: Worker, ended_at: float | None = None) -> Cost:
         """The attempt's cost so far (or up to `ended_at`)."""
@@ -356,30 +404,48 @@ class AwsProvider:
 
     # -- launching ---------------------------------------------------------------------------------
 
-    def _lookups(self) -> tuple[dict[str, str], str | None]:
-        """The subnets' zones and the AMI's root device name, looked up once (and checked on the way)."""
-        ctx = self._ctx(None)
+    def _lookups(self) -> tuple[dict[str, str], dict[str | None, str | None]]:
+        """The subnets' zones and each region's AMI root device name (None: `region`'s), looked up once
+        (and checked on the way)."""
+        regions: list[str | None] = [None, *(r.region for r in self.cfg.regions)]
+        if self._azs is None:
+            subnets = [s for region in regions for s in self._subnets(region)]
+            self._azs = {s["SubnetId"]: s["AvailabilityZone"] for s in subnets}
+            self._zone_names = {
+                s["AvailabilityZoneId"]: s["AvailabilityZone"] for s in subnets if s.get("AvailabilityZoneId")
+            }
+        for region in regions:
+            if region not in self._roots:
+                self._roots[region] = self._root_device(region)
+        return self._azs, self._roots
+
+    def _subnets(self, region: str | None) -> list[Any]:
+        """The region's configured subnets as EC2 lists them ([] for none: the default VPC)."""
+        site = self.cfg.site(region)
+        if not site.subnets:
+            return []
         try:
-            if self._azs is None:
-                subnets = (
-                    self.ec2.describe_subnets(SubnetIds=self.cfg.subnets)["Subnets"]
-                    if self.cfg.subnets
-                    else []
-                )
-                self._azs = {s["SubnetId"]: s["AvailabilityZone"] for s in subnets}
-                self._zone_names = {
-                    s["AvailabilityZoneId"]: s["AvailabilityZone"]
-                    for s in subnets
-                    if s.get("AvailabilityZoneId")
-                }
-            if self._root_device is None and self.cfg.image_id is not None:
-                images = self.ec2.describe_images(ImageIds=[self.cfg.image_id]).get("Images", [])
-                if not images:
-                    raise classify_code("InvalidAMIID.NotFound", "", ctx).error()
-                self._root_device = images[0].get("RootDeviceName") or "/dev/xvda"
+            return list(self._client(region).describe_subnets(SubnetIds=site.subnets)["Subnets"])
+        except BOTO_ERRORS as e:
+            raise classify_error(e, self._ctx(None, region)).error() from e
+
+    def _root_device(self, region: str | None) -> str | None:
+        """The root device name of the region's AMI (None: a launch template names its own)."""
+        site = self.cfg.site(region)
+        if site.image_id is None:
+            return None
+        ctx = self._ctx(None, region)
+        try:
+            images = self._client(region).describe_images(ImageIds=[site.image_id]).get("Images", [])
         except BOTO_ERRORS as e:
             raise classify_error(e, ctx).error() from e
-        return self._azs, self._root_device
+        if not images:
+            raise classify_code("InvalidAMIID.NotFound", "", ctx).error()
+        return images[0].get("RootDeviceName") or "/dev/xvda"
+
+    def _client(self, region: str | None) -> EC2Client:
+        """The EC2 client of `region` (None: the config's `region`)."""
+        return self._clients[region or self.cfg.region]
 
     def _placement_scores(self, nnodes: int, market: Market) -> dict[str, int]:
         """Zone name -> EC2's spot placement score for `nnodes` instances of the configured types, asked
@@ -396,7 +462,7 @@ class AwsProvider:
                 TargetCapacity=nnodes,
                 TargetCapacityUnitType="units",
                 SingleAvailabilityZone=True,
-                RegionNames=[self.cfg.region],
+                RegionNames=self.cfg.region_names(),  # one call scores the zones of every region
             )
             scores = zone_scores(out, self._zone_names)  # type: ignore[arg-type]
             log.info(
@@ -409,8 +475,9 @@ class AwsProvider:
         self._scores[nnodes] = (now, scores)
         return scores
 
-    def _ctx(self, pool: Placement | None) -> LaunchContext:
-        cfg, lt = self.cfg, self.cfg.launch_template
+    def _ctx(self, pool: Placement | None, region: str | None = None) -> LaunchContext:
+        cfg = self.cfg.site(pool.region if pool else region)
+        lt = cfg.launch_template
         image = cfg.image_id or (lt.name or lt.id or "" if lt else "")
         itype = pool.instance_type if pool else ",".join(cfg.instance_types)
         subnet = pool.subnet if pool else None
@@ -451,10 +518,16 @@ class AwsProvider:
         script = plan.script(node)
         tags = launch.node_tags(plan.tags, node)
         params = launch.run_instances_params(
-            self.cfg, pool, script, tags=tags, launch_id=token, root_device=plan.root, placement_group=group
+            self.cfg.site(pool.region),
+            pool,
+            script,
+            tags=tags,
+            launch_id=token,
+            root_device=plan.roots[pool.region],
+            placement_group=group,
         )
         try:
-            iid = self.ec2.run_instances(**params)["Instances"][0]["InstanceId"]
+            iid = self._client(pool.region).run_instances(**params)["Instances"][0]["InstanceId"]
         except BOTO_ERRORS as e:
             found = classify_error(e, self._ctx(pool))
             self._note(pool, found.kind, found.code)
@@ -472,7 +545,7 @@ class AwsProvider:
         if plan.nnodes == 1:
             return gang
         pool = gang.landed
-        with _terminate_on_error(self.ec2, gang.ids):
+        with _terminate_on_error(self._client(pool.region), gang.ids):
             if not gang.master_addr:
                 raise ProvisionError(
                     f"instance {gang.ids[0]} has no private IP address for the other nodes to reach; "
@@ -494,7 +567,7 @@ class AwsProvider:
             "no room for %d nodes in %s: terminating %s", plan.nnodes, pool.describe(), ", ".join(gang.ids)
         )
         try:
-            self._terminate(gang.ids)
+            self._terminate(gang.ids, pool.region)
         except RuntimeError as e:  # the sweeper catches the leftover; the next pool is tried
             log.warning("%s", e)
         return None
@@ -509,7 +582,7 @@ class AwsProvider:
             base = self._template_base()
             tags0 = launch.node_tags(plan.tags, plan.role(0, None))
             data = launch.template_data(
-                self.cfg, script, tags0, root_device=plan.root, base=base, placement_group=group
+                self.cfg, script, tags0, root_device=plan.roots[None], base=base, placement_group=group
             )
             created = self.ec2.create_launch_template(
                 LaunchTemplateName=f"spotrun-{plan.launch_id}",
@@ -636,7 +709,7 @@ class AwsProvider:
         if EC2 ended it for lack of capacity while pending (the next pool is tried). Terminates it on a
         timeout or an interruption."""
         deadline = time.monotonic() + self.cfg.provision_timeout_s
-        with _terminate_on_error(self.ec2, [iid]):
+        with _terminate_on_error(self._client(pool.region), [iid]):
             while True:
                 inst = self._look(iid, pool)
                 state = str(inst.get("State", {}).get("Name") or "pending")
@@ -662,7 +735,7 @@ class AwsProvider:
         """The instance as EC2 lists it; {} while it does not yet (eventual consistency after a launch)
         or while EC2 throttles. Errors that will not pass are raised as a ProvisionError."""
         try:
-            out = self.ec2.describe_instances(InstanceIds=[iid])
+            out = self._client(pool.region).describe_instances(InstanceIds=[iid])
         except BOTO_ERRORS as e:
             if error_code(e) == "InvalidInstanceID.NotFound":
                 return {}
@@ -682,7 +755,8 @@ class AwsProvider:
         types = sorted({p.instance_type for p in pools})
         zones = sorted({p.az or p.subnet or "any zone" for p in pools})
         market = pools[0].market if pools else "spot"
-        where = f"{', '.join(types)} in {', '.join(zones)} ({self.cfg.region})"
+        regions = sorted({p.region or self.cfg.region for p in pools} or {self.cfg.region})
+        where = f"{', '.join(types)} in {', '.join(zones)} ({', '.join(regions)})"
         return ProvisionError(f"no {market} capacity for {where}; will try again", retryable=True)
 
 

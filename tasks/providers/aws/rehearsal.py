@@ -98,7 +98,6 @@ class RehearsalProvider:
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0
-        self.prices: Prices | None = None
         self.instances = LocalInstances(root)
         self.inner = AwsProvider.from_config(
             cfg,
@@ -107,6 +106,15 @@ class RehearsalProvider:
             launcher=self.instances.launch,
             exit_status=self.instances.exit_status,
         )
+
+    @property
+    def prices(self) -> Prices | None:
+        """The inner provider's, asked of the test endpoint."""
+        return self.inner.prices
+
+    @prices.setter
+    def prices(self, value: Prices | None) -> None:
+        self.inner.prices = value
 
     def provision(
         self, job: JobSpec, attempt: int, spec_path: Path, extra_args: list[str], *, market: Market = "spot"
