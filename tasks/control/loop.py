@@ -175,12 +175,13 @@ def _loop(
     rng = random.Random(job.seed)
     started = time.time()
     ahead: Prewarm | None = None  # the next attempt's worker, started at this attempt's notice
-    chooser = _chooser(job, runlog, sink=sink, sleep=sleep, started=since, provider=provider)
-    if chooser is not None and (
-        refused := chooser.admit(runlog.records, runlog.resume_step or 0, provider.prices)
-    ):
+    planner = _chooser(job, runlog, sink=sink, sleep=sleep, started=since, provider=provider)
+    if planner is not None and (
+        refused := planner.admit(runlog.records, runlog.resume_step or 0, provider.prices)
+    ):  # a deadline even on-demand cannot make, or a budget even spot cannot pay
         sink.log(logging.ERROR, f"refused: {refused}")
         return _finish(runlog, "failed", f"refused: {refused}", started)
+    chooser = planner if MarketChooser.wanted(job) else None  # a budget alone: spot, as before
     try:
         while True:
             attempt = len(runlog.records) + 1
@@ -243,8 +244,8 @@ def _chooser(
     started: float,
     provider: Provider,
 ) -> MarketChooser | None:
-    """The market policy's chooser when the job has a deadline or a max_wait_s (else None: spot)."""
-    if not MarketChooser.wanted(job):
+    """The market policy's chooser when the job has a deadline, a max_wait_s or a budget (else None)."""
+    if not MarketChooser.wanted(job) and job.budget_usd is None:
         return None
     mine = {r.worker_id for r in runlog.records}  # an adopted run's own attempts come with each decision
     history: list[AttemptRecord] = [r for r in runlog.store.attempts(job=job.name) if r.worker_id not in mine]

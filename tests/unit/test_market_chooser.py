@@ -282,3 +282,12 @@ def test_at_a_notice_the_replacement_goes_on_demand_when_spot_is_short_and_the_s
         roomy.replacement(launch, [], 0)
     spot = Market_(clock, lambda t: False)
     assert roomy.replacement(spot, [], 0)[0].market == "spot"
+
+
+def test_a_budget_alone_is_checked_at_submission(tmp_path: Path, settings: Settings) -> None:
+    provider = FakeProvider([FakeAttempt()])
+    provider.prices = Prices(0.918, 3.06)
+    j = job(budget_usd=0.1, seconds_per_step=1, storage=str(tmp_path / "store"))  # $0.28 even on spot
+    result = run_job(j, provider, RetryPolicy(), PlainSink(), settings=settings, sleep=lambda s: None)
+    assert not result.completed and "budget_usd 0.1 cannot pay" in result.message
+    assert provider.provisioned == []
