@@ -130,12 +130,13 @@ def build_missed_run_automations(
     start). Not caught: a slot for which the scheduler made no run (a paused schedule or deployment,
     which an operator chose) and a server that is down itself (nothing alerts then).
 
-    The deadline: `rules.missed_run_after_s` when set, else the schedule's period (the next slot);
-    none for a deployment whose period is not known (an rrule schedule) without it.
+    The deadline: the job's own `deadline` (a duration counts from the slot, as the controller counts
+    it), else `rules.missed_run_after_s` when set, else the schedule's period (the next slot); none for
+    a deployment whose period is not known (an rrule schedule) without either.
     """
     out = []
     for d in scheduled:
-        deadline = rules.missed_run_after_s or d.period_s
+        deadline = d.deadline_s or rules.missed_run_after_s or d.period_s
         if deadline is None:
             continue
         trigger = EventTrigger(

@@ -21,6 +21,8 @@ from zoneinfo import ZoneInfo
 # separately. tests/unit/test_deployments.py pins the name.
 from prefect._vendor.croniter import croniter
 
+from trainer.spec.deadline import duration_s
+
 TRAINING_ENTRYPOINT = ":resilient_training"
 REFERENCE = datetime(2026, 1, 1)  # fixed, so a redeploy computes the same period (an update resets buckets)
 SLOTS_SAMPLED = 400
@@ -33,6 +35,7 @@ class ScheduledTraining:
     deployment: str
     job: str  # the job its default parameters train (the alert's job when the run's own is unknown)
     period_s: float | None  # None: a schedule whose period is not known here (rrule)
+    deadline_s: float | None = None  # the default job's `deadline` when it is a duration (from the slot)
 
 
 def period_s(schedule: dict[str, Any]) -> float | None:
@@ -60,6 +63,8 @@ def scheduled_training(doc: dict[str, Any]) -> list[ScheduledTraining]:
         if not str(d.get("entrypoint", "")).endswith(TRAINING_ENTRYPOINT) or not schedules:
             continue
         periods = [p for p in (period_s(s) for s in schedules) if p is not None]
-        job = ((d.get("parameters") or {}).get("job") or {}).get("name") or d["name"]
-        out.append(ScheduledTraining(d["name"], str(job), min(periods) if periods else None))
+        spec = (d.get("parameters") or {}).get("job") or {}
+        job = spec.get("name") or d["name"]
+        due = duration_s(str(spec["deadline"])) if spec.get("deadline") else None
+        out.append(ScheduledTraining(d["name"], str(job), min(periods) if periods else None, due))
     return out

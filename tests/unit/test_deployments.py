@@ -713,6 +713,17 @@ def test_a_scheduled_run_not_ended_by_its_deadline_alerts_once() -> None:
     rrule = ScheduledTraining("odd", "j", None)
     assert build_missed_run_automations(AlertRules(), uuid4(), [rrule]) == []  # no period: set the deadline
     assert len(build_missed_run_automations(AlertRules(missed_run_after_s=3600), uuid4(), [rrule])) == 1
+    dated = ScheduledTraining("dated", "j", 86400.0, deadline_s=6 * 3600)  # the job's deadline: 6h
+    (auto,) = build_missed_run_automations(AlertRules(missed_run_after_s=7200), uuid4(), [dated])
+    assert auto.trigger.within == timedelta(hours=6)
+    deployment = {
+        "name": "n",
+        "entrypoint": "flows/resilient_training.py:resilient_training",
+        "schedules": [{"cron": "0 2 * * *"}],
+        "parameters": {"job": {"name": "n", "deadline": "8h"}},
+    }
+    doc = {"deployments": [deployment]}
+    assert [d.deadline_s for d in scheduled_training(doc)] == [8 * 3600.0]
 
 
 def test_the_deadline_at_risk_event_renders_into_the_alert_flows_parameters() -> None:
