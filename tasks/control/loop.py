@@ -269,9 +269,9 @@ def _attempt(
     worker = ready.take() if ready is not None else None
     if worker is not None and ready is not None:
         lead = t0 - (ready.started_at or t0)
-        market_extra.update(from_pool(ready, t0))
         if chooser is not None:
             market_extra = {"market": worker.market, "market_reason": ready.reason, "waited_s": 0.0}
+        market_extra.update(from_pool(ready, t0))
         sink.log(
             logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago ({ready.reason})"
         )
