@@ -37,6 +37,7 @@ from tasks.control.hooks import after_attempt
 from tasks.control.market import BackToSpot, MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
+from tasks.control.warm import WarmStandby, from_pool, warm_of
 from tasks.control.watchdog import ProgressWatchdog, for_attempt, job_history, watched
 from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
 from tasks.decisions.outcome import resharded
@@ -271,6 +272,7 @@ def _attempt(
         lead = t0 - (ready.started_at or t0)
         if chooser is not None:
             market_extra = chooser.row(worker.market, ready.reason)
+        market_extra.update(from_pool(ready, t0))
         sink.log(
             logging.INFO, f"attempt {attempt}: worker {worker.id} prewarmed {lead:.1f} s ago ({ready.reason})"
         )
@@ -291,6 +293,7 @@ def _attempt(
             return runlog.provision_failed(attempt, e, t0), None
     runlog.in_flight = worker
     ahead: Prewarm | None = None
+    standby: WarmStandby | None = None
 
     def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
         assert ahead is not None and worker is not None
@@ -320,9 +323,11 @@ def _attempt(
             else None
         )
         back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
+        warm = warm_of(provider)  # a standby armed at `started` (tasks/control/warm.py)
+        standby = WarmStandby(warm, ahead, runlog.trainer_args) if warm and ahead else None
         calls = WatchCalls(
             stopping=at_notice if ahead else None,
-            started=runlog.started,
+            started=standby.started(runlog.started) if standby else runlog.started,
             step=back.on_step if back is not None else None,
             rebalance=at_rebalance if ahead and provider.rebalance_wait_s else None,
         )
@@ -340,6 +345,8 @@ def _attempt(
             _hand_off(job, worker.id, sink)
     record = runlog.classify(worker, result)
     record.extra.update(market_extra)
+    if standby is not None:
+        record.extra.update(standby.extra(result.ended_at, provider.prices))
     if result.stopped_by is StopCause.MARKET:
         record.extra[MARKET_MOVE] = "spot"
     return record, (ahead if ahead is not None and ahead.started else None)

@@ -209,16 +209,16 @@ class BackToSpot:
     records: list[AttemptRecord]
     args: Callable[[], list[str]]  # the spot trainer's extra arguments
     asked_at: float = float("-inf")
+    mine: bool = False  # the prewarm is this move's (else a warm standby started with the attempt)
 
     def on_step(self, durable_step: int) -> None:
         c = self.chooser
-        if self.prewarm.started:
+        if self.prewarm.started and self.mine:
             if self.prewarm.ready:
-                c.short_since = None
-                c.note(Decision("spot", self.prewarm.reason))
-                raise StopWorker(StopCause.MARKET, f"moving to spot: {self.prewarm.reason}")
+                self._move(self.prewarm.reason)
             error = self.prewarm.failure()
             if error is not None:
+                self.mine = False
                 c.sink.log(logging.INFO, f"staying on on-demand: no spot worker ({error})")
                 if c.short_since is None:
                     c.short_since = c.clock()
@@ -228,5 +228,16 @@ class BackToSpot:
             return
         self.asked_at = now
         decision = c.decide(self.records, durable_step, running="on-demand")
-        if decision.choice == "spot":  # announced once its worker stands by
-            self.prewarm.start(self.args, reason=decision.reason)
+        if decision.choice != "spot":
+            return
+        if self.prewarm.started:  # a warm standby: the move uses it once it stands by on spot
+            if self.prewarm.ready and self.prewarm.market == "spot":
+                self._move(decision.reason)
+            return
+        self.mine = True  # announced once its worker stands by
+        self.prewarm.start(self.args, reason=decision.reason)
+
+    def _move(self, reason: str) -> None:
+        self.chooser.short_since = None
+        self.chooser.note(Decision("spot", reason))
+        raise StopWorker(StopCause.MARKET, f"moving to spot: {reason}")

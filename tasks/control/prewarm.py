@@ -66,6 +66,12 @@ class Prewarm:
         """Provisioned: its trainer is building or already waits on the lease."""
         return self._thread is not None and not self._thread.is_alive() and self._worker is not None
 
+    @property
+    def market(self) -> str | None:
+        """The market its worker was rented on, once provisioned."""
+        worker = self._worker
+        return worker.market if worker is not None else None
+
     def failure(self) -> BaseException | None:
         """The error that ended its provisioning, once the thread is done (then it may be started again)."""
         with self._lock:
@@ -75,11 +81,18 @@ class Prewarm:
             return error
 
     def start(
-        self, args: Callable[[], list[str]], *, stand_by_s: float | None = None, reason: str | None = None
+        self,
+        args: Callable[[], list[str]],
+        *,
+        stand_by_s: float | None = None,
+        reason: str | None = None,
+        wait_s: float | None = None,
     ) -> None:
         """Provision in a thread, with `args()` (computed here, in the caller's thread) for the trainer.
         `stand_by_s`: started ahead of any notice (a rebalance recommendation), the replacement stands by
-        this long; a later start (the notice) keeps it for good. `reason`: why (the next attempt's row)."""
+        this long; a later start (the notice) keeps it for good. `reason`: why (the next attempt's row).
+        `wait_s`: the trainer's wait for the lease, where neither PREWARM_WAIT_S nor `stand_by_s` is it
+        (a warm standby with no idle limit, tasks/control/warm.py)."""
         with self._lock:
             if self._thread is not None:
                 if self._timer is not None and stand_by_s is None:
@@ -89,7 +102,7 @@ class Prewarm:
             if reason is not None:
                 self.reason = reason
             self.started_at, self._error = time.time(), None
-            wait = PREWARM_WAIT_S if stand_by_s is None else stand_by_s
+            wait = wait_s if wait_s is not None else PREWARM_WAIT_S if stand_by_s is None else stand_by_s
             extra = [*args(), "--prewarm-wait", f"{wait:g}"]
             # in the caller's context: what it reports (a market decision) lands in its Prefect task run
             ctx = contextvars.copy_context()
@@ -112,9 +125,7 @@ class Prewarm:
             self._timer = self._thread = self._error = None
         if worker is not None and self._release is not None:
             self._release(worker)
-            log.info(
-                "released prewarmed worker %s: no notice followed the rebalance recommendation", worker.id
-            )
+            log.info("released standby worker %s: no notice came within its stand-by window", worker.id)
 
     def _run(self, extra: list[str]) -> None:
         try:

@@ -98,6 +98,15 @@ def stop_cause(e: BaseException) -> StopCause:
     return StopCause.ERROR
 
 
+@dataclass(frozen=True)
+class WarmSettings:
+    """Standby workers a provider keeps for a job (tasks/control/warm.py), where it offers them: a
+    provider's optional `warm` attribute (the local one; EC2's is not built)."""
+
+    size: int  # standby workers (0: none)
+    idle_s: float | None = None  # a standby unused this long is ended (None: it stands by all attempt)
+
+
 class ProvisionError(Exception):
     """No worker could be started. `retryable`: capacity or a transient API error (try again, maybe
     elsewhere) rather than a setup the provider will never accept (a missing executable, bad config)."""

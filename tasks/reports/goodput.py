@@ -30,7 +30,8 @@ Definitions (docs/architecture.md's goodput report section states the same):
   (`extra.checkpoint_interval`: cost C per checkpoint, one every T seconds of training); their
   training time x C / (T + C) estimates it. Other attempts' save times are not in SQL.
 - cost: the attempts' `extra.cost` (usd, on_demand_usd), where a provider priced them (EC2 does; the
-  local simulator does not).
+  local simulator does not), plus their warm standbys' `extra.warm.usd` (tasks/control/warm.py): a
+  standby is a second worker. Its seconds are reported apart (`warm_standby_s`, `warm_usd`).
 
 A figure that cannot be computed from the rows is None, and `unavailable` says why; a figure computed
 with an assumption or from part of the attempts has a line in `notes`.
@@ -115,6 +116,8 @@ class GoodputReport:
     deadline_at: float | None = None
     deadline_margin_s: float | None = None
     notes: list[str] = field(default_factory=list)  # assumptions and partial coverage
+    warm_standby_s: float = 0.0  # seconds standby workers waited (tasks/control/warm.py)
+    warm_usd: float | None = None  # what they cost, where priced (in cost_usd too)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,6 +205,9 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
 
     overhead_s = _checkpoint_total(figures, unavailable, notes)
     cost_usd, on_demand_usd = _cost(rows, unavailable, notes)
+    standby_s, warm_usd = _warm(rows)
+    if cost_usd is not None and warm_usd is not None:
+        cost_usd += warm_usd
     saved = 1 - cost_usd / on_demand_usd if cost_usd is not None and on_demand_usd else None
     total_steps = next(
         (int(t) for r in reversed(rows) if (t := r.extra.get("total_steps")) is not None), None
@@ -236,6 +242,8 @@ def compute(attempts: Sequence[AttemptRecord], run: RunInfo, now: float) -> Good
         notes=notes,
         deadline_at=deadline,
         deadline_margin_s=deadline - ended_at if deadline is not None and ended_at is not None else None,
+        warm_standby_s=standby_s,
+        warm_usd=warm_usd,
     )
 
 
@@ -366,6 +374,14 @@ def _cost(
     return spot, total("on_demand_usd", "on_demand_usd", "no on-demand price configured")
 
 
+def _warm(rows: list[AttemptRecord]) -> tuple[float, float | None]:
+    """Seconds the attempts' standbys waited, and their USD where every one was priced."""
+    kept = [w for r in rows if isinstance(w := r.extra.get("warm"), dict)]
+    usd = [float(u) for w in kept if isinstance(u := w.get("usd"), int | float)]
+    stood = float(sum(w.get("standby_s", 0.0) for w in kept))
+    return stood, (sum(usd) if kept and len(usd) == len(kept) else None)
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
@@ -411,7 +427,13 @@ def summary_rows(rep: GoodputReport) -> list[tuple[str, str]]:
         ("checkpoint overhead", overhead),
         ("cost", cost),
         *([("deadline", _deadline(rep))] if rep.deadline_margin_s is not None else []),
+        *([("warm standby", _standby(rep))] if rep.warm_standby_s else []),
     ]
+
+
+def _standby(rep: GoodputReport) -> str:
+    usd = f", {_usd(rep.warm_usd)} (in the cost)" if rep.warm_usd is not None else ""
+    return f"{rep.warm_standby_s:.1f} s{usd}"
 
 
 def _deadline(rep: GoodputReport) -> str:

@@ -320,3 +320,15 @@ def test_the_deadline_margin_from_the_attempts_market_decisions(
     rows = [replace(r, extra={**r.extra, **({"deadline_at": deadline} if deadline else {})}) for r in HISTORY]
     rep = compute(rows, run, now=T + 500)
     assert dict(summary_rows(rep)).get("deadline") == row
+
+
+def test_warm_standbys_are_reported_apart_and_their_price_counts_in_the_cost() -> None:
+    warm = {"warm": {"standby_s": 1800.0, "usd": 0.5, "idle_s": None}}
+    rows = [replace(r, extra={**r.extra, **warm}) if r.attempt == 1 else r for r in HISTORY]
+    plain, rep = compute(HISTORY, DONE, ENDED), compute(rows, DONE, ENDED)
+    assert (rep.warm_standby_s, rep.warm_usd) == (1800.0, 0.5)
+    assert plain.cost_usd is not None and rep.cost_usd == pytest.approx(plain.cost_usd + 0.5)
+    assert dict(summary_rows(rep))["warm standby"] == "1800.0 s, $0.50 (in the cost)"
+    assert "warm standby" not in dict(summary_rows(plain))
+    unpriced = [replace(r, extra={**r.extra, "warm": {"standby_s": 60.0, "usd": None}}) for r in HISTORY]
+    assert compute(unpriced, DONE, ENDED).warm_usd is None

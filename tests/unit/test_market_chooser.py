@@ -291,3 +291,20 @@ def test_a_budget_alone_is_checked_at_submission(tmp_path: Path, settings: Setti
     result = run_job(j, provider, RetryPolicy(), PlainSink(), settings=settings, sleep=lambda s: None)
     assert not result.completed and "budget_usd 0.1 cannot pay" in result.message
     assert provider.provisioned == []
+
+
+def test_a_warm_standby_on_spot_is_used_for_the_move_only_when_the_policy_says_spot() -> None:
+    clock, sink, spot = Clock(), PlainSink(), Spot()
+    spot.short = False
+    standby = Prewarm(spot)
+    standby.start(lambda: [])  # the warm pool's, started with the attempt
+    _settle(standby)
+    c = chooser(job(deadline="30m", seconds_per_step=0.5, total_steps=3000), clock, sink)
+    back = BackToSpot(c, standby, [], lambda: [])
+    clock.t = 200.0  # 100 s of slack on on-demand: not two starts, stays
+    back.on_step(0)
+    assert not back.mine and spot.calls == 1
+    clock.t = 300.0
+    with pytest.raises(StopWorker):  # 1,000 steps done: slack 700 s, and the standby is on spot
+        back.on_step(1000)
+    assert spot.calls == 1  # no second spot worker

@@ -83,6 +83,22 @@ class LocalProviderConfig(BaseModel):
         description="at a spot notice, start the next attempt's worker at once: it builds the recipe "
         "while the old one saves, and resumes as soon as that checkpoint is durable",
     )
+    warm: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="standby workers kept for the job (0 or 1; more is not built yet): a trainer that has "
+        "imported torch and built the recipe or entry point, started with each attempt and waiting on the "
+        "storage lease; a reclaim without notice hands the job to it at once (tasks/control/warm.py). "
+        "Needs prewarm",
+    )
+    warm_idle_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="a standby worker nobody used for this long is ended, and the attempt goes on "
+        "without one (its cost is capped at this much of a second worker per attempt); empty: it stands "
+        "by as long as the attempt runs",
+    )
     fork_server: bool = Field(
         default=True,
         description="fork each trainer from a server process that has imported torch and the training "
@@ -144,6 +160,14 @@ class LocalProviderConfig(BaseModel):
 
     # What the controller asks of any provider's settings (tasks/providers/base.py ProviderSettings).
     workers_here: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _warm_needs_prewarm(self) -> LocalProviderConfig:
+        if self.warm and not self.prewarm:
+            raise ValueError(
+                "warm workers hand over as a prewarmed replacement does: set prewarm: true, or warm: 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_source_of_reclaims(self) -> LocalProviderConfig:

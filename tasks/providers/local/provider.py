@@ -42,6 +42,7 @@ from tasks.providers.base import (
     ProvisionError,
     StatusCallback,
     StopCause,
+    WarmSettings,
     WatchResult,
     Worker,
     stop_cause,
@@ -113,6 +114,7 @@ class LocalProvider:
     ) -> None:
         self.cfg = cfg or LocalProviderConfig()
         self.prewarm = self.cfg.prewarm
+        self.warm = WarmSettings(self.cfg.warm, self.cfg.warm_idle_s)  # standby trainers (control/warm.py)
         self.heartbeat_timeout_s = self.cfg.heartbeat_timeout_s
         self.rebalance_wait_s: float | None = None  # no cloud here sends rebalance recommendations
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
@@ -233,7 +235,10 @@ class _Watch:
             cfg.simulator, worker.attempt, simulator_rng(cfg.simulator.seed, worker.attempt)
         )
         self.result = worker.result = WatchResult(started_at=worker.started_at)  # also read on interrupt
-        self.last_line = self.h.started_mono
+        # start-up counts from the watch: a standby trainer (tasks/control/warm.py) may have waited on the
+        # lease for longer than startup_timeout_s before its attempt began
+        self.began = max(self.h.started_mono, time.monotonic())
+        self.last_line = self.began
         self.training_mono: float | None = None
         self.hard_kill_at: float | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -388,7 +393,7 @@ class _Watch:
         if r.killed_at is not None or r.notice_kind is not None:
             return  # already on its way out
         if self.training_mono is None:
-            silent, limit = now - self.h.started_mono, self.cfg.startup_timeout_s
+            silent, limit = now - self.began, self.cfg.startup_timeout_s
         else:
             silent, limit = now - self.last_line, self.cfg.heartbeat_timeout_s
         if silent >= limit:
