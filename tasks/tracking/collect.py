@@ -12,7 +12,8 @@ at or below the run's high-water mark `spotrun.metrics_through`), the object goe
   attempt resumes there, and its notice check reads the rate the scheduler set after that step
   (`lr_next`, on the object's last line) and the loss trend before it;
 - for an attempt still running, the objects from TREND_WINDOW steps before its resume point through the
-  first that covers the lost attempt's last step: its check, made when it ends, compares those.
+  first that covers the step after the lost attempt's last (its own first step after a notice): its
+  check, made when it ends, compares those.
 
 With `tracking.mlflow` off nothing is sent, so nothing is deleted here.
 """
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Hold:
-    """Steps a resume check still to be made reads: (start - TREND_WINDOW, the object covering `through`].
-    `through` None: everything after the start (the lost attempt's last step is not known yet)."""
+    """Steps a resume check still to be made reads: (start - TREND_WINDOW, through], so the objects from
+    the first past start - TREND_WINDOW to the one covering `through`. `through` None: everything after
+    the start (the lost attempt's last step is not known yet)."""
 
     start: int
     through: int | None

@@ -273,15 +273,16 @@ class Tracker:
 
     def _holds(self, committed: int) -> list[Hold]:
         """What resume checks still read: the next attempt's at the newest checkpoint, and each running
-        attempt's, through the last step of the attempt before it (everything after its start while
-        that attempt's record has not arrived)."""
+        attempt's, through the step after the last of the attempt before it (everything after its start
+        while that attempt's record has not arrived)."""
         with self._lock:
             resumes = dict(self._resumes)
             last = self._last_steps | {r.attempt: r.last_step for r, _ in self._pending if r is not None}
         holds = [Hold(committed, committed)]
         for attempt, start in resumes.items():
             if attempt - 1 in last:
-                holds.append(Hold(start, max([start, *(s for a, s in last.items() if a < attempt)])))
+                # through the step after the lost attempt's last: a continuity check reads start + 1
+                holds.append(Hold(start, max([start, *(s for a, s in last.items() if a < attempt)]) + 1))
             elif attempt > 1:
                 holds.append(Hold(start, None))
             # else the job run's first attempt: it has no check

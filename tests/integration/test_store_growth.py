@@ -228,6 +228,8 @@ def test_metrics_mlflow_holds_are_gone_after_a_run_and_the_tracker_lists_only_it
         ([60, 120], 0, [Hold(120, 120)], []),  # nothing sent
         # attempt resumed from 120 after one that reached 200: its check reads 71..200
         ([60, 120, 180, 240, 300], 300, [Hold(300, 300), Hold(120, 200)], [60]),
+        # resumed from a notice's checkpoint at 300: its continuity check reads 251..301, 301 in its own 360
+        ([240, 300, 360, 420], 420, [Hold(420, 420), Hold(300, 301)], [240]),
         # the lost attempt's last step not known yet: everything after 70 stays
         ([60, 120, 180, 240, 300], 300, [Hold(300, 300), Hold(120, None)], [60]),
         ([60, 120, 180, 240, 300, 360], 360, [Hold(360, 360), Hold(180, 180)], [60, 120, 240, 300]),
