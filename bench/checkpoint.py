@@ -1142,7 +1142,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="spotrun-bench-fsdp-") as tmp:
             fsdp = measure_fsdp(quick, Path(tmp))
         report_fsdp(fsdp)
-    summary = summarize(sizes, transfer, fsdp, session, capped)
+    summary = summarize(sizes, transfer, fsdp, session=session, capped=capped)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     OUT.parent.mkdir(parents=True, exist_ok=True)
