@@ -45,9 +45,19 @@ Then once, with the same S3:
       boundary), and the recipe loop runs on the same session. Against torch.save + fsync +
       upload_file of the same state, as (a): `session_stall_ratio`, goal >= 50 (bench/session_case.py).
 
+Then, against an endpoint that behaves like S3 (bench/capped_s3.py: each connection capped at --cap-mb-s,
+20 MB/s by default, each request delayed --latency-ms; sizes kept, large bodies discarded), in its own
+process:
+  (h) capped: (d) again, 64 MB (8 parts of 8 MiB at concurrency 8: the default part size and
+      concurrency), against a single-stream put_object / get_object through the same endpoint:
+      `upload_ratio_capped`, `download_ratio_capped`, goal >= 3, each beside `ideal_ratio_capped`, what
+      the cap alone allows (bench/capped_s3.py ideal_ratio). Then a notice's emergency save of the
+      largest state (1 GB; 50 MB with --quick) to that endpoint, timed to durable:
+      `durable_after_notice_capped_s`, beside `ideal_upload_capped_s` (its bytes over 8 capped streams).
+
 Prints human-readable lines; the last line is one JSON object holding the worst case of each ratio.
 The full results also go to bench/out/checkpoint.json. Run from the repo root:
-    .venv/bin/python bench/checkpoint.py [--quick] [--threads N] [--only single|fsdp|session]
+    .venv/bin/python bench/checkpoint.py [--quick] [--threads N] [--only single|fsdp|session|capped]
 Exit codes: 0 measured (a missed goal is a verdict in the output, not an error); 1 the FSDP ranks
 failed (their last lines are printed); 2 bad arguments.
 """
@@ -104,6 +114,7 @@ from trainer.storage.options import S3Options
 from trainer.storage.s3 import S3Storage, make_s3_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is scripts, not a package
+from bench.capped_s3 import DEFAULT_LATENCY_MS, DEFAULT_MB_S, ideal_ratio
 from bench.session_case import measure_session, report_session
 
 MB = 1024 * 1024
@@ -672,6 +683,70 @@ def plain_get(client: Any, key: str, dst: Path) -> None:
         os.fsync(f.fileno())
 
 
+# ---------------------------------------------------------------- (h) capped
+
+
+CAPPED_MB = 64  # 8 parts of the default 8 MiB: one wave of the default 8 streams
+
+
+@contextmanager
+def capped_endpoint(mb_s: float, latency_ms: float) -> Iterator[str]:
+    """bench/capped_s3.py in its own process (its threads off this one's GIL); yields its URL."""
+    cmd = [sys.executable, str(ROOT / "bench" / "capped_s3.py"), "--mb-s", str(mb_s)]
+    server = subprocess.Popen([*cmd, "--latency-ms", str(latency_ms)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        yield server.stdout.readline().strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def measure_capped(s3: S3, work: Path, *, size: Size, mb_s: float, latency_ms: float) -> dict[str, Any]:
+    """(h): the transfer ratios through the capped endpoint, then a notice's save of `size` to it."""
+    opts = s3.opts
+    d = measure_transfer(s3, "capped", work, mb=CAPPED_MB, reps=2)
+    part, conc = opts.multipart_chunk_mb * MB, opts.max_concurrency
+    t = Trainee.build(size)
+    t.train_step()
+    ckpt = t.checkpointer(s3.storage("capped-notice"), work / "cache-h")
+    t.train_step()
+    notice_s = t.save(ckpt, wait=True)
+    ckpt.close()
+    rmtree(work / "cache-h")
+    state = actual_state_bytes(t)
+    return {
+        "cap_mb_s": mb_s,
+        "latency_ms": latency_ms,
+        "transfer": d,
+        "upload_ratio_capped": d["upload_ratio"],
+        "download_ratio_capped": d["download_ratio"],
+        "ideal_ratio_capped": ideal_ratio(CAPPED_MB * MB, part, conc),
+        "state_bytes": state,
+        "durable_after_notice_capped_s": notice_s,
+        "ideal_upload_capped_s": state / (min(conc, -(-state // part)) * mb_s * MB),
+    }
+
+
+def report_capped(h: dict[str, Any]) -> None:
+    r, ideal = h["transfer"]["mb_s"], h["ideal_ratio_capped"]
+    up, down = h["upload_ratio_capped"], h["download_ratio_capped"]
+    where = f"{h['cap_mb_s']:.0f} MB/s per connection, +{h['latency_ms']:.0f} ms a request"
+    say(
+        f"(h) {CAPPED_MB} MB through a capped endpoint ({where}): S3Storage.put {r['put']:.0f} MB/s vs "
+        f"put_object {r['put_object']:.0f} MB/s -> {up:.2f}x {verdict(up >= 3)} (>= 3; ideal {ideal:.1f}x)"
+    )
+    say(
+        f"(h) S3Storage.get {r['get']:.0f} MB/s vs get_object {r['get_object']:.0f} MB/s -> {down:.2f}x "
+        f"{verdict(down >= 3)} (>= 3; ideal {ideal:.1f}x)"
+    )
+    say(
+        f"(h) notice save of {h['state_bytes'] / 1e9:.2f} GB durable in "
+        f"{h['durable_after_notice_capped_s']:.1f}s (its upload alone at the cap, ideally: "
+        f"{h['ideal_upload_capped_s']:.1f}s)"
+    )
+
+
 # ---------------------------------------------------------------- (e) fsdp
 
 
@@ -948,6 +1023,7 @@ def summarize(
     transfer: dict[str, Any] | None,
     fsdp: dict[str, Any] | None,
     session: dict[str, Any] | None = None,
+    capped: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
     """Worst case of each ratio over the sizes; the cases not run (`--only`) are left out."""
     out: dict[str, float | None] = {}
@@ -978,6 +1054,12 @@ def summarize(
         }
     if session is not None:
         out["session_stall_ratio"] = round(session["session_stall_ratio"], 1)
+    if capped is not None:
+        for k in ("upload_ratio_capped", "download_ratio_capped", "ideal_ratio_capped"):
+            out[k] = round(capped[k], 2)
+        out["durable_after_notice_capped_s"] = round(capped["durable_after_notice_capped_s"], 2)
+        out["ideal_upload_capped_s"] = round(capped["ideal_upload_capped_s"], 2)
+        out["capped_state_gb"] = round(capped["state_bytes"] / 1e9, 2)
     return out
 
 
@@ -1016,9 +1098,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     ap.add_argument(
         "--only",
-        choices=("single", "fsdp", "session"),
-        help="single: cases (a)-(d) and (f) only; fsdp: case (e) only; session: case (g) only",
+        choices=("single", "fsdp", "session", "capped"),
+        help="single: cases (a)-(d) and (f) only; fsdp: case (e) only; session: case (g) only; "
+        "capped: case (h) only",
     )
+    ap.add_argument("--cap-mb-s", type=float, default=DEFAULT_MB_S, help="(h): per-connection cap, MB/s")
+    ap.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS, help="(h): added per request")
     cli = ap.parse_args()
     quick = cli.quick
     if cli.threads:
@@ -1033,8 +1118,18 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, {machine_load()}"
     )
     sizes: dict[str, Any] = {}
-    transfer, fsdp, session = None, None, None
-    if cli.only != "fsdp":
+    transfer, fsdp, session, capped = None, None, None, None
+    if cli.only in (None, "capped"):
+        with (
+            capped_endpoint(cli.cap_mb_s, cli.latency_ms) as endpoint,
+            tempfile.TemporaryDirectory(prefix="spotrun-bench-capped-") as tmp,
+        ):
+            largest = (QUICK if quick else FULL)[-1]
+            capped = measure_capped(
+                S3.connect(endpoint), Path(tmp), size=largest, mb_s=cli.cap_mb_s, latency_ms=cli.latency_ms
+            )
+        report_capped(capped)
+    if cli.only not in ("fsdp", "capped"):
         with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="spotrun-bench-") as tmp:
             s3 = S3.connect(endpoint)
             if cli.only != "session":
@@ -1047,7 +1142,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="spotrun-bench-fsdp-") as tmp:
             fsdp = measure_fsdp(quick, Path(tmp))
         report_fsdp(fsdp)
-    summary = summarize(sizes, transfer, fsdp, session)
+    summary = summarize(sizes, transfer, fsdp, session=session, capped=capped)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -1057,6 +1152,7 @@ def main() -> None:
         "transfer": transfer,
         "fsdp": fsdp,
         "session": session,
+        "capped": capped,
         "wall_s": wall,
         "peak_rss_mb": peak,
     }

@@ -88,34 +88,37 @@ def keyed_lines(run: JobRunRow) -> list[str]:
 def _job_run(
     store: HistoryStore, job: str, run_id: str | None, *, where: str, run_key: str | None = None
 ) -> JobRunRow:
-    runs = store.job_runs(job, limit=RUNS_SCANNED)
-    if runs and run_key is not None:
-        keyed = [r for r in runs if r.run_key == run_key]
-        if not keyed:
-            keys = list(dict.fromkeys(r.run_key for r in reversed(runs) if r.run_key))[:KNOWN_JOBS_SHOWN]
-            raise UnknownJob(
-                f"--run-key {run_key!r}: no job run of {job!r} has it; its newest keys: "
-                f"{', '.join(keys) or 'none (the job is not keyed)'}"
-            )
-        runs = keyed
+    """The job run to report: each answer one indexed read of a few rows, however long the history (a
+    scan of RUNS_SCANNED job runs only to say what exists when nothing matched)."""
+    runs = store.job_runs(job, limit=1, run_key=run_key)
     if not runs:
-        names = list(
-            dict.fromkeys(r.job for r in reversed(store.job_runs(limit=RUNS_SCANNED)))
-        )  # newest first
-        known = ", ".join(names[:KNOWN_JOBS_SHOWN]) or "none"
-        if len(names) > KNOWN_JOBS_SHOWN:
-            known += f" and {len(names) - KNOWN_JOBS_SHOWN} more"
-        raise UnknownJob(f"no job run of {job!r} in {where}; known jobs: {known}")
+        raise _unknown(store, job, where=where, run_key=run_key)
     if run_id is None:
         return runs[-1]
-    hits = [r for r in runs if r.id.startswith(run_id)]
+    hits = store.job_runs(job, limit=2, run_key=run_key, id_prefix=run_id)
     if len(hits) != 1:
-        newest = ", ".join(r.id[:8] for r in reversed(runs[-5:]))
+        newest = ", ".join(r.id[:8] for r in reversed(store.job_runs(job, limit=5, run_key=run_key)))
         how = "matches no" if not hits else f"matches {len(hits)}"
         raise UnknownJob(
             f"--run {run_id!r} {how} job run of {job!r}; its newest: {newest} (give more of the id)"
         )
     return hits[0]
+
+
+def _unknown(store: HistoryStore, job: str, *, where: str, run_key: str | None) -> UnknownJob:
+    """Why nothing matched: the run key the job does not have, or the job the history does not know."""
+    runs = store.job_runs(job, limit=RUNS_SCANNED) if run_key is not None else []
+    if runs:
+        keys = list(dict.fromkeys(r.run_key for r in reversed(runs) if r.run_key))[:KNOWN_JOBS_SHOWN]
+        return UnknownJob(
+            f"--run-key {run_key!r}: no job run of {job!r} has it; its newest keys: "
+            f"{', '.join(keys) or 'none (the job is not keyed)'}"
+        )
+    names = list(dict.fromkeys(r.job for r in reversed(store.job_runs(limit=RUNS_SCANNED))))  # newest first
+    known = ", ".join(names[:KNOWN_JOBS_SHOWN]) or "none"
+    if len(names) > KNOWN_JOBS_SHOWN:
+        known += f" and {len(names) - KNOWN_JOBS_SHOWN} more"
+    return UnknownJob(f"no job run of {job!r} in {where}; known jobs: {known}")
 
 
 def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:

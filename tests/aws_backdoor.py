@@ -1,12 +1,13 @@
-"""What moto's EC2 API cannot be asked to do, done through its in-process backend (the ThreadedMotoServer
-shares moto's globals with the tests): a spot reclaim, a pool without capacity, typo validation.
+"""What moto's APIs cannot be asked to do (or not fast enough), done through its in-process backends (the
+ThreadedMotoServer shares moto's globals with the tests): a spot reclaim, a pool without capacity, typo
+validation, S3 objects by the 10,000.
 
 Touches private moto attributes (`_reason`); checked against moto 5.2.5. Keep every such reach in here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,3 +62,13 @@ def validating(mp: pytest.MonkeyPatch) -> Iterator[None]:
         m.setattr(moto.settings, "EC2_ENABLE_INSTANCE_TYPE_VALIDATION", True)
         m.setattr(moto.settings, "ENABLE_AMI_VALIDATION", True)
         yield
+
+
+def seed_objects(bucket: str, keys: Iterable[str], body: bytes = b"{}") -> None:
+    """Objects written straight into moto's S3 backend: 10,000 in ~0.6 s, where PutObject over HTTP
+    takes 3-10 ms each. They list, read and delete over HTTP like any other."""
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    for key in keys:
+        backend.put_object(bucket, key, body)

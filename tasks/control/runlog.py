@@ -229,6 +229,8 @@ class JobRunLog:
     def started(self, rec: Started) -> None:
         """A trainer said where it trains from: a warm start's source and whether it loaded, once, into
         the job run's lineage (its key's first attempt; a resumed one reports the same)."""
+        if self._in_flight is not None:
+            self.tracking.started(self._in_flight.attempt, rec.resumed_from)
         w = rec.warm_start
         if w is None or self._warm_recorded:
             return

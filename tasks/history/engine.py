@@ -70,7 +70,10 @@ def check_database_url(url: str) -> URL:
         if path.is_dir():
             raise ConfigError(f"SPOTRUN_DATABASE_URL names a directory ({path}); name a file in it")
         try:
-            head = path.read_bytes()[:16] if path.is_file() else b""
+            head = b""
+            if path.is_file():
+                with open(path, "rb") as f:  # not read_bytes(): a 1M-attempt history is ~300 MB
+                    head = f.read(len(SQLITE_MAGIC))
         except OSError as e:
             raise ConfigError(f"cannot read the history database {path}: {e.strerror}") from None
         if head and head != SQLITE_MAGIC:

@@ -85,6 +85,9 @@ class JobRun(Base):
     __table_args__ = (
         Index("ix_job_runs_job_started_at", "job", "started_at"),
         Index("ix_job_runs_job_run_key", "job", "run_key"),  # a key's job run, at each of its flow runs
+        # newest first, of every job (the unknown-job message) and of one run key (`--run-key`): 0006
+        Index("ix_job_runs_started_at_id", "started_at", "id"),
+        Index("ix_job_runs_run_key", "run_key"),
     )
 
     # Made by the client (a UUID), so attempts can name their job run while writes are buffered.
@@ -118,6 +121,9 @@ class Attempt(Base):
     __table_args__ = (
         # The alert automation counts a job's restarts within a time window.
         Index("ix_attempts_job_ended_at", "job", "ended_at"),
+        # `spotrun history [JOB]`: the newest attempts, read off an index's end, not sorted (0006)
+        Index("ix_attempts_started_at_attempt_id", "started_at", "attempt", "id"),
+        Index("ix_attempts_job_started_at_attempt_id", "job", "started_at", "attempt", "id"),
         UniqueConstraint("job_run_id", "attempt"),
     )
 

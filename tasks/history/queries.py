@@ -54,14 +54,22 @@ class HistoryReads:
         return [attempt_row(a) for a in reversed(self._read(lambda s: list(s.scalars(q))))]
 
     def job_runs(
-        self, job: str | None = None, limit: int = 50, run_key: str | None = None
+        self,
+        job: str | None = None,
+        limit: int = 50,
+        run_key: str | None = None,
+        *,
+        id_prefix: str | None = None,
     ) -> list[JobRunRow]:
-        """The newest `limit` job runs (of a job, of one run key), oldest first."""
+        """The newest `limit` job runs (of a job, of one run key, whose id begins `id_prefix`), oldest
+        first."""
         q = select(JobRun)
         if job is not None:
             q = q.where(JobRun.job == job)
         if run_key is not None:
             q = q.where(JobRun.run_key == run_key)
+        if id_prefix is not None:
+            q = q.where(JobRun.id.startswith(id_prefix, autoescape=True))
         q = q.order_by(JobRun.started_at.desc(), JobRun.id.desc()).limit(limit)
         return [job_run_row(r) for r in reversed(self._read(lambda s: list(s.scalars(q))))]
 

@@ -100,6 +100,11 @@ class RunTracking:
             self.sink.log(logging.WARNING, f"resume check of attempt {attempt} not made: {e}")
             return None
 
+    def started(self, attempt: int, resumed_from: int | None) -> None:
+        """An attempt's trainer said where it resumed: the metrics its check reads stay until it ends."""
+        if self.tracker is not None:
+            self.tracker.resumed(attempt, resumed_from)
+
     def recorded(self, record: AttemptRecord) -> None:
         """An attempt's row is stored: its resume verdict announced, the attempt sent to MLflow."""
         check = stored_check(record)

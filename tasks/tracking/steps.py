@@ -56,11 +56,18 @@ def metric_objects(storage: Storage) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def read_steps(storage: Storage, after: int = 0, through: int | None = None) -> dict[int, StepMetrics]:
+def read_steps(
+    storage: Storage,
+    after: int = 0,
+    through: int | None = None,
+    *,
+    objects: list[tuple[int, str]] | None = None,
+) -> dict[int, StepMetrics]:
     """The published steps in (after, through], by step. Objects wholly at or before `after` are not read;
-    neither is any after the first one that reaches `through`."""
+    neither is any after the first one that reaches `through`. `objects`: `metric_objects(storage)`, when
+    the caller listed them already."""
     out: dict[int, StepMetrics] = {}
-    for durable, key in metric_objects(storage):
+    for durable, key in metric_objects(storage) if objects is None else objects:
         if durable <= after:
             continue
         try:

@@ -4,7 +4,8 @@ Nothing here is on the restart path. The thread imports MLflow (2-4 s) and opens
 first trainer starts; the control loop only hands it attempt records and resume checks (a list append)
 and waits for it at the end. Every POLL_S it sends what the trainers published to the job's storage
 (`metrics/`, trainer/telemetry/metrics_log.py): steps covered by a durable checkpoint,
-each once (mlflow_run.py).
+each once (mlflow_run.py); then deletes the objects MLflow holds that no resume check still reads
+(collect.py), so the store and the listing of it every POLL_S stay the size of the job's recent past.
 
 The run's id is created once and kept with the job: `tracking.json` in the job's storage (so whichever
 controller, on whichever host, continues the job re-attaches) and `job_runs.mlflow_run_id` in SQL.
@@ -31,9 +32,10 @@ from typing import Any
 
 from tasks.decisions.attempts import AttemptRecord, Outcome
 from tasks.providers.registry import capacity
+from tasks.tracking.collect import Hold, collect
 from tasks.tracking.fidelity import ResumeCheck, worst_verdict
 from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
-from tasks.tracking.steps import committed_step, read_steps
+from tasks.tracking.steps import committed_step, metric_objects, read_steps
 from tasks.tracking.versions import finish_version, lineage_tags
 from trainer.checkpoint.catalog import Catalog
 from trainer.checkpoint.completion import completed_step
@@ -133,6 +135,8 @@ class Tracker:
         self._sent = 0  # steps sent since the outage began (for the line that says it is back)
         self._gaps: set[tuple[int, int]] = set()  # reported already
         self._versioned = False  # the evaluation, lineage and promotion were sent (versions.py)
+        self._resumes: dict[int, int] = {}  # attempt -> its resume step, until its record (and check) arrives
+        self._last_steps: dict[int, int] = {}  # attempt -> its last step, from its record
         self._thread = threading.Thread(target=self._main, name="spotrun-tracking", daemon=True)
 
     def start(self) -> Tracker:
@@ -146,6 +150,12 @@ class Tracker:
         with self._lock:
             self._pending.append((record, check))
         self._wake.set()
+
+    def resumed(self, attempt: int, step: int | None) -> None:
+        """Attempt `attempt` trains from checkpoint `step` (None: from scratch): the metrics its resume
+        check reads, when it ends, stay in storage until then (collect.py)."""
+        with self._lock:
+            self._resumes[attempt] = step or 0
 
     def finish(self, status: str, timeout_s: float = FINISH_TIMEOUT_S) -> TrackingInfo:
         """Send the rest, register the model (completed), end the run; wait for it (bounded), then stop."""
@@ -199,7 +209,8 @@ class Tracker:
         final = self._final  # read once: the last round sends everything published before it
         run = self.run or self._attach(storage)
         committed = committed_step(storage)
-        steps = read_steps(storage, run.through, committed) if committed is not None else {}
+        objects = metric_objects(storage)
+        steps = read_steps(storage, run.through, committed, objects=objects) if committed is not None else {}
         before = run.through
         for s in sorted(steps):  # objects are written in step order: a hole before a later step stays
             if s > before + 1:
@@ -213,6 +224,8 @@ class Tracker:
             self._send(run, record, check)
             with self._lock:
                 self._pending.pop(0)
+        if committed is not None:
+            collect(storage, objects, sent_through=run.through, holds=self._holds(committed))
         if final is None:
             return False
         if final.status == "completed" and self.job.tracking.register_model and self.info.model is None:
@@ -258,9 +271,29 @@ class Tracker:
             self.on_attached(ref.run_id)
         return run
 
+    def _holds(self, committed: int) -> list[Hold]:
+        """What resume checks still read: the next attempt's at the newest checkpoint, and each running
+        attempt's, through the step after the last of the attempt before it (everything after its start
+        while that attempt's record has not arrived)."""
+        with self._lock:
+            resumes = dict(self._resumes)
+            last = self._last_steps | {r.attempt: r.last_step for r, _ in self._pending if r is not None}
+        holds = [Hold(committed, committed)]
+        for attempt, start in resumes.items():
+            if attempt - 1 in last:
+                # through the step after the lost attempt's last: a continuity check reads start + 1
+                holds.append(Hold(start, max([start, *(s for a, s in last.items() if a < attempt)]) + 1))
+            elif attempt > 1:
+                holds.append(Hold(start, None))
+            # else the job run's first attempt: it has no check
+        return holds
+
     def _send(self, run: MlflowRun, record: AttemptRecord | None, check: ResumeCheck | None) -> None:
         key = f"{self.job_run_id[:8]}.{record.attempt}" if record is not None else ""
         if record is not None:
+            self._last_steps[record.attempt] = record.last_step
+            with self._lock:  # its check is made (it is in the record): what it read may go
+                self._resumes = {a: s for a, s in self._resumes.items() if a > record.attempt}
             run.set_tags(
                 {
                     "spotrun.attempts": str(record.attempt),

@@ -74,7 +74,7 @@ def test_migrates_on_first_use_and_is_idempotent(db_url: str) -> None:
     assert table_names(db_url) >= TABLES
     engine = create_engine(normalize_url(db_url))
     with engine.connect() as conn:
-        assert current_revision(conn) == head_revision() == "0005"
+        assert current_revision(conn) == head_revision() == "0006"
     upgrade_to_head(engine)  # at head: nothing to do
     engine.dispose()
     with HistoryStore.open(db_url) as again:

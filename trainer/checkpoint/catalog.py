@@ -32,6 +32,8 @@ from trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 
+STEP_PREFIX = step_dir(0).rstrip("0")  # "step_": every step directory's name starts with it
+
 
 @dataclass
 class Listed:
@@ -45,9 +47,11 @@ class Listed:
 
 
 def list_checkpoints(storage: Storage) -> dict[int, Listed]:
-    """Every step directory under the root, committed (has a manifest) or not."""
+    """Every step directory under the root, committed (has a manifest) or not. Lists only the step
+    directories (`step_*`), never the whole root: what else a job keeps there (metrics objects, markers,
+    the lease) must not make every retention and every tracker round cost more as the job grows."""
     found: dict[int, Listed] = {}
-    for obj in storage.list(""):
+    for obj in storage.list(STEP_PREFIX):
         head, _, name = obj.key.partition("/")
         step = parse_step_dir(head)
         if step is None or not name:
@@ -262,17 +266,19 @@ class Catalog:
         cutoff = time.time() - orphan_age_s
         incomplete = [s for s, c in listed.items() if not c.committed and c.newest_mtime <= cutoff]
         doomed = plan_retention(committed, incomplete, verified, keep)
-        for step in list(doomed):
-            files = listed[step].files
-            name = step_dir(step)
-            if MANIFEST in files:
-                self.storage.delete([f"{name}/{MANIFEST}"])
-            elif self._has_manifest(name):  # the listing missed it: committed after all
-                doomed.remove(step)
-                continue
-            self.storage.delete([f"{name}/{f}" for f in files if f != MANIFEST])
+        # a directory listed without a manifest may have one the listing missed: committed after all
+        doomed = [s for s in doomed if listed[s].committed or not self._has_manifest(step_dir(s))]
+        # manifests first, all in one call, then the rest: a step is never half deleted yet committed, and a
+        # backlog of thousands costs one DeleteObjects request per 1,000 keys, not two calls per step
+        for keys in (
+            [f"{step_dir(s)}/{MANIFEST}" for s in doomed if listed[s].committed],
+            [f"{step_dir(s)}/{f}" for s in doomed for f in listed[s].files if f != MANIFEST],
+        ):
+            if keys:
+                self.storage.delete(keys)
         if doomed:
-            log.info("retention: deleted steps %s from %s", doomed, self.storage.uri)
+            shown = doomed if len(doomed) <= 10 else f"{doomed[0]}..{doomed[-1]}"
+            log.info("retention: deleted %d step(s) %s from %s", len(doomed), shown, self.storage.uri)
         self.storage.cleanup_incomplete(orphan_age_s)
         return doomed
 

@@ -192,20 +192,25 @@ class LocalStorage:
         return _iter_file(p)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Walks only the directory the prefix names, and at its top only the entries the prefix's last
+        part begins: listing `metrics/` or the step directories never walks the rest of the store."""
+        head, _, start = prefix.rpartition("/")
+        base = self._path(head) if head else self.root
+        if not base.is_dir():
+            return []
         out = []
-        for dirpath, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(TMP_MARK)]  # the staging directory
+        for dirpath, dirs, files in os.walk(base):
+            top = dirpath == str(base)
+            dirs[:] = [d for d in dirs if not d.startswith(TMP_MARK) and (not top or d.startswith(start))]
             for f in files:
-                if f.startswith(TMP_MARK) or f.endswith(LOCK_SUFFIX):
+                if f.startswith(TMP_MARK) or f.endswith(LOCK_SUFFIX) or (top and not f.startswith(start)):
                     continue
                 full = Path(dirpath) / f
-                key = full.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
-                    try:
-                        st = full.stat()
-                    except FileNotFoundError:  # deleted while listing
-                        continue
-                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                try:
+                    st = full.stat()
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                out.append(ObjectInfo(full.relative_to(self.root).as_posix(), st.st_size, st.st_mtime))
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, keys: Sequence[str]) -> None:
