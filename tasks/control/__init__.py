@@ -1,8 +1,10 @@
 """The control loop of one job: provision, train, release, check, record, decide; repeat.
 
-Modules: `loop` (`run_job`), `runlog` (the job run's SQL rows and records), `checkpoints` (the controller's
-integrity check), `prewarm` (the replacement started at a notice), `trainer_args` (what the next trainer is
-told from history), `hooks` (the hooks' events and `on_attempt_end`), `sweeping` (the sweeper's Prefect side).
+Modules: `loop` (`run_job`), `sinks` (where it reports), `watching` (one worker's watch), `ahead` (workers
+started ahead of their attempt and the handover to them), `prewarm` (one such worker), `warm` (the warm
+standby), `market` (spot, on-demand or wait), `watchdog` (hung steps), `runlog` (the job run's SQL rows and
+records), `checkpoints` (the controller's integrity check), `trainer_args` (what the next trainer is told
+from history), `hooks` (the hooks' events and `on_attempt_end`), `sweeping` (the sweeper's Prefect side).
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ if TYPE_CHECKING:
     from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED as CHECKPOINT_UNVERIFIED
     from tasks.control.checkpoints import CONTROLLER_DISK_FULL as CONTROLLER_DISK_FULL
     from tasks.control.checkpoints import completed_at as completed_at
-    from tasks.control.loop import PlainSink as PlainSink
     from tasks.control.loop import run_job as run_job
+    from tasks.control.sinks import PlainSink as PlainSink
     from tasks.control.sweeping import sweep_instances as sweep_instances
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {
     "CHECKPOINT_UNVERIFIED": "checkpoints",
     "CONTROLLER_DISK_FULL": "checkpoints",
-    "PlainSink": "loop",
+    "PlainSink": "sinks",
     "completed_at": "checkpoints",
     "run_job": "loop",
     "sweep_instances": "sweeping",

@@ -21,10 +21,11 @@ import random
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
+from tasks.control.ahead import announce, back_to_spot, hand_off, replacement_for
 from tasks.control.checkpoints import (
     CONTROLLER_DISK_FULL,
     ResumePoint,
@@ -34,21 +35,22 @@ from tasks.control.checkpoints import (
     empty_cache,
 )
 from tasks.control.hooks import after_attempt
-from tasks.control.market import BackToSpot, MarketChooser
+from tasks.control.market import MarketChooser
 from tasks.control.prewarm import Prewarm
 from tasks.control.runlog import JobRunLog
+from tasks.control.sinks import PlainSink as PlainSink
+from tasks.control.sinks import Sink
 from tasks.control.warm import WarmStandby, from_pool, warm_of
-from tasks.control.watchdog import ProgressWatchdog, for_attempt, job_history, watched
+from tasks.control.watchdog import for_attempt, job_history
+from tasks.control.watching import WatchCalls
+from tasks.control.watching import watch as watch
 from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
-from tasks.decisions.outcome import resharded
 from tasks.decisions.policy import RetryPolicy, decide
 from tasks.providers.base import (
     Market,
     Provider,
     ProvisionError,
     StopCause,
-    StopWorker,
-    WatchResult,
     Worker,
     stop_cause,
 )
@@ -56,67 +58,10 @@ from tasks.reports import reporting as report
 from tasks.reports.run_summary import Summary
 from tasks.settings import Settings
 from trainer.errors import ConfigError, StorageError
-from trainer.preemption.handover import write_standby
-from trainer.preemption.lease import write_handoff
 from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Durable, Notice, Record, Started, Step, Stopping
+from trainer.telemetry.records import Notice
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-PROGRESS_EVERY_S = 2.0
-
-
-class Sink(Protocol):
-    """Where the control loop reports. Implementations: PlainSink (here) and PrefectSink."""
-
-    def step(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run one step of the loop (`provision`, `train`, `check-checkpoints`): a Prefect task run."""
-        ...
-
-    def log(self, level: int, msg: str) -> None: ...
-
-    def event(
-        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
-    ) -> None:
-        """A `spotrun.*` event about the job (automations listen to them)."""
-        ...
-
-    def progress(self, job: str, step: int, total: int) -> None: ...
-
-    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
-        """The attempts so far (an artifact on the flow run)."""
-        ...
-
-    def summary(self, job: str, markdown: str) -> None: ...
-
-
-@dataclass
-class PlainSink:
-    """No Prefect: steps are plain calls, log lines go to `logging`, events are kept in `events`."""
-
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("spotrun.control"))
-
-    def step(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
-        return fn(*args)
-
-    def log(self, level: int, msg: str) -> None:
-        self.logger.log(level, msg)
-
-    def event(
-        self, name: str, job: str, payload: dict[str, Any], labels: dict[str, str] | None = None
-    ) -> None:
-        self.events.append((name, {"job": job, **payload, **(labels or {})}))
-
-    def progress(self, job: str, step: int, total: int) -> None:
-        pass
-
-    def attempts(self, job: str, records: list[AttemptRecord]) -> None:
-        pass
-
-    def summary(self, job: str, markdown: str) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -298,7 +243,7 @@ def _attempt(
     def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
         assert ahead is not None and worker is not None
         if not ahead.started:  # the noticed trainer trains on until this replacement stands by
-            _announce(job, worker.id, sink)
+            announce(job, worker.id, sink)
         ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
 
     def at_rebalance(rec: Notice) -> None:  # elevated risk: the replacement boots, this one trains on
@@ -308,7 +253,7 @@ def _attempt(
             sink.log(
                 logging.WARNING, f"worker {worker.id}: {rec.cloud} {rec.action}: starting its replacement"
             )
-            _announce(job, worker.id, sink)  # read only once a notice stops it: then it hands over
+            announce(job, worker.id, sink)  # read only once a notice stops it: then it hands over
         ahead.start(
             lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at),
             stand_by_s=provider.rebalance_wait_s,
@@ -318,11 +263,11 @@ def _attempt(
     dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)
     try:
         ahead = (
-            _prewarm(provider, job, runlog, attempt=attempt + 1, now=worker, chooser=chooser)
+            replacement_for(provider, job, runlog, attempt=attempt + 1, now=worker, chooser=chooser)
             if provider.prewarm
             else None
         )
-        back = _back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
+        back = back_to_spot(chooser, ahead, worker, runlog=runlog, sink=sink)
         warm = warm_of(provider)  # a standby armed at `started` (tasks/control/warm.py)
         standby = WarmStandby(warm, ahead, runlog.trainer_args) if warm and ahead else None
         calls = WatchCalls(
@@ -342,7 +287,7 @@ def _attempt(
         provider.release(worker)  # plain call: also while the run is being cancelled
         runlog.released = worker.id  # gone: the next trainer may take over its storage lease
         if ahead is not None and ahead.started:
-            _hand_off(job, worker.id, sink)
+            hand_off(job, worker.id, sink)
     record = runlog.classify(worker, result)
     record.extra.update(market_extra)
     if standby is not None:
@@ -352,21 +297,6 @@ def _attempt(
     return record, (ahead if ahead is not None and ahead.started else None)
 
 
-def _back_to_spot(
-    chooser: MarketChooser | None, ahead: Prewarm | None, worker: Worker, *, runlog: JobRunLog, sink: Sink
-) -> BackToSpot | None:
-    """The on-demand worker's watch for a move back to spot (None: not on-demand, no deadline policy, or
-    a provider that cannot start a worker ahead: then only the next provisioning asks)."""
-    if chooser is None or ahead is None or worker.market != "on-demand":
-        return None
-
-    def args() -> list[str]:  # the spot trainer takes over the lease as a notice's replacement does
-        _announce(chooser.job, worker.id, sink)
-        return runlog.trainer_args()
-
-    return BackToSpot(chooser, ahead, runlog.records, args)
-
-
 def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, sink: Sink) -> None:
     """A Ctrl-C or cancel between provisioning and the watch (a forked trainer can be training 0.5 s
     after it starts, before a Prefect task run has begun): the trainer still gets its emergency save."""
@@ -374,53 +304,6 @@ def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, si
         provider.stop(worker, stop_cause(error))
     except Exception as e:  # teardown: release() below still kills the worker
         sink.log(logging.WARNING, f"could not stop {worker.id} gracefully: {e}")
-
-
-def _prewarm(
-    provider: Provider,
-    job: JobSpec,
-    runlog: JobRunLog,
-    *,
-    attempt: int,
-    now: Worker,
-    chooser: MarketChooser | None,
-) -> Prewarm:
-    """The next attempt's worker, to be started (in a thread) when `now` reports it is stopping; with a
-    deadline policy, for a spot worker, on the market the policy picks when spot is short (an on-demand
-    worker's is the move back to spot: spot only)."""
-
-    def plain(extra: list[str]) -> Worker:
-        return provider.provision(job, attempt, runlog.spec_path, extra)
-
-    if chooser is None or now.market == "on-demand":
-        return Prewarm(plain, provider.release)
-
-    def chosen(extra: list[str]) -> Worker:
-        def launch(market: Market) -> Worker:
-            return provider.provision(job, attempt, runlog.spec_path, extra, market=market)
-
-        done = (now.result.last_durable_step if now.result is not None else None) or runlog.resume_step or 0
-        worker, prewarm.reason = chooser.replacement(launch, runlog.records, done)
-        return worker
-
-    prewarm = Prewarm(chosen, provider.release)
-    return prewarm
-
-
-def _announce(job: JobSpec, worker_id: str, sink: Sink) -> None:
-    """Tell a noticed trainer that a replacement is on its way (trainer/preemption/handover.py)."""
-    try:
-        write_standby(job.open_storage(), worker_id, "starting")
-    except (OSError, StorageError) as e:  # the trainer then stops after its announcement window
-        sink.log(logging.WARNING, f"replacement for {worker_id} not announced: {e}")
-
-
-def _hand_off(job: JobSpec, worker_id: str, sink: Sink) -> None:
-    """Tell a prewarmed trainer waiting on the lease that its holder is gone (trainer/preemption/lease.py)."""
-    try:
-        write_handoff(job.open_storage(), worker_id)
-    except (OSError, StorageError) as e:  # it still gets the lease when the old one's expires
-        sink.log(logging.WARNING, f"lease handoff for {worker_id} not written: {e}")
 
 
 def _provision_on(args: tuple[Any, ...], market: Market) -> Worker | ProvisionError:
@@ -458,80 +341,6 @@ def provision(
     worker = provider.provision(job, attempt, spec_path, extra, market=market)
     sink.log(logging.INFO, f"attempt {attempt}: worker {worker.id} ({provider.name}) provisioned")
     return worker
-
-
-@dataclass(frozen=True)
-class WatchCalls:
-    """What the controller does as a worker's records arrive (each optional)."""
-
-    stopping: Callable[[], None] | None = None  # a stop request or a cloud notice: the worker goes away
-    started: Callable[[Started], None] | None = None  # the first status record: where it trains from
-    step: Callable[[int], None] | None = None  # each step, with the newest durable step (may `StopWorker`)
-    rebalance: Callable[[Notice], None] | None = None  # a notice that is no stop (EC2's rebalance)
-
-
-def watch(
-    provider: Provider,
-    worker: Worker,
-    job: JobSpec,
-    sink: Sink,
-    calls: WatchCalls | None = None,
-    dog: ProgressWatchdog | None = None,
-) -> WatchResult:
-    """Stream the worker's log and progress to the sink until the worker is gone, calling `calls` on
-    the way; `dog` kills a worker that stops making progress (tasks/control/watchdog.py)."""
-    calls = calls or WatchCalls()
-    last_update = 0.0
-    durable = 0
-    trainer_log = False  # the provider streams the trainer's log, which says when a checkpoint is durable
-
-    def on_status(rec: Record) -> None:
-        nonlocal last_update, durable
-        if isinstance(rec, Durable):
-            durable = max(durable, rec.step)
-        if dog is not None:
-            dog.observe(rec)
-        if isinstance(rec, Started):
-            sink.log(logging.INFO, f"training from {rec.checkpoint or rec.resumed_from or 'scratch'}")
-            for r in rec.rejected:
-                sink.log(logging.WARNING, f"trainer passed over checkpoint step {r.step}: {r.reason}")
-            if rec.resharded_from is not None:
-                sink.log(logging.WARNING, f"resumed {resharded(rec.resharded_from, job.world_size)}")
-            if rec.changes:  # allowed by resume.allow_changes: the run's numbers part from here
-                changed = ", ".join(f"{c.field} {c.old} -> {c.new}" for c in rec.changes)
-                sink.log(logging.WARNING, f"resumed with changed training settings ({changed}): not bitwise")
-            if calls.started is not None:
-                calls.started(rec)
-        elif isinstance(rec, Durable) and not trainer_log:  # once: EC2 streams no log, the status says it
-            sink.log(logging.INFO, f"checkpoint step {rec.step} durable")
-        elif isinstance(rec, Stopping):
-            sink.log(logging.WARNING, f"worker stopping on {rec.reason} at step {rec.step}")
-            if calls.stopping is not None:
-                calls.stopping()
-        elif isinstance(rec, Notice) and rec.stop and calls.stopping is not None:
-            calls.stopping()
-        elif isinstance(rec, Notice) and not rec.stop and calls.rebalance is not None:
-            calls.rebalance(rec)
-        elif isinstance(rec, Step):
-            durable = max(durable, rec.durable_step or 0)
-            if calls.step is not None:
-                calls.step(durable)
-            if time.monotonic() - last_update > PROGRESS_EVERY_S:
-                last_update = time.monotonic()
-                sink.progress(job.name, rec.step, job.total_steps)
-
-    def on_log(line: str) -> None:
-        nonlocal trainer_log
-        trainer_log = True
-        sink.log(logging.INFO, f"[{worker.id}] {line.rstrip()}")
-
-    try:
-        return watched(provider, worker, dog, on_status=on_status, on_log=on_log)
-    except StopWorker as e:  # a planned end: the provider stopped the worker as for a cancel
-        sink.log(logging.INFO, f"{worker.id}: {e}")
-        if worker.result is not None and worker.result.stopped_by is not None:
-            return worker.result
-        return provider.stop(worker, e.cause)
 
 
 def _event_payload(record: AttemptRecord, runlog: JobRunLog) -> dict[str, object]:
