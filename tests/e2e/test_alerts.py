@@ -156,9 +156,9 @@ def test_deploy_twice_changes_nothing(stack: Stack) -> None:
     assert {a.change for a in again.automations} == {"unchanged"}
     assert [a.id for a in again.automations] == [a.id for a in stack.report.automations]
     with get_client(sync_client=True) as client:
-        # storm, gave up, recovered, mismatch, unverified, disk full, promotion, run failed, missed run
-        # (nightly-retraining), zombie, crashed
-        assert len(spotrun_automations(client)) == 11
+        # storm, gave up, recovered, mismatch, unverified, disk full, deadline at risk, promotion, run
+        # failed, missed run (nightly-retraining), zombie, crashed
+        assert len(spotrun_automations(client)) == 12
         names = _deployment_names(client)
         nightly = client.read_deployment_by_name("resilient-training/nightly-retraining")
     assert names == set(stack.report.deployments) and len(names) == 7  # + recover-job and two examples
