@@ -180,6 +180,8 @@ def main() -> None:
                 say(f"{backend} x{jobs}: running (load average {os.getloadavg()[0]:.1f}) ...")
                 r = run_config(cfg)
                 results.append(r)
+                OUT.parent.mkdir(parents=True, exist_ok=True)
+                OUT.with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
                 m = r["median"]
                 say(
                     f"  {r['completed']}/{jobs} completed in {r['wall_s']:.0f} s, CPU busy "
