@@ -131,6 +131,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("concurrent jobs")
+        ax.set_ylim(bottom=0)  # growth is read against zero, not magnified
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("bench/scale.py: one Prefect server, one history database, N controllers (fake provider)")
