@@ -29,6 +29,7 @@ import pytest
 from prefect import get_client
 
 from deployments.automations import ZOMBIE, RecoveryRules, build_recovery_automations
+from spotrun.server import flush_to_api
 from tests.e2e.test_flow import attempts, job
 from tests.fakes.fake_flow import fake_training
 from tests.prefect_postgres import fresh_database, seed_memo, unreachable
@@ -47,9 +48,15 @@ def pg_server(tmp_path: Path) -> Iterator[PrefectServer]:
     with fresh_database("spotrun_prefect_e2e") as url:
         seed_memo(tmp_path / "prefect")
         server = PrefectServer(tmp_path / "prefect", database=url).start()
+        # Prefect keeps one events worker and one log worker per process, whatever the API URL: stop
+        # those of a server an earlier test used, or this test's events would go there
+        flush_to_api()
         try:
             with server.clients():
-                yield server
+                try:
+                    yield server
+                finally:
+                    flush_to_api()  # the flow's last logs and events, before their server goes
         finally:
             server.stop()
 
