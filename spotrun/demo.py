@@ -16,7 +16,8 @@ $SPOTRUN_HOME:
              the background) and worker.log (the Prefect worker that runs the alert flow)
   prefect/   the Prefect server (SQLite): the background one (`spotrun server start`) when it runs,
              else one started for the demo and stopped after it (--keep-server: left running as the
-             background server, to browse the run in the UI).
+             background server, to browse the run in the UI). With --prefect-database URL a server
+             started here keeps its runs on that PostgreSQL database instead (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from spotrun import run_cmd
+from spotrun import prefect_db, run_cmd
 from spotrun.console import spotrun_command, wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.live import metrics_record
@@ -135,7 +136,7 @@ def _diff_tensors(what: str, a: Any, b: Any) -> list[str]:
     return [f"{what} {k} differs" for k in ta if not torch.equal(ta[k], tb[k])]
 
 
-def run_demo(home: Path, keep_server: bool) -> bool:
+def run_demo(home: Path, keep_server: bool, prefect_database: str | None = None) -> bool:
     """The whole demo; True on PASS."""
     job_file, job = prepare(home)
     demo = home / "demo"
@@ -152,7 +153,13 @@ def run_demo(home: Path, keep_server: bool) -> bool:
     started: list[subprocess.Popen[bytes]] = []
     try:
         return _run_and_check(
-            home, job, job_file, settings=settings, keep_server=keep_server, started=started
+            home,
+            job,
+            job_file,
+            settings=settings,
+            keep_server=keep_server,
+            started=started,
+            prefect_database=prefect_database,
         )
     finally:
         for reference in started:
@@ -169,13 +176,17 @@ def _run_and_check(
     settings: Settings,
     keep_server: bool,
     started: list[subprocess.Popen[bytes]],
+    prefect_database: str | None = None,
 ) -> bool:
     t0 = time.monotonic()
     provider = LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=SCHEDULE), notice_s=NOTICE_S)
     background: Literal["reuse", "start"] = "start" if keep_server else "reuse"
     if running_server(home) is None:
-        console.print(f"starting a Prefect server under {server_home(home)} (SQLite) ...", markup=False)
-    with prefect_api(home, use_env=False, background=background) as api:
+        where = prefect_db.kind(
+            prefect_db.server_database_url(prefect_database) if prefect_database else None
+        )
+        console.print(f"starting a Prefect server under {server_home(home)} ({where}) ...", markup=False)
+    with prefect_api(home, use_env=False, background=background, database=prefect_database) as api:
         console.print(f"Prefect server up in {time.monotonic() - t0:.0f} s: {api.ui_url}", markup=False)
         with alerting(settings.home / "worker.log", console):
             result = run_cmd.run_job(job, provider, RetryPolicy(), settings=settings, out=console)
@@ -300,12 +311,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the Prefect server running, to browse the run in the UI",
     )
+    p.add_argument(
+        "--prefect-database",
+        metavar="URL",
+        help="keep the Prefect server's runs on this PostgreSQL database (postgresql://USER@HOST/DB) "
+        "when the demo starts the server; default SQLite under $SPOTRUN_HOME/prefect",
+    )
     args = p.parse_args(argv)
     home = spotrun_home()
     private_home(home)  # 0700 home, 0600 files
     t0 = time.monotonic()
     try:
-        ok = run_demo(home, args.keep_server)
+        ok = run_demo(home, args.keep_server, args.prefect_database)
     except (SpotrunError, OSError, subprocess.SubprocessError) as e:  # expected: one line, no traceback
         print(f"spotrun demo: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

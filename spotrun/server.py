@@ -2,10 +2,11 @@
 `spotrun server start` keeps under SPOTRUN_HOME, or a local server started for one command.
 
 `PrefectServer` runs `prefect server start` on a loopback port, in its own process group, with
-SQLite under its PREFECT_HOME; it is ready when /api/health answers (7-14 s on a fresh database on
-2 cores, 3-5 s on an existing one) and stops on SIGTERM to the group. The background server is the
-same process started without a parent-death signal, recorded in `<home>/prefect/server.json`; every
-command finds it there and checks it (the pid is a Prefect server, /api/health answers) before use.
+SQLite under its PREFECT_HOME or on a PostgreSQL database a team shares (spotrun/prefect_db.py); it
+is ready when /api/health answers (7-14 s on a fresh database on 2 cores, 3-5 s on an existing one)
+and stops on SIGTERM to the group. The background server is the same process started without a
+parent-death signal, recorded in `<home>/prefect/server.json`; every command finds it there and
+checks it (the pid is a Prefect server, /api/health answers) before use.
 
 Every server is private to its home: it answers only requests carrying the auth string in
 `<server home>/auth_string` (0600, made on first start), admits browsers only from its own origin
@@ -29,12 +30,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from spotrun import prefect_db
 from trainer.errors import ConfigError, SpotrunError
 from trainer.storage.locks import flock_within
 
@@ -159,7 +161,8 @@ def _forget_key_in_database(db: Path, key: str) -> None:
 
 class PrefectServer:
     """`prefect server start` on 127.0.0.1 (or `host`, behind a TLS proxy at `public_url`), SQLite
-    under `home`, private (auth string, CORS, CSRF, key file); its output goes to home/server.log."""
+    under `home` or the `database` URL (PostgreSQL), private (auth string, CORS, CSRF, key file); its
+    output goes to home/server.log."""
 
     def __init__(
         self,
@@ -169,8 +172,10 @@ class PrefectServer:
         *,
         host: str = "127.0.0.1",
         public_url: str | None = None,
+        database: str | None = None,
     ) -> None:
         check_bind(host, public_url)
+        self.database = prefect_db.server_database_url(database) if database else None
         self.home, self.port = home, port or free_port()
         self.host, self.public_url = host, public_url.rstrip("/") if public_url else None
         self.die_with_parent = die_with_parent  # False: it may outlive this process (--keep-server)
@@ -207,14 +212,22 @@ class PrefectServer:
         }
 
     def server_env(self) -> dict[str, str]:
-        """env() plus what only the server reads: its auth string, CORS, CSRF and its secrets' key."""
+        """env() plus what only the server reads: its auth string, CORS, CSRF, its secrets' key and,
+        when given, its database."""
+        db = {prefect_db.PREFECT_SETTING: self.database} if self.database else {}
         return {
             **self.env(),
             "PREFECT_SERVER_API_AUTH_STRING": self.auth,
             "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": ",".join(self.origins()),
             "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
             "PREFECT_SERVER_ENCRYPTION_KEY": encryption_key(self.home),
+            **db,
         }
+
+    @property
+    def database_shown(self) -> str:
+        """Where its runs are kept, password hidden: the PostgreSQL URL, or the SQLite file."""
+        return prefect_db.shown(self.database) if self.database else str(self.home / DATABASE)
 
     @contextmanager
     def clients(self) -> Iterator[None]:
@@ -232,6 +245,8 @@ class PrefectServer:
         cmd += ["--port", str(self.port)]
         env = {**os.environ, **self.server_env()}
         env.pop("PREFECT_API_URL", None)  # the server itself must not talk to another server
+        if self.database:  # the legacy alias would win over the setting's own name
+            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
         preexec = die_with_parent() if self.die_with_parent else None
 
         def popen() -> subprocess.Popen[bytes]:
@@ -304,6 +319,7 @@ class Background:
     started_at: float
     log: str
     public_url: str | None = None  # the TLS proxy's address, when it listens off loopback
+    database: str = ""  # where it keeps its runs, password hidden ('' in a state file from before)
 
     @property
     def ui_url(self) -> str:
@@ -320,7 +336,12 @@ def _read_state(home: Path) -> Background | None:
         d = json.loads((server_home(home) / STATE_FILE).read_text())
         public = str(d["public_url"]) if d.get("public_url") else None
         return Background(
-            int(d["pid"]), str(d["api_url"]), float(d["started_at"]), log=str(d["log"]), public_url=public
+            int(d["pid"]),
+            str(d["api_url"]),
+            float(d["started_at"]),
+            log=str(d["log"]),
+            public_url=public,
+            database=str(d.get("database") or ""),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -360,10 +381,12 @@ def start_background(
     *,
     host: str = "127.0.0.1",
     public_url: str | None = None,
+    database: str | None = None,
 ) -> tuple[Background, bool]:
     """The background server, started now unless it already runs; (server, started now). `port`: None
-    takes 4200 when free, else a free one; 0 always a free one. BindRefused for `host` off loopback
-    without an https `public_url`; ServerStartError if it does not come up or the port is taken."""
+    takes 4200 when free, else a free one; 0 always a free one; `database`: a PostgreSQL URL (None:
+    SQLite under home). BindRefused for `host` off loopback without an https `public_url`;
+    ServerStartError if it does not come up or the port is taken."""
     check_bind(host, public_url)
     with _server_lock(home):
         found = running_server(home)
@@ -378,12 +401,17 @@ def start_background(
         if port and not port_free(port):
             raise ServerStartError(f"port {port} on 127.0.0.1 is in use; pick another with --port")
         chosen = port or (DEFAULT_PORT if port is None and port_free(DEFAULT_PORT) else free_port())
-        server = PrefectServer(server_home(home), chosen, False, host=host, public_url=public_url).start(
-            timeout_s
-        )
+        server = PrefectServer(
+            server_home(home), chosen, False, host=host, public_url=public_url, database=database
+        ).start(timeout_s)
         assert server.proc is not None
         bg = Background(
-            server.proc.pid, server.api_url, time.time(), log=str(server.log), public_url=server.public_url
+            server.proc.pid,
+            server.api_url,
+            time.time(),
+            log=str(server.log),
+            public_url=server.public_url,
+            database=server.database_shown,
         )
         tmp = server_home(home) / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(bg.__dict__) + "\n")
@@ -433,14 +461,26 @@ class PrefectApi:
         return f"{self.ui_url}/runs/flow-run/{flow_run_id}"
 
 
-def choose_api(home: Path, *, use_env: bool, background: Literal["no", "reuse", "start"]) -> PrefectApi:
+def configured_database(environ: Mapping[str, str] | None = None) -> str | None:
+    """The Prefect server's database from SPOTRUN_PREFECT_DATABASE_URL (None: SQLite under the home)."""
+    url = (os.environ if environ is None else environ).get(prefect_db.ENV, "").strip()
+    return url or None
+
+
+def choose_api(
+    home: Path,
+    *,
+    use_env: bool,
+    background: Literal["no", "reuse", "start"],
+    database: str | None = None,
+) -> PrefectApi:
     """PREFECT_API_URL (when `use_env` and set); else the background server when it runs (`reuse`),
-    or started now (`start`); else a temporary server (the caller stops it)."""
+    or started now (`start`, on `database` when given); else a temporary server (the caller stops it)."""
     url = os.environ.get("PREFECT_API_URL", "").strip() if use_env else ""
     if url:
         return PrefectApi(url, None, "env")
     if background == "start":
-        bg, started = start_background(home)
+        bg, started = start_background(home, database=database)
         return PrefectApi(bg.api_url, None, "background", started)
     if background == "reuse":
         with _server_lock(home):
@@ -458,19 +498,24 @@ def prefect_api(
     keep: bool = False,
     background: Literal["no", "reuse", "start"] = "reuse",
     temporary: bool = True,
+    database: str | None = None,
 ) -> Iterator[PrefectApi]:
     """The server PREFECT_API_URL names (when `use_env` and it is set), as is; else the background server
     as `background` says (choose_api); otherwise (when `temporary`) a local server under home/"prefect",
     started now and stopped on exit unless `keep`. The body runs with PREFECT_API_URL pointing at it
     (trainer subprocesses inherit it through the environment too). Not `temporary` and neither found:
-    the body runs with `api.url` empty and the settings as they are (a Prefect profile's URL, or none)."""
-    api = choose_api(home, use_env=use_env, background=background)
+    the body runs with `api.url` empty and the settings as they are (a Prefect profile's URL, or none).
+    A server started here keeps its runs in `database` (None: SPOTRUN_PREFECT_DATABASE_URL when
+    `use_env`, else SQLite under the home)."""
+    if database is None and use_env:
+        database = configured_database()
+    api = choose_api(home, use_env=use_env, background=background, database=database)
     if not api.url and not temporary:
         yield api
         return
     server = None
     if not api.url:
-        server = PrefectServer(server_home(home), die_with_parent=not keep).start()
+        server = PrefectServer(server_home(home), die_with_parent=not keep, database=database).start()
         api = PrefectApi(server.api_url, server)
     # PREFECT_API_URL's server: the auth string the environment (or profile) gives, as is; ours: its file
     auth = None if api.source == "env" else auth_string(server_home(home))

@@ -1,7 +1,8 @@
 """`spotrun server start|stop|status`: a local Prefect server kept running in the background.
 
 `spotrun run` (and `serve`, `deploy`, the demo) use it when PREFECT_API_URL is unset, so a run does not
-pay a server start (7-14 s on 2 cores) and its flow-run link still opens after the run ends."""
+pay a server start (7-14 s on 2 cores) and its flow-run link still opens after the run ends. A team
+keeps it on PostgreSQL (`--database`, or SPOTRUN_PREFECT_DATABASE_URL; spotrun/prefect_db.py says why)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,31 @@ STATUS_NOT_RUNNING = EXIT_FINDINGS  # `status`: 0 running, 1 not running (script
 
 def cmd_start(args: argparse.Namespace) -> int:
     """Start the background server unless it runs; print its UI address and how to point tools at it."""
-    from spotrun.server import AUTH_FILE, check_bind, running_server, server_home, start_background
+    from spotrun import prefect_db
+    from spotrun.server import (
+        AUTH_FILE,
+        check_bind,
+        configured_database,
+        running_server,
+        server_home,
+        start_background,
+    )
     from tasks.settings import spotrun_home
 
     check_bind(args.host, args.public_url)  # before anything is started or written
+    database = args.database or configured_database()
+    where = prefect_db.shown(prefect_db.server_database_url(database)) if database else "SQLite"
     home = spotrun_home()
     if running_server(home) is None:
-        print(f"starting a Prefect server under {server_home(home)} (SQLite) ...", flush=True)
+        print(f"starting a Prefect server under {server_home(home)} ({where}) ...", flush=True)
     t0 = time.monotonic()
-    bg, started = start_background(home, args.port, args.timeout, host=args.host, public_url=args.public_url)
+    bg, started = start_background(
+        home, args.port, args.timeout, host=args.host, public_url=args.public_url, database=database
+    )
     how = f"started in {time.monotonic() - t0:.0f} s" if started else "already running"
     print(f"Prefect server {how}: {bg.ui_url} (pid {bg.pid}, log {bg.log})")
+    if bg.database:
+        print(f"Its runs are kept in {bg.database}")
     auth = shlex.quote(str(server_home(home) / AUTH_FILE))
     print(f"The UI asks for its auth string: the contents of {auth}")
     print("spotrun run uses it while PREFECT_API_URL is unset; other Prefect tools need:")
@@ -62,6 +77,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return STATUS_NOT_RUNNING
     up = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(bg.started_at))
     print(f"running: {bg.ui_url} (pid {bg.pid}, since {up}, log {bg.log})")
+    if bg.database:
+        print(f"database: {bg.database}")
     return EXIT_OK
 
 
@@ -69,10 +86,10 @@ def add_server(sub: Subparsers) -> None:
     help_ = "start, stop or check a local Prefect server kept running in the background"
     epilog = (
         "The server listens on 127.0.0.1 (port 4200 when free), keeps its SQLite database under "
-        "$SPOTRUN_HOME/prefect and survives the terminal. It answers only requests that carry the auth "
-        "string in $SPOTRUN_HOME/prefect/auth_string (0600). spotrun run, serve and deploy use it while "
-        "PREFECT_API_URL is unset (spotrun run starts it when it is not running). status exits 0 when "
-        "it runs and answers, 1 when not."
+        "$SPOTRUN_HOME/prefect (or its runs on PostgreSQL: --database) and survives the terminal. It "
+        "answers only requests that carry the auth string in $SPOTRUN_HOME/prefect/auth_string (0600). "
+        "spotrun run, serve and deploy use it while PREFECT_API_URL is unset (spotrun run starts it when"
+        " it is not running). status exits 0 when it runs and answers, 1 when not."
     )
     p = sub.add_parser("server", help=help_, description=help_, epilog=epilog)
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -90,6 +107,12 @@ def add_server(sub: Subparsers) -> None:
         "--public-url",
         metavar="URL",
         help="the https address of the TLS proxy in front of it (needed for a --host off loopback)",
+    )
+    start.add_argument(
+        "--database",
+        metavar="URL",
+        help="keep its runs on PostgreSQL: postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (default: "
+        "$SPOTRUN_PREFECT_DATABASE_URL, else SQLite under $SPOTRUN_HOME/prefect)",
     )
     start.add_argument("--timeout", type=float, default=90, metavar="S", help="wait this long for it")
     start.set_defaults(handler=cmd_start)

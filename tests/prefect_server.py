@@ -67,8 +67,10 @@ def seed(prefect_home: Path) -> Path:
 
 
 class PrefectServer(_server.PrefectServer):
-    """spotrun's server, its home seeded from the template before it starts."""
+    """spotrun's server, its home seeded from the template before it starts (on SQLite; on PostgreSQL
+    its database is made from a migrated one: tests/prefect_postgres.py)."""
 
     def spawn(self):  # type: ignore[no-untyped-def]
-        seed(self.home)
+        if self.database is None:
+            seed(self.home)
         return super().spawn()

@@ -177,6 +177,15 @@ def test_server_start_off_loopback_is_refused_in_one_line(tmp_path: Path) -> Non
     assert not server_home(tmp_path / "home").exists()  # nothing started, nothing written
 
 
+def test_server_start_on_a_database_it_cannot_use_is_refused_in_one_line(tmp_path: Path) -> None:
+    """--database (spotrun/prefect_db.py) takes PostgreSQL or SQLite; tests/e2e/test_prefect_postgres.py
+    runs a server on PostgreSQL."""
+    r = spotrun(tmp_path / "home", "server", "start", "--database", "mysql://u:s3cret@db/prefect")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("spotrun: error: Prefect database mysql://u:***@db/prefect: mysql is not")
+    assert not server_home(tmp_path / "home").exists()  # nothing started, nothing written
+
+
 def test_a_fresh_home_made_by_the_trainer_is_private(tmp_path: Path) -> None:
     """`python -m trainer` in a fresh SPOTRUN_HOME: its cache, checkpoints and logs there are private."""
     home = tmp_path / "fresh" / "home"
