@@ -236,8 +236,10 @@ def _training_runs() -> list[dict[str, str | list[str]]]:
 def build_recovery_automations(rules: RecoveryRules, recover_deployment_id: UUID) -> list[AutomationCore]:
     """The zombie and crashed automations (pure: no API calls)."""
     runs: dict[str, str | list[str]] = {"prefect.resource.id": "prefect.flow-run.*"}
+    # armed by the run's Running as well as by a heartbeat: a controller that dies before its first
+    # heartbeat is stored (measured at 50 jobs on a SQLite server, bench/scale.py) is caught too
     zombie = EventTrigger(
-        after={"prefect.flow-run.heartbeat"},
+        after={"prefect.flow-run.heartbeat", "prefect.flow-run.Running"},
         expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in TERMINAL)},
         match=runs,
         match_related=_training_runs(),  # type: ignore[arg-type]  # pydantic coerces the dicts

@@ -291,7 +291,10 @@ def test_zombie_automation_crashes_a_training_run_silent_for_the_window() -> Non
     zombie = _recovery(RecoveryRules(zombie_after_s=120))[ZOMBIE]
     t = zombie.trigger
     assert t.posture == "Proactive" and t.threshold == 1 and t.within == timedelta(seconds=120)
-    assert t.after == {"prefect.flow-run.heartbeat"}
+    assert t.after == {
+        "prefect.flow-run.heartbeat",
+        "prefect.flow-run.Running",
+    }  # armed before a heartbeat too
     assert t.expect == {"prefect.flow-run.heartbeat"} | {
         f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")
     }
