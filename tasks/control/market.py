@@ -210,15 +210,19 @@ class BackToSpot:
     args: Callable[[], list[str]]  # the spot trainer's extra arguments
     asked_at: float = float("-inf")
     mine: bool = False  # the prewarm is this move's (else a warm standby started with the attempt)
+    off: bool = False  # a spot launch failed for a reason other than capacity: no more tries this attempt
 
     def on_step(self, durable_step: int) -> None:
         c = self.chooser
+        if self.off:
+            return
         if self.prewarm.started and self.mine:
             if self.prewarm.ready:
                 self._move(self.prewarm.reason)
             error = self.prewarm.failure()
             if error is not None:
                 self.mine = False
+                self.off = not (isinstance(error, ProvisionError) and error.retryable)
                 c.sink.log(logging.INFO, f"staying on on-demand: no spot worker ({error})")
                 if c.short_since is None:
                     c.short_since = c.clock()

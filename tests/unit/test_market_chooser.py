@@ -308,3 +308,19 @@ def test_a_warm_standby_on_spot_is_used_for_the_move_only_when_the_policy_says_s
     with pytest.raises(StopWorker):  # 1,000 steps done: slack 700 s, and the standby is on spot
         back.on_step(1000)
     assert spot.calls == 1  # no second spot worker
+
+
+def test_a_spot_launch_that_fails_for_another_reason_than_capacity_is_not_tried_again() -> None:
+    clock, sink = Clock(), PlainSink()
+
+    def broken(extra: list[str]) -> Worker:
+        raise ProvisionError("no such image", retryable=False)
+
+    c = chooser(job(deadline="30m", seconds_per_step=0.5, total_steps=3000), clock, sink)
+    back = BackToSpot(c, Prewarm(broken), [], lambda: [])
+    back.on_step(0)
+    _settle(back.prewarm)
+    back.on_step(1)
+    clock.t = 1000.0
+    back.on_step(2)
+    assert back.off and not back.prewarm.started
