@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 from prefect import flow
+from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.states import Completed, State
 
 from deployments.worker import RestartBackoff
@@ -18,6 +20,7 @@ from tasks.ownership.job_slot import (
     limit_name,
     on_busy,
     one_run_per_job,
+    server_busy,
     while_busy,
 )
 from trainer.spec.job import JobSpec
@@ -139,3 +142,32 @@ def test_a_guarded_flow_keeps_its_parameters_and_runs_as_fn() -> None:
 def test_restart_backoff(uptimes: list[float], delays: list[float]) -> None:
     backoff = RestartBackoff()
     assert [backoff.next_delay(u) for u in uptimes] == delays
+
+
+def _refused(cause: BaseException) -> ConcurrencySlotAcquisitionError:
+    error = ConcurrencySlotAcquisitionError("Unable to acquire concurrency slots")
+    error.__cause__ = cause
+    return error
+
+
+def _status(code: int) -> httpx.HTTPStatusError:
+    request = httpx.Request("POST", "http://127.0.0.1:4200/api/v2/concurrency_limits/increment-with-lease")
+    return httpx.HTTPStatusError(str(code), request=request, response=httpx.Response(code, request=request))
+
+
+@pytest.mark.parametrize(
+    ("cause", "busy"),
+    [
+        (_status(503), True),  # a locked SQLite server (bench/scale.py, 50 jobs)
+        (_status(429), True),
+        (_status(502), True),
+        (httpx.ConnectError("refused"), True),
+        (_status(404), False),  # an answer: no such limit
+        (_status(422), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_a_busy_server_is_asked_again_for_the_slot_and_an_answer_is_not(
+    cause: BaseException, busy: bool
+) -> None:
+    assert server_busy(_refused(cause)) is busy
