@@ -56,7 +56,7 @@ def test_tuner_measures_stall_plus_slowdown_beside_the_writer() -> None:
 
 
 def _attempt(
-    outcome: Outcome, wall_s: float, provider: str = "aws", code: str | None = None
+    outcome: Outcome, wall_s: float, provider: str = "aws", code: str | None = None, lost: int = 0
 ) -> AttemptRecord:
     return AttemptRecord(
         attempt=1,
@@ -68,6 +68,7 @@ def _attempt(
         cause="",
         wall_s=wall_s,
         trainer_code=code,
+        lost_steps=lost,
     )
 
 
@@ -76,8 +77,10 @@ def _attempt(
     [
         ([], 7200.0, 0),  # no history: the prior
         ([_attempt(Outcome.COMPLETED, 3600)], (3600 + 7200) / 1, 0),  # an hour without a reclaim
-        ([_attempt(Outcome.PREEMPTED, 600), _attempt(Outcome.LOST, 600)], (1200 + 7200) / 3, 2),
-        ([_attempt(Outcome.PREEMPTED, 600, code="STOPPED")], (600 + 7200) / 1, 0),  # --max-steps: planned
+        ([_attempt(Outcome.PREEMPTED, 600, lost=40), _attempt(Outcome.LOST, 600)], (1200 + 7200) / 3, 2),
+        # a notice's emergency checkpoint kept every step: a restart, but no work lost
+        ([_attempt(Outcome.PREEMPTED, 600), _attempt(Outcome.PREEMPTED, 600, lost=7)], (1200 + 7200) / 2, 1),
+        ([_attempt(Outcome.PREEMPTED, 600, code="STOPPED", lost=3)], (600 + 7200) / 1, 0),  # --max-steps
         ([_attempt(Outcome.CRASHED, 600), _attempt(Outcome.CANCELLED, 600)], (1200 + 7200) / 1, 0),
         ([_attempt(Outcome.PREEMPTED, 600, provider="local")], 7200.0, 0),  # another provider's history
     ],
