@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQ
     from spotrun.server import PrefectApi
     from tasks.decisions.policy import RetryPolicy
     from tasks.history import AttemptRow
+    from tasks.market.prices import Prices
     from tasks.providers.registry import ProviderConfig
     from tasks.settings import Settings
 
@@ -111,7 +112,7 @@ def run_one(
             markup=False,
         )
         return EXIT_OK
-    _check_deadline(job, settings.database_url, out)
+    _check_deadline(job, settings.database_url, out, prices=_known_prices(provider))
     with prefect_api(settings.home, background="no" if args.temporary_server else "start") as api:
         out.print(server_line(api), markup=False)
         out.print(f"flow run of {which} against {api.url}; checkpoints in {job.storage}", markup=False)
@@ -443,9 +444,27 @@ def add_run(sub: Subparsers) -> None:
     p.set_defaults(handler=cmd_run)
 
 
-def _check_deadline(job: JobSpec, database_url: str, out: Any) -> None:
+def _known_prices(provider: ProviderConfig) -> Prices | None:
+    """The prices a provider's settings name (the local trace replay's), without asking any cloud: EC2's
+    come from its API, which the flow's check asks."""
+    spot, on_demand = (
+        getattr(provider, "spot_price_per_h", 0.0),
+        getattr(provider, "on_demand_price_per_h", 0.0),
+    )
+    if (
+        getattr(provider, "trace", None) is None
+        or not isinstance(spot, float)
+        or not isinstance(on_demand, float)
+    ):
+        return None
+    from tasks.market.prices import Prices
+
+    return Prices(spot, on_demand)
+
+
+def _check_deadline(job: JobSpec, database_url: str, out: Any, *, prices: Prices | None = None) -> None:
     """A deadline or budget the job cannot meet even on on-demand is refused before anything starts: one
-    line, exit 2 (the flow checks again, with what it measures)."""
+    line, exit 2 (the flow checks again, with what it measures and the provider's prices)."""
     if job.deadline is None and job.budget_usd is None:
         return
     from tasks.deadlines.plan import measure, submission_problem
@@ -463,7 +482,7 @@ def _check_deadline(job: JobSpec, database_url: str, out: Any) -> None:
         done = 0
     now = time.time()
     problem, warning = submission_problem(
-        job, now=now, start=now, done_step=done, measured=measure(job, history), prices=None
+        job, now=now, start=now, done_step=done, measured=measure(job, history), prices=prices
     )
     if warning is not None:
         out.print(f"warning: {warning}", markup=False)

@@ -519,3 +519,23 @@ def test_run_refuses_a_deadline_even_on_demand_cannot_make_in_one_line(
     code, _, err = run(capsys, "run", str(spec))
     assert_one_line_error(code, err, "refused: deadline 10m is 0.17 h away", "1000 steps left take 0.31 h")
     assert not (tmp_path / "home" / "prefect").exists()  # no server was started, no flow run made
+
+
+def test_run_refuses_a_budget_the_replays_prices_cannot_pay_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # refused before any server is asked
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: priced\nrecipe: digits\ntotal_steps: 1000\nseconds_per_step: 1\nbudget_usd: 0.1\n"
+        f"storage: {tmp_path / 'store'}\n"
+    )
+    traces = Path(__file__).resolve().parents[1] / "data" / "spot-traces" / "us-east-2"
+    provider = tmp_path / "provider.yaml"
+    provider.write_text(
+        f"kind: local\ntrace: {traces}\nspot_price_per_h: 0.918\non_demand_price_per_h: 3.06\n"
+    )
+    code, _, err = run(capsys, "run", str(spec), "--provider", str(provider))
+    assert_one_line_error(code, err, "refused: budget_usd 0.1 cannot pay", "even all on spot")
+    assert not (tmp_path / "home" / "prefect").exists()
