@@ -128,6 +128,9 @@ def bench_job(storage: Path, size: Size, total_steps: int) -> JobSpec:
         total_steps=total_steps,
         threads=1,
         checkpoint={"every_steps": None, "every_seconds": size.every_s, "keep": keep},
+        # the per-step times this benchmark reads stay in storage: with MLflow on, the tracker deletes
+        # the metrics objects it holds (tasks/tracking/collect.py), and the timeline would lose them
+        tracking={**(data.get("tracking") or {}), "mlflow": False},
     )
     return parse_spec(data, f"the benchmark's job (from {DEMO_JOB.name})")
 
