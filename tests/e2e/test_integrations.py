@@ -84,9 +84,13 @@ def test_the_transformers_script_survives_three_reclaims_bitwise(
     prefect_api: str, home: Path, tmp_path: Path, hf_job: JobSpec
 ) -> None:
     # seconds of training after each attempt's first step (the clock starts at the script's first
-    # step, not at its imports); a notice leaves 10 s for the save, and the noticed attempt trains
-    # on until its replacement stands by
-    state = run_flow(hf_job, schedule((0.3, True), (0.3, False), (0.3, True), notice_s=10))
+    # step, not at its imports); a notice leaves 10 s for the save. No prewarm: a noticed attempt then
+    # saves and stops at once, where with a replacement coming it would train on through the notice
+    # (at ~100 steps/s on a quiet machine, to the job's end: then it completes, and the three reclaims
+    # this test is about never happen). 180 steps: each attempt makes 10-45 of them in its 0.3 s.
+    hf_job = hf_job.model_copy(update={"total_steps": 180})
+    provider = schedule((0.3, True), (0.3, False), (0.3, True), notice_s=10)
+    state = run_flow(hf_job, provider.model_copy(update={"prewarm": False}))
     assert state.is_completed(), state.message
     rows = attempts(home)
     assert [r.outcome.value for r in rows] == ["preempted", "preempted", "preempted", "completed"]

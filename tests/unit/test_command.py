@@ -116,6 +116,23 @@ def test_a_scripts_exit_is_classified(rc: int, stopped: bool, code: ExitCode) ->
     assert _classify(rc, stopped) is code
 
 
+# (exit code, stop forwarded, the job's last step durable): a notice during the last steps, trained through
+@pytest.mark.parametrize(
+    ("rc", "stopped", "code"),
+    [
+        (0, True, ExitCode.COMPLETED),
+        (75, True, ExitCode.COMPLETED),  # the callback's stop exit after the save of the last step
+        (-15, True, ExitCode.COMPLETED),
+        (1, True, ExitCode.CRASHED),
+        (0, False, ExitCode.COMPLETED),
+    ],
+)
+def test_a_script_stopped_after_its_last_step_is_durable_completed(
+    rc: int, stopped: bool, code: ExitCode
+) -> None:
+    assert _classify(rc, stopped, finished=True) is code
+
+
 def spec(tmp_path: Path, **fields: Any) -> JobSpec:
     base = {"name": "cmd", "command": ["python", "train.py", "{checkpoint_dir}"], "total_steps": 10}
     return JobSpec.model_validate(base | {"storage": str(tmp_path / "store")} | fields)

@@ -228,7 +228,8 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
         if progress.losses is not None:
             progress.losses.close()
     progress.begin()  # a script that ended before reporting anything still had its attempt
-    code = _classify(rc, forwarded)
+    finished = progress.durable is not None and progress.durable >= spec.total_steps
+    code = _classify(rc, forwarded, finished=finished)
     log.info("command exited %d: %s", rc, code.name)
     if code is ExitCode.COMPLETED:
         final = max(progress.step, progress.durable or 0)
@@ -255,10 +256,15 @@ def _float(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
-def _classify(rc: int, stopped: bool) -> ExitCode:
+def _classify(rc: int, stopped: bool, *, finished: bool = False) -> ExitCode:
     """The attempt's exit code from the script's: 0 is completion unless a stop was forwarded (then it
     stopped early, and a resume finds out whether anything is left); 75 and a death by the forwarded
-    signal are a preemption; 2 (argparse's usage error) and 3 keep their meaning; the rest is a crash."""
+    signal are a preemption; 2 (argparse's usage error) and 3 keep their meaning; the rest is a crash.
+    `finished`: the job's last step is durable, so a stop that came while the script trained through a
+    notice to its end (0 or 75) is a completion: a resume from the last step would train on past it (a
+    Transformers script resumed at max_steps takes one more step)."""
+    if finished and (rc == 0 or (stopped and (rc == 75 or rc < 0))):
+        return ExitCode.COMPLETED
     if rc == 0:
         return ExitCode.PREEMPTED if stopped else ExitCode.COMPLETED
     if stopped and rc < 0:
