@@ -164,61 +164,72 @@ _EMITTING_RUN = "{{ flow_run.id | default('') | string }}"
 
 def _unverified(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
     """A checkpoint whose signature the controller cannot check (tasks/control/checkpoints.py)."""
-    parameters = alert_parameters(
-        AlertKind.CANNOT_VERIFY.value,
+    return _once_a_window_alert(
         rules,
+        alert_deployment_id,
+        name=UNVERIFIED,
+        kind=AlertKind.CANNOT_VERIFY,
+        event=CHECKPOINT_UNVERIFIED,
         checkpoint="step {{ event.payload.step | default('?') }}",
-        reason="{{ event.payload.problem | default('') }}",
-        training_flow_run_id=_EMITTING_RUN,
-    )
-    return automation(
-        UNVERIFIED,
-        f"a checkpoint's signature cannot be checked with the controller's keys (at most one alert per job"
-        f" within {rules.restart_window_s:g} s); it is kept, never quarantined",
-        _once_a_window(CHECKPOINT_UNVERIFIED, rules),
-        deployment_id=alert_deployment_id,
-        parameters=parameters,
+        what="a checkpoint's signature cannot be checked with the controller's keys",
+        then="it is kept, never quarantined",
     )
 
 
 def _disk_full(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
     """The controller's disk filled up during its check (tasks/control/loop.py): `checkpoint` says where,
     the flow cache and its host (an older event without them: what it has)."""
-    where = (
-        "{{ event.payload.cache | default('') }}"
-        "{% if event.payload.host is defined %} on {{ event.payload.host }}{% endif %}"
-    )
-    parameters = alert_parameters(
-        AlertKind.DISK_FULL.value,
+    return _once_a_window_alert(
         rules,
-        checkpoint=where,
-        reason="{{ event.payload.problem | default('') }}",
-        training_flow_run_id=_EMITTING_RUN,
-    )
-    return automation(
-        DISK_FULL,
-        f"the controller's disk filled up during its checkpoint check (at most one alert per job within"
-        f" {rules.restart_window_s:g} s); the check was skipped and the next one retries",
-        _once_a_window(CONTROLLER_DISK_FULL, rules),
-        deployment_id=alert_deployment_id,
-        parameters=parameters,
+        alert_deployment_id,
+        name=DISK_FULL,
+        kind=AlertKind.DISK_FULL,
+        event=CONTROLLER_DISK_FULL,
+        checkpoint="{{ event.payload.cache | default('') }}"
+        "{% if event.payload.host is defined %} on {{ event.payload.host }}{% endif %}",
+        what="the controller's disk filled up during its checkpoint check",
+        then="the check was skipped and the next one retries",
     )
 
 
 def _at_risk(rules: AlertRules, alert_deployment_id: UUID) -> AutomationCore:
     """A job that even on-demand can no longer finish by its deadline (tasks/control/market.py)."""
-    parameters = alert_parameters(
-        AlertKind.DEADLINE_AT_RISK.value,
+    return _once_a_window_alert(
         rules,
+        alert_deployment_id,
+        name=AT_RISK,
+        kind=AlertKind.DEADLINE_AT_RISK,
+        event=DEADLINE_AT_RISK,
         checkpoint="{{ event.payload.deadline | default('') }}",
+        what="a job cannot make its deadline even on on-demand",
+        then="it goes on best-effort",
+    )
+
+
+def _once_a_window_alert(
+    rules: AlertRules,
+    alert_deployment_id: UUID,
+    *,
+    name: str,
+    kind: AlertKind,
+    event: str,
+    checkpoint: str,
+    what: str,
+    then: str,
+) -> AutomationCore:
+    """An alert about one job's `event`, at most once a window: `checkpoint` (a template) says what it
+    is about, the event's `problem` why."""
+    parameters = alert_parameters(
+        kind.value,
+        rules,
+        checkpoint=checkpoint,
         reason="{{ event.payload.problem | default('') }}",
         training_flow_run_id=_EMITTING_RUN,
     )
     return automation(
-        AT_RISK,
-        f"a job cannot make its deadline even on on-demand (at most one alert per job within"
-        f" {rules.restart_window_s:g} s); it goes on best-effort",
-        _once_a_window(DEADLINE_AT_RISK, rules),
+        name,
+        f"{what} (at most one alert per job within {rules.restart_window_s:g} s); {then}",
+        _once_a_window(event, rules),
         deployment_id=alert_deployment_id,
         parameters=parameters,
     )
