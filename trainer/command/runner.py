@@ -263,8 +263,13 @@ def _classify(rc: int, stopped: bool, *, finished: bool = False) -> ExitCode:
     `finished`: the job's last step is durable, so a stop that came while the script trained through a
     notice to its end (0 or 75) is a completion: a resume from the last step would train on past it (a
     Transformers script resumed at max_steps takes one more step)."""
-    if finished and (rc == 0 or (stopped and (rc == 75 or rc < 0))):
+    code = _script_exit(rc, stopped)
+    if finished and stopped and code is ExitCode.PREEMPTED:
         return ExitCode.COMPLETED
+    return code
+
+
+def _script_exit(rc: int, stopped: bool) -> ExitCode:
     if rc == 0:
         return ExitCode.PREEMPTED if stopped else ExitCode.COMPLETED
     if stopped and rc < 0:
