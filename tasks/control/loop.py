@@ -240,11 +240,15 @@ def _attempt(
     ahead: Prewarm | None = None
     standby: WarmStandby | None = None
 
-    def at_notice() -> None:  # the replacement plans for the reclaim that is happening now
+    def reclaimed_args() -> list[str]:  # the replacement plans for the reclaim that is happening now
+        assert worker is not None
+        return runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at)
+
+    def at_notice() -> None:
         assert ahead is not None and worker is not None
         if not ahead.started:  # the noticed trainer trains on until this replacement stands by
             announce(job, worker.id, sink)
-        ahead.start(lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at))
+        ahead.start(reclaimed_args)
 
     def at_rebalance(rec: Notice) -> None:  # elevated risk: the replacement boots, this one trains on
         assert ahead is not None and worker is not None
@@ -254,10 +258,7 @@ def _attempt(
                 logging.WARNING, f"worker {worker.id}: {rec.cloud} {rec.action}: starting its replacement"
             )
             announce(job, worker.id, sink)  # read only once a notice stops it: then it hands over
-        ahead.start(
-            lambda: runlog.trainer_args(reclaimed_after_s=time.time() - worker.started_at),
-            stand_by_s=provider.rebalance_wait_s,
-        )
+        ahead.start(reclaimed_args, stand_by_s=provider.rebalance_wait_s)
 
     history = job_history(runlog.store, job.name, runlog.records)
     dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)

@@ -132,8 +132,7 @@ class MarketChooser:
             except ProvisionError as e:
                 if not e.retryable or market != "spot":
                     raise
-                if self.short_since is None:
-                    self.short_since = self.clock()
+                if self.spot_refused():
                     self.sink.log(logging.INFO, f"no spot capacity: {e}")
                 continue
             if market == "spot":
@@ -178,13 +177,20 @@ class MarketChooser:
         except ProvisionError as e:
             if not e.retryable:
                 raise
-            if self.short_since is None:
-                self.short_since = self.clock()
+            self.spot_refused()
             decision = self.decide(records, done_step)
             if decision.choice != "on-demand":
                 raise
         self.note(decision)
         return launch("on-demand"), f"prewarmed at the notice: {decision.reason}"
+
+    def spot_refused(self) -> bool:
+        """A spot launch was refused for capacity: spot is short from now, unless it already was (then
+        False: the shortage goes on from its first refusal, as `max_wait_s` counts it)."""
+        if self.short_since is not None:
+            return False
+        self.short_since = self.clock()
+        return True
 
     def note(self, decision: Decision) -> None:
         if self.last is not None and self.last.choice == decision.choice:
@@ -224,8 +230,7 @@ class BackToSpot:
                 self.mine = False
                 self.off = not (isinstance(error, ProvisionError) and error.retryable)
                 c.sink.log(logging.INFO, f"staying on on-demand: no spot worker ({error})")
-                if c.short_since is None:
-                    c.short_since = c.clock()
+                c.spot_refused()
             return
         now = c.clock()
         if now - self.asked_at < c.poll_s:
