@@ -447,19 +447,9 @@ def add_run(sub: Subparsers) -> None:
 def _known_prices(provider: ProviderConfig) -> Prices | None:
     """The prices a provider's settings name (the local trace replay's), without asking any cloud: EC2's
     come from its API, which the flow's check asks."""
-    spot, on_demand = (
-        getattr(provider, "spot_price_per_h", 0.0),
-        getattr(provider, "on_demand_price_per_h", 0.0),
-    )
-    if (
-        getattr(provider, "trace", None) is None
-        or not isinstance(spot, float)
-        or not isinstance(on_demand, float)
-    ):
-        return None
-    from tasks.market.prices import Prices
+    from tasks.providers.local import LocalProviderConfig
 
-    return Prices(spot, on_demand)
+    return provider.prices() if isinstance(provider, LocalProviderConfig) else None
 
 
 def _check_deadline(job: JobSpec, database_url: str, out: Any, *, prices: Prices | None = None) -> None:

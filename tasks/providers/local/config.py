@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tasks.market.prices import Prices
 from tasks.market.traces import load
 from tasks.providers.trainer_env import trainer_env
 from trainer.checkpoint.signing import KEY_ENV
@@ -185,6 +186,10 @@ class LocalProviderConfig(BaseModel):
         except ConfigError as e:  # the trace's own one line, as a settings error
             raise ValueError(str(e)) from None
         return self
+
+    def prices(self) -> Prices | None:
+        """What an hour costs in a trace replay (its settings); None without a trace: nothing is priced."""
+        return None if self.trace is None else Prices(self.spot_price_per_h, self.on_demand_price_per_h)
 
     def workers_dir(self, default: Path) -> Path:
         """`workdir` if set, else `default`."""

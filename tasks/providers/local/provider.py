@@ -120,10 +120,9 @@ class LocalProvider:
         self.flow_run_id = flow_run_id  # named in the storage lease (SPOTRUN_FLOW_RUN_ID)
         self.market = TraceMarket.of(self.cfg)  # one replay clock for all this provider's workers
         self.capacity_poll_s = 30.0  # a spot market without capacity: asked again this often
-        self.prices: Prices | None = None
-        if self.market is not None:  # a replay: look again each tick, at the settings' prices
+        self.prices: Prices | None = self.cfg.prices()
+        if self.market is not None:  # a replay: look again each tick
             self.capacity_poll_s = self.market.traces[0].gap_s / self.market.compress
-            self.prices = Prices(self.cfg.spot_price_per_h, self.cfg.on_demand_price_per_h)
         self.clock = clock  # the replay's (a test moves it to a tick of its choosing)
 
     def provision(
