@@ -17,8 +17,8 @@ from trainer.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.slow
 
-# 0.5 s ticks: no spot for 2 s, spot for 2 s, none for 3 s, then spot
-CAPACITY = [0] * 4 + [1] * 4 + [0] * 6 + [1] * 400
+# 0.5 s ticks: no spot for 2 s, spot for 1 s, none for 4 s, then spot
+CAPACITY = [0] * 4 + [1] * 2 + [0] * 8 + [1] * 400
 
 
 def test_a_dated_job_waits_out_outages_and_completes_bitwise(
@@ -26,11 +26,11 @@ def test_a_dated_job_waits_out_outages_and_completes_bitwise(
 ) -> None:
     trace = tmp_path / "us-test-1a_v100_1.json"
     trace.write_text(json.dumps({"metadata": {"gap_seconds": 1}, "data": CAPACITY}))
-    # 800 steps (8 s here, 2-3.5 s on a fast machine) do not fit the first 2 s of capacity with the
-    # start (a reclaim before the first step is a reclaim too); 20 minutes leave a slack far above the
-    # policy's reserve of four starts (a start is assumed to cost 120 s before one is measured), so it
-    # waits for spot rather than renting on-demand
-    spec = job(tmp_path, total_steps=800, deadline="20m", seconds_per_step=0.005)
+    # 2,000 steps (4 s at the fastest, 2 ms a step on a quiet machine) do not fit the first 1 s of
+    # capacity with the start (a reclaim before the first step is a reclaim too); 20 minutes leave a
+    # slack far above the policy's reserve of four starts (a start is assumed to cost 120 s before one
+    # is measured), so it waits for spot rather than renting on-demand
+    spec = job(tmp_path, total_steps=2000, deadline="20m", seconds_per_step=0.005)
     # no prewarm: a noticed trainer then saves and stops at once (with a replacement coming it would
     # train on through the notice, and might finish the job before its reclaim)
     provider = LocalProviderConfig(
@@ -41,7 +41,7 @@ def test_a_dated_job_waits_out_outages_and_completes_bitwise(
     rows = attempts(home)
     assert [r.outcome.value for r in rows] == ["preempted", "completed"], [(r.outcome, r.cause) for r in rows]
     assert rows[0].extra["trace"]["zone"] == "us-test-1a", rows[0].extra  # the zone's drop reclaimed it
-    assert rows[0].extra["trace"]["reclaimed_at_tick"] in range(8, 14) and "notice" in rows[0].cause
+    assert rows[0].extra["trace"]["reclaimed_at_tick"] in range(6, 14) and "notice" in rows[0].cause
     assert [r.extra["market"] for r in rows] == ["spot", "spot"]
     assert rows[0].extra["waited_s"] >= 1.5 and "spot capacity is back" in rows[0].extra["market_reason"]
     assert rows[0].extra["cost"]["market"] == "spot" and rows[0].extra["cost"]["zone"] == "us-test-1a"
