@@ -47,7 +47,7 @@ def test_a_reclaim_without_notice_hands_the_job_to_the_warm_standby_bitwise(
             "name": "warm",
             "recipe": "digits",
             "args": {"hidden": 32},
-            "total_steps": 300,
+            "total_steps": 1500,  # 3 s at the fastest: the kill after 1 s of training always comes first
             "threads": 1,
             "seed": 7,
             "checkpoint": {"every_steps": 10, "keep": 3},
