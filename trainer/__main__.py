@@ -68,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--resume-from", help="require resuming from this step (or a step_NNN directory URI)")
     p.add_argument(
+        "--skip-steps",
+        action="append",
+        default=[],
+        metavar="N@STEP",
+        help="when resuming from checkpoint STEP, skip the data of the next N steps (a rollback after a "
+        "loss spike: tasks/control/rollback.py); repeatable",
+    )
+    p.add_argument(
         "--allow-changes",
         action="store_true",
         help="resume a checkpoint made with other training settings (seed, batch_size, amp, recipe args "
@@ -289,6 +297,7 @@ def _run(
     # a bad --resume-from or --inject-fault: one line here, before any storage or rank starts
     resume_from = _resume_source(args.resume_from, spec)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
+    skips = tuple(_skip(v) for v in args.skip_steps)
     storage = spec.open_storage(uri)
     heartbeat = HeartbeatWriter(storage, env.worker_id) if env.worker_id is not None else None
     if heartbeat is not None:
@@ -360,6 +369,7 @@ def _run(
                 stop=stop,
                 resume_from=resume_from,
                 fault=fault,
+                skip_steps=skips,
                 mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
                 claim=(lambda: lease_scope.enter_context(lease())) if env.rank == 0 else None,
                 prewarmed=args.prewarm_wait > 0,
@@ -414,6 +424,16 @@ def _resume_source(value: str | None, spec: JobSpec) -> ResumeSource | None:
             f"--resume-from {value!r}: give a step number or a .../step_NNNNNNNNN directory URI"
         )
     return ResumeSource(step, spec.open_storage(parent))
+
+
+def _skip(value: str) -> tuple[int, int]:
+    """`--skip-steps N@STEP` as (STEP, N)."""
+    n, _, step = value.partition("@")
+    if not (n.isdigit() and step.isdigit()):
+        raise ConfigError(
+            f"--skip-steps {value!r}: give N@STEP, such as 6@100 (the data of 6 steps after step 100)"
+        )
+    return int(step), int(n)
 
 
 def _exit_now(code: int) -> None:

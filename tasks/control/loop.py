@@ -37,6 +37,7 @@ from tasks.control.checkpoints import (
 from tasks.control.hooks import after_attempt
 from tasks.control.market import MarketChooser
 from tasks.control.prewarm import Prewarm
+from tasks.control.rollback import roll_back
 from tasks.control.runlog import JobRunLog
 from tasks.control.sinks import PlainSink as PlainSink
 from tasks.control.sinks import Sink
@@ -136,6 +137,8 @@ def _loop(
                 job, provider, sink, runlog=runlog, attempt=attempt, ready=ahead, chooser=chooser
             )
             after_attempt(job, record, sink)  # the hooks' events, and on_attempt_end (tasks/control/hooks.py)
+            if record.outcome is Outcome.ROLLED_BACK:  # a loss spike: its checkpoints out, its data skipped
+                _roll_back(job, record, sink)
             if record.outcome is not Outcome.COMPLETED:  # integrity only; the trainer picks the resume point
                 point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
                 if point is not None:
@@ -295,7 +298,19 @@ def _attempt(
         record.extra.update(standby.extra(result.ended_at, provider.prices))
     if result.stopped_by is StopCause.MARKET:
         record.extra[MARKET_MOVE] = "spot"
+    if ahead is not None and ahead.started and record.outcome is Outcome.ROLLED_BACK:
+        ahead.discard(provider)  # it may have resumed from a checkpoint the rollback quarantines
+        ahead = None
     return record, (ahead if ahead is not None and ahead.started else None)
+
+
+def _roll_back(job: JobSpec, record: AttemptRecord, sink: Sink) -> None:
+    """The rollback (tasks/control/rollback.py), as a task run; a storage that cannot be reached leaves
+    the checkpoints in place with an error line (the next trainer fails on that storage too)."""
+    try:
+        sink.step("roll-back", roll_back, job, record, sink)
+    except StorageError as e:
+        sink.log(logging.ERROR, f"rollback not done, checkpoints left in place: {e}")
 
 
 def _stop_unwatched(provider: Provider, worker: Worker, error: BaseException, sink: Sink) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import yaml
 
 from tasks.control.checkpoints import ResumePoint
-from tasks.control.trainer_args import trainer_args
+from tasks.control.trainer_args import skip_args, trainer_args
 from tasks.decisions.attempts import AttemptRecord
 from tasks.decisions.lost_steps import lost_steps, walk
 from tasks.decisions.outcome import add_facts, classify, provision_failed_record, to_record
@@ -248,9 +248,10 @@ class JobRunLog:
 
     def trainer_args(self, reclaimed_after_s: float | None = None) -> list[str]:
         """What the next trainer is told beyond the job file (tasks/control/trainer_args.py)."""
-        return trainer_args(
+        planned = trainer_args(
             self.job, self.store, self.provider_name, sink=self.sink, reclaimed_after_s=reclaimed_after_s
         )
+        return planned + skip_args(self.records)
 
     def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
         """The attempt's record: its outcome, its facts and its resume check (and its timeline trace)."""

@@ -1,14 +1,19 @@
 """What the next trainer is told beyond the job file, from this job's history in SQL.
 
-Today that is one thing: with `checkpoint.every: auto`, how often this job's workers are reclaimed on
-this provider (tasks/decisions/mtbf.py), which the trainer's interval tuner plans its checkpoint interval for.
+Two things: with `checkpoint.every: auto`, how often this job's workers are reclaimed on this provider
+(tasks/decisions/mtbf.py), which the trainer's interval tuner plans its checkpoint interval for; and
+after a rollback, the data to skip at a resume from the checkpoint gone back to (tasks/control/rollback.py),
+read from the job run's rows, so a controller that adopts the run after a crash passes it on too.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
+from tasks.control.rollback import ROLLBACK
+from tasks.decisions.attempts import AttemptRecord
 from tasks.decisions.mtbf import estimate_mtbf
 from tasks.history import StoreUnavailable
 from tasks.history.models import AttemptRow
@@ -38,3 +43,13 @@ def trainer_args(
     est = estimate_mtbf(rows, provider, job.checkpoint.mtbf_prior_s, reclaimed_after_s=reclaimed_after_s)
     sink.log(logging.INFO, f"checkpoint interval planned for {est.describe()}")
     return ["--mtbf-s", f"{est.mtbf_s:.0f}"]
+
+
+def skip_args(records: Sequence[AttemptRecord]) -> list[str]:
+    """`--skip-steps N@STEP` for every rollback of the job run that skips data (rows oldest first)."""
+    out: list[str] = []
+    for r in records:
+        rb = r.extra.get(ROLLBACK)
+        if isinstance(rb, dict) and rb.get("skip_steps"):
+            out += ["--skip-steps", f"{int(rb['skip_steps'])}@{int(rb.get('to_step') or 0)}"]
+    return out

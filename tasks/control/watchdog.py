@@ -32,10 +32,20 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from tasks.decisions.anomaly import LossSpikes, Throughput
 from tasks.decisions.attempts import AttemptRecord
 from tasks.decisions.watchdog import Limit, describe, history_figures, limits, measured
 from tasks.history import HistoryStore, StoreUnavailable
-from tasks.providers.base import LogCallback, Provider, StatusCallback, WatchResult, Worker
+from tasks.providers.base import (
+    LogCallback,
+    Provider,
+    StatusCallback,
+    StopCause,
+    StopWorker,
+    WatchResult,
+    Worker,
+)
+from trainer.exitcodes import ExitCode
 from trainer.spec.watchdog import WatchdogOptions
 from trainer.telemetry.records import (
     Durable,
@@ -83,6 +93,10 @@ class ProgressWatchdog:
         self.saves: deque[float] = deque(maxlen=SAMPLES)
         self._limits: dict[str, Limit] | None = None  # recomputed when a sample arrives
         self.fired: dict[str, Any] | None = None
+        self._kill_due = False  # a rule fired on a record: the guard's next tick kills
+        spike, rate = opts.loss_spike, opts.throughput
+        self.spikes = LossSpikes(spike.factor, spike.window, spike.patience) if spike else None
+        self.rate = Throughput(rate.factor, rate.window_s) if rate else None
 
     # ---- the records (the watch's thread) ----
 
@@ -97,6 +111,8 @@ class ProgressWatchdog:
             elif isinstance(rec, Section):
                 self._section = (rec.name, now) if rec.begin else None
                 self._armed_at = max(self._armed_at, now)  # the step clock starts again at its end
+                if self.rate is not None:
+                    self.rate.reset()
             elif isinstance(rec, Durable):
                 if self._saving is not None and rec.step >= self._saving[0]:
                     self.saves.append(max(0.0, rec.t - self._saving[2]))
@@ -117,9 +133,37 @@ class ProgressWatchdog:
             self._limits = None
         if isinstance(rec, Step):
             self._last_t = rec.t
+            self._rules(rec)
         else:
             self._saving = (rec.step, now, rec.t)
         self._armed_at = now
+
+    def _rules(self, rec: Step) -> None:
+        """The loss-spike and throughput rules on one step record (the lock is held). A spike is killed
+        by the guard's next tick (the state is suspect: no emergency checkpoint of it); a collapse stops
+        the worker from this thread (`StopWorker`: its emergency checkpoint first, the host is suspect)."""
+        if self.fired is not None or self.phase != "running" or self._section is not None:
+            return
+        if self.spikes is not None and rec.loss is not None:
+            spike = self.spikes.observe(rec.step, rec.loss)
+            if spike is not None:
+                self._rule_fired("loss_spike", spike.describe(), spike.as_dict())
+                self._kill_due = True
+                return
+        if self.rate is not None:
+            collapse = self.rate.observe(rec.t, rec.step)
+            if collapse is not None:
+                self._rule_fired("throughput", collapse.describe(), collapse.as_dict())
+                raise StopWorker(StopCause.WATCHDOG, collapse.describe())
+
+    def _rule_fired(self, section: str, detail: str, facts: dict[str, Any]) -> None:
+        self.fired = {
+            "section": section,
+            "detail": detail,
+            "step": self.last_step,
+            "fired_at": time.time(),
+            **facts,
+        }
 
     # ---- the clock (the guard's thread) ----
 
@@ -133,6 +177,9 @@ class ProgressWatchdog:
     def check(self, now: float) -> dict[str, Any] | None:
         """The firing (what timed out, after how long) if the silence now exceeds its limit, else None."""
         with self._lock:
+            if self._kill_due:  # a rule fired on a record: kill now
+                self._kill_due = False
+                return self.fired
             if not self.opts.enabled or self.fired is not None or self.phase in ("waiting", "off"):
                 return None
             if self._section is not None:  # a long evaluation is no hang: timed only if the job says so
@@ -197,6 +244,15 @@ class ProgressWatchdog:
     def finish(self, result: WatchResult) -> WatchResult:
         """Put the firing (if any) and the calibration into the result: `hung`, `facts["watchdog"]`."""
         with self._lock:
+            diverged = result.trainer_code == ExitCode.DIVERGED.name
+            if self.fired is None and self.spikes is not None and diverged:
+                # the loss went NaN or infinite: the sharpest spike, rolled back by the same rule
+                first = result.last_step + 1
+                self._rule_fired(
+                    "loss_spike",
+                    f"loss spike: not finite at step {first}",
+                    {"first_bad_step": first, "last_good_step": self.spikes.last_good_step, "diverged": True},
+                )
             facts: dict[str, Any] = {
                 "limits": {s: lim.as_dict() for s, lim in self.limits().items()},
                 "measured": measured(self.starts, list(self.steps), list(self.saves)).as_dict(),
@@ -221,7 +277,13 @@ def watched(
     if dog is None:
         return provider.watch(worker, on_status, on_log)
     with dog.guard(lambda: provider.release(worker), worker.id):
-        result = provider.watch(worker, on_status, on_log)
+        try:
+            result = provider.watch(worker, on_status, on_log)
+        except StopWorker as e:
+            if e.cause is not StopCause.WATCHDOG:
+                raise
+            log.warning("%s: %s; stopping it", worker.id, e)
+            result = provider.stop(worker, e.cause)  # its emergency checkpoint, then gone
     return dog.finish(result)
 
 

@@ -20,6 +20,7 @@ class Outcome(StrEnum):
     CRASHED = "crashed"  # non-zero exit or signal without a notice: bug, OOM, NaN, storage
     LOST = "lost"  # no heartbeat for the configured time; the worker was killed
     HUNG = "hung"  # the progress watchdog's start-up, step or save timeout fired; the worker was killed
+    ROLLED_BACK = "rolled_back"  # a loss spike: killed, its newer checkpoints quarantined, resumed before it
     PROVISION_FAILED = "provision_failed"  # no worker could be started
     CANCELLED = "cancelled"  # the controller stopped it: a cancel, Ctrl-C, or the controller's own end
 

@@ -14,7 +14,6 @@ import re
 import signal
 from bisect import bisect_left
 from dataclasses import asdict
-from typing import Any
 
 from tasks.decisions import lost_steps as rule
 from tasks.decisions.attempts import AttemptRecord, Outcome
@@ -38,10 +37,10 @@ def classify(result: WatchResult, completed: bool) -> tuple[Outcome, str]:
         return Outcome.COMPLETED, f"completed at step {result.last_step}{ended}"
     if result.stopped_by is StopCause.MARKET:  # a planned move: retried at once, like a reclaim
         return Outcome.PREEMPTED, _stopped_cause(result)
+    if result.hung is not None:  # the watchdog's kill, or its stop on a throughput collapse
+        return _watchdog_outcome(result)
     if result.stopped_by is not None:
         return Outcome.CANCELLED, _stopped_cause(result)
-    if result.hung is not None:
-        return Outcome.HUNG, _hung_cause(result.hung)
     if result.lost:
         return Outcome.LOST, _lost_cause(result)
     if code in FATAL_CODES:
@@ -102,6 +101,7 @@ STOPPED_BY = {
     StopCause.INTERRUPT: "interrupted (Ctrl-C)",
     StopCause.ERROR: "the controller failed",
     StopCause.MARKET: "moved to spot by the market policy",
+    StopCause.WATCHDOG: "stopped for a fresh worker",
 }
 
 
@@ -122,8 +122,14 @@ def _lost_cause(result: WatchResult) -> str:
     return f"no heartbeat for {silent} (after step {result.last_step}); worker killed"
 
 
-def _hung_cause(hung: dict[str, Any]) -> str:
-    return f"{describe(hung.get('fired', {}))}; worker killed"
+def _watchdog_outcome(result: WatchResult) -> tuple[Outcome, str]:
+    """A loss spike rolls back; a throughput collapse or a timeout is a hung attempt."""
+    fired = (result.hung or {}).get("fired", {})
+    if fired.get("section") == "loss_spike":
+        return Outcome.ROLLED_BACK, f"{describe(fired)}; worker killed, rolled back"
+    if result.stopped_by is StopCause.WATCHDOG:
+        return Outcome.HUNG, f"{describe(fired)}; {_stopped_cause(result)}"
+    return Outcome.HUNG, f"{describe(fired)}; worker killed"
 
 
 def lost_steps(result: WatchResult, next_resume_step: int | None, *, completed: bool = False) -> int:
@@ -161,7 +167,7 @@ def error_summary(result: WatchResult, outcome: Outcome, cause: str) -> str:
     text = _first_line(result.trainer_error) or last_exception(result.log_tail)
     if text:
         return text
-    return cause if outcome in (Outcome.CRASHED, Outcome.LOST, Outcome.HUNG) else ""
+    return cause if outcome in (Outcome.CRASHED, Outcome.LOST, Outcome.HUNG, Outcome.ROLLED_BACK) else ""
 
 
 def to_record(

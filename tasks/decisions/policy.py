@@ -6,9 +6,12 @@ at once on a fresh worker, while a crash, a lost worker or a failed provision is
 exponential backoff with jitter (so a fleet of flows does not stampede a recovering service). A hung
 worker (the progress watchdog killed it: a stuck collective, a dead file system) has a budget of its own,
 `max_hung`, and is retried at once on a fresh worker, unless it hung at the same step
-`same_error_limit` times (a deadlock in the code, not the machine). Some
+`same_error_limit` times (a deadlock in the code, not the machine). A loss spike the watchdog's rule
+caught (`rolled_back`: back to the checkpoint before it, its data skipped) has its own budget too,
+`max_rollbacks`: a spike that comes back after each rollback is the run's own instability. Some
 errors stop the run at once: a bad spec or an incompatible checkpoint (CONFIG_ERROR), a diverged loss
-(DIVERGED, a retry from the same checkpoint repeats it), a provider that will never accept the setup,
+(DIVERGED, a retry from the same checkpoint repeats it; with `watchdog.loss_spike` set it is a spike,
+rolled back), a provider that will never accept the setup,
 and the same error at the same step recurring `same_error_limit` times (a deterministic bug).
 """
 
@@ -57,6 +60,12 @@ class RetryPolicy(BaseModel):
         ge=1,
         description="give up at this many hung attempts (the progress watchdog's kills; retried at once)",
     )
+    max_rollbacks: int = Field(
+        default=2,
+        ge=1,
+        description="give up at this many rollbacks (a loss spike: back to the checkpoint before it, "
+        "retried at once)",
+    )
     same_error_limit: int = Field(
         default=2,
         ge=2,
@@ -100,6 +109,13 @@ def decide(attempts: list[AttemptRecord], policy: RetryPolicy, rng: random.Rando
         return Decision("retry", 0.0, f"preempted ({n} of {policy.max_preemptions}): {last.cause}")
     if last.outcome is Outcome.HUNG:
         return _after_hang(attempts, policy)
+    if last.outcome is Outcome.ROLLED_BACK:
+        n = _count(attempts, (Outcome.ROLLED_BACK,))
+        if n >= policy.max_rollbacks:
+            return Decision(
+                "give_up", 0.0, f"gave up after {n} rollbacks (budget {policy.max_rollbacks}): {last.cause}"
+            )
+        return Decision("retry", 0.0, f"rolled back ({n} of {policy.max_rollbacks}): {last.cause}")
     return _after_error(attempts, policy, rng)
 
 

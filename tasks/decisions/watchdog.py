@@ -137,7 +137,9 @@ def measured(starts: Sequence[float], steps: Sequence[float], saves: Sequence[fl
 
 
 def describe(fired: dict[str, Any]) -> str:
-    """One line for a firing: what hung, for how long, against which limit."""
+    """One line for a firing: what hung, for how long, against which limit (or which rule fired)."""
+    if fired.get("detail"):  # a rule (loss spike, throughput collapse) says its own line
+        return str(fired["detail"])
     section = fired.get("section", "")
     what = {
         "startup": "no first step after start",

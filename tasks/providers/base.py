@@ -76,6 +76,7 @@ class StopCause(StrEnum):
     INTERRUPT = "interrupt"  # Ctrl-C
     ERROR = "error"  # the controller itself failed (a callback raised)
     MARKET = "market"  # the market policy moves the job to another market (tasks/control/market.py)
+    WATCHDOG = "watchdog"  # the progress watchdog's throughput rule moves the job to a fresh worker
 
 
 class StopWorker(Exception):

@@ -29,6 +29,7 @@ ATTEMPT_STARTED = "spotrun.attempt.started"
 ATTEMPT_PREEMPTED = "spotrun.attempt.preempted"
 ATTEMPT_FAILED = "spotrun.attempt.failed"
 ATTEMPT_HUNG = "spotrun.attempt.hung"  # the progress watchdog killed the worker (tasks/control/watchdog.py)
+ATTEMPT_ROLLED_BACK = "spotrun.attempt.rolled-back"  # a loss spike: back to the checkpoint before it
 JOB_RESTARTED = "spotrun.job.restarted"
 JOB_COMPLETED = "spotrun.job.completed"
 JOB_GAVE_UP = "spotrun.job.gave-up"
@@ -59,6 +60,8 @@ def emit_labeled(event: str, job: str, labels: dict[str, str], payload: dict[str
 def attempt_event(record: AttemptRecord) -> str:
     if record.outcome is Outcome.HUNG:
         return ATTEMPT_HUNG
+    if record.outcome is Outcome.ROLLED_BACK:
+        return ATTEMPT_ROLLED_BACK
     return ATTEMPT_PREEMPTED if record.outcome is Outcome.PREEMPTED else ATTEMPT_FAILED
 
 

@@ -12,6 +12,7 @@ COLORS = {
     "crashed": "tab:red",
     "lost": "tab:purple",
     "hung": "tab:brown",
+    "rolled_back": "tab:pink",
     "cancelled": "tab:blue",
 }
 

@@ -302,8 +302,10 @@ class ResumeChecker:
         there is nothing to check (the first attempt, one that never started, or no values: for a
         command, `unchecked`)."""
         samples, self._last_losses = self._last_losses, dict(result.losses)
-        if previous is None or result.started is None or previous.outcome is Outcome.PROVISION_FAILED:
+        if previous is None or result.started is None:
             return None
+        if previous.outcome in (Outcome.PROVISION_FAILED, Outcome.ROLLED_BACK):  # a spike's steps are
+            return None  # thrown away on purpose, and the resumed attempt skips their data
         start = result.resumed_from or 0
         check = self._compare(worker, start, previous=previous, samples=samples, attempt=attempt)
         if check is None and self.command and (start > 0 or previous.last_step > 0):

@@ -78,6 +78,14 @@ class Position:
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.epoch, self.batch = int(sd["epoch"]), int(sd["batch"])
 
+    def skip(self, steps: int, per_epoch: int, k: int = 1) -> None:
+        """Pass over the data of `steps` steps of `k` batches, as the trainer's stream would draw them
+        (an epoch's short last group is dropped)."""
+        for _ in range(steps):
+            if per_epoch - self.batch < k:
+                self.epoch, self.batch = self.epoch + 1, 0
+            self.batch += k
+
 
 class ResumableLoader:
     """Yields batches forever from (epoch, batch) on, advancing its Position as batches are consumed."""

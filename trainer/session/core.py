@@ -101,6 +101,9 @@ class Session(SessionState):
                 f"batches(micro_batches={k}) is more than the {per_epoch} batches of {self.batch_size} in an "
                 "epoch, so no step would be full; lower micro_batches or the job's batch_size"
             )
+        if self.skip_steps:  # a rollback's skip: the batches that may have caused the spike
+            self.position.skip(self.skip_steps, per_epoch, k)
+            self.skip_steps = 0
         loader.position = self.position
         return self._stream(loader, k)
 
@@ -131,6 +134,9 @@ class Session(SessionState):
         if self._pending is not None:
             log.warning("step_done before the first batch: call s.start() after making your data iterator")
             self.start()
+        if self.skip_steps:  # nothing to skip with: this loop draws its data itself
+            log.warning("the rollback's data skip was not applied: this loop does not use s.batches()")
+            self.skip_steps = 0
         value = (
             float(loss.detach())
             if isinstance(loss, torch.Tensor)
@@ -149,7 +155,7 @@ class Session(SessionState):
         self.step += 1
         self._record(agreed.loss if loss is not None else math.nan, metrics)
         if self.opts.fault is not None:
-            self.opts.fault.maybe_fire(self.step, self.ranks.rank)
+            self.opts.fault.maybe_fire(self.step, self.ranks.rank, self.model)
         if agreed.failed:  # a background failure, as the ranks agreed on it: all stop at this step
             self.ckpt.wait()  # raises it (another rank's saver may have it first: this one waits for it)
         if agreed.stop if self.ranks.distributed else self._stop_now():

@@ -6,6 +6,8 @@ Fires right after optimizer step STEP completes, before any checkpoint due at th
   sigterm  a notice: the loop finishes the step, checkpoints and exits PREEMPTED
   crash    an exception, as a bug in user code would raise
   hang     the process stops making progress (tests of heartbeat loss)
+  spike    the weights are scaled by SPIKE_SCALE: the loss jumps and stays up (tests of the watchdog's
+           loss-spike rollback; the scaled state is what the rollback must not resume from)
 With ranks, every rank fires unless `:RANK` names one (`sigkill@30:1`: rank 1 dies alone).
 """
 
@@ -15,10 +17,15 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
 
-KINDS = ("sigkill", "sigterm", "crash", "hang")
+if TYPE_CHECKING:
+    import torch
+
+KINDS = ("sigkill", "sigterm", "crash", "hang", "spike")
+SPIKE_SCALE = 30.0
 
 
 @dataclass(frozen=True)
@@ -37,9 +44,15 @@ class Fault:
             )
         return cls(kind, int(step), int(rank) if rank else None)
 
-    def maybe_fire(self, step: int, rank: int = 0) -> None:
+    def maybe_fire(self, step: int, rank: int = 0, model: torch.nn.Module | None = None) -> None:
         if step != self.step or (self.rank is not None and rank != self.rank):
             return
+        if self.kind == "spike" and model is not None:
+            import torch  # only a spike needs it: a bad --inject-fault is refused before torch loads
+
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(SPIKE_SCALE)
         if self.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "sigterm":

@@ -25,7 +25,7 @@ from trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
 from trainer.session.resume import Restored, durable_here, load_state, select_together
 from trainer.session.state import SessionState
 from trainer.session.warm_start import warm_start
-from trainer.spec.job import describe_changes
+from trainer.spec.job import Change, describe_changes
 from trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def open_session(s: SessionState) -> None:
             s.step,
             describe_changes(s.changes),
         )
+    skip_data(s, dict(opts.skip_steps).get(selection.step or 0, 0))
     if ranks.is_zero:
         drop_lost_metrics(s.storage, s.step)
     torch.set_num_threads(s.threads)  # BLAS results differ bitwise across thread counts
@@ -85,6 +86,20 @@ def open_session(s: SessionState) -> None:
         warm_start=s.warm_start,
     )
     begin(s)
+
+
+def skip_data(s: SessionState, steps: int) -> None:
+    """A rollback's skip (tasks/control/rollback.py): the data of the next `steps` steps is passed over
+    when `batches()` opens the stream, recorded as a trajectory change in every checkpoint from here."""
+    if steps <= 0:
+        return
+    s.skip_steps = steps
+    change = Change("data", f"from step {s.step}", f"{steps} steps' data skipped (rollback)", "trajectory")
+    s.changes.append(change)
+    s.change_log.append({"step": s.step, **change.as_dict()})
+    if s.ranks.is_zero:
+        first, last = s.step + 1, s.step + steps
+        log.warning("rolled back to step %d: skipping the data of steps %d-%d", s.step, first, last)
 
 
 def expectation(s: SessionState) -> Expectation:

@@ -32,6 +32,8 @@ class AttemptOptions:
     stop: StopRequest = field(default_factory=StopRequest)
     resume_from: ResumeSource | None = None  # a specific checkpoint instead of the newest valid one
     fault: Fault | None = None  # injected failure (rehearsals, tests)
+    # (resume step, N): resuming from that checkpoint, skip the data of N steps (a rollback's skip)
+    skip_steps: tuple[tuple[int, int], ...] = ()
     mtbf_s: float | None = None  # `every: auto`: seconds between reclaims (the controller's estimate)
     # Take the job's storage for writing (its lease), once the model is built: a prewarmed trainer
     # does the slow part (imports, model, data) while the worker it replaces still saves.

@@ -67,6 +67,7 @@ class SessionState:
         self.should_stop = False
         self.resumed_from: int | None = None
         self.changes: list[Change] = []  # trajectory changes this attempt resumed across
+        self.skip_steps = 0  # steps' data to skip before the first batch (a rollback), until `batches()`
         self.change_log: list[dict[str, Any]] = []  # every allowed change so far, in trainer.pt
         self.warm_start: dict[str, Any] | None = None  # where init_from's weights came from, in trainer.pt
         self.resharded_from: int | None = None

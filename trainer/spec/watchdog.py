@@ -16,6 +16,35 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 SECTIONS = ("startup", "step", "save")
 
 
+class LossSpikeRule(BaseModel):
+    """A loss spike rolls the job back (tasks/decisions/anomaly.py): `patience` losses in a row above
+    `factor` x the median of the `window` before them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factor: float = Field(default=3.0, gt=1, description="a loss above this many times the recent median")
+    window: int = Field(default=50, ge=5, description="how many recent losses the median is taken over")
+    patience: int = Field(
+        default=3, ge=1, description="this many such losses in a row (one noisy batch is no spike)"
+    )
+    skip: bool = Field(
+        default=True,
+        description="skip the data from the checkpoint gone back to up to the first spiked step "
+        "(replaying those batches replays the spike); recorded as a trajectory change",
+    )
+
+
+class ThroughputRule(BaseModel):
+    """A throughput collapse restarts the job on a fresh worker (its emergency checkpoint first)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factor: float = Field(
+        default=0.25, gt=0, lt=1, description="steps per second below this fraction of the attempt's median"
+    )
+    window_s: float = Field(default=60.0, gt=0, description="for this long (saves and evaluations excepted)")
+
+
 class WatchdogOptions(BaseModel):
     """Timeouts for start-up (from `started` to the first step), one step and one checkpoint save,
     calibrated from the job's own measured times."""
@@ -48,6 +77,14 @@ class WatchdogOptions(BaseModel):
         gt=0,
         description="the longest an evaluation (a `section` of the loop) may run; empty: not timed by "
         "the watchdog (the provider's heartbeat still applies)",
+    )
+
+    loss_spike: LossSpikeRule | None = Field(
+        default=None,
+        description="roll back to the checkpoint before a loss spike, and skip its data; empty: off",
+    )
+    throughput: ThroughputRule | None = Field(
+        default=None, description="restart on a fresh worker when the step rate collapses; empty: off"
     )
 
     @model_validator(mode="after")
