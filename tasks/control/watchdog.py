@@ -282,8 +282,12 @@ def watched(
         except StopWorker as e:
             if e.cause is not StopCause.WATCHDOG:
                 raise
-            log.warning("%s: %s; stopping it", worker.id, e)
-            result = provider.stop(worker, e.cause)  # its emergency checkpoint, then gone
+            log.warning("%s: %s; stopped for a fresh worker", worker.id, e)
+            stopped = worker.result  # a provider's watch stops its worker itself when a callback raises
+            if stopped is not None and stopped.stopped_by is not None:
+                result = stopped
+            else:
+                result = provider.stop(worker, e.cause)  # its emergency checkpoint, then gone
     return dog.finish(result)
 
 

@@ -6,6 +6,7 @@ Fires right after optimizer step STEP completes, before any checkpoint due at th
   sigterm  a notice: the loop finishes the step, checkpoints and exits PREEMPTED
   crash    an exception, as a bug in user code would raise
   hang     the process stops making progress (tests of heartbeat loss)
+  slow     every step from STEP on takes SLOW_S longer (a throttled GPU: tests of the throughput rule)
   spike    the weights are scaled by SPIKE_SCALE: the loss jumps and stays up (tests of the watchdog's
            loss-spike rollback; the scaled state is what the rollback must not resume from)
 With ranks, every rank fires unless `:RANK` names one (`sigkill@30:1`: rank 1 dies alone).
@@ -24,8 +25,9 @@ from trainer.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("sigkill", "sigterm", "crash", "hang", "spike")
+KINDS = ("sigkill", "sigterm", "crash", "hang", "slow", "spike")
 SPIKE_SCALE = 30.0
+SLOW_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,11 @@ class Fault:
         return cls(kind, int(step), int(rank) if rank else None)
 
     def maybe_fire(self, step: int, rank: int = 0, model: torch.nn.Module | None = None) -> None:
-        if step != self.step or (self.rank is not None and rank != self.rank):
+        if self.rank is not None and rank != self.rank:
+            return
+        if self.kind == "slow" and step >= self.step:
+            time.sleep(SLOW_S)
+        if step != self.step:
             return
         if self.kind == "spike" and model is not None:
             import torch  # only a spike needs it: a bad --inject-fault is refused before torch loads
