@@ -4,6 +4,7 @@ nothing (fork_server.PRELOAD is emptied), so they start in milliseconds."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from spotrun import pool_cmd
 from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server, pool
 from tasks.providers.local.pool import Place
 from tests.procs import wait_gone
@@ -147,11 +149,22 @@ def test_an_idle_server_ends_and_removes_its_socket(home: Path, mods: Path, env:
     assert pool.running(place.directory) == []
 
 
-def test_stop_ends_the_server_once_its_trainers_have(home: Path, mods: Path, env: dict[str, str]) -> None:
+def test_stop_ends_the_server_once_its_trainers_have(
+    home: Path,
+    mods: Path,
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`spotrun pool list` and `spotrun pool stop NAME`."""
     place = Place(pool.pools_dir(home), "p4")
     sleeper = pool.spawn(place, sys.executable, "zsleeper", [], env=env, cwd=mods, idle_s=30)
     server = pool._pools[place].pid
-    assert pool.stop(place) == server
+    monkeypatch.setenv("SPOTRUN_HOME", str(home))
+    assert pool_cmd.cmd_list(argparse.Namespace()) == 0
+    assert capsys.readouterr().out == f"p4: pid {server}, 1 trainer(s) running, {sys.executable}\n"
+    assert pool_cmd.cmd_stop(argparse.Namespace(name="p4")) == 0
+    assert f"(pid {server}) takes no more requests" in capsys.readouterr().out
     assert not place.socket.exists() and not wait_gone(server, timeout=0.3)  # a trainer still runs
     os.kill(sleeper.pid, signal.SIGKILL)
     sleeper.wait(timeout=10)

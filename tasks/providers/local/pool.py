@@ -76,7 +76,12 @@ def pools_dir(home: Path) -> Path:
 
 
 def connect(
-    place: Place, python: str, env: Mapping[str, str], idle_s: float, preload: Sequence[str] | None = None
+    place: Place,
+    python: str,
+    env: Mapping[str, str],
+    *,
+    idle_s: float,
+    preload: Sequence[str] | None = None,
 ) -> ServerConnection:
     """A connection to the pool's server, started (with `env`, serving `python`, importing `preload`,
     default fork_server.PRELOAD) if none answers; ForkServerUnavailable when neither works."""
@@ -85,7 +90,13 @@ def connect(
         with flock_within(place.lock, LOCK_WAIT_S, f"trainer pool {place.name}"):
             sock = _connect(place.socket)
             if sock is None:
-                _start(place, python, env, idle_s, fork_server.PRELOAD if preload is None else preload)
+                _start(
+                    place,
+                    python,
+                    env,
+                    idle_s=idle_s,
+                    preload=fork_server.PRELOAD if preload is None else preload,
+                )
                 sock = _connect(place.socket)
     except (OSError, LockTimeout, subprocess.SubprocessError) as e:
         raise ForkServerUnavailable(f"trainer pool {place.name}: {e}") from e
@@ -115,7 +126,7 @@ def spawn(
     with _pools_lock:
         conn = _pools.get(place)
         if conn is None or not conn.alive:
-            conn = _pools[place] = connect(place, python, env, idle_s, preload)
+            conn = _pools[place] = connect(place, python, env, idle_s=idle_s, preload=preload)
     conn.wait_ready()
     ours, theirs = load_key(python, env), _key(conn.hello.get("key"))
     if ours == theirs:
@@ -168,6 +179,8 @@ def running(directory: Path, timeout_s: float = 5.0) -> list[Running]:
 def stop(place: Place, timeout_s: float = 5.0) -> int | None:
     """Ask the pool's server to stop taking requests and end once its trainers have: its pid, or None
     when no server answers (a stale socket file is removed)."""
+    if not place.socket.exists():
+        return None
     with flock_within(place.lock, LOCK_WAIT_S, f"trainer pool {place.name}"):
         sock = _connect(place.socket)
         if sock is None:
@@ -240,7 +253,9 @@ def _connect(path: Path) -> socket.socket | None:
     return sock
 
 
-def _start(place: Place, python: str, env: Mapping[str, str], idle_s: float, preload: Sequence[str]) -> None:
+def _start(
+    place: Place, python: str, env: Mapping[str, str], *, idle_s: float, preload: Sequence[str]
+) -> None:
     """Bind the pool's socket (replacing a stale one) and start a server on it; called under the lock."""
     place.socket.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
