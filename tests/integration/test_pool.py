@@ -55,6 +55,7 @@ def mods(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "zchild.py").write_text(CHILD)
     (d / "zsleeper.py").write_text(SLEEPER)
+    (d / "zsetenv.py").write_text("import os; os.environ['TORCHINDUCTOR_CACHE_DIR'] = '/tmp/set-by-import'\n")
     return d
 
 
@@ -75,8 +76,10 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         pool.stop(place)
 
 
-def spawn_child(place: Place, env: dict[str, str], mods: Path, idle_s: float = 30) -> dict[str, int]:
-    proc = pool.spawn(place, sys.executable, "zchild", [], env=env, cwd=mods, idle_s=idle_s)
+def spawn_child(
+    place: Place, env: dict[str, str], mods: Path, idle_s: float = 30, preload: tuple[str, ...] = ()
+) -> dict[str, int]:
+    proc = pool.spawn(place, sys.executable, "zchild", [], env=env, cwd=mods, idle_s=idle_s, preload=preload)
     assert proc.stdout is not None
     seen: dict[str, int] = json.loads(proc.stdout.readline())
     proc.wait(timeout=10)
@@ -139,6 +142,17 @@ def test_another_load_time_environment_gets_a_private_server(
         "trainers use a private fork server"
     ]
     fork_server.server_for(sys.executable, other, ()).close()
+
+
+def test_the_key_is_the_environment_given_before_the_imports_changed_it(
+    home: Path, mods: Path, env: dict[str, str]
+) -> None:
+    """torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR in the server: a key read after the preload
+    matched no job, and every job got a private server."""
+    place = Place(pool.pools_dir(home), "p5")
+    shared = spawn_child(place, env, mods, preload=("zsetenv",))["ppid"]
+    assert shared == pool._pools[place].pid
+    assert spawn_child(place, env, mods)["ppid"] == shared
 
 
 def test_an_idle_server_ends_and_removes_its_socket(home: Path, mods: Path, env: dict[str, str]) -> None:

@@ -31,7 +31,7 @@ class Pool:
     path: str  # the socket's file
     lock: str  # the lock file starters and the server's own exit hold
     idle_s: float
-    python: str  # the interpreter its clients name (part of the load key they compare)
+    key: tuple[str, tuple[tuple[str, str], ...]]  # the load key it serves (zygote.load_key)
     inode: int = 0  # the socket file's, at start: a server never unlinks a successor's
 
     def __post_init__(self) -> None:

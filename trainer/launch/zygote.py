@@ -92,7 +92,9 @@ def main(argv: list[str]) -> int:
     pool: Pool | None = None
     if argv and argv[0] == "--pool":  # --pool LISTEN_FD SOCKET LOCK IDLE_S PYTHON MODULES
         listener = socket.socket(fileno=int(argv[1]))
-        pool = Pool(listener, argv[2], argv[3], idle_s=float(argv[4]), python=argv[5])
+        # the key of the environment it was given: the imports below change os.environ (torch._dynamo
+        # sets TORCHINDUCTOR_CACHE_DIR), and a key read after them would match no client's
+        pool = Pool(listener, argv[2], argv[3], idle_s=float(argv[4]), key=load_key(argv[5], os.environ))
         argv = argv[6:]
         if os.fork() > 0:  # the starter waits for this exit: from here on the server is nobody's child
             os._exit(0)
@@ -174,7 +176,7 @@ class _Server:
                 return
         ready = {"op": "ready", "preload_s": self.preload_s, "pid": self.pid}
         if self.pool is not None:
-            ready["key"] = load_key(self.pool.python, os.environ)
+            ready["key"] = self.pool.key
             ready["trainers"] = sum(len(c) for c in self.conns.values())
         try:
             send(sock, ready)
