@@ -29,6 +29,12 @@ The server runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C in t
 cancel's SIGTERM is the controller's to handle (it stops its trainers gracefully, and they save); the
 server's death would SIGKILL every trainer at once. It exits when the client's end of the socket closes.
 This module never imports torch itself: what it imports is MODULES.
+
+`--pool LISTEN_FD SOCKET LOCK IDLE_S PYTHON MODULES` serves a trainer pool (trainer/launch/pool.py):
+every controller that connects to the listening socket is a client as above, with `pid` and `key` (its
+load key) in its `ready` packet; a client whose connection closes takes its running children along
+(SIGKILL to their sessions), so a trainer still never outlives its controller. It also answers
+`-> {"op": "stop"}` with `<- {"op": "stopping", "trainers": N}`.
 """
 
 from __future__ import annotations

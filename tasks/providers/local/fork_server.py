@@ -8,6 +8,8 @@ replaces, so a request whose values differ gets another server. Everything else 
 the working directory, argv) is the child's own, set after the fork.
 
 Servers live as long as this process: they die with it (PR_SET_PDEATHSIG) and their trainers with them.
+A pool's server (pool.py) is shared by the controllers of a host and outlives them; a controller's
+trainers still die with its connection.
 A server that dies or cannot start is not an error: the provider starts that trainer as a fresh process.
 """
 

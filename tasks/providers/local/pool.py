@@ -11,9 +11,11 @@ a job whose load key differs from the pool's uses a private server, and says so 
 Files, in `$SPOTRUN_HOME/pools/` (0700): `NAME.sock` (0600; the server also refuses a peer of another
 uid), `NAME.lock` (held while a controller connects or starts the server, and by the server while it
 ends, so two starters end with one server) and `NAME.log` (the server's stderr). A socket nobody
-answers on is stale: the next controller replaces it. Measured by bench/pool.py: a second job's
-first trainer start-up, to the trainer's `started` record, with a warm pool against a private server
-started cold (docs/benchmarks.md): POOL_FIGURE.
+answers on is stale: the next controller replaces it.
+
+Measured (bench/pool.py, 2-core VM shared with other work, load average 2.6): a second job's first
+trainer, provision to its `started` record, 0.10 s from a warm pool against 4.48 s with a private
+server started cold (medians of 3; pool_ratio 0.02).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ same notice the moment its zone's capacity is 0, started or not (a real market d
 
 A trainer never outlives the process that started it: it runs in its own session (signals reach it
 and its data-loader workers, which leave its process group but not its session) and with
-PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along.
+PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along. A
+trainer forked by a pool's server (`pool`, pool.py) is that server's child: the server SIGKILLs its
+session when the flow process's connection closes.
 """
 
 from __future__ import annotations
