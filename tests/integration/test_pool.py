@@ -37,8 +37,9 @@ CONTROLLER = textwrap.dedent("""
     from pathlib import Path
     from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
     fork_server.PRELOAD = ()
-    home, mods = Path(sys.argv[1]), Path(sys.argv[2])
+    home, mods, pause = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
     provider = LocalProvider(LocalProviderConfig(pool="shared", pool_idle_s=30), home=home)
+    import time; time.sleep(max(0, pause - time.time()))  # two controllers start at one moment
     env = {**os.environ, "PYTHONPATH": f"{mods}{os.pathsep}{os.environ['PYTHONPATH']}"}
     child = provider._start([sys.executable], "zchild", [], env=env, cwd=mods)
     sleeper = provider._start([sys.executable], "zsleeper", [], env=env, cwd=mods)
@@ -86,20 +87,28 @@ def spawn_child(
     return seen
 
 
-def test_two_controllers_share_one_server_that_outlives_its_starter(
+def test_two_controllers_share_one_server_that_outlives_them(
     home: Path, mods: Path, env: dict[str, str]
 ) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CONTROLLER, str(home), str(mods)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    first = json.loads(out.stdout.splitlines()[-1])
-    server = first["child"]["ppid"]
-    assert wait_gone(first["sleeper"]), "a controller that died left its trainer running"
+    """Two controllers that start at once get one server (the lock file); it outlives both."""
+    at = str(time.time() + 1.0)  # both have imported by then
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONTROLLER, str(home), str(mods), at],
+            env={**os.environ, "PYTHONPATH": str(REPO), "SPOTRUN_SIGNING_SECRET_FOR_TEST": "job-1"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    seen = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    server = seen[0]["child"]["ppid"]
+    assert seen[1]["child"]["ppid"] == server
+    for s in seen:
+        assert wait_gone(s["sleeper"]), "a controller that died left its trainer running"
+    environ = Path(f"/proc/{server}/environ").read_bytes()
+    assert b"SPOTRUN_SIGNING_SECRET_FOR_TEST" not in environ  # the starting job's own, not the server's
     assert (pool.pools_dir(home).stat().st_mode & 0o777) == 0o700
     assert (pool.Place(pool.pools_dir(home), "shared").socket.stat().st_mode & 0o777) == 0o600
 

@@ -41,7 +41,7 @@ from tasks.providers.local.fork_server import (
 )
 from trainer.interpreter import python_m
 from trainer.launch.pool import peer_uid
-from trainer.launch.zygote import MAX_PACKET, LoadKey, send
+from trainer.launch.zygote import LOAD_TIME_PREFIXES, MAX_PACKET, LoadKey, send
 from trainer.storage.locks import LockTimeout, flock_within
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,13 @@ def stop(place: Place, timeout_s: float = 5.0) -> int | None:
         return int(hello["pid"])
 
 
+def server_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a pool's server is started with: the load-time variables and PATH. Not the rest of the job
+    that starts it (its flow run's id, a signing key, credentials): the server outlives that job and
+    serves others, whose trainers get their own environment at the fork."""
+    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES) or k == "PATH"}
+
+
 def _hello(path: Path, timeout_s: float) -> dict[str, Any] | None:
     try:
         sock = _connect(path)
@@ -285,7 +292,7 @@ def _start(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=logfd,
-                env=dict(env),
+                env=server_env(env),
                 start_new_session=True,  # no terminal's Ctrl-C, and no parent-death signal: it outlives us
             )
         finally:
