@@ -146,7 +146,7 @@ class _Server:
             self.sel.register(self.pool.listener, selectors.EVENT_READ)
         for sock in first:
             self._admit(sock)
-        while True:
+        while self.pool is not None or self.conns:  # a private server's one client may be gone already
             for key, _ in self.sel.select(timeout=1.0):
                 if key.fileobj == wake_r:
                     while _drain(wake_r):
@@ -171,6 +171,7 @@ class _Server:
             self._report_exits()
             if self.pool is not None and self._over(self.pool):
                 return None
+        return None
 
     def _admit(self, sock: socket.socket) -> None:
         if self.pool is not None:

@@ -135,7 +135,7 @@ def spawn(
         return conn.spawn(module, argv, env, os.fspath(cwd))
     if (place, ours) not in _told:
         _told.add((place, ours))
-        log.info(
+        log.warning(
             "trainer pool %s serves another load-time environment (%s differ); this job's trainers "
             "use a private fork server",
             place.name,
