@@ -29,6 +29,7 @@ from spotrun.console import (
     wide_console,
 )
 from spotrun.deploy_cmd import add_deploy, add_serve
+from spotrun.pool_cmd import add_pool
 from spotrun.report_cmd import add_report
 from spotrun.run_cmd import add_run
 from spotrun.server_cmd import add_server
@@ -106,6 +107,7 @@ COMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "deploy": add_deploy,
     "serve": add_serve,
     "server": add_server,
+    "pool": add_pool,
 }
 
 

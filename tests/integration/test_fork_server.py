@@ -182,3 +182,11 @@ def test_the_default_preload_leaves_no_cuda_and_one_thread_to_fork_from(env: dic
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == [False, 1]
+
+
+def test_a_server_closed_before_it_serves_exits(env: dict[str, str]) -> None:
+    """Its `ready` finds the client gone: with no client left it exits (it once served nobody forever,
+    and close() waited 10 s for it)."""
+    s = ForkServer(sys.executable, env, preload=())
+    s.close()
+    assert s.proc.returncode == 0

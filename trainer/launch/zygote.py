@@ -29,6 +29,12 @@ The server runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C in t
 cancel's SIGTERM is the controller's to handle (it stops its trainers gracefully, and they save); the
 server's death would SIGKILL every trainer at once. It exits when the client's end of the socket closes.
 This module never imports torch itself: what it imports is MODULES.
+
+`--pool LISTEN_FD SOCKET LOCK IDLE_S PYTHON MODULES` serves a trainer pool (trainer/launch/pool.py):
+every controller that connects to the listening socket is a client as above, with `pid` and `key` (its
+load key) in its `ready` packet; a client whose connection closes takes its running children along
+(SIGKILL to their sessions), so a trainer still never outlives its controller. It also answers
+`-> {"op": "stop"}` with `<- {"op": "stopping", "trainers": N}`.
 """
 
 from __future__ import annotations
@@ -44,13 +50,20 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.launch.pool import Pool, kill_session, peer_refusal, peer_uid
 from trainer.parent_death import arm_pdeathsig
 
 PR_SET_NAME = 15
 MAX_PACKET = 1 << 20  # a request is argv + environment: a few KB
+LOAD_TIME_PREFIXES = (
+    "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "LANG", "LC_",
+    "TORCH", "PYTORCH_", "CUDA_",
+)  # fmt: skip  # a packed list of names, grouped by purpose
+LoadKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,13 @@ class Request:
     stderr: int
 
 
+def load_key(python: str, env: Mapping[str, str]) -> LoadKey:
+    """What a child's start-up depends on: the interpreter and the load-time variables (the variables a
+    process reads once at start-up: `PYTHON*`, OpenMP's and BLAS's thread settings, `LD_*`, locale,
+    torch's import-time switches)."""
+    return python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)))
+
+
 def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
     data = json.dumps(msg).encode()
     if fds:
@@ -72,65 +92,170 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None)
 
 
 def main(argv: list[str]) -> int:
-    sock = socket.socket(fileno=int(argv[0]))
-    modules = [m for m in (argv[1] if len(argv) > 1 else "").split(",") if m]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    first: list[socket.socket] = []
+    pool: Pool | None = None
+    if argv and argv[0] == "--pool":  # --pool LISTEN_FD SOCKET LOCK IDLE_S PYTHON MODULES
+        listener = socket.socket(fileno=int(argv[1]))
+        # the key of the environment it was given: the imports below change os.environ (torch._dynamo
+        # sets TORCHINDUCTOR_CACHE_DIR), and a key read after them would match no client's
+        pool = Pool(listener, argv[2], argv[3], idle_s=float(argv[4]), key=load_key(argv[5], os.environ))
+        argv = argv[6:]
+        if os.fork() > 0:  # the starter waits for this exit: from here on the server is nobody's child
+            os._exit(0)
+    else:
+        first.append(socket.socket(fileno=int(argv[0])))
+        argv = argv[1:]
+    modules = [m for m in (argv[0] if argv else "").split(",") if m]
     started = time.monotonic()
     for name in modules:
         importlib.import_module(name)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
-        send(sock, {"op": "error", "error": f"importing {modules} initialized CUDA; cannot fork trainers"})
+        why = f"importing {modules} initialized CUDA; cannot fork trainers"
+        for sock in first:
+            send(sock, {"op": "error", "error": why})
         return 1
-    send(sock, {"op": "ready", "preload_s": round(time.monotonic() - started, 3)})
-    request = _serve(sock)
+    request = _Server(pool, round(time.monotonic() - started, 3)).serve(first)
     if request is None:
         return 0
     return _run(request)  # in a child: what `python -m MODULE` would do, exit code included
 
 
-def _serve(sock: socket.socket) -> Request | None:
-    """Answer requests until the client goes away (None), or return the request in a freshly forked child."""
-    server_pid = os.getpid()
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd sees SIGCHLD
-    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    children: dict[int, bool] = {}  # pid -> its exit has been reported
-    try:
-        while True:
-            for key, _ in sel.select(timeout=1.0):
+class _Server:
+    """The request loop: one client (a private server) or every controller of a pool."""
+
+    def __init__(self, pool: Pool | None, preload_s: float) -> None:
+        self.pool, self.preload_s, self.pid = pool, preload_s, os.getpid()
+        self.conns: dict[socket.socket, dict[int, bool]] = {}  # client -> its children: pid -> exit reported
+        self.last_request = time.monotonic()
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+
+    def serve(self, first: list[socket.socket]) -> Request | None:
+        """Answer requests until the client goes away or the pool ends (None), or return the request
+        in a freshly forked child."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd sees SIGCHLD
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        self.sel.register(wake_r, selectors.EVENT_READ)
+        if self.pool is not None and self.pool.listener is not None:
+            self.sel.register(self.pool.listener, selectors.EVENT_READ)
+        for sock in first:
+            self._admit(sock)
+        while self.pool is not None or self.conns:  # a private server's one client may be gone already
+            for key, _ in self.sel.select(timeout=1.0):
                 if key.fileobj == wake_r:
                     while _drain(wake_r):
                         pass
-                    continue
-                data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 2)
-                if not data:
-                    return None  # the client is gone: our children get SIGKILL as we exit
-                msg = json.loads(data)
-                if msg["op"] == "reap":
-                    _reap(children, int(msg["pid"]))
-                    send(sock, {"op": "reaped", "pid": int(msg["pid"])})
-                elif msg["op"] == "spawn":
-                    pid = _fork(sock, msg, fds, server_pid)
-                    if pid == 0:  # the child: leave the server's loop and its fds behind
+                elif self.pool is not None and key.fileobj is self.pool.listener:
+                    with contextlib.suppress(OSError):  # a caller that gave up before we accepted
+                        self._admit(self.pool.listener.accept()[0])
+                elif isinstance(key.fileobj, socket.socket):
+                    sock = key.fileobj
+                    answered = self._answer(sock)
+                    if isinstance(answered, Request):  # the child: leave the server's loop and its fds
                         signal.set_wakeup_fd(-1)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                        sel.close()
                         for fd in (wake_r, wake_w):
                             os.close(fd)
-                        sock.close()
-                        return _request(msg, fds)
-                    if pid > 0:
-                        children[pid] = False
-            _report_exits(sock, children)
-    except (BrokenPipeError, ConnectionResetError):
+                        self._leave()
+                        return answered
+                    if not answered:
+                        if self.pool is None:
+                            return None  # the client is gone: our children get SIGKILL as we exit
+                        self._drop(sock)
+            self._report_exits()
+            if self.pool is not None and self._over(self.pool):
+                return None
         return None
+
+    def _admit(self, sock: socket.socket) -> None:
+        if self.pool is not None:
+            why = peer_refusal(peer_uid(sock), os.getuid())
+            if why is not None:
+                with contextlib.suppress(OSError):
+                    send(sock, {"op": "error", "error": why})
+                sock.close()
+                return
+        ready = {"op": "ready", "preload_s": self.preload_s, "pid": self.pid}
+        if self.pool is not None:
+            ready["key"] = self.pool.key
+            ready["trainers"] = sum(len(c) for c in self.conns.values())
+        try:
+            send(sock, ready)
+        except OSError:
+            sock.close()
+            return
+        self.conns[sock] = {}
+        self.sel.register(sock, selectors.EVENT_READ)
+
+    def _answer(self, sock: socket.socket) -> Request | bool:
+        """Handle one request: True, False when the client is gone, or in a forked child its request."""
+        children = self.conns[sock]
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 2)
+            if not data:
+                return False
+            msg = json.loads(data)
+            self.last_request = time.monotonic()
+            if msg["op"] == "reap":
+                _reap(children, int(msg["pid"]))
+                send(sock, {"op": "reaped", "pid": int(msg["pid"])})
+            elif msg["op"] == "stop" and self.pool is not None:
+                self.stopping = True
+                self.pool.close()
+                send(sock, {"op": "stopping", "trainers": sum(len(c) for c in self.conns.values())})
+            elif msg["op"] == "spawn" and self.stopping:
+                send(sock, {"op": "spawned", "id": msg["id"], "error": "the pool is stopping"})
+                for fd in fds:
+                    os.close(fd)
+            elif msg["op"] == "spawn":
+                pid = _fork(sock, msg, fds, self.pid)
+                if pid == 0:
+                    return _request(msg, fds)
+                if pid > 0:
+                    children[pid] = False
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    def _leave(self) -> None:
+        """In a forked child: close what belongs to the server."""
+        self.sel.close()
+        for sock in self.conns:
+            sock.close()
+        if self.pool is not None and self.pool.listener is not None:
+            self.pool.listener.close()
+
+    def _drop(self, sock: socket.socket) -> None:
+        """A pool's client is gone: its trainers go with it, as they would with a private server."""
+        self.sel.unregister(sock)
+        for pid, reported in self.conns.pop(sock).items():
+            if not reported:
+                kill_session(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        sock.close()
+
+    def _over(self, pool: Pool) -> bool:
+        """Whether a pool server ends now: no trainer left, and stopped or idle for `idle_s`."""
+        if any(self.conns.values()):
+            return False
+        if not self.stopping and time.monotonic() - self.last_request < pool.idle_s:
+            return False
+        if pool.listener is not None and not pool.close_if_unasked():
+            self.last_request = time.monotonic() - pool.idle_s + 1  # look again in a second
+            return False
+        return True
+
+    def _report_exits(self) -> None:
+        for sock, children in self.conns.items():
+            with contextlib.suppress(OSError):  # a client gone: its EOF is read next
+                _report_exits(sock, children)
 
 
 def _drain(fd: int) -> bool:

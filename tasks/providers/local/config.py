@@ -4,6 +4,7 @@ schedule, random draws, or the replay of a capacity trace (tasks/providers/local
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -107,6 +108,19 @@ class LocalProviderConfig(BaseModel):
         "for); only when `python` is empty or the flow's own interpreter; false: every trainer is a fresh "
         "`python -m trainer`",
     )
+    pool: str | None = Field(
+        default=None,
+        description="share a fork server with every job on this host that names the same pool (a plain "
+        "name: a-z, 0-9, '-'): a job's first trainer starts without the imports a private server pays "
+        "for; it is started by the first job that needs it and outlives it (tasks/providers/local/pool.py)."
+        " Needs fork_server; empty: a server per flow run",
+    )
+    pool_idle_s: float = Field(
+        default=600,
+        gt=0,
+        description="a pool's server with no request and no trainer for this long ends (set by the job "
+        "that starts it)",
+    )
     startup_timeout_s: float = Field(
         default=600,
         gt=0,
@@ -171,6 +185,17 @@ class LocalProviderConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _pool_is_a_plain_name(self) -> LocalProviderConfig:
+        if self.pool is None:
+            return self
+        why = pool_name_refusal(self.pool)
+        if why is not None:
+            raise ValueError(why)
+        if not self.fork_server:
+            raise ValueError("a pool shares a fork server: set fork_server: true, or leave pool out")
+        return self
+
+    @model_validator(mode="after")
     def _one_source_of_reclaims(self) -> LocalProviderConfig:
         if self.trace is None:
             if self.zones:
@@ -212,6 +237,19 @@ class LocalProviderConfig(BaseModel):
         if trainer_env(environ, job.env).get(KEY_ENV) != environ.get(KEY_ENV):
             return f"{KEY_ENV} is set here but would not reach the trainers; leave it out of the job's env"
         return None
+
+
+POOL_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+
+
+def pool_name_refusal(name: str) -> str | None:
+    """None for a plain pool name; else the one line that refuses it (a deployment run may set it, and
+    it names a file under $SPOTRUN_HOME/pools)."""
+    if POOL_NAME.fullmatch(name):
+        return None
+    return (
+        f"pool {name!r} is not a plain name: use 1-40 of a-z, 0-9 and '-', starting with a letter or a digit"
+    )
 
 
 def plan_preemption(cfg: SpotSimulatorConfig, attempt: int, rng: random.Random) -> PlannedPreemption | None:

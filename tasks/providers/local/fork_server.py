@@ -8,6 +8,8 @@ replaces, so a request whose values differ gets another server. Everything else 
 the working directory, argv) is the child's own, set after the fork.
 
 Servers live as long as this process: they die with it (PR_SET_PDEATHSIG) and their trainers with them.
+A pool's server (pool.py) is shared by the controllers of a host and outlives them; a controller's
+trainers still die with its connection.
 A server that dies or cannot start is not an error: the provider starts that trainer as a fresh process.
 """
 
@@ -28,7 +30,7 @@ from typing import IO, Any
 
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from trainer.interpreter import python_m
-from trainer.launch.zygote import MAX_PACKET, send
+from trainer.launch.zygote import MAX_PACKET, LoadKey, load_key, send
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,6 @@ log = logging.getLogger(__name__)
 # the first optimizer step imports it) and the training stack (0.3 s). Recipes stay per child: a user's
 # recipe module may change between runs, and the built-in ones import in milliseconds.
 PRELOAD = ("torch", "torch._dynamo", "trainer.__main__")
-LOAD_TIME_PREFIXES = (
-    "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "LANG", "LC_",
-    "TORCH", "PYTORCH_", "CUDA_",
-)  # fmt: skip  # a packed list of names, grouped by purpose
 READY_TIMEOUT_S = 120.0  # the imports on a cold page cache of a slow disk
 SPAWN_TIMEOUT_S = 30.0
 
@@ -48,24 +46,14 @@ class ForkServerUnavailable(Exception):
     """No trainer from a fork server this time (it failed to start, died or refused); start a fresh one."""
 
 
-def load_key(python: str, env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """What a child's start-up depends on: the interpreter and the load-time variables."""
-    return python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)))
+class ServerConnection:
+    """The client's end of one fork server's socket (a private server's, or a pool's: pool.py) and the
+    thread that reads its packets."""
 
-
-class ForkServer:
-    """One running trainer/launch/zygote.py and the thread that reads its packets."""
-
-    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
-        self.python = python
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = python_m("trainer.launch.zygote", str(theirs.fileno()), ",".join(preload), python=python)
-        try:
-            self.proc = on_spawner_thread(lambda: _popen(cmd, dict(env), theirs.fileno()))
-        finally:
-            theirs.close()
-        self.sock = ours
+    def __init__(self, sock: socket.socket, python: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+        self.sock, self.python, self.proc = sock, python, proc
         self.ready_s: float | None = None
+        self.hello: dict[str, Any] = {}  # the server's `ready` packet
         self._cond = threading.Condition()
         self._ready = False
         self._dead: str | None = None
@@ -76,6 +64,11 @@ class ForkServer:
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="spotrun-fork-server", daemon=True)
         self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (a pool's says it once ready)."""
+        return self.proc.pid if self.proc is not None else int(self.hello.get("pid", 0))
 
     @property
     def alive(self) -> bool:
@@ -150,9 +143,13 @@ class ForkServer:
             self._children.discard(pid)
 
     def close(self) -> None:
-        """Stop the server; its children die with it (SIGKILL)."""
+        """Close the connection: a private server stops, a pool's kills this connection's trainers
+        (SIGKILL either way, as when this process dies)."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+        if self.proc is None:
+            self._reader.join(timeout=10)
+            return
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         if self.proc.returncode is None:
@@ -179,9 +176,10 @@ class ForkServer:
                 self._handle(json.loads(data))
         except (OSError, ValueError) as e:
             why = f"the fork server's socket failed: {e}"
-        rc = self.proc.wait()
+        if self.proc is not None:
+            why = f"{why} (exit code {self.proc.wait()})"
         with self._cond:
-            self._dead = f"{why} (exit code {rc})"
+            self._dead = why
             for pid in self._children:  # they got SIGKILL with the server (PR_SET_PDEATHSIG)
                 self._exits.setdefault(pid, -int(signal.SIGKILL))
             self._cond.notify_all()
@@ -191,7 +189,7 @@ class ForkServer:
         with self._cond:
             op = msg.get("op")
             if op == "ready":
-                self._ready, self.ready_s = True, float(msg.get("preload_s", 0))
+                self._ready, self.ready_s, self.hello = True, float(msg.get("preload_s", 0)), msg
             elif op == "spawned":
                 self._replies[int(msg["id"])] = msg
             elif op == "exited":
@@ -200,14 +198,28 @@ class ForkServer:
                 self._children.discard(int(msg["pid"]))
             elif op == "error":
                 self._dead = str(msg.get("error"))
+
             self._cond.notify_all()
+
+
+class ForkServer(ServerConnection):
+    """A private server: a trainer/launch/zygote.py process of this process's, over a socketpair."""
+
+    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = python_m("trainer.launch.zygote", str(theirs.fileno()), ",".join(preload), python=python)
+        try:
+            proc = on_spawner_thread(lambda: _popen(cmd, dict(env), theirs.fileno()))
+        finally:
+            theirs.close()
+        super().__init__(ours, python, proc)
 
 
 class ForkedProcess:
     """A trainer forked by a ForkServer, with the part of Popen's interface the local provider uses."""
 
     def __init__(
-        self, server: ForkServer, pid: int, stdout: IO[str], *, stderr: IO[str], args: list[str]
+        self, server: ServerConnection, pid: int, stdout: IO[str], *, stderr: IO[str], args: list[str]
     ) -> None:
         self.server, self.pid = server, pid
         # Popen's `args`: the resume check finds the trainer's --metrics file there (tasks/tracking);
@@ -229,7 +241,7 @@ class ForkedProcess:
         return self.returncode
 
 
-_servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
+_servers: dict[LoadKey, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
@@ -240,16 +252,23 @@ def server_for(python: str, env: Mapping[str, str], preload: Sequence[str] = PRE
         server = _servers.get(key)
         if server is None or not server.alive:
             server = _servers[key] = ForkServer(python, env, preload)
-            log.info("started a trainer fork server (pid %d) for %s", server.proc.pid, python)
+            log.info("started a trainer fork server (pid %d) for %s", server.pid, python)
     return server
 
 
 def spawn(
-    python: str, module: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str]
+    python: str,
+    module: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    preload: Sequence[str] | None = None,
 ) -> ForkedProcess:
-    """`python -P -m module *argv` in `cwd`, forked from this process's server for (python, env)."""
+    """`python -P -m module *argv` in `cwd`, forked from this process's server for (python, env), which
+    imports `preload` (default PRELOAD) when it starts."""
     t = time.monotonic()
-    server = server_for(python, env)
+    server = server_for(python, env, PRELOAD if preload is None else preload)
     proc = server.spawn(module, argv, env, os.fspath(cwd))
     log.debug("forked trainer pid %d in %.2f s", proc.pid, time.monotonic() - t)
     return proc

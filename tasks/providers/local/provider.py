@@ -13,7 +13,9 @@ same notice the moment its zone's capacity is 0, started or not (a real market d
 
 A trainer never outlives the process that started it: it runs in its own session (signals reach it
 and its data-loader workers, which leave its process group but not its session) and with
-PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along.
+PR_SET_PDEATHSIG=SIGKILL, so a flow process that is SIGKILLed or cancelled takes its trainer along. A
+trainer forked by a pool's server (`pool`, pool.py) is that server's child: the server SIGKILLs its
+session when the flow process's connection closes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from tasks.providers.local import fork_server
+from tasks.providers.local import fork_server, pool
 from tasks.providers.local.config import (
     LocalProviderConfig,
     plan_preemption,
@@ -63,6 +65,7 @@ from tasks.providers.processes import (
     signal_group,
 )
 from tasks.providers.trainer_env import trainer_env
+from trainer.home import spotrun_home
 from trainer.interpreter import python_m, worker_path
 from trainer.storage.base import local_dir_name
 from trainer.telemetry.records import Durable, Record, Started, Step
@@ -111,8 +114,16 @@ class LocalProvider:
         cfg: LocalProviderConfig | None = None,
         flow_run_id: str | None = None,
         clock: Callable[[], float] = time.time,
+        *,
+        home: Path | None = None,
     ) -> None:
         self.cfg = cfg or LocalProviderConfig()
+        # a pool's socket lives under SPOTRUN_HOME (read here only when a pool is named)
+        self.pool = (
+            None
+            if self.cfg.pool is None
+            else pool.Place(pool.pools_dir(home or spotrun_home()), self.cfg.pool)
+        )
         self.prewarm = self.cfg.prewarm
         self.warm = WarmSettings(self.cfg.warm, self.cfg.warm_idle_s)  # standby trainers (control/warm.py)
         self.heartbeat_timeout_s = self.cfg.heartbeat_timeout_s
@@ -172,6 +183,9 @@ class LocalProvider:
         own = self.cfg.python is None or os.path.abspath(self.cfg.python) == os.path.abspath(sys.executable)
         if self.cfg.fork_server and own:
             try:
+                if self.pool is not None:
+                    idle_s = self.cfg.pool_idle_s
+                    return pool.spawn(self.pool, cmd[0], module, args, env=env, cwd=cwd, idle_s=idle_s)
                 return fork_server.spawn(cmd[0], module, args, env=env, cwd=cwd)
             except (fork_server.ForkServerUnavailable, OSError) as e:  # not an error: a slower start
                 log.warning("trainer fork server unavailable (%s); starting a fresh process", e)
