@@ -111,10 +111,24 @@ class Played:
         self.standby_up.set()
         while self.running(iid):
             if set(read_handoff(self.store)) - known - {iid}:  # a holder released: the lease is ours
-                self.finish(iid)
+                self._take_over(iid)
                 return
             self.beat(iid)  # building and waiting on the lease: alive, not training
             time.sleep(0.05)
+
+    def _take_over(self, iid: str) -> None:
+        """Train as the next attempt's worker until its watch has seen `started` (it arms the next
+        standby: a launch after this one), then finish: a completion marker written sooner could count
+        for the attempt the controller is still classifying."""
+        started = rec("started", step=0, resumed_from=None, total_steps=TOTAL)
+        mine = len(self.launched)
+        deadline = time.monotonic() + 20
+        while len(self.launched) == mine and time.monotonic() < deadline:
+            if not self.running(iid):
+                return  # a standby released unused (the job completed): its handoff was the last one
+            self.beat(iid, started, rec("step", step=1, durable_step=None))
+            time.sleep(0.05)
+        self.finish(iid)
 
     def finish(self, iid: str) -> None:
         mark_completed(self.store, self.spec, TOTAL)
