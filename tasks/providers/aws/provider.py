@@ -336,7 +336,7 @@ class AwsProvider:
                 f"{nnodes} nodes {', '.join(gang.ids)} at {gang.master_addr}" if nnodes > 1 else gang.ids[0]
             )
             log.info("attempt %d: %s running (%s, launch %s)", attempt, nodes, where.describe(), launch_id)
-            if where.az in busy and not self._shared_zone_warned:
+            if self.warm.size and where.az in busy and not self._shared_zone_warned:
                 self._shared_zone_warned = True
                 log.warning(
                     "%s shares %s with a running worker (no other zone configured or with capacity): "
