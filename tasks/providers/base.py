@@ -102,7 +102,9 @@ def stop_cause(e: BaseException) -> StopCause:
 @dataclass(frozen=True)
 class WarmSettings:
     """Standby workers a provider keeps for a job (tasks/control/warm.py), where it offers them: a
-    provider's optional `warm` attribute (the local one; EC2's is not built)."""
+    provider's optional `warm` attribute. Local: a forked trainer on this host. EC2: an instance in
+    another zone than the running worker where the subnets allow (aws/provider.py), billed at the spot
+    price while it stands by. Either's trainer has built the recipe and waits on the storage lease."""
 
     size: int  # standby workers (0: none)
     idle_s: float | None = None  # a standby unused this long is ended (None: it stands by all attempt)

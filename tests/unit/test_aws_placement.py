@@ -21,6 +21,7 @@ from tasks.providers.aws.policy import (
     Placement,
     PlacementEvent,
     PlacementOutcome,
+    apart_from,
     choose_market,
     next_placement,
     rank_placements,
@@ -197,3 +198,23 @@ def test_the_trace_replay_places_away_from_a_zone_that_just_reclaimed(
 ) -> None:
     traces = [Trace("a", 60, a), Trace("b", 60, b)]
     assert traces[best_zone(traces, tick, [True, True])].zone == best
+
+
+def pool(subnet: str | None) -> Placement:
+    return Placement(subnet, AZS[subnet] if subnet else None, "g5.xlarge")
+
+
+@pytest.mark.parametrize(
+    ("ranked", "busy", "expected"),
+    [
+        ([A, B, C], set(), [A, B, C]),  # nothing runs: the ranking as it is
+        ([A, B, C], {"us-east-1a"}, [B, C, A]),  # the running worker's zone last, the rest in rank order
+        ([C, A, B], {"us-east-1a", "us-east-1c"}, [B, C, A]),  # two live workers
+        ([A], {"us-east-1a"}, [A]),  # one zone configured: it is used (provider.py warns once)
+        ([None], {"us-east-1a"}, [None]),  # the default VPC picks: its zone is unknown here
+    ],
+)
+def test_a_standby_goes_apart_from_the_running_workers_zone(
+    ranked: list[str | None], busy: set[str], expected: list[str | None]
+) -> None:
+    assert apart_from([pool(s) for s in ranked], busy) == [pool(s) for s in expected]

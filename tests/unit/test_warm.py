@@ -21,6 +21,7 @@ from tasks.control.warm import (
     warm_of,
 )
 from tasks.market.prices import Prices
+from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.base import WarmSettings, Worker
 from tasks.providers.local import LocalProvider, LocalProviderConfig
 from trainer.telemetry.records import Started
@@ -63,17 +64,50 @@ def test_the_local_provider_offers_what_its_settings_ask(
     assert warm_of(LocalProvider(cfg)) == expected
 
 
+# the fields each kind needs besides the warm ones
+LOCAL: dict[str, object] = {}
+AWS: dict[str, object] = {
+    "region": "us-east-1",
+    "instance_types": ["g5.xlarge"],
+    "image_id": "ami-0123456789a",
+}
+KINDS = [(LocalProviderConfig, LOCAL), (AwsProviderConfig, AWS)]
+Kind = type[LocalProviderConfig | AwsProviderConfig]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, WarmSettings(0, None)),
+        ({"warm": 1}, WarmSettings(1, None)),
+        ({"warm": 1, "warm_idle_s": 600}, WarmSettings(1, 600.0)),
+        ({"warm": 0, "prewarm": False}, WarmSettings(0, None)),
+    ],
+)
+@pytest.mark.parametrize(("model", "base"), KINDS)
+def test_settings_accepted(
+    model: Kind, base: dict[str, object], fields: dict[str, object], expected: WarmSettings
+) -> None:
+    cfg = model.model_validate({**base, **fields})
+    assert WarmSettings(cfg.warm, cfg.warm_idle_s) == expected
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"warm": 2}, "less than or equal to 1"),
-        ({"warm": 1, "prewarm": False}, "set prewarm: true"),
+        ({"warm": -1}, "greater than or equal to 0"),
+        ({"warm": 1, "prewarm": False}, "set prewarm: true, or warm: 0 "),
         ({"warm": 1, "warm_idle_s": 0}, "greater than 0"),
     ],
 )
-def test_settings_refused(fields: dict[str, object], message: str) -> None:
-    with pytest.raises(ValidationError, match=message):
-        LocalProviderConfig.model_validate(fields)
+@pytest.mark.parametrize(("model", "base"), KINDS)
+def test_settings_refused(
+    model: Kind, base: dict[str, object], fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message) as e:
+        model.model_validate({**base, **fields})
+    assert e.value.error_count() == 1  # one line naming the fix
 
 
 def started() -> Started:

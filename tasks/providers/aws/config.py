@@ -228,6 +228,24 @@ class AwsProviderConfig(BaseModel):
         description="at a spot notice, start the next attempt's worker at once: it builds the recipe "
         "while the old one saves, and resumes as soon as that checkpoint is durable",
     )
+    warm: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="standby workers kept for the job (0 or 1: several would race for the one storage "
+        "lease, and the controller could not tell which won): an instance launched when each attempt "
+        "starts training, in another zone where the subnets allow, with the recipe built and its trainer "
+        "waiting on the lease; a reclaim without notice hands the job to it at once. It is billed at the "
+        "spot price while it waits (the attempt row's extra.warm, and the goodput report's cost). Needs "
+        "prewarm; single-node jobs only",
+    )
+    warm_idle_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="a standby instance nobody used for this long is terminated, and the attempt goes on "
+        "without one (its cost is capped at this much of a second instance per attempt); empty: it stands "
+        "by as long as the attempt runs",
+    )
     rehearse_locally: bool = Field(
         default=False,
         description="rehearsal against a test endpoint (moto): run each instance's user data as a local "
@@ -301,6 +319,10 @@ class AwsProviderConfig(BaseModel):
             raise ValueError(
                 f"spot_allocation_strategy {self.spot_allocation_strategy}: only an EC2 Fleet allocates; "
                 "set allocation: fleet, or leave spot_allocation_strategy out"
+            )
+        if self.warm and not self.prewarm:
+            raise ValueError(
+                "warm workers hand over as a prewarmed replacement does: set prewarm: true, or warm: 0"
             )
         if self.placement_group and self.rehearse_locally:
             raise ValueError(

@@ -154,6 +154,13 @@ def _marks(bad: list[PlacementEvent], pool: Placement) -> tuple[float, ...]:
     return tuple(max(ts, default=NEVER) for ts in (same_pool, zone, region, family))
 
 
+def apart_from(pools: list[Placement], zones: set[str]) -> list[Placement]:
+    """`pools` with those outside `zones` first, each part in its order: a warm standby goes where the
+    running worker is not, so that one zone's reclaim cannot take both (a pool of unknown zone counts as
+    apart)."""
+    return sorted(pools, key=lambda p: p.az is not None and p.az in zones)
+
+
 def next_placement(
     cfg: AwsProviderConfig,
     history: list[PlacementEvent],

@@ -25,6 +25,14 @@ job's history marks regions as it marks zones), one placement-score call names t
 launch, watch, release and sweep goes through its region's client. Checkpoints stay in the one bucket,
 which a worker in another region reads across regions (docs/aws.md: the cost, and data residency).
 
+Warm standby (`warm: 1`, tasks/control/warm.py): the controller provisions the next attempt's worker
+when this one starts training. Any instance provisioned while another of this provider runs goes to
+another zone first (`apart_from`): one zone's reclaim would otherwise take both. With one zone
+configured (or every other zone out of capacity) it lands beside the running worker, with one warning
+per provider, and still serves a reclaim of that instance alone. The standby is not watched until it
+takes over, so the running worker's watch renews its `spotrun:lease-until` tag too: the sweeper leaves
+it alone while the flow lives. Multi-node jobs are refused: a standby gang is not built.
+
 The EC2 clients are given (`make_ec2_client` and `make_ec2_clients` build them, one per region); the
 provider never builds one itself.
 """
@@ -57,11 +65,13 @@ from tasks.providers.aws.errors import (
     error_code,
     scores_refusal,
 )
+from tasks.providers.aws.launch import TAG_LEASE, lease_value
 from tasks.providers.aws.policy import (
     Market,
     Placement,
     PlacementEvent,
     PlacementOutcome,
+    apart_from,
     choose_market,
     rank_placements,
     zone_scores,
@@ -69,7 +79,15 @@ from tasks.providers.aws.policy import (
 from tasks.providers.aws.prices import quote
 from tasks.providers.aws.sweeper import sweep_flow_run
 from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
-from tasks.providers.base import LogCallback, ProvisionError, StatusCallback, StopCause, WatchResult, Worker
+from tasks.providers.base import (
+    LogCallback,
+    ProvisionError,
+    StatusCallback,
+    StopCause,
+    WarmSettings,
+    WatchResult,
+    Worker,
+)
 from trainer.storage import Storage
 from trainer.storage.registry import is_local
 from trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S
@@ -178,6 +196,7 @@ class AwsProvider:
         regions_ec2: Mapping[str, EC2Client] | None = None,
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.warm = WarmSettings(cfg.warm, cfg.warm_idle_s)  # a standby instance (control/warm.py)
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         # a rebalance recommendation starts the replacement too; it stands by this long for the notice
         self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
@@ -197,6 +216,10 @@ class AwsProvider:
         self._roots: dict[str | None, str | None] = {}  # region (None: `region`) -> the AMI's root device
         self._groups: dict[str, list[str]] = {}  # placement group -> instances launched in it, to delete
         self._released_peers: list[str] = []  # the other nodes of the worker released last
+        # provisioned and not yet released, by worker id: a standby's zone avoids theirs, and their
+        # watches renew its lease (a prewarm thread adds while the main thread releases)
+        self._live: dict[str, AwsWorkerState] = {}
+        self._shared_zone_warned = False
 
     @property
     def prices(self) -> Prices | None:
@@ -229,6 +252,12 @@ class AwsProvider:
         every one runs."""
         text = self._job_text(job, spec_path)
         nnodes = job.distributed.nnodes if job.distributed is not None else 1
+        if self.warm.size and nnodes > 1:
+            raise ProvisionError(
+                f"provider.warm: a standby of {nnodes} nodes is not built on EC2; set warm: 0, or run "
+                "the job on one node",
+                retryable=False,
+            )
         # The controller names the worker it released (node 0) for the storage lease; torchrun may have
         # put global rank 0, the lease holder, on another node (watch.py), released as surely.
         extra_args = [*extra_args, *(a for p in self._released_peers for a in ("--lease-takeover", p))]
@@ -258,9 +287,11 @@ class AwsProvider:
         self._reap_groups(0.0)  # those earlier attempts left in use
         if market == "spot":  # the controller's policy left it to the fallback rules
             market = choose_market(self.cfg, self.history, time.time())
-        pools = rank_placements(
+        ranked = rank_placements(
             self.cfg, self.history, azs, market, scores=self._placement_scores(nnodes, market)
         )
+        busy = {z for st in list(self._live.values()) if (z := st.placement.az) is not None}
+        pools = apart_from(ranked, busy)
         launch_id = f"{job.name[:40]}-a{attempt}-{uuid.uuid4().hex[:8]}"
         tags = launch.launch_tags(
             self.cfg,
@@ -279,8 +310,8 @@ class AwsProvider:
             placement_groups=self.cfg.placement_group and nnodes > 1,
         )
         store = self.open_store(job)
-        if self.cfg.allocation == "fleet":
-            gang = self._launch_fleet(pools, plan, market)
+        if self.cfg.allocation == "fleet":  # a fleet picks among the pools it is given: only those apart
+            gang = self._launch_fleet([p for p in pools if p.az not in busy] or pools, plan, market)
         else:
             gang = self._launch_first(pools, plan)
         where = gang.landed
@@ -305,9 +336,18 @@ class AwsProvider:
                 f"{nnodes} nodes {', '.join(gang.ids)} at {gang.master_addr}" if nnodes > 1 else gang.ids[0]
             )
             log.info("attempt %d: %s running (%s, launch %s)", attempt, nodes, where.describe(), launch_id)
+            if self.warm.size and where.az in busy and not self._shared_zone_warned:
+                self._shared_zone_warned = True
+                log.warning(
+                    "%s shares %s with a running worker (no other zone configured or with capacity): "
+                    "a reclaim of that zone takes both; add subnets in other zones",
+                    gang.ids[0],
+                    where.az,
+                )
             if self.launcher is not None:
                 for iid, s in zip(gang.ids, gang.scripts, strict=True):
                     self.launcher(iid, s)
+        self._live[gang.ids[0]] = state
         return Worker(gang.ids[0], self.name, attempt, started_at=state.launched_at, handle=state)
 
     def _job_text(self, job: JobSpec, spec_path: Path) -> str:
@@ -343,7 +383,14 @@ class AwsProvider:
                 on_status(rec)
 
         ec2 = self._client(state.placement.region)
-        result = WorkerWatch(ec2, self.cfg, worker, on_status=status, exit_status=self.exit_status).run()
+        result = WorkerWatch(
+            ec2,
+            self.cfg,
+            worker,
+            on_status=status,
+            exit_status=self.exit_status,
+            renew_others=lambda: self._renew_standbys(worker.id),
+        ).run()
         result.facts["cost"] = asdict(attempt_cost(state, result.ended_at))
         reclaimed = result.notice_kind == SPOT_INTERRUPTION or (
             result.trainer_code == "PREEMPTED" and state.released_at is None
@@ -367,10 +414,25 @@ class AwsProvider:
         state: AwsWorkerState = worker.handle
         if state.released_at is None:
             state.released_at = time.time()
+        self._live.pop(worker.id, None)
         self._terminate(state.instance_ids, state.placement.region)
         self._released_peers = list(state.peers)
         if state.placement_group is not None and state.placement_group in self._groups:
             self._reap_groups(GROUP_WAIT_S)
+
+    def _renew_standbys(self, watched: str) -> None:
+        """Push the lease of every live instance but the watched worker's forward: a standby is not
+        watched until it takes over, and the sweeper would end it once its launch lease ran out."""
+        for wid, st in list(self._live.items()):
+            if wid == watched:
+                continue
+            try:
+                self._client(st.placement.region).create_tags(
+                    Resources=st.instance_ids,
+                    Tags=[{"Key": TAG_LEASE, "Value": lease_value(self.cfg.lease_s)}],
+                )
+            except BOTO_ERRORS as e:  # retried at the next renewal; the lease still has time
+                log.warning("could not renew the lease of standby %s: %s", wid, e)
 
     def _terminate(self, ids: list[str], region: str | None = None) -> None:
         """TerminateInstances in `region` (None: `region` of the config); an unknown id fails the whole

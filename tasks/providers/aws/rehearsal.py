@@ -22,7 +22,15 @@ from tasks.market.prices import Prices
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.provider import AwsProvider
 from tasks.providers.aws.watch import AwsWorkerState
-from tasks.providers.base import LogCallback, Market, StatusCallback, StopCause, WatchResult, Worker
+from tasks.providers.base import (
+    LogCallback,
+    Market,
+    StatusCallback,
+    StopCause,
+    WarmSettings,
+    WatchResult,
+    Worker,
+)
 from tasks.providers.processes import die_with_parent, on_spawner_thread
 from tasks.providers.trainer_env import trainer_env
 from trainer.spec.job import EnvOptions, JobSpec
@@ -95,6 +103,7 @@ class RehearsalProvider:
         self, cfg: AwsProviderConfig, root: Path, flow_run_id: str | None, installation: str | None = None
     ) -> None:
         self.prewarm = cfg.prewarm
+        self.warm = WarmSettings(cfg.warm, cfg.warm_idle_s)
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.rebalance_wait_s = cfg.rebalance_prewarm_s if cfg.prewarm else None
         self.capacity_poll_s = 30.0

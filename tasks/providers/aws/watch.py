@@ -144,8 +144,10 @@ class WorkerWatch:
         *,
         on_status: StatusCallback | None,
         exit_status: ExitStatus | None,
+        renew_others: Callable[[], None] | None = None,
     ) -> None:
         self.ec2, self.cfg, self.worker, self.state = ec2, cfg, worker, worker.handle
+        self.renew_others = renew_others  # the provider's standby instances, renewed with this one
         self.on_status, self.exit_status = on_status, exit_status
         self.result = worker.result = WatchResult(started_at=worker.started_at)  # also read on interrupt
         self.seen: dict[str, Record] = {}
@@ -182,6 +184,8 @@ class WorkerWatch:
             self.lease_renewed = time.monotonic()
         except (bce.ClientError, bce.BotoCoreError) as e:  # retried next poll; the lease still has time
             log.warning("could not renew the lease of %s: %s", self.worker.id, e)
+        if self.renew_others is not None:
+            self.renew_others()
 
     @property
     def voice(self) -> str:
