@@ -151,7 +151,16 @@ def test_a_collapse_stops_the_worker_and_is_a_hung_attempt() -> None:
 
 def _rolled(n: int) -> list[AttemptRecord]:
     return [
-        AttemptRecord(i, f"w{i}", "local", 0.0, 1.0, Outcome.ROLLED_BACK, "loss spike", last_step=10 * i)
+        AttemptRecord(
+            attempt=i,
+            worker_id=f"w{i}",
+            provider="local",
+            started_at=0.0,
+            ended_at=1.0,
+            outcome=Outcome.ROLLED_BACK,
+            cause="loss spike",
+            last_step=10 * i,
+        )
         for i in range(1, n + 1)
     ]
 
