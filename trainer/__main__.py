@@ -43,14 +43,14 @@ from trainer.launch.start import (
     under_torchrun,
     write_rank_exit,
 )
-from trainer.preemption.handover import ANNOUNCE_S
+from trainer.preemption.handover import ANNOUNCE_S, Advert
 from trainer.preemption.lease import DEFAULT_TTL_S, Holder, held
 from trainer.preemption.notices import Notice, make_watcher
 from trainer.preemption.requests import StopRequest, install_signal_handlers
 from trainer.session.faults import Fault
 from trainer.session.loop import AttemptOptions, ResumeSource, _device, run_attempt
 from trainer.spec.job import JobSpec, load_spec, parse_spec
-from trainer.storage import resolve_uri
+from trainer.storage import Storage, resolve_uri
 from trainer.storage.base import local_dir_name
 from trainer.storage.locks import private_home
 from trainer.telemetry.heartbeat import HeartbeatWriter
@@ -361,6 +361,10 @@ def _run(
                 released=args.lease_takeover,
                 wait_s=max(args.prewarm_wait, 0.0),
             )
+
+            def claim(peer: Advert | None) -> Storage:
+                return lease_scope.enter_context(lease(peer=peer))
+
             opts = AttemptOptions(
                 cache=Path(args.cache) if args.cache else env.home / "cache" / local_dir_name(spec.name, uri),
                 max_steps=args.max_steps,
@@ -371,7 +375,7 @@ def _run(
                 fault=fault,
                 skip_steps=skips,
                 mtbf_s=args.mtbf_s if args.mtbf_s and args.mtbf_s > 0 else None,
-                claim=(lambda: lease_scope.enter_context(lease())) if env.rank == 0 else None,
+                claim=claim if env.rank == 0 else None,
                 prewarmed=args.prewarm_wait > 0,
                 handover_s=max(args.handover_s, 0.0) if solo else 0.0,
                 worker_id=me.worker_id if solo else None,

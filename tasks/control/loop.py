@@ -41,7 +41,7 @@ from tasks.control.rollback import roll_back
 from tasks.control.runlog import JobRunLog
 from tasks.control.sinks import PlainSink as PlainSink
 from tasks.control.sinks import Sink
-from tasks.control.warm import WarmStandby, from_pool, warm_of
+from tasks.control.warm import STANDBY_COPY, WarmStandby, from_pool, warm_of
 from tasks.control.watchdog import for_attempt, job_history
 from tasks.control.watching import WatchCalls
 from tasks.control.watching import watch as watch
@@ -143,6 +143,8 @@ def _loop(
                 point = sink.step("check-checkpoints", _check_checkpoints, job, runlog.cache, sink)
                 if point is not None:
                     runlog.resumed(point)
+                if ahead is not None:  # a standby with a newer copy of the state commits and resumes it
+                    runlog.resumes_at_least(record.extra.get(STANDBY_COPY))
             runlog.record(record)
             decision = decide(runlog.records, policy, rng)
             sink.log(
@@ -298,6 +300,8 @@ def _attempt(
         record.extra.update(standby.extra(result.ended_at, provider.prices))
     if result.stopped_by is StopCause.MARKET:
         record.extra[MARKET_MOVE] = "spot"
+    if result.standby_step is not None:
+        record.extra[STANDBY_COPY] = result.standby_step
     if ahead is not None and ahead.started and record.outcome is Outcome.ROLLED_BACK:
         ahead.discard(provider)  # it may have resumed from a checkpoint the rollback quarantines
         ahead = None

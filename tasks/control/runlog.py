@@ -289,6 +289,12 @@ class JobRunLog:
         self.resume_step, self.resume_uri = point.step, point.uri
         self._resumes_at = point.step or 0
 
+    def resumes_at_least(self, step: int | None) -> None:
+        """The next attempt resumes from `step` or later: a warm standby holds a copy of the state up to
+        it (trainer/saving/peer.py), which it commits when it takes over."""
+        if step is not None:
+            self._resumes_at = max(self._resumes_at or 0, step)
+
     def record(self, record: AttemptRecord) -> None:
         """Store an attempt's row, its lost steps counted by the one rule (tasks/decisions/lost_steps.py) up
         to the flow's estimate of where the next attempt resumes, made since the last row (if any)."""

@@ -20,8 +20,12 @@ the lease. From there it is the prewarm's path:
 Only one standby (`warm: 1`): during a refill (one cold start) a second reclaim without notice starts
 cold, and several standbys would race for one lease with the controller unable to tell which won.
 
-What it does not win back: the steps since the last checkpoint, which a reclaim without notice loses
-whatever stands by. The goodput report keeps the two apart (lost steps, recovery).
+What it does not win back by itself: the steps since the last checkpoint. With `checkpoint.standby_every_s`
+the running trainer sends the standby a copy of its state that often (trainer/saving/peer.py), the
+standby commits the newest one when it takes over, and a reclaim without notice loses at most that much
+training. Each step record names the newest copy the standby confirmed (`standby_step`); the attempt
+row keeps it (`extra.standby_copy_step`), and the flow's estimate of where the next attempt resumes
+counts it. The goodput report keeps lost steps and recovery apart.
 
 Cost: a second worker for as long as it stands by. The attempt row's `extra.warm` holds its seconds and,
 where the provider prices workers, their USD; `warm_idle_s` caps both per attempt (the standby is then
@@ -42,6 +46,7 @@ from trainer.telemetry.records import Started
 WARM_REASON = "warm standby, started with the previous attempt"
 WARM = "warm"  # the attempt extra's key: the standby this attempt kept (seconds, USD)
 FROM_POOL = "from_warm_pool"  # the attempt extra's key: its worker was the previous attempt's standby
+STANDBY_COPY = "standby_copy_step"  # the attempt extra's key: the newest step its standby held a copy of
 # "as long as the attempt runs": a trainer's --prewarm-wait is finite; 30 days outlasts any attempt
 NO_IDLE_LIMIT_S = 30 * 24 * 3600.0
 

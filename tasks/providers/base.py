@@ -175,6 +175,7 @@ class WatchResult:
     started_training_at: float | None = None  # the `started` record arrived
     last_step: int = 0  # highest step reported (step, stopping and exit records)
     last_durable_step: int | None = None  # newest checkpoint reported durable
+    standby_step: int | None = None  # newest step the warm standby confirmed a copy of (saving/peer.py)
     durable_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) per durable record
     step_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step) samples, oldest dropped
     # step -> loss of every step record seen (and of those a heartbeat carried): the lost attempt's
@@ -201,6 +202,8 @@ class WatchResult:
         step = getattr(rec, "step", None)
         if isinstance(step, int):
             self.last_step = max(self.last_step, step)
+        if isinstance(rec, Step) and rec.standby_step is not None:
+            self.standby_step = max(self.standby_step or 0, rec.standby_step)
         durable = rec.step if isinstance(rec, Durable) else getattr(rec, "durable_step", None)
         if isinstance(durable, int):
             self.last_durable_step = max(self.last_durable_step or 0, durable)

@@ -1,7 +1,9 @@
 """A reclaim without notice with `warm: 1`: the standby trainer, started with attempt 1 and waiting on the
 storage lease, takes the job over (no trainer is provisioned for attempt 2), its row says it came from the
 warm pool, attempt 1's row holds the standby's time, and the job completes bitwise equal to an
-uninterrupted run. Through run_job with the local provider and real trainers (no Prefect server)."""
+uninterrupted run. With `standby_every_s`, attempt 1 sent the standby copies of its state between
+checkpoints: attempt 2 resumed from the newest copy, not from the last checkpoint, and lost less than
+the checkpoint interval. Through run_job with the local provider and real trainers (no Prefect server)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 import pytest
 
 from tasks.control.loop import PlainSink, run_job
-from tasks.control.warm import FROM_POOL, WARM
+from tasks.control.warm import FROM_POOL, STANDBY_COPY, WARM
+from tasks.decisions.lost_steps import lost_steps, walk
 from tasks.decisions.policy import RetryPolicy
 from tasks.history import HistoryStore
 from tasks.providers.base import Worker
@@ -50,7 +53,8 @@ def test_a_reclaim_without_notice_hands_the_job_to_the_warm_standby_bitwise(
             "total_steps": 1500,  # 3 s at the fastest: the kill after 1 s of training always comes first
             "threads": 1,
             "seed": 7,
-            "checkpoint": {"every_steps": 10, "keep": 3},
+            # a checkpoint every 400 steps, a copy to the standby every 0.1 s (30-50 steps here)
+            "checkpoint": {"every_steps": 400, "keep": 3, "standby_every_s": 0.1},
             "storage": str(tmp_path / "store"),
             "tracking": {"mlflow": False},
         }
@@ -77,6 +81,15 @@ def test_a_reclaim_without_notice_hands_the_job_to_the_warm_standby_bitwise(
     assert rows[1].extra[FROM_POOL]["stood_by_s"] > 0, rows[1].extra
     assert rows[0].extra[WARM]["standby_s"] > 0 and rows[0].extra[WARM]["usd"] is None, rows[0].extra
     print(f"\nattempt 2 resumed from step {rows[1].resumed_from} after attempt 1 reached {rows[0].last_step}")
+    resumed = rows[1].resumed_from or 0
+    assert resumed % 400 != 0, "attempt 2 resumed from a checkpoint, not from the standby's copy"
+    # the row's lost steps: the controller's estimate when it recorded them, from the newest copy the
+    # standby had confirmed in a step record (a later copy may have landed since); the goodput report
+    # counts from where attempt 2 really resumed
+    copied = rows[0].extra[STANDBY_COPY]
+    assert 0 < copied <= resumed and rows[0].lost_steps == rows[0].last_step - copied < 400, rows[0]
+    _, kept = walk(rows)  # the one rule, as the goodput report applies it to the stored rows
+    assert lost_steps(rows[0].last_step, kept[0]) == rows[0].last_step - resumed, kept
     assert WARM in rows[1].extra  # the pool refilled: attempt 2 kept a standby too, released unused
     assert [a for a, _, standby in provider.started if standby] == [2, 3]
     assert_states_equal(Path(spec.storage) / step_dir(spec.total_steps), reference)

@@ -149,7 +149,7 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
             ExitCode.COMPLETED, done, resumed_from=done, durable_step=done, message="already completed"
         )
     if opts.claim is not None:
-        storage = opts.claim()  # publish only through the storage this trainer holds
+        storage = opts.claim(None)  # publish only through the storage this trainer holds
     work = opts.cache / "command"
     ckpt_dir = work / "checkpoints"
     work.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ its emergency checkpoint and exits, and the replacement resumes from that checkp
 
 One object in the job's storage, with two writers in turn:
 
-    _standby.json   {"replacing": WORKER, "state": "starting" | "waiting", "worker": ID, "at": t}
+    _standby.json   {"replacing": WORKER, "state": "starting" | "waiting", "worker": ID, "at": t
+                     [, "peer": {"addr": HOST:PORT, "token": T}]}
                     "starting": the controller's word, written when it starts the replacement;
                     "waiting": the replacement's, once its recipe is built and it polls the lease.
 
@@ -34,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from trainer.checkpoint.signing import marker_problem, sign_marker
 from trainer.errors import StorageError
@@ -47,16 +49,44 @@ POLL_S = 0.1
 
 
 @dataclass(frozen=True)
+class Advert:
+    """Where a standby takes copies: its address and the token a sender must present."""
+
+    addr: str  # "host:port"
+    token: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"addr": self.addr, "token": self.token}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Advert | None:
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("addr"), str)
+            or not isinstance(d.get("token"), str)
+        ):
+            return None
+        return cls(d["addr"], d["token"])
+
+
+@dataclass(frozen=True)
 class Standby:
     replacing: str  # the worker it replaces
     state: str  # starting | waiting
     worker: str  # the replacement ("" while the controller is still provisioning it)
     at: float
+    peer: Advert | None = None  # where a waiting standby takes copies of the state (trainer/saving/peer.py)
 
 
-def write_standby(storage: Storage, replacing: str, state: str, worker: str = "") -> None:
-    """Announce (the controller: `starting`) or report ready (the replacement: `waiting`)."""
-    body = sign_marker({"replacing": replacing, "state": state, "worker": worker, "at": time.time()})
+def write_standby(
+    storage: Storage, replacing: str, state: str, worker: str = "", peer: Advert | None = None
+) -> None:
+    """Announce (the controller: `starting`) or report ready (the replacement: `waiting`, with where it
+    takes copies of the state when it does)."""
+    doc: dict[str, Any] = {"replacing": replacing, "state": state, "worker": worker, "at": time.time()}
+    if peer is not None:
+        doc["peer"] = peer.as_dict()
+    body = sign_marker(doc)
     put_bytes(storage, STANDBY_KEY, json.dumps(body).encode())
 
 
@@ -64,7 +94,13 @@ def read_standby(storage: Storage) -> Standby | None:
     """The standby record, or None when absent or unreadable (the next poll reads it again)."""
     try:
         d = json.loads(get_bytes(storage, STANDBY_KEY))
-        standby = Standby(str(d["replacing"]), str(d["state"]), str(d.get("worker", "")), float(d["at"]))
+        standby = Standby(
+            replacing=str(d["replacing"]),
+            state=str(d["state"]),
+            worker=str(d.get("worker", "")),
+            at=float(d["at"]),
+            peer=Advert.from_dict(d.get("peer")),
+        )
         if (problem := marker_problem(d)) is not None:  # with a key, a forged one hands nothing over
             log.warning("handover: ignoring %s/%s: %s", storage.uri, STANDBY_KEY, problem)
             return None

@@ -63,7 +63,7 @@ from trainer.errors import (
     StorageError,
     TransientStorageError,
 )
-from trainer.preemption.handover import STANDBY_KEY, write_standby
+from trainer.preemption.handover import STANDBY_KEY, Advert, write_standby
 from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
 from trainer.storage.base import Stamped
 from trainer.telemetry.heartbeat import WORKERS_DIR
@@ -575,11 +575,13 @@ def held(
     *,
     released: Collection[str] = (),
     wait_s: float = 0.0,
+    peer: Advert | None = None,
 ) -> Iterator[FencedStorage]:
     """Acquire (waiting up to `wait_s` for the holder to let go), renew while the block runs, release
-    after it: the block writes through the result."""
+    after it: the block writes through the result. `peer`: where this waiting trainer takes copies of the
+    holder's state (trainer/saving/peer.py), told to the holder with its standby record."""
     lease = (
-        wait_for_lease(storage, me, ttl_s, released=released, wait_s=wait_s)
+        wait_for_lease(storage, me, ttl_s, released=released, wait_s=wait_s, peer=peer)
         if wait_s > 0
         else Lease.acquire(storage, me, ttl_s, released=released)
     ).start()
@@ -623,6 +625,7 @@ def wait_for_lease(
     wait_s: float,
     clock: Callable[[], float] = monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    peer: Advert | None = None,
 ) -> Lease:
     """A prewarmed trainer's acquire: the recipe is built and the data loaded; the worker it replaces
     still writes its emergency checkpoint. Poll until the lease is free (its holder released it at exit,
@@ -641,18 +644,18 @@ def wait_for_lease(
             if not logged:
                 log.info("prewarmed: waiting up to %.0f s for the storage lease (%s)", wait_s, e)
                 logged = True
-            stood_by = stood_by or _stand_by(storage, me)  # again at each poll until it is written
+            stood_by = stood_by or _stand_by(storage, me, peer)  # again at each poll until it is written
             sleep(PREWARM_POLL_S)
 
 
-def _stand_by(storage: Storage, me: Holder) -> bool:
+def _stand_by(storage: Storage, me: Holder, peer: Advert | None = None) -> bool:
     """Tell the holder, which may be training through its notice, that its replacement is ready;
     whether that was written."""
     doc, _ = read_lease(storage)
     if doc is None:
         return False
     try:
-        write_standby(storage, doc.holder.worker_id, "waiting", me.worker_id)
+        write_standby(storage, doc.holder.worker_id, "waiting", me.worker_id, peer)
     except (OSError, StorageError) as e:  # retried at the next poll; meanwhile the holder trains on
         log.warning("prewarmed: standby not written (%s)", e)
         return False

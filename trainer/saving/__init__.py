@@ -2,7 +2,8 @@
 publish off the training loop, in a thread or a writer process; sharded (DCP) saves; the interval.
 
 A change here changes what a save costs the loop, never what a checkpoint holds (trainer/checkpoint/).
-Modules: `checkpointer`, `writer_proc`, `shm`, `publish`, `sharded`, `interval`.
+Modules: `checkpointer`, `writer_proc`, `shm`, `publish`, `sharded`, `interval`, and `peer` (copies of the
+state sent to a warm standby, between checkpoints).
 """
 
 from __future__ import annotations

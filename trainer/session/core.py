@@ -166,6 +166,8 @@ class Session(SessionState):
             self.should_stop = True
         elif self._checkpoint_due(agreed.due):
             self.checkpoint()
+        elif self.peer is not None and self.peer.due():  # a copy to the warm standby, in memory there
+            self.peer.send(self.state.capture(), self._manifest_base(), self.steps_log.sidecars(self.step))
         self._beside_save = self.ckpt.in_flight
         self._t_step = time.perf_counter()
 
@@ -181,7 +183,10 @@ class Session(SessionState):
                 self._metrics.flush()
         assert self._meter is not None
         logged = self._meter.tick(self.spec, self.step, loss, lr_after)
-        self.opts.reporter.step(self.step, loss, self._meter.rate, self.ckpt.durable_step, force=logged)
+        copied = self.peer.acked if self.peer is not None else None
+        self.opts.reporter.step(
+            self.step, loss, self._meter.rate, self.ckpt.durable_step, force=logged, standby_step=copied
+        )
 
     def _time_due(self) -> bool:
         tuned = self.tuner.choice.seconds if self.tuner is not None else None
@@ -353,6 +358,8 @@ class Session(SessionState):
 
     def abandon(self) -> None:
         """Close the checkpointer and the metrics file, with no final checkpoint (an error ended it)."""
+        if self.peer is not None:
+            self.peer.close()
         if self._metrics:
             self._metrics.close()
             self._metrics = None

@@ -20,6 +20,7 @@ from trainer.checkpoint.validate import Expectation
 from trainer.errors import ConfigError
 from trainer.saving.checkpointer import Checkpointer
 from trainer.saving.interval import IntervalTuner
+from trainer.saving.peer import PeerReceiver, receiver_for, sender_for
 from trainer.session.options import rank_seed, seed_everything
 from trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
 from trainer.session.resume import Restored, durable_here, load_state, select_together
@@ -41,7 +42,14 @@ def open_session(s: SessionState) -> None:
     if opts.claim is not None:
         if opts.prewarmed:  # the first optimizer step imports torch._dynamo: 0.8 s, paid while waiting
             importlib.import_module("torch._dynamo")  # `import torch._dynamo` here would shadow torch
-        s.storage = opts.claim()  # resume and publish only through the storage this trainer holds
+        receiver = standby_receiver(s)
+        try:  # resume and publish only through the storage this trainer holds
+            s.storage = opts.claim(receiver.advert if receiver is not None else None)
+            if receiver is not None:  # the worker it stood by for is gone: its newest copy, if newer
+                receiver.commit(s.storage)
+        finally:
+            if receiver is not None:
+                receiver.close()
     s.steps_log = MetricsLog(s.storage if ranks.is_zero else None)
     selection = select_together(s.storage, opts.cache, expectation(s), src=opts.resume_from, ranks=ranks)
     if ranks.is_zero:
@@ -86,6 +94,14 @@ def open_session(s: SessionState) -> None:
         warm_start=s.warm_start,
     )
     begin(s)
+
+
+def standby_receiver(s: SessionState) -> PeerReceiver | None:
+    """Where this trainer, waiting as a warm standby, takes copies of the running one's state
+    (`checkpoint.standby_every_s`; one process only), else None."""
+    if not (s.opts.prewarmed and s.spec.checkpoint.standby_every_s and not s.ranks.distributed):
+        return None
+    return receiver_for(s.state.capture(), s.opts.cache)
 
 
 def skip_data(s: SessionState, steps: int) -> None:
@@ -192,6 +208,9 @@ def restore(s: SessionState, path: Path) -> Restored:
 
 def begin(s: SessionState) -> None:
     s.model.train()
+    every, me = s.spec.checkpoint.standby_every_s, s.opts.worker_id
+    if every and me and not s.ranks.distributed:  # copies to a warm standby, once one stands by
+        s.peer = sender_for(s.storage, me, s.opts.cache, every)
     if s.spec.checkpoint.every == "auto":
         mtbf = s.opts.mtbf_s or s.spec.checkpoint.mtbf_prior_s
         s.tuner = IntervalTuner(mtbf, prior_cost_s(s.model))

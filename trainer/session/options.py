@@ -14,7 +14,7 @@ import torch
 from trainer.distributed.ranks import Ranks
 from trainer.errors import ConfigError
 from trainer.exitcodes import ExitCode
-from trainer.preemption.handover import ANNOUNCE_S
+from trainer.preemption.handover import ANNOUNCE_S, Advert
 from trainer.preemption.requests import StopRequest
 from trainer.session.faults import Fault
 from trainer.session.resume import ResumeSource
@@ -37,7 +37,9 @@ class AttemptOptions:
     mtbf_s: float | None = None  # `every: auto`: seconds between reclaims (the controller's estimate)
     # Take the job's storage for writing (its lease), once the model is built: a prewarmed trainer
     # does the slow part (imports, model, data) while the worker it replaces still saves.
-    claim: Callable[[], Storage] | None = None
+    # `claim(peer)`: `peer` is where this trainer, waiting as a warm standby, takes copies of the
+    # holder's state (trainer/saving/peer.py)
+    claim: Callable[[Advert | None], Storage] | None = None
     prewarmed: bool = False  # started at another worker's notice: warm the first step's imports while waiting
     # Train through a notice for up to this long, until the replacement stands by
     # (trainer/preemption/handover.py); 0: stop at the next step. `worker_id`: this trainer's name in the

@@ -30,6 +30,7 @@ from trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
     from trainer.saving import sharded
+    from trainer.saving.peer import PeerSender
 
 log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
@@ -75,6 +76,7 @@ class SessionState:
         self.ckpt: Checkpointer | sharded.ShardedCheckpointer
         self.steps_log = MetricsLog(None)
         self.tuner: IntervalTuner | None = None  # `every: auto`: the interval from measured costs
+        self.peer: PeerSender | None = None  # copies to the warm standby (checkpoint.standby_every_s)
         self.plan: SavePlan | None = None  # the emergency-save decision, when a stop carried a deadline
         self.stop_reported = self.stop_agreed = self.finished_early = False
         self.gate = HandoverGate(opts.stop, handover_options(spec, opts), opts.reporter)

@@ -77,6 +77,12 @@ class CheckpointPolicy(BaseModel):
         default=3, ge=2, description="verified checkpoints to keep (>= 2: the newest may be uploading)"
     )
     async_upload: bool = Field(default=True, description="serialize and upload in the background")
+    standby_every_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="with a warm standby (provider warm: 1), send it a copy of the state this often, so "
+        "that a reclaim without notice loses at most this much training; empty: no copies",
+    )
 
     @model_validator(mode="after")
     def _some_trigger(self) -> CheckpointPolicy:

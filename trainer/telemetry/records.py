@@ -6,7 +6,7 @@ trainer's clock):
   Started   resumed_from, checkpoint, rejected, step, total_steps    about to take the first step
             [, resharded_from, changes]                             (a resharded or changed resume)
             [, warm_start]                                          (a run started from another's)
-  Step      step, loss, steps_per_s, durable_step                   progress, at most 4 a second
+  Step      step, loss, steps_per_s, durable_step[, standby_step]   progress, at most 4 a second
   Saving    step                                                    a checkpoint of `step` begun
   Durable   step                                                    a checkpoint verified in storage
   Notice    cloud, action, stop, deadline                           a cloud notice (rebalance: stop false)
@@ -211,6 +211,8 @@ class Step(RecordBase):
     loss: float | None = _f(_optional(_float), None)
     steps_per_s: float | None = _f(_optional(_float), None)
     durable_step: int | None = _f(_optional(_int), None)
+    # the newest step the warm standby holds a copy of (trainer/saving/peer.py); None: no copy
+    standby_step: int | None = _f(_optional(_int), None, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,7 @@ what a recipe prints and the log on stderr stays for people). Kinds:
             + {warm_start: {job, run_key, step, parts,         a job with init_from: the run it started
                loaded, reason}}                                from and whether it loaded it (every
                                                                attempt; a resumed one from its checkpoint)
-  step      {step, loss, steps_per_s, durable_step}            at most 4 a second, and at log_every
+  step      {step, loss, steps_per_s, durable_step[, standby_step]}  at most 4 a second, and at log_every
   saving    {step}                                             a checkpoint of that step has begun
   section   {name, begin, step}                                an evaluation (or other non-step stretch)
                                                                began or ended
@@ -86,13 +86,23 @@ class StatusReporter:
         for listener in self._listeners:
             listener(rec)
 
-    def step(self, step: int, loss: float, steps_per_s: float, durable_step: int | None, force: bool) -> None:
+    def step(
+        self,
+        step: int,
+        loss: float,
+        steps_per_s: float,
+        durable_step: int | None,
+        force: bool,
+        standby_step: int | None = None,
+    ) -> None:
         self.last_step = step
         now = time.monotonic()
         if not force and now - self._last_step_line < self.min_interval_s:
             return
         self._last_step_line = now
-        self.emit("step", step=step, loss=loss, steps_per_s=round(steps_per_s, 3), durable_step=durable_step)
+        rate = round(steps_per_s, 3)
+        more = {"standby_step": standby_step} if standby_step is not None else {}
+        self.emit("step", step=step, loss=loss, steps_per_s=rate, durable_step=durable_step, **more)
 
 
 def stdout_reporter() -> StatusReporter:
