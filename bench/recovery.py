@@ -12,12 +12,14 @@ this process:
       (--no-notice-fraction) without notice (SIGKILL), the others with a notice (SIGTERM, then SIGKILL
       30 s later, as on GCP; the old worker trains through it until its replacement stands by); with
       `warm: 1` (--warm): a standby trainer waits on the lease from each attempt's start
-      (tasks/control/warm.py), and a reclaim without notice hands over to it;
+      (tasks/control/warm.py), and a reclaim without notice hands over to it; the running trainer
+      sends it a copy of its state every --standby-every-s (0.25 s; trainer/saving/peer.py), which it
+      resumes from when newer than the last checkpoint;
   A'  uninterrupted again (default mode only): the machine is shared, so the baseline is the mean of
       the runs before and after B;
   D   (with --warm 1 and a reclaim without notice in the trace) B's trace again with no standby: each
-      reclaim without notice pays a cold start, the figure a standby is measured against. Not part of
-      goodput.
+      reclaim without notice pays a cold start and loses the training since the last checkpoint, the
+      figures a standby is measured against. Not part of goodput.
 goodput = uninterrupted wall / interrupted wall, each from the call of the flow to its return, with
 the uninterrupted runs' training priced at B's pace per ordinary step (the same job's pace moved from
 3.9 to 5.7 ms/step between two runs on the shared cores); goodput_as_measured is the plain ratio.
@@ -88,6 +90,7 @@ DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
 GOAL_GOODPUT, GOAL_RATIO, GOAL_OVERHEAD_S = 0.98, 1.0, 2.0
 GOAL_NO_NOTICE_S = 0.5  # a reclaim without notice, death seen -> first resumed step, with a standby
 NO_NOTICE = 1 / 3  # share of reclaims without notice
+STANDBY_EVERY_S = 0.25  # copies of the state to the warm standby (checkpoint.standby_every_s)
 NOTICE_S = 30.0  # notice -> SIGKILL of the simulated reclaims with notice
 MAX_SEEDS = 100
 WARM_UP_STEPS = 200  # an untimed run first: the process's first flow run was 2.4 s slower to its first step
@@ -116,7 +119,7 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def bench_job(storage: Path, size: Size, total_steps: int) -> JobSpec:
+def bench_job(storage: Path, size: Size, total_steps: int, standby_every_s: float | None = None) -> JobSpec:
     """The demo's job, longer, checkpointed every `size.every_s` seconds of training. threads 1: the demo's
     2 intra-op threads spin against each other and the replacement on a busy 2-core machine (4,000 steps
     took 130 s of training with 2 threads and 14 s with 1 at load average ~4)."""
@@ -127,7 +130,13 @@ def bench_job(storage: Path, size: Size, total_steps: int) -> JobSpec:
         storage=str(storage),
         total_steps=total_steps,
         threads=1,
-        checkpoint={"every_steps": None, "every_seconds": size.every_s, "keep": keep},
+        # copies to the warm standby (trainer/saving/peer.py) only reach one where B keeps one
+        checkpoint={
+            "every_steps": None,
+            "every_seconds": size.every_s,
+            "keep": keep,
+            "standby_every_s": standby_every_s,
+        },
         # the per-step times this benchmark reads stay in storage: with MLflow on, the tracker deletes
         # the metrics objects it holds (tasks/tracking/collect.py), and the timeline would lose them
         tracking={**(data.get("tracking") or {}), "mlflow": False},
@@ -422,6 +431,12 @@ def main() -> None:
         help=f"share of reclaims without notice (default {NO_NOTICE:.2f}; 1.0: every reclaim a SIGKILL)",
     )
     ap.add_argument("--warm", type=int, default=1, choices=(0, 1), help="B's standby workers (default 1)")
+    ap.add_argument(
+        "--standby-every-s",
+        type=float,
+        default=STANDBY_EVERY_S,
+        help=f"with a standby, send it a state copy this often (default {STANDBY_EVERY_S:g}; 0: never)",
+    )
     args = ap.parse_args()
     if not 0 <= args.no_notice_fraction <= 1:
         ap.error("--no-notice-fraction is a share: between 0 and 1")
@@ -444,7 +459,7 @@ def main() -> None:
                 label: str, seed: int | None, steps: int = size.total_steps, fork: bool = True, warm: int = 0
             ) -> FlowRun:
                 root = tmp / label.split()[0]
-                job = bench_job(root / "store", size, steps)
+                job = bench_job(root / "store", size, steps, args.standby_every_s or None)
                 cfg = provider(size, seed, fork, warm=warm, no_notice=args.no_notice_fraction)
                 return run_flow(server, root, label, job=job, cfg=cfg)
 
@@ -491,6 +506,7 @@ def main() -> None:
     say(f"{machine_load()}")
     summary, detail = summarize(runs, rows, seed, cold_s)
     summary |= no_notice_summary(rows, cold_rows, warm=args.warm, fraction=args.no_notice_fraction)
+    summary["standby_every_s"] = args.standby_every_s if args.warm else None
     wall = time.perf_counter() - t0
     OUT.parent.mkdir(parents=True, exist_ok=True)
     detail |= {"wall_s": wall, "quick": args.quick, "size": asdict(size)}
@@ -586,6 +602,10 @@ def summarize(
         "recovery_with_notice_s": round(m, 2) if m is not None else None,
         "overhead_s": round(over, 2) if over is not None else None,
         "reclaims": len(rows),
+        # goodput's parts, as measured in B: training lost to reclaims, and the rest of their cost (the
+        # restarts: stop and save, detection, the flow, start-up)
+        "lost_training_s": round(w["lost_training_s"], 2),
+        "restart_s": round(w["reclaims_s"] - w["lost_training_s"], 2),
     }
     detail = {
         "summary": summary,
