@@ -267,6 +267,7 @@ def _attempt(
 
     history = job_history(runlog.store, job.name, runlog.records)
     dog = for_attempt(job.watchdog, history, provider.heartbeat_timeout_s)
+    finished: bool | None = None  # read before a standby takes over: it may finish the job within ms
     try:
         ahead = (
             replacement_for(provider, job, runlog, attempt=attempt + 1, now=worker, chooser=chooser)
@@ -293,8 +294,9 @@ def _attempt(
         provider.release(worker)  # plain call: also while the run is being cancelled
         runlog.released = worker.id  # gone: the next trainer may take over its storage lease
         if ahead is not None and ahead.started:
+            finished = runlog.completed()
             hand_off(job, worker.id, sink)
-    record = runlog.classify(worker, result)
+    record = runlog.classify(worker, result, completed=finished)
     record.extra.update(market_extra)
     if standby is not None:
         record.extra.update(standby.extra(result.ended_at, provider.prices))

@@ -253,9 +253,13 @@ class JobRunLog:
         )
         return planned + skip_args(self.records)
 
-    def classify(self, worker: Worker, result: WatchResult) -> AttemptRecord:
-        """The attempt's record: its outcome, its facts and its resume check (and its timeline trace)."""
-        outcome, cause = classify(result, completed=self._completed())
+    def classify(
+        self, worker: Worker, result: WatchResult, *, completed: bool | None = None
+    ) -> AttemptRecord:
+        """The attempt's record: its outcome, its facts and its resume check (and its timeline trace).
+        `completed`: whether the job's completion marker was there when the worker was released (None:
+        read it now)."""
+        outcome, cause = classify(result, completed=self.completed() if completed is None else completed)
         record = to_record(worker, result, outcome, cause, resumed_checkpoint=self._uri(result.resumed_from))
         add_facts(record, result, self.job.world_size)
         check = self.tracking.check(worker, result, self.records, record.attempt)
@@ -267,7 +271,7 @@ class JobRunLog:
         self.report.trace(record, worker, result)
         return record
 
-    def _completed(self) -> bool:
+    def completed(self) -> bool:
         """This job's completion marker, not another job's that the trainer refused (exit CONFIG_ERROR)."""
         try:
             return completed_for(self.job.open_storage(), self.job) is not None
