@@ -39,7 +39,7 @@ def test_a_refused_score_call_warns_once_and_keeps_the_configured_order(
 ) -> None:
     provider, _ = make_provider(ec2_world, placement_scores_ttl_s=0)  # ask at every provisioning
     asked = calls(provider, "GetSpotPlacementScores")
-    with caplog.at_level(logging.DEBUG, logger="tasks.providers.aws.provider"):
+    with caplog.at_level(logging.DEBUG, logger="tasks.providers.aws.sites"):
         for attempt in (1, 2):
             worker = provider.provision(job[0], attempt, job[1], [])
             provider.release(worker)

@@ -258,7 +258,7 @@ def test_a_standby_goes_to_another_zone_and_a_single_zone_is_used_with_one_warni
         provider.release(worker)
 
     one, _ = warm_provider(ec2_world, subnets=ec2_world.subnets[:1])
-    caplog.set_level(logging.WARNING, logger="tasks.providers.aws.provider")
+    caplog.set_level(logging.WARNING, logger="tasks.providers.aws.standby")
     workers = [one.provision(spec, 1, path, []) for _ in range(3)]
     try:
         assert len({w.handle.placement.az for w in workers}) == 1

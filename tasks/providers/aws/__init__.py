@@ -2,17 +2,21 @@
 region, or (`regions`, an opt-in) in one of several.
 
 - `config`: its settings (`AwsProviderConfig`, `LaunchTemplateRef`).
-- `provider`: `AwsProvider` (launch, watch, release a gang of instances) and its EC2 client
-  (`ec2_client`, `make_ec2_client`); `factory`: the registry's `build`.
-- `policy`: which (subnet, instance type) pool to try next; `launch`: user data, tags and the launch
-  calls; `watch`: an instance's end and its trainer's heartbeat; `cost`: what an attempt cost;
-  `errors`: every EC2 error mapped to a kind and a line.
+- `provider`: `AwsProvider`, the seam that composes the rooms below (provision, watch, release);
+  `clients`: the EC2 clients (`ec2_client`, `make_ec2_client`); `factory`: the registry's `build`.
+- `policy`: which (subnet, instance type) pool to try next; `sites`: the regions, their zones, AMIs
+  and spot placement scores; `standby`: the live workers a warm standby's zone avoids.
+- `launch`: user data, tags and the launch requests; `gang`: launching an attempt's instances (pool
+  after pool, or a fleet) until every node runs; `groups`: cluster placement groups; `instances`:
+  where an instance landed, and terminating them.
+- `watch`: an instance's end and its trainer's heartbeat; `cost`: what an attempt cost; `prices`: an
+  hour's price for the budget check; `errors`: every EC2 error mapped to a kind and a line.
 - `installation`: this installation's id, on every instance's tags; `sweeper`: terminates the instances
   of dead flow runs; `iam`: least-privilege policies (`python -m tasks.providers.aws.iam`).
 - `rehearsal`: `RehearsalProvider`, instances played by local processes against a test endpoint (moto).
 
-The names of modules that load boto3 (provider, rehearsal, factory) are imported on first use (PEP 562),
-so that reading settings loads no AWS SDK.
+The names of modules that load boto3 (clients, provider, rehearsal, factory) are imported on first use
+(PEP 562), so that reading settings loads no AWS SDK.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ from tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
 from tasks.providers.aws.sweeper import sweep, sweep_flow_run
 
 if TYPE_CHECKING:
+    from tasks.providers.aws.clients import ec2_client, make_ec2_client
     from tasks.providers.aws.factory import build
-    from tasks.providers.aws.provider import AwsProvider, ec2_client, make_ec2_client
+    from tasks.providers.aws.provider import AwsProvider
     from tasks.providers.aws.rehearsal import RehearsalProvider
 
 _LAZY = {
     "AwsProvider": "provider",
-    "ec2_client": "provider",
-    "make_ec2_client": "provider",
+    "ec2_client": "clients",
+    "make_ec2_client": "clients",
     "RehearsalProvider": "rehearsal",
     "build": "factory",
 }

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.providers.aws.policy import Market
+from tasks.providers.aws.config import AwsProviderConfig
+from tasks.providers.aws.policy import Market, Placement
 from tasks.providers.aws.watch import AwsWorkerState
 
 if TYPE_CHECKING:
@@ -60,3 +61,18 @@ def spot_price(ec2: EC2Client, instance_type: str, az: str | None) -> float | No
     rows = [r for r in out.get("SpotPriceHistory", []) if az is None or r.get("AvailabilityZone") == az]
     rows.sort(key=lambda r: r.get("Timestamp") or datetime.min.replace(tzinfo=UTC))
     return float(rows[-1]["SpotPrice"]) if rows and rows[-1].get("SpotPrice") else None
+
+
+def launch_prices(
+    ec2: EC2Client, cfg: AwsProviderConfig, where: Placement, nodes: int
+) -> tuple[float | None, float | None]:
+    """(price, on-demand price) per hour of an attempt of `nodes` instances that landed `where`: the
+    spot price in its zone now (or the configured on-demand price), and the configured on-demand one."""
+    od = cfg.on_demand_price_per_h.get(where.instance_type)
+    price = spot_price(ec2, where.instance_type, where.az) if where.market == "spot" else od
+    return _times(price, nodes), _times(od, nodes)
+
+
+def _times(price: float | None, nodes: int) -> float | None:
+    """An instance's price per hour for the whole attempt."""
+    return None if price is None else price * nodes

@@ -32,6 +32,7 @@ class ErrorKind(StrEnum):
     UNKNOWN = "unknown"
 
 
+BOTO_ERRORS = (bce.ClientError, bce.BotoCoreError)  # what any EC2 call may raise
 # What a GetSpotPlacementScores call may raise: botocore's errors, and a reply that is not EC2's.
 SCORES_ERRORS = (bce.ClientError, bce.BotoCoreError, ResponseParserError)
 RETRYABLE = frozenset({ErrorKind.CAPACITY, ErrorKind.TRANSIENT})

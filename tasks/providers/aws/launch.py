@@ -25,13 +25,17 @@ from __future__ import annotations
 import base64
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.providers.aws.config import AwsProviderConfig
 from tasks.providers.aws.policy import Market, Placement
+from tasks.providers.base import ProvisionError
 from trainer.interpreter import python_m
+
+if TYPE_CHECKING:
+    from trainer.spec.job import JobSpec
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
@@ -146,6 +150,31 @@ def _key_lines(path: str | None) -> str:
     if not path:
         return ""
     return f"SPOTRUN_MANIFEST_KEY=$(cat {shlex.quote(path)})\nexport SPOTRUN_MANIFEST_KEY\n"
+
+
+def user_data_for(
+    cfg: AwsProviderConfig, job: JobSpec, attempt: int, *, text: str, extra_args: list[str]
+) -> Callable[[NodeRole | None], str]:
+    """Each node's user data for one attempt of `job` (None: a single-node job) from its job file's
+    `text`; a ProvisionError (not retryable) where EC2 would refuse it."""
+
+    def script(node: NodeRole | None) -> str:
+        s = build_user_data(
+            text,
+            extra_args,
+            python=cfg.python,
+            workdir=cfg.workdir,
+            job=job.name,
+            attempt=attempt,
+            node=node,
+            env=job.env.set_,
+            manifest_key_file=cfg.manifest_key_file,
+        )
+        if problem := check_user_data(s):
+            raise ProvisionError(problem, retryable=False)
+        return s
+
+    return script
 
 
 def check_user_data(script: str) -> str | None:
