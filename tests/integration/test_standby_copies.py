@@ -48,7 +48,7 @@ def _wait(cond: Any, timeout: float = 20.0) -> None:
 def test_a_copy_is_found_confirmed_and_committed_only_when_newer(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path / "store"))
     receiver = PeerReceiver(tmp_path / "recv", max_bytes=10 << 20)
-    write_standby(storage, "w1", "waiting", "w2", receiver.advert)
+    write_standby(storage, "w1", "waiting", "w2", peer=receiver.advert)
     assert read_standby(storage).peer == receiver.advert  # type: ignore[union-attr]
     sender = PeerSender(storage, "w1", tmp_path / "send", every_s=0.01)
     time.sleep(0.02)
@@ -66,7 +66,7 @@ def test_a_copy_is_found_confirmed_and_committed_only_when_newer(tmp_path: Path)
     assert get_bytes(storage, metrics_key(15)) == b'{"step": 1}\n'  # its steps' metrics came along
     # a standby whose copy is not newer than the store's newest checkpoint leaves the store alone
     again = PeerReceiver(tmp_path / "recv2", max_bytes=10 << 20)
-    write_standby(storage, "w1", "waiting", "w3", again.advert)
+    write_standby(storage, "w1", "waiting", "w3", peer=again.advert)
     late = PeerSender(storage, "w1", tmp_path / "send2", every_s=0.01)
     time.sleep(0.02)
     assert late.due()
@@ -121,7 +121,7 @@ def test_copies_go_only_to_a_loopback_or_private_ip(addr: str, ok: bool) -> None
 
 def test_a_sender_does_not_send_to_a_public_address_a_bucket_names(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path / "store"))
-    write_standby(storage, "w1", "waiting", "w2", Advert("8.8.8.8:443", "t" * 32))
+    write_standby(storage, "w1", "waiting", "w2", peer=Advert("8.8.8.8:443", "t" * 32))
     sender = PeerSender(storage, "w1", tmp_path / "send", every_s=0.01)
     time.sleep(0.02)
     assert not sender.due()  # so nothing is ever written or sent

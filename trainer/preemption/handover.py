@@ -79,7 +79,7 @@ class Standby:
 
 
 def write_standby(
-    storage: Storage, replacing: str, state: str, worker: str = "", peer: Advert | None = None
+    storage: Storage, replacing: str, state: str, worker: str = "", *, peer: Advert | None = None
 ) -> None:
     """Announce (the controller: `starting`) or report ready (the replacement: `waiting`, with where it
     takes copies of the state when it does)."""

@@ -655,7 +655,7 @@ def _stand_by(storage: Storage, me: Holder, peer: Advert | None = None) -> bool:
     if doc is None:
         return False
     try:
-        write_standby(storage, doc.holder.worker_id, "waiting", me.worker_id, peer)
+        write_standby(storage, doc.holder.worker_id, "waiting", me.worker_id, peer=peer)
     except (OSError, StorageError) as e:  # retried at the next poll; meanwhile the holder trains on
         log.warning("prewarmed: standby not written (%s)", e)
         return False
