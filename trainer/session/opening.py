@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.checkpoint.state import update_only_views
+from trainer.checkpoint.state import state_nbytes, update_only_views
 from trainer.checkpoint.validate import Expectation
 from trainer.errors import ConfigError
 from trainer.saving.checkpointer import Checkpointer
@@ -210,7 +210,7 @@ def begin(s: SessionState) -> None:
     s.model.train()
     every, me = s.spec.checkpoint.standby_every_s, s.opts.worker_id
     if every and me and not s.ranks.distributed:  # copies to a warm standby, once one stands by
-        s.peer = sender_for(s.storage, me, s.opts.cache, every)
+        s.peer = sender_for(s.storage, me, s.opts.cache, every, state_nbytes(s.state.capture()))
     if s.spec.checkpoint.every == "auto":
         mtbf = s.opts.mtbf_s or s.spec.checkpoint.mtbf_prior_s
         s.tuner = IntervalTuner(mtbf, prior_cost_s(s.model))
