@@ -50,18 +50,19 @@ def test_a_reclaim_without_notice_hands_the_job_to_the_warm_standby_bitwise(
             "name": "warm",
             "recipe": "digits",
             "args": {"hidden": 32},
-            "total_steps": 1500,  # 3 s at the fastest: the kill after 1 s of training always comes first
+            "total_steps": 3000,  # 3 s at the fastest: the kill after 2 s of training always comes first
             "threads": 1,
             "seed": 7,
-            # a checkpoint every 400 steps, a copy to the standby every 0.1 s (30-50 steps here)
-            "checkpoint": {"every_steps": 400, "keep": 3, "standby_every_s": 0.1},
+            # no checkpoint before the final one; a copy to the standby every 0.1 s or, where a copy costs
+            # the loop more than 3% of its time at that rate, less often
+            "checkpoint": {"every_steps": 4000, "keep": 3, "standby_every_s": 0.1},
             "storage": str(tmp_path / "store"),
             "tracking": {"mlflow": False},
         }
     )
     reference = reference_dir(spec, tmp_path)
-    # attempt 1 is SIGKILLed without notice 1 s into its training; attempt 2 runs on
-    sim = SpotSimulatorConfig(schedule=[PlannedPreemption(after_s=1.0, notice=False)])
+    # attempt 1 is SIGKILLed without notice 2 s into its training; attempt 2 runs on
+    sim = SpotSimulatorConfig(schedule=[PlannedPreemption(after_s=2.0, notice=False)])
     cfg = LocalProviderConfig(workdir=str(tmp_path / "work"), warm=1, simulator=sim)
     provider = Counted(cfg)
     home = tmp_path / "home"
@@ -82,12 +83,12 @@ def test_a_reclaim_without_notice_hands_the_job_to_the_warm_standby_bitwise(
     assert rows[0].extra[WARM]["standby_s"] > 0 and rows[0].extra[WARM]["usd"] is None, rows[0].extra
     print(f"\nattempt 2 resumed from step {rows[1].resumed_from} after attempt 1 reached {rows[0].last_step}")
     resumed = rows[1].resumed_from or 0
-    assert resumed % 400 != 0, "attempt 2 resumed from a checkpoint, not from the standby's copy"
+    assert resumed > 0, "attempt 2 started from scratch, not from the standby's copy"
     # the row's lost steps: the controller's estimate when it recorded them, from the newest copy the
     # standby had confirmed in a step record (a later copy may have landed since); the goodput report
     # counts from where attempt 2 really resumed
     copied = rows[0].extra[STANDBY_COPY]
-    assert 0 < copied <= resumed and rows[0].lost_steps == rows[0].last_step - copied < 400, rows[0]
+    assert 0 < copied <= resumed and rows[0].lost_steps == rows[0].last_step - copied, rows[0]
     _, kept = walk(rows)  # the one rule, as the goodput report applies it to the stored rows
     assert lost_steps(rows[0].last_step, kept[0]) == rows[0].last_step - resumed, kept
     assert WARM in rows[1].extra  # the pool refilled: attempt 2 kept a standby too, released unused

@@ -1,12 +1,14 @@
-"""State sent to the warm standby: a reclaim without notice loses at most `checkpoint.standby_every_s` of
-training instead of everything since the last durable checkpoint.
+"""State sent to the warm standby: a reclaim without notice loses about one copy interval of training
+instead of everything since the last durable checkpoint.
 
 A warm standby (tasks/control/warm.py) waits on the storage lease with the recipe built. It wins back the
 cold start of a reclaim without notice, not the steps since the last checkpoint: those are written to
 storage every `every_seconds` or `every_steps`, an interval chosen for what a write to the store costs
 (an upload, its verification, retention). A copy into another machine's memory costs far less, as
 Gemini (SOSP '23) found for in-memory checkpoints on peers: here the running trainer sends its state to
-the standby every `standby_every_s`, and the standby keeps the newest copy. When it takes the lease
+the standby every `standby_every_s` (at most that often: where a copy's measured cost to the loop, the
+extra time of the steps it ran beside, would take more than BUDGET of the loop's time, copies are
+spaced further apart), and the standby keeps the newest copy. When it takes the lease
 (the worker is gone), it commits that copy to storage as an ordinary checkpoint if it is newer than
 the newest one there, and resumes from it through the usual selection and validation.
 
@@ -41,8 +43,10 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,8 @@ IO_TIMEOUT_S = 60.0
 CHUNK = 1 << 20
 MARGIN_BYTES = 64 << 20  # the manifest, the trainer's own part, sidecars: beside the tensors
 SHM = "/dev/shm"
+BUDGET = 0.03  # the share of the loop's time copies may take; they are spaced out to stay within it
+QUIET_STEPS, MIN_QUIET = 50, 5  # step times with nothing in flight kept (the newest), and needed
 FIND_EVERY_S = 0.5  # `_standby.json` is read at most this often while no standby takes copies (a GET on S3)
 
 
@@ -224,6 +230,11 @@ class PeerSender:
 
     def __init__(self, storage: Storage, me: str, cache: Path, every_s: float) -> None:
         self.storage, self.me, self.dir, self.every_s = storage, me, cache, every_s
+        self.spacing_s = every_s  # every_s, or more where the copies' measured cost asks for it
+        self.cost_s = 0.0  # the last copy's cost to the loop
+        self._quiet: deque[float] = deque(maxlen=QUIET_STEPS)  # step times with nothing in flight
+        self._beside: list[float] = []  # step times while the copy in flight ran
+        self._pending = False  # a copy was sent whose cost is not accounted yet
         self._last = self._looked = time.monotonic() - FIND_EVERY_S
         self._advert: Advert | None = None
         self._thread: threading.Thread | None = None
@@ -231,9 +242,26 @@ class PeerSender:
         self._snapshotter = Snapshotter()
         self.acked: int | None = None  # the newest step the standby confirmed holding
 
+    def step(self, seconds: float, beside_save: bool) -> None:
+        """One step's time, at each step boundary: what a copy costs the loop is the extra time of the
+        steps that ran beside it (its snapshot's stall falls into the next step), over the median of
+        steps with nothing in flight; copies are then spaced so that they cost at most BUDGET of it."""
+        if self._pending:
+            self._beside.append(seconds)
+            if self.busy:
+                return
+            self._pending = False
+            if len(self._quiet) >= MIN_QUIET:
+                usual = statistics.median(self._quiet)
+                self.cost_s = sum(max(0.0, s - usual) for s in self._beside)
+                self.spacing_s = max(self.every_s, self.cost_s / BUDGET)
+            self._beside = []
+        elif not beside_save:
+            self._quiet.append(seconds)
+
     def due(self) -> bool:
         """A copy is due, none is in flight, and a standby that takes them is known."""
-        if time.monotonic() - self._last < self.every_s or self.busy:
+        if time.monotonic() - self._last < self.spacing_s or self.busy:
             return False
         now = self._last = time.monotonic()
         if self._advert is None and now - self._looked >= FIND_EVERY_S:
@@ -251,6 +279,7 @@ class PeerSender:
         advert = self._advert
         assert advert is not None
         snap = self._snapshotter.snapshot(state)  # its buffers are reused: one copy in flight at a time
+        self._pending = True
         self._thread = threading.Thread(
             target=self._send, args=(advert, snap, base, sidecars), name="spotrun-peer-send", daemon=True
         )

@@ -152,6 +152,8 @@ class Session(SessionState):
         now = time.perf_counter()
         self.last_step_s, self._t_step = now - self._t_step, now
         self._timed(self.last_step_s, self._beside_save)
+        if self.peer is not None:
+            self.peer.step(self.last_step_s, self._beside_save)
         self.step += 1
         self._record(agreed.loss if loss is not None else math.nan, metrics)
         if self.opts.fault is not None:
