@@ -210,7 +210,8 @@ def begin(s: SessionState) -> None:
     s.model.train()
     every, me = s.spec.checkpoint.standby_every_s, s.opts.worker_id
     if every and me and not s.ranks.distributed:  # copies to a warm standby, once one stands by
-        s.peer = sender_for(s.storage, me, s.opts.cache, every, state_nbytes(s.state.capture()))
+        size = state_nbytes(s.state.capture())
+        s.peer = sender_for(s.storage, me, s.opts.cache, every_s=every, state_bytes=size)
     if s.spec.checkpoint.every == "auto":
         mtbf = s.opts.mtbf_s or s.spec.checkpoint.mtbf_prior_s
         s.tuner = IntervalTuner(mtbf, prior_cost_s(s.model))
