@@ -105,7 +105,7 @@ class PeerReceiver:
         self._lock = threading.Lock()
         self.newest: tuple[int, Path, dict[str, Path]] | None = None  # step, directory, sidecar files
         self.received = 0
-        self._closed = False
+        self._closed = self._committing = False
         self._thread = threading.Thread(target=self._serve, name="spotrun-peer", daemon=True)
         self._thread.start()
 
@@ -132,6 +132,8 @@ class PeerReceiver:
         if not isinstance(header, dict) or not hmac.compare_digest(str(header.get("token", "")), self._token):
             raise ValueError("a copy without this standby's token")
         step = int(header["step"])
+        if step < 0:
+            raise ValueError(f"a copy of step {step}")
         files = _entries(header.get("files"), name_problem)
         sidecars = _entries(header.get("sidecars"), _sidecar_problem)
         total = sum(size for _, size in files + sidecars)
@@ -145,6 +147,9 @@ class PeerReceiver:
             _receive(reader, tmp / "sidecars" / f"{i}", size)
         final = self.dir / f"{step}"
         with self._lock:
+            if self._committing:  # the copy being committed stays as it is; this one came too late
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ValueError(f"the copy of step {step} arrived after the commit began")
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             old, self.newest = (
@@ -165,6 +170,7 @@ class PeerReceiver:
         committed one there; the step committed, or None."""
         self.close()
         with self._lock:
+            self._committing = True
             newest = self.newest
         if newest is None:
             return None
