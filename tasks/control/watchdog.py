@@ -44,6 +44,7 @@ from tasks.providers.base import (
     StopWorker,
     WatchResult,
     Worker,
+    stopped,
 )
 from trainer.exitcodes import ExitCode
 from trainer.spec.watchdog import WatchdogOptions
@@ -283,11 +284,7 @@ def watched(
             if e.cause is not StopCause.WATCHDOG:
                 raise
             log.warning("%s: %s; stopped for a fresh worker", worker.id, e)
-            stopped = worker.result  # a provider's watch stops its worker itself when a callback raises
-            if stopped is not None and stopped.stopped_by is not None:
-                result = stopped
-            else:
-                result = provider.stop(worker, e.cause)  # its emergency checkpoint, then gone
+            result = stopped(provider, worker, e.cause)  # its emergency checkpoint, then gone
     return dog.finish(result)
 
 

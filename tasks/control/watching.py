@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tasks.control.sinks import Sink
 from tasks.control.watchdog import ProgressWatchdog, watched
 from tasks.decisions.outcome import resharded
-from tasks.providers.base import Provider, StopWorker, WatchResult, Worker
+from tasks.providers.base import Provider, StopWorker, WatchResult, Worker, stopped
 from trainer.spec.job import JobSpec
 from trainer.telemetry.records import Durable, Notice, Record, Started, Step, Stopping
 
@@ -88,6 +88,4 @@ def watch(
         return watched(provider, worker, dog, on_status=on_status, on_log=on_log)
     except StopWorker as e:  # a planned end: the provider stopped the worker as for a cancel
         sink.log(logging.INFO, f"{worker.id}: {e}")
-        if worker.result is not None and worker.result.stopped_by is not None:
-            return worker.result
-        return provider.stop(worker, e.cause)
+        return stopped(provider, worker, e.cause)

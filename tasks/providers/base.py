@@ -330,3 +330,11 @@ class ProviderSettings(Protocol):
         """With the controller holding the manifest key (KEY_ENV): why these workers would not sign
         with it (one line naming the fix), or None."""
         ...
+
+
+def stopped(provider: Provider, worker: Worker, cause: StopCause) -> WatchResult:
+    """The result of a watch a callback ended (`StopWorker`): the provider's watch stops its worker itself
+    when a callback raises, and keeps the result on the worker; else it is stopped here."""
+    if worker.result is not None and worker.result.stopped_by is not None:
+        return worker.result
+    return provider.stop(worker, cause)
