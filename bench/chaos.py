@@ -65,17 +65,17 @@ from bench import chaos_checks as checks  # noqa: E402
 from bench import chaos_controller  # noqa: E402
 from bench.chaos_checks import Tally  # noqa: E402
 from bench.chaos_hook import PHASES, PLAN_ENV, install  # noqa: E402
-from tasks.decisions.attempts import AttemptRecord, Outcome  # noqa: E402
-from tasks.history import HistoryStore  # noqa: E402
-from tasks.providers.base import WatchResult, Worker  # noqa: E402
-from tasks.providers.local import LocalProvider, LocalProviderConfig  # noqa: E402
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome  # noqa: E402
+from spotrun.tasks.history import HistoryStore  # noqa: E402
+from spotrun.tasks.providers.base import WatchResult, Worker  # noqa: E402
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig  # noqa: E402
+from spotrun.trainer.checkpoint.format import COMPLETED  # noqa: E402
+from spotrun.trainer.spec.job import JobSpec, parse_spec  # noqa: E402
+from spotrun.trainer.storage.options import S3Options  # noqa: E402
+from spotrun.trainer.storage.s3 import S3Storage, make_s3_client  # noqa: E402
+from spotrun.trainer.telemetry.records import Record, Started  # noqa: E402
 from tests.conftest import FAKE_AWS_ENV, UNSET_AWS_ENV  # noqa: E402
 from tests.servers import FaultProxy  # noqa: E402
-from trainer.checkpoint.format import COMPLETED  # noqa: E402
-from trainer.spec.job import JobSpec, parse_spec  # noqa: E402
-from trainer.storage.options import S3Options  # noqa: E402
-from trainer.storage.s3 import S3Storage, make_s3_client  # noqa: E402
-from trainer.telemetry.records import Record, Started  # noqa: E402
 
 PROCESS_FAULTS = [f"{s}@{p}" for s in ("sigkill", "sigterm") for p in PHASES]
 PROCESS_FAULTS += ["sigkill@random", "sigterm@random", "disk-enospc", "disk-eio", "duplicate"]

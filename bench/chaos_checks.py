@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.catalog import Catalog
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.storage import Storage
 
 
 @dataclass

@@ -46,8 +46,8 @@ from bench.chaos_hook import PHASES, PLAN_ENV  # noqa: E402
 if TYPE_CHECKING:
     import random
 
-    from tasks.history import HistoryStore
-    from trainer.spec.job import JobSpec
+    from spotrun.tasks.history import HistoryStore
+    from spotrun.trainer.spec.job import JobSpec
 
 
 class Campaign(Protocol):
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(name, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    from tasks.control.loop import PlainSink, run_job
-    from tasks.decisions.policy import RetryPolicy
-    from tasks.providers.local import LocalProvider, LocalProviderConfig
-    from tasks.settings import Settings
-    from trainer.spec.job import load_spec
+    from spotrun.tasks.control.loop import PlainSink, run_job
+    from spotrun.tasks.decisions.policy import RetryPolicy
+    from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig
+    from spotrun.tasks.settings import Settings
+    from spotrun.trainer.spec.job import load_spec
 
     home = Path(args.home)
     settings = Settings(home, f"sqlite:///{home / 'history.db'}")
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def episode(camp: Campaign, n: int) -> None:
     """Kill 1-3 controllers of one job, then let one complete it; check the history and the resumes."""
-    from tasks.ownership.adoption import read_worker
-    from tasks.settings import Settings
+    from spotrun.tasks.ownership.adoption import read_worker
+    from spotrun.tasks.settings import Settings
 
     job, spec_path = camp.job(n)
     ep = spec_path.parent
@@ -253,14 +253,14 @@ def _flow_run_id(n: int, k: int) -> str:
 def _took_over(settings: Any, job: str, flow_run_id: str) -> bool:
     """Whether the killed controller had started or adopted the job run (its row names its flow run):
     only then must the next controller count a restart and record a lost attempt."""
-    from tasks.history import HistoryStore
+    from spotrun.tasks.history import HistoryStore
 
     with HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir) as store:
         return any(r.flow_run_id == flow_run_id for r in store.job_runs(job))
 
 
 def _check_history(camp: Campaign, n: int, settings: Any, *, job: str, kills: list[str]) -> None:
-    from tasks.history import HistoryStore
+    from spotrun.tasks.history import HistoryStore
 
     with HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir) as store:
         runs = store.job_runs(job)

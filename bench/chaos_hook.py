@@ -1,4 +1,5 @@
-"""The chaos campaign's stand-in for the worker's `python`: runs `python -P -m trainer` with faults wired in.
+"""The chaos campaign's stand-in for the worker's `python`: runs `python -P -m spotrun.trainer` with faults
+wired in.
 
 `install(dir)` writes an executable `chaos-python` that the local provider starts as its interpreter
 (LocalProviderConfig.python). Before the trainer's own `__main__` runs, it reads the plan (JSON, path
@@ -55,17 +56,17 @@ def main() -> None:
     plan: dict[str, Any] = json.loads(Path(plan_path).read_text()) if plan_path else {}
     _wrap(plan)
     args = sys.argv[2:] if sys.argv[1:2] == ["-P"] else sys.argv[1:]  # -P: this process's path is set
-    if args[:2] != ["-m", "trainer"]:
-        raise SystemExit("chaos-python runs only `-P -m trainer ...`")
+    if args[:2] != ["-m", "spotrun.trainer"]:
+        raise SystemExit("chaos-python runs only `-P -m spotrun.trainer ...`")
     sys.argv = ["trainer", *args[2:]]
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    runpy.run_module("spotrun.trainer", run_name="__main__", alter_sys=True)
 
 
 def _wrap(plan: dict[str, Any]) -> None:
-    import trainer.checkpoint.format as fmt
-    import trainer.saving.checkpointer as ck
-    import trainer.saving.publish as pub
-    from trainer.storage import s3
+    import spotrun.trainer.checkpoint.format as fmt
+    import spotrun.trainer.saving.checkpointer as ck
+    import spotrun.trainer.saving.publish as pub
+    from spotrun.trainer.storage import s3
 
     kill, disk, publog = plan.get("kill"), plan.get("disk"), plan.get("publog")
     names = {
@@ -141,7 +142,7 @@ def _disk_fault(real: Callable[..., Any], fmt: Any, nth: int, code: int) -> Call
 
 
 def _log_writes(cls: Any, publog: Path) -> None:
-    from trainer.preemption.lease import needs_lease
+    from spotrun.trainer.preemption.lease import needs_lease
 
     def note(op: str, key: str) -> None:
         if not needs_lease(key):
@@ -169,10 +170,10 @@ def _log_writes(cls: Any, publog: Path) -> None:
 
 def _log_resumes(where: dict[str, str]) -> None:
     from bench.chaos_checks import newest_verified
-    from trainer.storage.options import S3Options
-    from trainer.storage.s3 import S3Storage, make_s3_client
-    from trainer.telemetry.records import Started
-    from trainer.telemetry.status import StatusReporter
+    from spotrun.trainer.storage.options import S3Options
+    from spotrun.trainer.storage.s3 import S3Storage, make_s3_client
+    from spotrun.trainer.telemetry.records import Started
+    from spotrun.trainer.telemetry.status import StatusReporter
 
     opts = S3Options(endpoint_url=where["endpoint"])
     direct = S3Storage(make_s3_client(opts), where["bucket"], where["prefix"], opts)

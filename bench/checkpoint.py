@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import os
 
-from tasks.providers.local import OMP_WAIT  # imports no torch
+from spotrun.tasks.providers.local import OMP_WAIT  # imports no torch
 
 # OpenMP threads that sleep while they wait, as the local provider runs every trainer: set before torch
 # loads OpenMP. With GOMP's default (threads spin at each barrier before they sleep), any other runnable
@@ -101,17 +101,17 @@ import torch
 from safetensors.torch import load_file
 
 from spotrun.server import free_port
-from trainer import recipes
-from trainer.checkpoint.format import MODEL_FILE, sha256_file
-from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
-from trainer.checkpoint.state import capture_rng, update_only_views
-from trainer.checkpoint.validate import Expectation, read_manifest, validate_dir
-from trainer.recipes.charlm import state_bytes
-from trainer.saving.checkpointer import Checkpointer
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, Storage
-from trainer.storage.options import S3Options
-from trainer.storage.s3 import S3Storage, make_s3_client
+from spotrun.trainer import recipes
+from spotrun.trainer.checkpoint.format import MODEL_FILE, sha256_file
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
+from spotrun.trainer.checkpoint.state import capture_rng, update_only_views
+from spotrun.trainer.checkpoint.validate import Expectation, read_manifest, validate_dir
+from spotrun.trainer.recipes.charlm import state_bytes
+from spotrun.trainer.saving.checkpointer import Checkpointer
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, Storage
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.storage.s3 import S3Storage, make_s3_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is scripts, not a package
 from bench.capped_s3 import DEFAULT_LATENCY_MS, DEFAULT_MB_S, ideal_ratio

@@ -45,16 +45,16 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from trainer import recipes
-from trainer.checkpoint.state import RngState, iter_tensors, local_of
-from trainer.checkpoint.stateful import Registry, Stateful
-from trainer.distributed.ranks import Ranks, wrap
-from trainer.recipes.charlm import state_bytes
-from trainer.saving.sharded import ShardedCheckpointer, dcp_state
-from trainer.spec.job import DistributedOptions, JobSpec
-from trainer.storage import LocalStorage
-from trainer.storage.digests import digest_file
-from trainer.storage.local import copy_durable, fsync_dir
+from spotrun.trainer import recipes
+from spotrun.trainer.checkpoint.state import RngState, iter_tensors, local_of
+from spotrun.trainer.checkpoint.stateful import Registry, Stateful
+from spotrun.trainer.distributed.ranks import Ranks, wrap
+from spotrun.trainer.recipes.charlm import state_bytes
+from spotrun.trainer.saving.sharded import ShardedCheckpointer, dcp_state
+from spotrun.trainer.spec.job import DistributedOptions, JobSpec
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage.digests import digest_file
+from spotrun.trainer.storage.local import copy_durable, fsync_dir
 
 
 class TrainerMeta:

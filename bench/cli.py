@@ -5,7 +5,7 @@ Measured in one run, each command in a fresh process, the median of --repeat run
     the help must not pay for torch, Prefect or SQLAlchemy);
   - `spotrun history` on a SQLite history of 2 job runs (3 attempts);
   - `spotrun checkpoints list` and `checkpoints verify` on a small store (a digits job, 3 checkpoints,
-    67 KiB each, written by `python -m trainer` first).
+    67 KiB each, written by `python -m spotrun.trainer` first).
 
 Prints one line per command; the last line is one JSON object. Run from the repo root:
     .venv/bin/python bench/cli.py
@@ -52,7 +52,7 @@ def make_store(root: Path, env: dict[str, str]) -> Path:
     """A small real store: 21 digits steps, a checkpoint every 7."""
     job, store = root / "job.yaml", root / "store"
     job.write_text(JOB)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(store)]
+    cmd = [sys.executable, "-m", "spotrun.trainer", "--config", str(job), "--storage", str(store)]
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root, timeout=300)
     if r.returncode != 0:
@@ -63,8 +63,8 @@ def make_store(root: Path, env: dict[str, str]) -> Path:
 def make_history(home: Path) -> None:
     """Two job runs in the home's SQLite history: preempted then completed, and one crashed."""
     sys.path.insert(0, str(REPO))
-    from tasks.decisions.attempts import AttemptRecord, Outcome
-    from tasks.history import HistoryStore, JobStatus, default_url
+    from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+    from spotrun.tasks.history import HistoryStore, JobStatus, default_url
 
     with HistoryStore.open(default_url(home)) as store:
         for job, outcomes in (

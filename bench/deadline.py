@@ -41,10 +41,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.deadline_e2e import e2e_replay
-from tasks.deadlines.optimum import optimum_cost
-from tasks.deadlines.policy import POLICIES
-from tasks.deadlines.simulate import Job, simulate
-from tasks.market.traces import DAY_S, Trace, load
+from spotrun.tasks.deadlines.optimum import optimum_cost
+from spotrun.tasks.deadlines.policy import POLICIES
+from spotrun.tasks.deadlines.simulate import Job, simulate
+from spotrun.tasks.market.traces import DAY_S, Trace, load
 
 OUT = Path(__file__).resolve().parent / "out" / "deadline"
 BASELINES = ("on-demand", "greedy", "uniform-progress")

@@ -30,17 +30,17 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.deadlines.plan import measure
-from tasks.deadlines.policy import POLICIES
-from tasks.deadlines.simulate import Job, simulate
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.market.traces import Trace
-from tasks.providers.local import LocalProviderConfig
-from tasks.providers.registry import build_provider
-from tasks.settings import Settings
-from trainer.spec.job import JobSpec
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.deadlines.plan import measure
+from spotrun.tasks.deadlines.policy import POLICIES
+from spotrun.tasks.deadlines.simulate import Job, simulate
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.market.traces import Trace
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.providers.registry import build_provider
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.spec.job import JobSpec
 
 TICK_S = 0.75  # wall seconds a trace tick lasts in the replay
 WORK_S = 35.0  # the dated job's work, in seconds at the measured step rate

@@ -45,9 +45,9 @@ from sqlalchemy import Engine, create_engine, text
 
 from spotrun.cli import cmd_history
 from spotrun.report_cmd import RUNS_SCANNED, cmd_report
-from tasks.history import HistoryStore, store
-from tasks.history.engine import normalize_url
-from tasks.history.migrations import alembic_config
+from spotrun.tasks.history import HistoryStore, store
+from spotrun.tasks.history.engine import normalize_url
+from spotrun.tasks.history.migrations import alembic_config
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS, ATTEMPTS = 100, 10

@@ -3,7 +3,7 @@ state a notice window can make durable.
 
 Measured in one run:
   (a) lost steps: a digits job checkpointing every 50 steps, reclaimed repeatedly at random points
-      (40-160 steps into each attempt), each attempt a `python -m trainer` process resuming the last.
+      (40-160 steps into each attempt), each attempt a `python -m spotrun.trainer` process resuming the last.
       With notice: the local IMDS stand-in (tests/fakes/imds.py) announces a spot termination 120 s
       ahead; the trainer stops at the next step boundary and takes an emergency checkpoint.
       Lost = the exit record's step minus its durable step. Baseline, without notice: SIGKILL at a
@@ -45,13 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the stand-in IMDS lives with the tests, the charlm harness beside us
 
 from bench.checkpoint import S3, Size, Trainee, machine_load, moto_endpoint  # noqa: E402
+from spotrun.trainer.checkpoint.catalog import list_checkpoints  # noqa: E402
+from spotrun.trainer.checkpoint.state import state_nbytes  # noqa: E402
+from spotrun.trainer.saving.checkpointer import Checkpointer  # noqa: E402
+from spotrun.trainer.spec.job import parse_spec  # noqa: E402
+from spotrun.trainer.storage import LocalStorage, Storage  # noqa: E402
+from spotrun.trainer.telemetry.status import parse_status_line  # noqa: E402
 from tests.fakes.imds import FakeIMDS  # noqa: E402
-from trainer.checkpoint.catalog import list_checkpoints  # noqa: E402
-from trainer.checkpoint.state import state_nbytes  # noqa: E402
-from trainer.saving.checkpointer import Checkpointer  # noqa: E402
-from trainer.spec.job import parse_spec  # noqa: E402
-from trainer.storage import LocalStorage, Storage  # noqa: E402
-from trainer.telemetry.status import parse_status_line  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "notice.json"
 MB = 1e6
@@ -98,7 +98,7 @@ def attempt(
     """One trainer process, reclaimed `after` steps in: (last finished step, records, reclaim -> exit s)."""
     metrics = work / "metrics.jsonl"
     start = _lines(metrics)
-    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(work / "store")]
+    cmd = [sys.executable, "-m", "spotrun.trainer", "--config", str(job), "--storage", str(work / "store")]
     cmd += ["--metrics", str(metrics), "--cache", str(work / "cache")]
     with open(work / "stdout", "w") as out:
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import yaml
 
-from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server, pool
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Record, Started
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server, pool
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Record, Started
 
 
 def first_start(provider: LocalProvider, tmp: Path, name: str) -> float:

@@ -3,7 +3,7 @@ uninterrupted, and what each reclaim costs.
 
 The demo's job (deployments/jobs/digits.yaml, raised to DEFAULT.total_steps: ~60-120 s of training
 on 2 cores) goes through the real flow (flows.resilient_training, a local Prefect server, the local
-provider's `python -m trainer` workers; replacements prewarmed at the notice, the default), all in
+provider's `python -m spotrun.trainer` workers; replacements prewarmed at the notice, the default), all in
 this process:
   A   uninterrupted: no reclaims (with B's standby and its copies, --warm: the same setup as B);
   (an untimed warm-up run first: a process's first flow run pays one-time costs)
@@ -35,7 +35,8 @@ SQL history, the trainers' own per-step times in storage, the provider's simulat
                           last step (both the trainers' own clocks); the median
   recovery_ratio          median recovery (death seen by the flow -> first resumed step) over all
                           reclaims / a cold start of the same trainer: provision -> first step of a
-                          fresh `python -m trainer` on empty storage (run C: the provider's fork server
+                          fresh `python -m spotrun.trainer` on empty storage (run C: the provider's fork
+                          server
                           off, as a naive restart pays it). Goal <= 1.0. Also printed, not a goal: the
                           same recovery over the forked first attempts' start (the fork server's best
                           case, which has no checkpoint to load)
@@ -79,14 +80,14 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from bench.recovery_run import Attempt, FlowRun, prefect_server, run_flow  # noqa: E402
-from tasks.providers.local import (  # noqa: E402
+from spotrun.tasks.providers.local import (  # noqa: E402
     LocalProviderConfig,
     PlannedPreemption,
     SpotSimulatorConfig,
     plan_preemption,
     simulator_rng,
 )
-from trainer.spec.job import JobSpec, parse_spec  # noqa: E402
+from spotrun.trainer.spec.job import JobSpec, parse_spec  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "recovery.json"
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
@@ -477,7 +478,8 @@ def main() -> None:
             c = run("C cold", None, WARM_UP_STEPS, fork=False)
             cold_s = phases(c)["cold_start_s"]
             say(
-                f"[C cold start] a fresh `python -m trainer` (fork server off): provision -> first step "
+                f"[C cold start] a fresh `python -m spotrun.trainer` (fork server off): provision -> "
+                "first step "
                 f"{cold_s:.2f}s; what a restart without spotrun's fork server and prewarm pays"
             )
             a = timed("A uninterrupted", None, warm=args.warm)  # B's setup: its standby and copies too

@@ -1,7 +1,7 @@
 """One real run of the resilient-training flow for bench/recovery.py, and what it leaves to read back.
 
 The flow runs in this process against a local Prefect server, with the local provider (each worker a
-`python -m trainer` subprocess) and its spot simulator. Three records of the run are read afterwards,
+`python -m spotrun.trainer` subprocess) and its spot simulator. Three records of the run are read afterwards,
 none of them patched into the product:
   - the attempts, from the run's own SQL history (provision time, end seen, outcome, resume point,
     last step);
@@ -35,17 +35,17 @@ from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-from flows.resilient_training import resilient_training
+from spotrun.flows.resilient_training import resilient_training
 from spotrun.server import PrefectServer, patched_environ
-from tasks.history import HistoryStore
-from tasks.providers.local import LocalProviderConfig
-from trainer.spec.job import JobSpec
-from trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
 
-PROVIDER_LOGGER = "tasks.providers.local.provider"  # where the simulator says what it does, and when
+PROVIDER_LOGGER = "spotrun.tasks.providers.local.provider"  # where the simulator says what it does, and when
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where the flow forwards the workers' log lines
 # trainer/__main__.py's log format, as the flow forwards it:
-# "[local-123] 2026-01-02 03:04:05,678 INFO trainer.session.loop: step 2000/6000 loss ..."
+# "[local-123] 2026-01-02 03:04:05,678 INFO spotrun.trainer.session.loop: step 2000/6000 loss ..."
 LOG_LINE = re.compile(
     r"^\[(?P<worker>[^\]]+)\] (?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}) [A-Z]+ "
     r"(?:rank \d+ )?(?P<name>[\w.]+): (?P<msg>.*)$"
@@ -133,12 +133,12 @@ class _WorkerLines(logging.Handler):
             return
         t = time.mktime(time.strptime(m["ts"], "%Y-%m-%d %H:%M:%S")) + int(m["ms"]) / 1000
         marks = self.marks.setdefault(m["worker"], {})
-        step = STEP_MSG.match(m["msg"]) if m["name"] == "trainer.session.loop" else None
+        step = STEP_MSG.match(m["msg"]) if m["name"] == "spotrun.trainer.session.loop" else None
         if step is not None:
             if "first_step" not in marks:
                 marks |= {"first_step": int(step[1]), "first_step_t": t}
             marks |= {"last_step": int(step[1]), "last_step_t": t}
-        elif m["name"] == "trainer.preemption.lease" and " taken (token " in m["msg"]:
+        elif m["name"] == "spotrun.trainer.preemption.lease" and " taken (token " in m["msg"]:
             marks.setdefault("lease_taken_t", t)
 
 

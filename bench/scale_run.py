@@ -205,7 +205,7 @@ def zombie_times(run_id: uuid.UUID, killed_at: float, timeout_s: float) -> dict[
 
 def attempts_by_job(history_url: str, names: list[str]) -> dict[str, list[Any]]:
     """Each job's attempts from the shared history database, in order."""
-    from tasks.history import HistoryStore
+    from spotrun.tasks.history import HistoryStore
 
     store = HistoryStore.open(history_url)
     try:
@@ -235,7 +235,7 @@ def per_job(report: dict[str, Any], rows: list[Any]) -> dict[str, float]:
 
 def run_config(cfg: Config) -> dict[str, Any]:
     """Run one configuration; its summary (medians and p90 over the jobs, the zombie, the CPU)."""
-    from deployments.automations import ZOMBIE, RecoveryRules, build_recovery_automations
+    from spotrun.deployments.automations import ZOMBIE, RecoveryRules, build_recovery_automations
     from tests.prefect_postgres import seed_memo
     from tests.prefect_server import PrefectServer
 

@@ -38,12 +38,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer import recipes
-from trainer.saving.checkpointer import Checkpointer
-from trainer.session import AttemptOptions, Session
-from trainer.spec.job import CheckpointPolicy, JobSpec
-from trainer.storage import Storage
-from trainer.storage.options import S3Options
+from spotrun.trainer import recipes
+from spotrun.trainer.saving.checkpointer import Checkpointer
+from spotrun.trainer.session import AttemptOptions, Session
+from spotrun.trainer.spec.job import CheckpointPolicy, JobSpec
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage.options import S3Options
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Standby copies benchmark: what sending the state to a warm standby (`checkpoint.standby_every_s`,
 trainer/saving/peer.py) costs the training loop, against the same trainer sending none.
 
-Each round runs `python -m trainer` on the demo's job (digits, threads 1, a checkpoint every 1.5 s of
+Each round runs `python -m spotrun.trainer` on the demo's job (digits, threads 1, a checkpoint every 1.5 s of
 training, as bench/recovery.py) twice, alternating which goes first, on its own empty storage:
   off     no standby record in the storage: the trainer finds no standby and sends nothing (it reads the
           standby record every 0.5 s);
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import yaml
 
-from trainer.preemption.handover import write_standby
-from trainer.saving.peer import PeerReceiver
-from trainer.storage import open_storage
-from trainer.telemetry.records import Step
-from trainer.telemetry.status import parse_status_line
+from spotrun.trainer.preemption.handover import write_standby
+from spotrun.trainer.saving.peer import PeerReceiver
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.telemetry.records import Step
+from spotrun.trainer.telemetry.status import parse_status_line
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
@@ -64,7 +64,7 @@ def run(where: Path, job: Path, copies: bool) -> tuple[float, int]:
         receiver = PeerReceiver(where / "received", max_bytes=1 << 30)
         write_standby(open_storage(str(store)), WORKER, "waiting", "bench-standby", peer=receiver.advert)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "trainer", "--config", str(job), "--storage", str(store)]
+    cmd = [sys.executable, "-m", "spotrun.trainer", "--config", str(job), "--storage", str(store)]
     cmd += ["--cache", str(where / "cache"), "--worker-id", WORKER]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     if out.returncode != 0:

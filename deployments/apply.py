@@ -26,7 +26,7 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from deployments.automations import (
+from spotrun.deployments.automations import (
     AlertRules,
     Applied,
     RecoveryRules,
@@ -34,9 +34,9 @@ from deployments.automations import (
     build_automations,
     build_recovery_automations,
 )
-from deployments.schedules import scheduled_training
-from tasks.admission.trust import Allowed, named, write_allowed
-from trainer.errors import SpotrunError
+from spotrun.deployments.schedules import scheduled_training
+from spotrun.tasks.admission.trust import Allowed, named, write_allowed
+from spotrun.trainer.errors import SpotrunError
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"

@@ -27,7 +27,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.alert_parts import (
+from spotrun.deployments.alert_parts import (
     ANY_JOB,
     NAME_PREFIX,
     TERMINAL,
@@ -37,12 +37,12 @@ from deployments.alert_parts import (
     automation,
     first_event,
 )
-from deployments.run_alerts import build_run_automations
-from deployments.schedules import ScheduledTraining
-from tasks.alerts.message import AlertKind, ResumeFacts
-from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
-from tasks.control.market import DEADLINE_AT_RISK
-from tasks.reports.reporting import (
+from spotrun.deployments.run_alerts import build_run_automations
+from spotrun.deployments.schedules import ScheduledTraining
+from spotrun.tasks.alerts.message import AlertKind, ResumeFacts
+from spotrun.tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from spotrun.tasks.control.market import DEADLINE_AT_RISK
+from spotrun.tasks.reports.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
     JOB_RESTARTED,

@@ -18,7 +18,7 @@ from uuid import UUID
 
 from prefect.automations import AutomationCore, EventTrigger, Posture
 
-from deployments.alert_parts import (
+from spotrun.deployments.alert_parts import (
     ANY_JOB,
     NAME_PREFIX,
     TERMINAL,
@@ -28,10 +28,10 @@ from deployments.alert_parts import (
     automation,
     first_event,
 )
-from deployments.schedules import ScheduledTraining
-from tasks.alerts.message import AlertKind, PromotionFacts
-from tasks.decisions.promotion import KEPT, PROMOTED, PROMOTION_LABEL
-from tasks.reports.reporting import MODEL_PROMOTION
+from spotrun.deployments.schedules import ScheduledTraining
+from spotrun.tasks.alerts.message import AlertKind, PromotionFacts
+from spotrun.tasks.decisions.promotion import KEPT, PROMOTED, PROMOTION_LABEL
+from spotrun.tasks.reports.reporting import MODEL_PROMOTION
 
 PROMOTION = f"{NAME_PREFIX}: model promotion"
 RUN_FAILED = f"{NAME_PREFIX}: training run failed"

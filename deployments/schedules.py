@@ -21,7 +21,7 @@ from zoneinfo import ZoneInfo
 # separately. tests/unit/test_deployments.py pins the name.
 from prefect._vendor.croniter import croniter
 
-from trainer.spec.deadline import duration_s
+from spotrun.trainer.spec.deadline import duration_s
 
 TRAINING_ENTRYPOINT = ":resilient_training"
 REFERENCE = datetime(2026, 1, 1)  # fixed, so a redeploy computes the same period (an update resets buckets)

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 from prefect import get_client
 
-from tasks.providers.processes import die_with_parent, on_spawner_thread
-from trainer.errors import SpotrunError
+from spotrun.tasks.providers.processes import die_with_parent, on_spawner_thread
+from spotrun.trainer.errors import SpotrunError
 
 POOL = "spotrun-local"
 

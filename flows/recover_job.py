@@ -14,9 +14,9 @@ from prefect import flow, get_client, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
-from tasks.history.models import JobStatus
-from tasks.ownership.endings import Ending, close_job_run_of
-from tasks.ownership.recovery import (
+from spotrun.tasks.history.models import JobStatus
+from spotrun.tasks.ownership.endings import Ending, close_job_run_of
+from spotrun.tasks.ownership.recovery import (
     JOB_CRASHED,
     RESTART_TAG,
     RestartAction,
@@ -29,7 +29,7 @@ from tasks.ownership.recovery import (
     restart_of,
     restart_times,
 )
-from tasks.reports import reporting as report
+from spotrun.tasks.reports import reporting as report
 
 
 @flow(name="recover-job", description="Rerun a training run whose controller died, within a bound.")

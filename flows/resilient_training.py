@@ -18,19 +18,19 @@ from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from tasks.admission.trust import refuse_untrusted_parameters
-from tasks.control.loop import run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.ownership.endings import record_ending
-from tasks.ownership.job_slot import one_run_per_job
-from tasks.ownership.recovery import recovered_run
-from tasks.providers.local import LocalProviderConfig
-from tasks.providers.registry import ProviderConfig, build_provider
-from tasks.reports.prefect_sink import PrefectSink
-from tasks.reports.reporting import artifact_key
-from tasks.retraining.run_key_start import per_run_key
-from tasks.settings import Settings
-from trainer.spec.job import JobSpec
+from spotrun.tasks.admission.trust import refuse_untrusted_parameters
+from spotrun.tasks.control.loop import run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.ownership.endings import record_ending
+from spotrun.tasks.ownership.job_slot import one_run_per_job
+from spotrun.tasks.ownership.recovery import recovered_run
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.providers.registry import ProviderConfig, build_provider
+from spotrun.tasks.reports.prefect_sink import PrefectSink
+from spotrun.tasks.reports.reporting import artifact_key
+from spotrun.tasks.retraining.run_key_start import per_run_key
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.spec.job import JobSpec
 
 
 @flow(

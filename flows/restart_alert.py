@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
-from tasks.alerts.prefect_tasks import publish_alert, send_alert, slack_target
-from tasks.alerts.service import AlertRequest
-from tasks.settings import Settings
+from spotrun.tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
+from spotrun.tasks.alerts.prefect_tasks import publish_alert, send_alert, slack_target
+from spotrun.tasks.alerts.service import AlertRequest
+from spotrun.tasks.settings import Settings
 
 
 def flow_run_url(flow_run_id: str) -> str | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.control.sweeping import sweep_instances as sweep_task
-from tasks.providers.aws.installation import installation_id
-from tasks.settings import spotrun_home
+from spotrun.tasks.control.sweeping import sweep_instances as sweep_task
+from spotrun.tasks.providers.aws.installation import installation_id
+from spotrun.tasks.settings import spotrun_home
 
 
 @flow(name="sweep-instances", description="Terminate EC2 workers whose flow run is no longer live.")

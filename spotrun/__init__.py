@@ -13,7 +13,7 @@ __all__ = ["session"]
 
 def __getattr__(name: str) -> Any:
     if name == "session":
-        from trainer.session import session
+        from spotrun.trainer.session import session
 
         return session
     raise AttributeError(f"module 'spotrun' has no attribute {name!r}")

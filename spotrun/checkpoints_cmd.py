@@ -26,12 +26,12 @@ from spotrun.console import (
     size_text,
     wide_console,
 )
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 if TYPE_CHECKING:  # the rest imports torch (~2 s): only the handlers that read checkpoints pay for it
-    from trainer.checkpoint.catalog import Catalog
-    from trainer.checkpoint.validate import Expectation, Problem
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.checkpoint.catalog import Catalog
+    from spotrun.trainer.checkpoint.validate import Expectation, Problem
+    from spotrun.trainer.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Expectations:
         self._by_shape: dict[str, Expectation | None] = {}
 
     def for_dir(self, d: Path) -> Expectation | None:
-        from trainer.checkpoint.validate import Expectation
+        from spotrun.trainer.checkpoint.validate import Expectation
 
         if not self.structure:
             return Expectation.of_shape(self.spec.shape_hash()) if self.spec is not None else None
@@ -117,8 +117,8 @@ def recipe_expectation(spec: JobSpec) -> Expectation:
         raise ConfigError(f"job {spec.name} runs an entry point: only a recipe's model can be built here")
     import torch
 
-    from trainer import recipes  # models, datasets: only `verify --structure` pays for them
-    from trainer.checkpoint.validate import Expectation
+    from spotrun.trainer import recipes  # models, datasets: only `verify --structure` pays for them
+    from spotrun.trainer.checkpoint.validate import Expectation
 
     ctx = recipes.RecipeContext(spec.seed, spec.total_steps, spec.batch_size, torch.device("cpu"))
     parts = recipes.build(spec.recipe, spec.args, ctx)
@@ -127,8 +127,8 @@ def recipe_expectation(spec: JobSpec) -> Expectation:
 
 def _embedded_spec(d: Path) -> JobSpec | None:
     """The job spec stored in a checkpoint's trainer.pt, or None when it cannot be read."""
-    from trainer.checkpoint.format import load_part
-    from trainer.spec.job import parse_spec
+    from spotrun.trainer.checkpoint.format import load_part
+    from spotrun.trainer.spec.job import parse_spec
 
     try:
         meta = load_part(d / "trainer.pt")["state"]
@@ -150,7 +150,7 @@ def inspect_step(catalog: Catalog, step: int, expect: Expectations) -> tuple[Pat
 
 def list_rows(catalog: Catalog, expect: Expectations) -> list[Row]:
     """Every step directory under the storage root, newest first, each validated when committed."""
-    from trainer.checkpoint.validate import read_manifest
+    from spotrun.trainer.checkpoint.validate import read_manifest
 
     latest = catalog.latest()
     rows = []
@@ -200,11 +200,11 @@ def cmd_checkpoints_verify(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _checkpoint_context(args: argparse.Namespace) -> Iterator[tuple[Catalog, Expectations]]:
-    from tasks.settings import spotrun_home
-    from trainer.checkpoint.catalog import Catalog
-    from trainer.spec.job import load_spec
-    from trainer.storage import open_storage, resolve_uri
-    from trainer.storage.options import S3Options
+    from spotrun.tasks.settings import spotrun_home
+    from spotrun.trainer.checkpoint.catalog import Catalog
+    from spotrun.trainer.spec.job import load_spec
+    from spotrun.trainer.storage import open_storage, resolve_uri
+    from spotrun.trainer.storage.options import S3Options
 
     spec = load_spec(args.spec) if args.spec else None
     # a URI typed here is a path like any other argument; the spec's relative storage is under SPOTRUN_HOME

@@ -33,12 +33,12 @@ from spotrun.pool_cmd import add_pool
 from spotrun.report_cmd import add_report
 from spotrun.run_cmd import add_run
 from spotrun.server_cmd import add_server
-from tasks.settings import spotrun_home
-from trainer.errors import SpotrunError
-from trainer.storage.locks import private_home
+from spotrun.tasks.settings import spotrun_home
+from spotrun.trainer.errors import SpotrunError
+from spotrun.trainer.storage.locks import private_home
 
 if TYPE_CHECKING:  # imported where used: most commands need not load SQLAlchemy
-    from tasks.history import HistoryStore
+    from spotrun.tasks.history import HistoryStore
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ def cmd_history(args: argparse.Namespace) -> int:
     """`spotrun history`: the newest attempts (of a job) from the SQL history, as a table or JSON."""
     from sqlalchemy import exc as sa_exc
 
-    from tasks.history import HistoryStore, StoreUnavailable
-    from tasks.settings import Settings
+    from spotrun.tasks.history import HistoryStore, StoreUnavailable
+    from spotrun.tasks.settings import Settings
 
     settings = Settings.from_env()
     url = settings.database_url

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
-    from tasks.history import AttemptRow
+    from spotrun.tasks.history import AttemptRow
 
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -92,7 +92,7 @@ def one_line(e: BaseException) -> str:
 
 def missing_sqlite(url: str) -> bool:
     """A sqlite URL whose file does not exist: a read must not create the database."""
-    from tasks.history.engine import normalize_url
+    from spotrun.tasks.history.engine import normalize_url
 
     u = normalize_url(url)
     db = u.database
@@ -101,7 +101,7 @@ def missing_sqlite(url: str) -> bool:
 
 def safe_url(url: str) -> str:
     """The database URL as it may be printed (password hidden)."""
-    from tasks.history.engine import normalize_url, shown_url
+    from spotrun.tasks.history.engine import normalize_url, shown_url
 
     return shown_url(normalize_url(url))
 

@@ -12,7 +12,7 @@ $SPOTRUN_HOME:
   history.db the SQLite restart history, shared with every other spotrun command of this home
   demo/      this demo's data, cleared first: checkpoints/ (the object-storage directory), mlflow.db
              and mlflow-artifacts/ (the MLflow run and model), jobs/digits/ (workers, metrics,
-             timeline), reference/ (an uninterrupted `python -m trainer` run of the same job, made in
+             timeline), reference/ (an uninterrupted `python -m spotrun.trainer` run of the same job, made in
              the background) and worker.log (the Prefect worker that runs the alert flow)
   prefect/   the Prefect server (SQLite): the background one (`spotrun server start`) when it runs,
              else one started for the demo and stopped after it (--keep-server: left running as the
@@ -41,19 +41,24 @@ from spotrun.console import spotrun_command, wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
 from spotrun.live import metrics_record
 from spotrun.server import PrefectApi, prefect_api, running_server, server_home
-from tasks.decisions.attempts import Outcome
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import default_url
-from tasks.providers.local import OMP_WAIT, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from tasks.settings import Settings, spotrun_home
-from trainer.checkpoint.catalog import fetch
-from trainer.checkpoint.format import MODEL_FILE, load_part
-from trainer.checkpoint.state import iter_tensors
-from trainer.errors import SpotrunError
-from trainer.interpreter import python_m
-from trainer.spec.job import JobSpec, load_spec
-from trainer.storage import open_storage
-from trainer.storage.locks import private_home
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import default_url
+from spotrun.tasks.providers.local import (
+    OMP_WAIT,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+)
+from spotrun.tasks.settings import Settings, spotrun_home
+from spotrun.trainer.checkpoint.catalog import fetch
+from spotrun.trainer.checkpoint.format import MODEL_FILE, load_part
+from spotrun.trainer.checkpoint.state import iter_tensors
+from spotrun.trainer.errors import SpotrunError
+from spotrun.trainer.interpreter import python_m
+from spotrun.trainer.spec.job import JobSpec, load_spec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage.locks import private_home
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
@@ -88,9 +93,9 @@ def prepare(home: Path) -> tuple[Path, JobSpec]:
 
 
 def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
-    """The same job trained by `python -P -m trainer` alone, uninterrupted, into its own storage."""
+    """The same job trained by `python -P -m spotrun.trainer` alone, uninterrupted, into its own storage."""
     root.mkdir(parents=True)
-    cmd = python_m("trainer", "--config", str(job), "--storage", str(root / "checkpoints"))
+    cmd = python_m("spotrun.trainer", "--config", str(job), "--storage", str(root / "checkpoints"))
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
     env = {
         **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local/)
@@ -193,7 +198,7 @@ def _run_and_check(
             run_cmd.print_result(console, result, api.flow_run_url(result.flow_run_id))
             # After the flow run, not beside it: two trainers with 2 threads each on 2 cores slow
             # both several-fold, and the reclaims are timed in seconds.
-            console.print("reference: an uninterrupted `python -m trainer` run of the same job, now")
+            console.print("reference: an uninterrupted `python -m spotrun.trainer` run of the same job, now")
             reference, t_ref = start_reference(job_file, settings.home / "reference"), time.monotonic()
             started.append(reference)
             failures = _plan_failures(result)
@@ -229,7 +234,7 @@ def show_mlflow(result: run_cmd.RunResult, reference: Path, total: int) -> list[
     m = result.summary.get("mlflow") or {}
     if not m.get("run_id"):
         return [f"no MLflow run was made (MLflow at {m.get('tracking_uri', '?')} did not answer)"]
-    from tasks.tracking.mlflow_run import import_mlflow
+    from spotrun.tasks.tracking.mlflow_run import import_mlflow
 
     client = import_mlflow().MlflowClient(m["tracking_uri"])
     runs = client.search_runs([m["experiment_id"]])

@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.panel import Panel
 
-from deployments.apply import deploy
-from deployments.automations import AlertRules, delete_automations
-from deployments.worker import LocalWorker
-from tasks.history import AlertRow, AlertStatus, HistoryStore
+from spotrun.deployments.apply import deploy
+from spotrun.deployments.automations import AlertRules, delete_automations
+from spotrun.deployments.worker import LocalWorker
+from spotrun.tasks.history import AlertRow, AlertStatus, HistoryStore
 
 ALERT_TIMEOUT_S = 120.0  # automation → scheduled run → worker → subprocess; SQLite 503s add ~2 s each
 FINAL = {AlertStatus.SENT, AlertStatus.LOGGED, AlertStatus.FAILED}
@@ -76,7 +76,7 @@ def show_alert(console: Console, job: str, alert: AlertRow | None) -> list[str]:
 def _artifact(job: str) -> str | None:
     from prefect.artifacts import Artifact
 
-    from tasks.reports.reporting import artifact_key
+    from spotrun.tasks.reports.reporting import artifact_key
 
     found = cast("Artifact | None", Artifact.get(artifact_key(job, "alert")))  # sync here
     return str(found.data) if found is not None and found.data else None

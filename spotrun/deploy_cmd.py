@@ -18,11 +18,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from spotrun.console import EXIT_OK, Subparsers, wide_console
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: `spotrun --help` must stay fast
-    from deployments.apply import DeployReport
-    from deployments.automations import AlertRules, RecoveryRules
+    from spotrun.deployments.apply import DeployReport
+    from spotrun.deployments.automations import AlertRules, RecoveryRules
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 RULE_FLAGS = {  # AlertRules field -> the flag that sets it, so an error names what the user typed
@@ -46,7 +46,7 @@ def duration_s(text: str) -> float:
 
 def alert_rules(args: argparse.Namespace) -> AlertRules:
     """The alert rules from the flags, validated; ConfigError naming the flag otherwise."""
-    from deployments.automations import AlertRules
+    from spotrun.deployments.automations import AlertRules
 
     try:
         return AlertRules(
@@ -64,7 +64,7 @@ def alert_rules(args: argparse.Namespace) -> AlertRules:
 
 def recovery_rules(args: argparse.Namespace) -> RecoveryRules:
     """How dead controllers are found and restarted, from the flags; ConfigError naming the flag."""
-    from deployments.automations import RecoveryRules
+    from spotrun.deployments.automations import RecoveryRules
 
     try:
         return RecoveryRules(
@@ -121,9 +121,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """`spotrun deploy`: apply prefect.yaml's deployments and the alert automations, idempotently."""
     from prefect.settings import PREFECT_API_URL
 
-    from deployments.apply import deploy
+    from spotrun.deployments.apply import deploy
     from spotrun.server import PrefectApi, prefect_api
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.settings import spotrun_home
 
     rules, recovery = alert_rules(args), recovery_rules(args)
     # PREFECT_API_URL (from the environment or a Prefect profile), else the background server; never
@@ -136,10 +136,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`spotrun serve`: deploy, then run a worker for the pool until interrupted."""
-    from deployments.apply import deploy
-    from deployments.worker import LocalWorker, supervise
+    from spotrun.deployments.apply import deploy
+    from spotrun.deployments.worker import LocalWorker, supervise
     from spotrun.server import prefect_api
-    from tasks.settings import Settings
+    from spotrun.tasks.settings import Settings
 
     rules, recovery = alert_rules(args), recovery_rules(args)
     settings = Settings.from_env()

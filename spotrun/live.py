@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from spotrun.console import one_line
 
 if TYPE_CHECKING:  # imported where used: `spotrun --help` must not load SQLAlchemy
-    from tasks.history import AttemptRow, HistoryStore, JobRunRow
+    from spotrun.tasks.history import AttemptRow, HistoryStore, JobRunRow
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RunMonitor:
 
     def poll(self) -> list[AttemptRow]:
         """Read what is new; returns the attempts recorded since the last poll."""
-        from tasks.history import StoreUnavailable
+        from spotrun.tasks.history import StoreUnavailable
 
         self._read_metrics()
         try:
@@ -89,7 +89,7 @@ class RunMonitor:
                 self.step, self.loss, self.stepped_at = rec[0], float.fromhex(rec[1]), time.monotonic()
 
     def _read_history(self) -> list[AttemptRow]:
-        from tasks.history.models import JobStatus
+        from spotrun.tasks.history.models import JobStatus
 
         if self.job_run is None:
             runs = [  # a job run adopted from a dead controller started before this command

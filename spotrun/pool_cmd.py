@@ -13,8 +13,8 @@ from spotrun.console import EXIT_OK, Subparsers
 
 def cmd_list(args: argparse.Namespace) -> int:
     """One line per pool: its server's pid, running trainers and interpreter, or `stale`."""
-    from tasks.providers.local import pool
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.providers.local import pool
+    from spotrun.tasks.settings import spotrun_home
 
     directory = pool.pools_dir(spotrun_home())
     found = pool.running(directory)
@@ -30,10 +30,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     """Stop one pool's server: no new trainers from it; it ends once its running ones have."""
-    from tasks.providers.local import pool
-    from tasks.providers.local.config import pool_name_refusal
-    from tasks.settings import spotrun_home
-    from trainer.errors import ConfigError
+    from spotrun.tasks.providers.local import pool
+    from spotrun.tasks.providers.local.config import pool_name_refusal
+    from spotrun.tasks.settings import spotrun_home
+    from spotrun.trainer.errors import ConfigError
 
     why = pool_name_refusal(args.name)
     if why is not None:

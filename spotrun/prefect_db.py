@@ -17,8 +17,8 @@ from __future__ import annotations
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
-from trainer.errors import ConfigError
-from trainer.redact import redact
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.redact import redact
 
 ENV = "SPOTRUN_PREFECT_DATABASE_URL"  # read by spotrun's commands (the edge); `--database` wins
 FORMS = "postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (or sqlite:///PATH)"

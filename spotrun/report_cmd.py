@@ -20,8 +20,8 @@ from rich.table import Table
 from spotrun.console import EXIT_OK, Subparsers, error_exit, missing_sqlite, safe_url, wide_console
 
 if TYPE_CHECKING:  # imported where used: the other commands need not load SQLAlchemy
-    from tasks.history import AttemptRow, HistoryStore, JobRunRow
-    from tasks.reports.goodput import GoodputReport
+    from spotrun.tasks.history import AttemptRow, HistoryStore, JobRunRow
+    from spotrun.tasks.reports.goodput import GoodputReport
 
 KNOWN_JOBS_SHOWN = 20  # names in the unknown-job line; more are counted
 RUNS_SCANNED = 10_000  # job runs read to list the known job names (newest first)
@@ -34,9 +34,9 @@ class UnknownJob(ValueError):
 def cmd_report(args: argparse.Namespace) -> int:
     from sqlalchemy import exc as sa_exc
 
-    from tasks.history import HistoryStore, StoreUnavailable
-    from tasks.reports.goodput import RunInfo, compute
-    from tasks.settings import Settings
+    from spotrun.tasks.history import HistoryStore, StoreUnavailable
+    from spotrun.tasks.reports.goodput import RunInfo, compute
+    from spotrun.tasks.settings import Settings
 
     settings = Settings.from_env()
     url = settings.database_url
@@ -122,8 +122,8 @@ def _unknown(store: HistoryStore, job: str, *, where: str, run_key: str | None) 
 
 
 def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
-    from tasks.reports.goodput import progress
-    from tasks.reports.timeline import AttemptTrace, plot_timeline
+    from spotrun.tasks.reports.goodput import progress
+    from spotrun.tasks.reports.timeline import AttemptTrace, plot_timeline
 
     # The step kept is where the shaded lost work begins (the timeline shades above `durable_step`).
     traces = [
@@ -145,7 +145,7 @@ def _plot(rows: list[AttemptRow], report: GoodputReport, out: Path) -> Path:
 
 
 def _print(report: GoodputReport, plot: Path | None, keyed: list[str]) -> None:
-    from tasks.reports.goodput import summary_rows
+    from spotrun.tasks.reports.goodput import summary_rows
 
     console = wide_console()
     for line in keyed:

@@ -18,16 +18,16 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from trainer.errors import ConfigError, StorageError
-from trainer.spec.job import JobSpec, load_spec
+from spotrun.trainer.errors import ConfigError, StorageError
+from spotrun.trainer.spec.job import JobSpec, load_spec
 
 if TYPE_CHECKING:  # imported where used: `spotrun checkpoints` must not load SQLAlchemy or Prefect
     from spotrun.server import PrefectApi
-    from tasks.decisions.policy import RetryPolicy
-    from tasks.history import AttemptRow
-    from tasks.market.prices import Prices
-    from tasks.providers.registry import ProviderConfig
-    from tasks.settings import Settings
+    from spotrun.tasks.decisions.policy import RetryPolicy
+    from spotrun.tasks.history import AttemptRow
+    from spotrun.tasks.market.prices import Prices
+    from spotrun.tasks.providers.registry import ProviderConfig
+    from spotrun.tasks.settings import Settings
 
 from spotrun.console import (
     EXIT_FAILED,
@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """`spotrun run`: train a job through the resilient-training flow; exit 0 Completed, 1 Failed. A keyed
     job runs its keys one after another (a backfill), the exit code the worst of them."""
     job, provider, policy = run_inputs(args)  # every input checked before a server starts
-    from tasks.retraining.run_keys import keys_to_run
+    from spotrun.tasks.retraining.run_keys import keys_to_run
 
     codes = []
     for key in keys_to_run(job, args.run_key):
@@ -86,12 +86,14 @@ def run_one(
 ) -> int:
     """One flow run of the job (of one run key)."""
     from spotrun.server import prefect_api
-    from tasks.control.checkpoints import completed_at
-    from tasks.history.engine import check_database_url  # SQLAlchemy: 0.65 s, after the job file's check
-    from tasks.ownership import adoption
-    from tasks.retraining.run_keys import preview
-    from tasks.settings import Settings
-    from trainer.storage import check_local_path
+    from spotrun.tasks.control.checkpoints import completed_at
+    from spotrun.tasks.history.engine import (
+        check_database_url,  # SQLAlchemy: 0.65 s, after the job file's check
+    )
+    from spotrun.tasks.ownership import adoption
+    from spotrun.tasks.retraining.run_keys import preview
+    from spotrun.tasks.settings import Settings
+    from spotrun.trainer.storage import check_local_path
 
     settings = Settings.from_env()
     job = settings.resolve(
@@ -148,8 +150,8 @@ def server_line(api: PrefectApi) -> str:
 
 def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, ProviderConfig, RetryPolicy]:
     """The job (with overrides), provider and retry policy of `spotrun run`, each validated."""
-    from tasks.decisions.policy import RetryPolicy
-    from tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
+    from spotrun.tasks.decisions.policy import RetryPolicy
+    from spotrun.tasks.providers.local import LocalProviderConfig, SpotSimulatorConfig
 
     spec = load_spec(args.job)
     updates = {
@@ -178,7 +180,7 @@ def run_inputs(args: argparse.Namespace) -> tuple[JobSpec, ProviderConfig, Retry
     budgets = {k: getattr(args, k) for k in ("max_errors", "max_preemptions") if getattr(args, k) is not None}
     if spec.recipe is not None:
         check_recipe(spec.recipe, spec.args, local=provider.workers_here)
-    from tasks.admission.trust import signing_refusal
+    from spotrun.tasks.admission.trust import signing_refusal
 
     if (why := signing_refusal(spec, provider, os.environ)) is not None:
         raise ConfigError(why)
@@ -191,7 +193,7 @@ def check_recipe(name: str, args: dict[str, Any], local: bool) -> None:
     """ConfigError now, not after a worker crashed on it: an unknown built-in name, or an arg it does
     not take, always; a `module:function` that does not import (or its args) only for local workers
     (EC2 images may hold what this machine lacks)."""
-    from trainer import recipes
+    from spotrun.trainer import recipes
 
     if local or ":" not in name:
         recipes.check_args(name, args)
@@ -201,7 +203,7 @@ def check_entrypoint(spec: JobSpec, python: str | None) -> None:
     """ConfigError now, not after a worker crashed on it: a local job's entry point that does not import
     with a local worker's interpreter and path, or sits beside a module named like spotrun's packages.
     Imported in a subprocess (tasks/admission/entrypoint_check.py): this process loads no user code."""
-    from tasks.admission.entrypoint_check import entrypoint_refusal
+    from spotrun.tasks.admission.entrypoint_check import entrypoint_refusal
 
     if (why := entrypoint_refusal(spec, python, os.environ, Path.cwd())) is not None:
         raise ConfigError(why)
@@ -211,7 +213,7 @@ def load_provider(path: str) -> ProviderConfig:
     """A provider settings file (YAML, `kind: local` or `kind: aws`), validated; ConfigError otherwise."""
     import yaml
 
-    from tasks.providers.registry import kinds, parse_provider_config
+    from spotrun.tasks.providers.registry import kinds, parse_provider_config
 
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -276,9 +278,9 @@ def run_job(
     """Run the resilient-training flow in this process (against the current Prefect API) with a live view.
     Per-step progress comes from local workers' metrics files; EC2 workers show their attempts only.
     `job`: the spec as resolved for its run key (its storage and directories), where it has one."""
-    from flows.resilient_training import resilient_training
-    from tasks.history import HistoryStore
-    from tasks.providers.local import worker_dir
+    from spotrun.flows.resilient_training import resilient_training
+    from spotrun.tasks.history import HistoryStore
+    from spotrun.tasks.providers.local import worker_dir
 
     job = job or spec
     workdir = provider.workers_dir(settings.job_dir(job.name, job.run_key) / "workers")
@@ -383,7 +385,7 @@ def tracking_lines(summary: dict[str, Any]) -> list[str]:
 
 def print_interrupted(out: Console, settings: Settings, job: JobSpec) -> None:
     """After Ctrl-C: the job run's attempts and end as SQL has them, and the command that resumes it."""
-    from tasks.history import HistoryStore, StoreUnavailable
+    from spotrun.tasks.history import HistoryStore, StoreUnavailable
 
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)
     try:
@@ -447,7 +449,7 @@ def add_run(sub: Subparsers) -> None:
 def _known_prices(provider: ProviderConfig) -> Prices | None:
     """The prices a provider's settings name (the local trace replay's), without asking any cloud: EC2's
     come from its API, which the flow's check asks."""
-    from tasks.providers.local import LocalProviderConfig
+    from spotrun.tasks.providers.local import LocalProviderConfig
 
     return provider.prices() if isinstance(provider, LocalProviderConfig) else None
 
@@ -457,9 +459,9 @@ def _check_deadline(job: JobSpec, database_url: str, out: Any, *, prices: Prices
     line, exit 2 (the flow checks again, with what it measures and the provider's prices)."""
     if job.deadline is None and job.budget_usd is None:
         return
-    from tasks.deadlines.plan import measure, submission_problem
-    from tasks.history.store import HistoryStore
-    from trainer.checkpoint.catalog import read_latest
+    from spotrun.tasks.deadlines.plan import measure, submission_problem
+    from spotrun.tasks.history.store import HistoryStore
+    from spotrun.trainer.checkpoint.catalog import read_latest
 
     store = HistoryStore.open(database_url)
     try:

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spotrun import prefect_db
-from trainer.errors import ConfigError, SpotrunError
-from trainer.storage.locks import flock_within
+from spotrun.trainer.errors import ConfigError, SpotrunError
+from spotrun.trainer.storage.locks import flock_within
 
 
 class ServerStartError(SpotrunError):
@@ -238,7 +238,7 @@ class PrefectServer:
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start `prefect server start` (not waiting for it). Unless told otherwise it dies with this
         process (parent-death signal): a SIGKILLed demo or test leaves no server holding the database."""
-        from tasks.providers.processes import die_with_parent, on_spawner_thread
+        from spotrun.tasks.providers.processes import die_with_parent, on_spawner_thread
 
         self.home.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host]

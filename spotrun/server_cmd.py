@@ -26,7 +26,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         server_home,
         start_background,
     )
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.settings import spotrun_home
 
     check_bind(args.host, args.public_url)  # before anything is started or written
     database = args.database or configured_database()
@@ -53,7 +53,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     """Stop the background server; its database (flow-run history) stays for the next start."""
     from spotrun.server import stop_background
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.settings import spotrun_home
 
     stopped = stop_background(spotrun_home(), timeout_s=args.timeout)
     if stopped is None:
@@ -66,7 +66,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit 0 and print the address when the background server runs and answers; else exit 1."""
     from spotrun.server import running_server, server_home
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.settings import spotrun_home
 
     home = spotrun_home()
     bg = running_server(home)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.home import spotrun_home  # shared with `python -m trainer`
+from spotrun.trainer.home import spotrun_home  # shared with `python -m spotrun.trainer`
 
 if TYPE_CHECKING:
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        from tasks.history import database_url  # SQLAlchemy: not for commands that never read history
+        from spotrun.tasks.history import database_url  # SQLAlchemy: not for commands that never read history
 
         env = os.environ if environ is None else environ
         home = spotrun_home(env)
@@ -45,7 +45,7 @@ class Settings:
         """The job with its storage made absolute (a relative path is under SPOTRUN_HOME): done once
         where a spec enters the orchestrator, so the trainer, the cache key and the history all see one
         location."""
-        from trainer.storage import resolve_uri
+        from spotrun.trainer.storage import resolve_uri
 
         storage = resolve_uri(job.storage, self.home)
         return job if storage == job.storage else job.model_copy(update={"storage": storage})

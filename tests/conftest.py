@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any
 import boto3
 import pytest
 
-from tasks.providers.local import OMP_WAIT
+from spotrun.tasks.providers.local import OMP_WAIT
 from tests.servers import FaultProxy
 
 # Every trainer the tests start (and their torchrun ranks) inherits this: OpenMP threads that sleep
@@ -165,3 +166,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(
         key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank))
     )  # stable: files stay whole
+
+
+BARE_ROOMS = ("trainer", "tasks", "flows", "deployments")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_bare_room_module() -> Iterator[None]:
+    """After each test module: no bare `trainer`/`tasks`/`flows`/`deployments` module was ever imported.
+    spotrun installs them as `spotrun.trainer`, ...; a bare import from the checkout would load a second
+    copy of a module (then `pytest.raises` and monkeypatch miss silently)."""
+    yield
+    bare = sorted(m for m in sys.modules if m.split(".")[0] in BARE_ROOMS)
+    assert not bare, f"bare spotrun modules imported: {bare[:5]}; import them as spotrun.<room>..."

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import psycopg
 
+from spotrun.trainer.storage.locks import flock_within
 from tests.prefect_server import MEMO, PrefectServer, _template_root
-from trainer.storage.locks import flock_within
 
 PG = "postgresql://postgres@127.0.0.1:5432"
 ADMIN_DB = "test"  # connected to for CREATE/DROP DATABASE; never used otherwise

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from spotrun import server as _server
 from spotrun.server import free_port  # noqa: F401 (re-exported for the tests)
-from trainer.storage.locks import flock_within
+from spotrun.trainer.storage.locks import flock_within
 
 DATABASE = "prefect.db"
 MEMO = "memo_store.toml"  # the block types' registration hash: without it the server registers again

@@ -1,7 +1,8 @@
-"""Run `python -m trainer` in subprocesses and read back what it produced: shared by the e2e tests.
+"""Run `python -m spotrun.trainer` in subprocesses and read back what it produced: shared by the e2e tests.
 
 The trainers fork from a fork server (trainer/launch/zygote.py), as the local provider's do by default: a
-fresh `python -m trainer` spends ~2.3 s of CPU in `import torch` and `torch._dynamo` before its first step,
+fresh `python -m spotrun.trainer` spends ~2.3 s of CPU in `import torch` and `torch._dynamo` before its
+first step,
 and these helpers start about a hundred trainers in the suite (most of them references and killed
 attempts). Where no server can start, the trainer starts as a fresh process, as the provider's would.
 """
@@ -50,18 +51,18 @@ def write_spec(path: Path, **overrides: Any) -> Path:
 
 
 class Trainer:
-    """A `python -m trainer ARGS` process, forked or fresh, its output drained by threads (a pipe
+    """A `python -m spotrun.trainer ARGS` process, forked or fresh, its output drained by threads (a pipe
     nobody reads would block a trainer that logs more than 64 KB)."""
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
-        from tasks.providers.local import fork_server
+        from spotrun.tasks.providers.local import fork_server
 
         try:
             server = fork_server.server_for(sys.executable, env)
-            self.proc: Any = server.spawn("trainer", args, env, str(cwd))
+            self.proc: Any = server.spawn("spotrun.trainer", args, env, str(cwd))
         except fork_server.ForkServerUnavailable:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer", *args],
+                [sys.executable, "-m", "spotrun.trainer", *args],
                 cwd=cwd,
                 env=env,
                 text=True,
@@ -118,7 +119,7 @@ def trainer(
     args = ["--config", str(config), "--storage", storage]
     args += ["--metrics", str(workdir / "metrics.jsonl"), "--cache", str(workdir / "cache"), *extra]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return Trainer(args, full_env, workdir).result([sys.executable, "-m", "trainer", *args], timeout)
+    return Trainer(args, full_env, workdir).result([sys.executable, "-m", "spotrun.trainer", *args], timeout)
 
 
 def trainer_killed_after(

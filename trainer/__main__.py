@@ -1,4 +1,4 @@
-"""`python -m trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py.
+"""`python -m spotrun.trainer --config JOB.yaml`: run one training attempt. Exit codes: trainer/exitcodes.py.
 
 With a `distributed` spec the same command starts this machine's ranks under torchrun
 (trainer/launch/start.py) and each rank comes back here: `main` is then a rank, told apart by
@@ -15,10 +15,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.format import parse_step_dir
-from trainer.command.runner import run_command
-from trainer.distributed.ranks import Ranks, rank_env
-from trainer.errors import (
+from spotrun.trainer.checkpoint.format import parse_step_dir
+from spotrun.trainer.command.runner import run_command
+from spotrun.trainer.distributed.ranks import Ranks, rank_env
+from spotrun.trainer.errors import (
     CheckpointError,
     ConfigError,
     LeaseHeld,
@@ -30,10 +30,10 @@ from trainer.errors import (
     TransientStorageError,
     is_echo,
 )
-from trainer.exitcodes import ExitCode
-from trainer.home import spotrun_home
-from trainer.hooks.worker import StopSeen, ending_of, run_worker_hook
-from trainer.launch.start import (
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.home import spotrun_home
+from spotrun.trainer.hooks.worker import StopSeen, ending_of, run_worker_hook
+from spotrun.trainer.launch.start import (
     LAUNCHER_ID,
     RANK_EXITS,
     RankExit,
@@ -43,24 +43,24 @@ from trainer.launch.start import (
     under_torchrun,
     write_rank_exit,
 )
-from trainer.preemption.handover import ANNOUNCE_S, Advert
-from trainer.preemption.lease import DEFAULT_TTL_S, Holder, held
-from trainer.preemption.notices import Notice, make_watcher
-from trainer.preemption.requests import StopRequest, install_signal_handlers
-from trainer.session.faults import Fault
-from trainer.session.loop import AttemptOptions, ResumeSource, _device, run_attempt
-from trainer.spec.job import JobSpec, load_spec, parse_spec
-from trainer.storage import Storage, resolve_uri
-from trainer.storage.base import local_dir_name
-from trainer.storage.locks import private_home
-from trainer.telemetry.heartbeat import HeartbeatWriter
-from trainer.telemetry.status import StatusReporter, open_status
+from spotrun.trainer.preemption.handover import ANNOUNCE_S, Advert
+from spotrun.trainer.preemption.lease import DEFAULT_TTL_S, Holder, held
+from spotrun.trainer.preemption.notices import Notice, make_watcher
+from spotrun.trainer.preemption.requests import StopRequest, install_signal_handlers
+from spotrun.trainer.session.faults import Fault
+from spotrun.trainer.session.loop import AttemptOptions, ResumeSource, _device, run_attempt
+from spotrun.trainer.spec.job import JobSpec, load_spec, parse_spec
+from spotrun.trainer.storage import Storage, resolve_uri
+from spotrun.trainer.storage.base import local_dir_name
+from spotrun.trainer.storage.locks import private_home
+from spotrun.trainer.telemetry.heartbeat import HeartbeatWriter
+from spotrun.trainer.telemetry.status import StatusReporter, open_status
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("spotrun.trainer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m spotrun.trainer", description=__doc__)
     p.add_argument("--config", required=True, help="job spec YAML")
     p.add_argument("--storage", help="override the spec's storage URI")
     p.add_argument(

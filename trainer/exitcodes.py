@@ -1,4 +1,4 @@
-"""Exit codes of `python -m trainer`, and the completion marker that backs them up.
+"""Exit codes of `python -m spotrun.trainer`, and the completion marker that backs them up.
 
 An exit code alone can lie: a SIGTERM that lands during interpreter teardown yields -15 after all
 work was done, and torchrun returns 1 on SIGTERM even when its workers exited 0. Orchestrators

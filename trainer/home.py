@@ -1,6 +1,6 @@
 """SPOTRUN_HOME: one definition for the orchestrator and the trainer (a relative `storage:` lives there).
 
-Read at each entry point (`spotrun`, `python -m trainer`) and passed down; nothing below reads it.
+Read at each entry point (`spotrun`, `python -m spotrun.trainer`) and passed down; nothing below reads it.
 """
 
 from __future__ import annotations

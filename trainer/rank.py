@@ -1,4 +1,5 @@
-"""One rank forked by torchrun (`--run-path`, trainer/launch/start.py): `python -m trainer` with torch and the
+"""One rank forked by torchrun (`--run-path`, trainer/launch/start.py): `python -m spotrun.trainer` with
+torch and the
 training stack already imported. torchrun runs this file as `__main__` in the forked child and takes
 a normal return as success; a non-zero exit code leaves as SystemExit, as a fresh rank's would.
 
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from trainer.__main__ import main
+from spotrun.trainer.__main__ import main
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -28,9 +28,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from trainer.command.layouts import find
-from trainer.command.link import CommandLink
-from trainer.exitcodes import ExitCode
+from spotrun.trainer.command.layouts import find
+from spotrun.trainer.command.link import CommandLink
+from spotrun.trainer.exitcodes import ExitCode
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from tasks.admission.entrypoint_check import entrypoint_refusal as entrypoint_refusal
-    from tasks.admission.trust import Allowed as Allowed
-    from tasks.admission.trust import named as named
-    from tasks.admission.trust import refuse_untrusted_parameters as refuse_untrusted_parameters
-    from tasks.admission.trust import signing_refusal as signing_refusal
-    from tasks.admission.trust import write_allowed as write_allowed
+    from spotrun.tasks.admission.entrypoint_check import entrypoint_refusal as entrypoint_refusal
+    from spotrun.tasks.admission.trust import Allowed as Allowed
+    from spotrun.tasks.admission.trust import named as named
+    from spotrun.tasks.admission.trust import refuse_untrusted_parameters as refuse_untrusted_parameters
+    from spotrun.tasks.admission.trust import signing_refusal as signing_refusal
+    from spotrun.tasks.admission.trust import write_allowed as write_allowed
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

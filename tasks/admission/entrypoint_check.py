@@ -15,16 +15,17 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tasks.providers.trainer_env import trainer_env
-from trainer.interpreter import SAFE_PATH, spotrun_root, worker_path
-from trainer.spec.entrypoints import shadowing_problem, split_entrypoint
-from trainer.spec.job import JobSpec
+from spotrun.tasks.providers.trainer_env import trainer_env
+from spotrun.trainer.interpreter import SAFE_PATH, spotrun_root, worker_path
+from spotrun.trainer.spec.entrypoints import shadowing_problem, split_entrypoint
+from spotrun.trainer.spec.job import JobSpec
 
 CHECK_TIMEOUT_S = 120.0  # the module's imports (torch: 1-5 s) and its top-level code
 _MARK = "spotrun-entrypoint-check: "  # the check's own line among whatever the module prints
 # Run as `python -P -c _CHECK MARK MODULE FUNCTION`: -P keeps the working directory off sys.path, so the
 # path is exactly PYTHONPATH's, a local worker's (trainer/interpreter.py `worker_path`: spotrun's root, the
-# working directory, then PYTHONPATH's entries), as a worker started with `python -P -m trainer` has it.
+# working directory, then PYTHONPATH's entries), as a worker started with `python -P -m spotrun.trainer` has
+# it.
 _CHECK = """\
 import importlib, sys
 mark, module, function = sys.argv[1:4]

@@ -1,6 +1,6 @@
 """Trust from where: what a deployment run's parameters may name on this worker host.
 
-The operator's own job file (given to `spotrun run` or `python -m trainer --config`) is trusted as
+The operator's own job file (given to `spotrun run` or `python -m spotrun.trainer --config`) is trusted as
 written. A deployment run's parameters come from whoever can reach the Prefect API: the UI's form, the
 API, an automation. Prefect OSS has no roles, so whoever can start a run can also edit a deployment's
 defaults; what such a run may name (an interpreter, a recipe module, an entry point, a command or a
@@ -29,11 +29,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from tasks.providers.registry import ProviderConfig
-from tasks.providers.trainer_env import passes
-from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV, keyring
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
+from spotrun.tasks.providers.registry import ProviderConfig
+from spotrun.tasks.providers.trainer_env import passes
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV, keyring
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
 
 ALLOWED_FILE = "allowed.yaml"
 OPERATOR, DEPLOYMENTS = "allow", "deployments"  # the file's sections: the operator's, spotrun deploy's
@@ -335,7 +335,7 @@ def refuse_untrusted_parameters(fn: Callable[P, R]) -> Callable[P, R]:
     from prefect.context import FlowRunContext
     from prefect.states import Failed
 
-    from tasks.settings import spotrun_home
+    from spotrun.tasks.settings import spotrun_home
 
     signature = inspect.signature(fn)
 

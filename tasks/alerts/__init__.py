@@ -6,8 +6,8 @@ No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing he
 
 from __future__ import annotations
 
-from tasks.alerts.decide import Action, Decision, decide
-from tasks.alerts.message import (
+from spotrun.tasks.alerts.decide import Action, Decision, decide
+from spotrun.tasks.alerts.message import (
     AlertContext,
     AlertKind,
     PromotionFacts,
@@ -16,9 +16,9 @@ from tasks.alerts.message import (
     build_message,
     to_markdown,
 )
-from tasks.alerts.service import AlertRequest, AlertResult, raise_alert
-from tasks.alerts.slack import Delivery, SlackConfigError, SlackTarget, deliver, target_from_env
-from tasks.history import AlertStatus
+from spotrun.tasks.alerts.service import AlertRequest, AlertResult, raise_alert
+from spotrun.tasks.alerts.slack import Delivery, SlackConfigError, SlackTarget, deliver, target_from_env
+from spotrun.tasks.history import AlertStatus
 
 __all__ = [
     "Action",

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from tasks.alerts.message import AlertKind, utc
-from tasks.history import AlertRow, AlertStatus
+from spotrun.tasks.alerts.message import AlertKind, utc
+from spotrun.tasks.history import AlertRow, AlertStatus
 
 ANNOUNCED = frozenset({AlertStatus.SENT, AlertStatus.LOGGED})
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from tasks.alerts.runs import (
+from spotrun.tasks.alerts.runs import (
     PromotionFacts,
     failed_facts,
     failed_title,
@@ -21,14 +21,14 @@ from tasks.alerts.runs import (
     promotion_facts,
     promotion_title,
 )
-from tasks.alerts.text import clip as _clip
-from tasks.alerts.text import human_duration, utc
-from tasks.alerts.text import one_line as _one_line
-from tasks.alerts.text import times as _times
-from tasks.history import AttemptRow
-from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
-from trainer.home import HOME_SETTING
-from trainer.redact import redact
+from spotrun.tasks.alerts.text import clip as _clip
+from spotrun.tasks.alerts.text import human_duration, utc
+from spotrun.tasks.alerts.text import one_line as _one_line
+from spotrun.tasks.alerts.text import times as _times
+from spotrun.tasks.history import AttemptRow
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
+from spotrun.trainer.home import HOME_SETTING
+from spotrun.trainer.redact import redact
 
 
 class AlertKind(StrEnum):

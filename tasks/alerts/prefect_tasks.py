@@ -8,12 +8,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.alerts.secrets import prefect_secret
-from tasks.alerts.service import AlertRequest, AlertResult, raise_alert
-from tasks.alerts.slack import SlackTarget, target_from_env
-from tasks.history import AlertStatus, HistoryStore
-from tasks.reports.reporting import artifact_key
-from tasks.settings import Settings
+from spotrun.tasks.alerts.secrets import prefect_secret
+from spotrun.tasks.alerts.service import AlertRequest, AlertResult, raise_alert
+from spotrun.tasks.alerts.slack import SlackTarget, target_from_env
+from spotrun.tasks.history import AlertStatus, HistoryStore
+from spotrun.tasks.reports.reporting import artifact_key
+from spotrun.tasks.settings import Settings
 
 
 class AlertNotDelivered(RuntimeError):

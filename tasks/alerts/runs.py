@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.alerts.text import clip, human_duration, one_line
+from spotrun.tasks.alerts.text import clip, human_duration, one_line
 
 JOB_IN_TITLE_MAX_CHARS = 60
 REASON_MAX_CHARS = 320

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from tasks.alerts.decide import Action, decide
-from tasks.alerts.message import (
+from spotrun.tasks.alerts.decide import Action, decide
+from spotrun.tasks.alerts.message import (
     AlertContext,
     AlertKind,
     PromotionFacts,
@@ -23,10 +23,10 @@ from tasks.alerts.message import (
     build_message,
     to_markdown,
 )
-from tasks.alerts.runs import TERMINAL_STATES
-from tasks.alerts.slack import Delivery, SlackTarget, deliver
-from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore, JobRunRow, StoreUnavailable
-from trainer.errors import ConfigError
+from spotrun.tasks.alerts.runs import TERMINAL_STATES
+from spotrun.tasks.alerts.slack import Delivery, SlackTarget, deliver
+from spotrun.tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore, JobRunRow, StoreUnavailable
+from spotrun.trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from slack_sdk.http_retry.state import RetryState
 from slack_sdk.web import WebClient
 from slack_sdk.webhook import WebhookClient
 
-from tasks.alerts.message import SlackMessage
-from trainer.errors import ConfigError
-from trainer.redact import redact
+from spotrun.tasks.alerts.message import SlackMessage
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.redact import redact
 
 WEBHOOK_SETTING = "SPOTRUN_SLACK_WEBHOOK_URL"
 TOKEN_SETTING = "SPOTRUN_SLACK_TOKEN"

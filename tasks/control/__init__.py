@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED as CHECKPOINT_UNVERIFIED
-    from tasks.control.checkpoints import CONTROLLER_DISK_FULL as CONTROLLER_DISK_FULL
-    from tasks.control.checkpoints import completed_at as completed_at
-    from tasks.control.loop import run_job as run_job
-    from tasks.control.sinks import PlainSink as PlainSink
-    from tasks.control.sweeping import sweep_instances as sweep_instances
+    from spotrun.tasks.control.checkpoints import CHECKPOINT_UNVERIFIED as CHECKPOINT_UNVERIFIED
+    from spotrun.tasks.control.checkpoints import CONTROLLER_DISK_FULL as CONTROLLER_DISK_FULL
+    from spotrun.tasks.control.checkpoints import completed_at as completed_at
+    from spotrun.tasks.control.loop import run_job as run_job
+    from spotrun.tasks.control.sinks import PlainSink as PlainSink
+    from spotrun.tasks.control.sweeping import sweep_instances as sweep_instances
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import logging
 
-from tasks.control.market import BackToSpot, MarketChooser
-from tasks.control.prewarm import Prewarm
-from tasks.control.runlog import JobRunLog
-from tasks.control.sinks import Sink
-from tasks.providers.base import Market, Provider, Worker
-from trainer.errors import StorageError
-from trainer.preemption.handover import write_standby
-from trainer.preemption.lease import write_handoff
-from trainer.spec.job import JobSpec
+from spotrun.tasks.control.market import BackToSpot, MarketChooser
+from spotrun.tasks.control.prewarm import Prewarm
+from spotrun.tasks.control.runlog import JobRunLog
+from spotrun.tasks.control.sinks import Sink
+from spotrun.tasks.providers.base import Market, Provider, Worker
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.preemption.handover import write_standby
+from spotrun.trainer.preemption.lease import write_handoff
+from spotrun.trainer.spec.job import JobSpec
 
 
 def back_to_spot(

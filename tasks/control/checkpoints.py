@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.checkpoint.catalog import Catalog, prune_local, select_newest_valid
-from trainer.checkpoint.completion import completed_for
-from trainer.checkpoint.format import checkpoint_uri
-from trainer.checkpoint.signing import KEY_ENV
-from trainer.checkpoint.validate import Problem
-from trainer.errors import ConfigError, StorageError, TransientStorageError
-from trainer.spec.job import JobSpec
+from spotrun.trainer.checkpoint.catalog import Catalog, prune_local, select_newest_valid
+from spotrun.trainer.checkpoint.completion import completed_for
+from spotrun.trainer.checkpoint.format import checkpoint_uri
+from spotrun.trainer.checkpoint.signing import KEY_ENV
+from spotrun.trainer.checkpoint.validate import Problem
+from spotrun.trainer.errors import ConfigError, StorageError, TransientStorageError
+from spotrun.trainer.spec.job import JobSpec
 
 # a checkpoint whose signature the controller cannot check (trainer/checkpoint/signing.py):
 # kept, not resumed from

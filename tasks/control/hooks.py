@@ -19,10 +19,10 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tasks.decisions.attempts import AttemptRecord
-from trainer.checkpoint.format import checkpoint_uri
-from trainer.hooks.runner import run_hook
-from trainer.spec.job import JobSpec, never_passed
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.trainer.checkpoint.format import checkpoint_uri
+from spotrun.trainer.hooks.runner import run_hook
+from spotrun.trainer.spec.job import JobSpec, never_passed
 
 HOOK_RAN = "spotrun.hook.ran"  # exit 0
 HOOK_FAILED = "spotrun.hook.failed"  # a non-zero exit, killed at its timeout, or could not start

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.control.ahead import announce, back_to_spot, hand_off, replacement_for
-from tasks.control.checkpoints import (
+from spotrun.tasks.control.ahead import announce, back_to_spot, hand_off, replacement_for
+from spotrun.tasks.control.checkpoints import (
     CONTROLLER_DISK_FULL,
     ResumePoint,
     check_integrity,
@@ -34,20 +34,20 @@ from tasks.control.checkpoints import (
     disk_full,
     empty_cache,
 )
-from tasks.control.hooks import after_attempt
-from tasks.control.market import MarketChooser
-from tasks.control.prewarm import Prewarm
-from tasks.control.rollback import roll_back
-from tasks.control.runlog import JobRunLog
-from tasks.control.sinks import PlainSink as PlainSink
-from tasks.control.sinks import Sink
-from tasks.control.warm import STANDBY_COPY, WarmStandby, from_pool, warm_of
-from tasks.control.watchdog import for_attempt, job_history
-from tasks.control.watching import WatchCalls
-from tasks.control.watching import watch as watch
-from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
-from tasks.decisions.policy import RetryPolicy, decide
-from tasks.providers.base import (
+from spotrun.tasks.control.hooks import after_attempt
+from spotrun.tasks.control.market import MarketChooser
+from spotrun.tasks.control.prewarm import Prewarm
+from spotrun.tasks.control.rollback import roll_back
+from spotrun.tasks.control.runlog import JobRunLog
+from spotrun.tasks.control.sinks import PlainSink as PlainSink
+from spotrun.tasks.control.sinks import Sink
+from spotrun.tasks.control.warm import STANDBY_COPY, WarmStandby, from_pool, warm_of
+from spotrun.tasks.control.watchdog import for_attempt, job_history
+from spotrun.tasks.control.watching import WatchCalls
+from spotrun.tasks.control.watching import watch as watch
+from spotrun.tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
+from spotrun.tasks.decisions.policy import RetryPolicy, decide
+from spotrun.tasks.providers.base import (
     Market,
     Provider,
     ProvisionError,
@@ -55,12 +55,12 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from tasks.reports import reporting as report
-from tasks.reports.run_summary import Summary
-from tasks.settings import Settings
-from trainer.errors import ConfigError, StorageError
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Notice
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.reports.run_summary import Summary
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.errors import ConfigError, StorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Notice
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from tasks.control.prewarm import Prewarm
-from tasks.deadlines.plan import Measured, measure, situation, submission_problem
-from tasks.deadlines.policy import POLICIES, Decision, Situation
-from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
-from tasks.market.prices import Prices
-from tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, Worker
-from trainer.spec.deadline import deadline_at
-from trainer.spec.job import JobSpec
+from spotrun.tasks.control.prewarm import Prewarm
+from spotrun.tasks.deadlines.plan import Measured, measure, situation, submission_problem
+from spotrun.tasks.deadlines.policy import POLICIES, Decision, Situation
+from spotrun.tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, Worker
+from spotrun.trainer.spec.deadline import deadline_at
+from spotrun.trainer.spec.job import JobSpec
 
 MARKET_CHOSEN = "spotrun.market.chosen"
 DEADLINE_AT_RISK = "spotrun.deadline.at-risk"  # even on-demand cannot finish in time (an alert; once a run)

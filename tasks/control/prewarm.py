@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tasks.providers.base import Provider, ProvisionError, Worker
+from spotrun.tasks.providers.base import Provider, ProvisionError, Worker
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from tasks.decisions.anomaly import quarantined_by, rollback_target, skip_steps
-from tasks.decisions.attempts import AttemptRecord
-from trainer.checkpoint.catalog import Catalog
-from trainer.spec.job import JobSpec
+from spotrun.tasks.decisions.anomaly import quarantined_by, rollback_target, skip_steps
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.spec.job import JobSpec
 
 ROLLBACK = "rollback"  # the attempt extra's key
 

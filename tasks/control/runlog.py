@@ -17,26 +17,26 @@ from typing import Any, Protocol
 
 import yaml
 
-from tasks.control.checkpoints import ResumePoint
-from tasks.control.trainer_args import skip_args, trainer_args
-from tasks.decisions.attempts import AttemptRecord
-from tasks.decisions.lost_steps import lost_steps, walk
-from tasks.decisions.outcome import add_facts, classify, provision_failed_record, to_record
-from tasks.history import HistoryStore, StoreUnavailable
-from tasks.history.models import JobRunRow
-from tasks.ownership import adoption
-from tasks.ownership.endings import ending_for, flow_run_state
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
-from tasks.reports.run_summary import Ending, RunReport, Summary
-from tasks.reports.run_tracking import RunTracking
-from tasks.retraining.completion import after_completion
-from tasks.retraining.run_keys import keyed_record, lineage_of
-from tasks.settings import Settings
-from trainer.checkpoint.completion import completed_for
-from trainer.checkpoint.format import COMPLETED, checkpoint_uri
-from trainer.errors import ConfigError, StorageError
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Started
+from spotrun.tasks.control.checkpoints import ResumePoint
+from spotrun.tasks.control.trainer_args import skip_args, trainer_args
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.decisions.lost_steps import lost_steps, walk
+from spotrun.tasks.decisions.outcome import add_facts, classify, provision_failed_record, to_record
+from spotrun.tasks.history import HistoryStore, StoreUnavailable
+from spotrun.tasks.history.models import JobRunRow
+from spotrun.tasks.ownership import adoption
+from spotrun.tasks.ownership.endings import ending_for, flow_run_state
+from spotrun.tasks.providers.base import Provider, ProvisionError, WatchResult, Worker, stop_cause
+from spotrun.tasks.reports.run_summary import Ending, RunReport, Summary
+from spotrun.tasks.reports.run_tracking import RunTracking
+from spotrun.tasks.retraining.completion import after_completion
+from spotrun.tasks.retraining.run_keys import keyed_record, lineage_of
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.completion import completed_for
+from spotrun.trainer.checkpoint.format import COMPLETED, checkpoint_uri
+from spotrun.trainer.errors import ConfigError, StorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Started
 
 __all__ = [
     "JobRunLog",

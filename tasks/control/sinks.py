@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.decisions.attempts import AttemptRecord
 
 _T = TypeVar("_T")
 

@@ -9,8 +9,8 @@ from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
 
-from tasks.providers.aws import ec2_client
-from tasks.providers.aws.sweeper import sweep
+from spotrun.tasks.providers.aws import ec2_client
+from spotrun.tasks.providers.aws.sweeper import sweep
 
 
 def flow_run_is_live(flow_run_id: str) -> bool:

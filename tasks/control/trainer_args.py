@@ -12,12 +12,12 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from tasks.control.rollback import ROLLBACK
-from tasks.decisions.attempts import AttemptRecord
-from tasks.decisions.mtbf import estimate_mtbf
-from tasks.history import StoreUnavailable
-from tasks.history.models import AttemptRow
-from trainer.spec.job import JobSpec
+from spotrun.tasks.control.rollback import ROLLBACK
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.decisions.mtbf import estimate_mtbf
+from spotrun.tasks.history import StoreUnavailable
+from spotrun.tasks.history.models import AttemptRow
+from spotrun.trainer.spec.job import JobSpec
 
 
 class Store(Protocol):

@@ -38,10 +38,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
-from tasks.market.prices import Prices
-from tasks.providers.base import Provider, WarmSettings
-from trainer.telemetry.records import Started
+from spotrun.tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.base import Provider, WarmSettings
+from spotrun.trainer.telemetry.records import Started
 
 WARM_REASON = "warm standby, started with the previous attempt"
 WARM = "warm"  # the attempt extra's key: the standby this attempt kept (seconds, USD)

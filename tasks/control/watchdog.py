@@ -32,11 +32,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from tasks.decisions.anomaly import LossSpikes, Throughput
-from tasks.decisions.attempts import AttemptRecord
-from tasks.decisions.watchdog import Limit, describe, history_figures, limits, measured
-from tasks.history import HistoryStore, StoreUnavailable
-from tasks.providers.base import (
+from spotrun.tasks.decisions.anomaly import LossSpikes, Throughput
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.decisions.watchdog import Limit, describe, history_figures, limits, measured
+from spotrun.tasks.history import HistoryStore, StoreUnavailable
+from spotrun.tasks.providers.base import (
     LogCallback,
     Provider,
     StatusCallback,
@@ -46,9 +46,9 @@ from tasks.providers.base import (
     Worker,
     stopped,
 )
-from trainer.exitcodes import ExitCode
-from trainer.spec.watchdog import WatchdogOptions
-from trainer.telemetry.records import (
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.watchdog import WatchdogOptions
+from spotrun.trainer.telemetry.records import (
     Durable,
     Exit,
     Notice,

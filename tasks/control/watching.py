@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.control.sinks import Sink
-from tasks.control.watchdog import ProgressWatchdog, watched
-from tasks.decisions.outcome import resharded
-from tasks.providers.base import Provider, StopWorker, WatchResult, Worker, stopped
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Durable, Notice, Record, Started, Step, Stopping
+from spotrun.tasks.control.sinks import Sink
+from spotrun.tasks.control.watchdog import ProgressWatchdog, watched
+from spotrun.tasks.decisions.outcome import resharded
+from spotrun.tasks.providers.base import Provider, StopWorker, WatchResult, Worker, stopped
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Durable, Notice, Record, Started, Step, Stopping
 
 PROGRESS_EVERY_S = 2.0
 

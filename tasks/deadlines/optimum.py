@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tasks.deadlines.simulate import Job
-from tasks.market.traces import Trace
+from spotrun.tasks.deadlines.simulate import Job
+from spotrun.tasks.market.traces import Trace
 
 
 def optimum_cost(traces: Sequence[Trace], job: Job, *, start: int = 0) -> float:

@@ -20,11 +20,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tasks.deadlines.policy import Market, Situation
-from tasks.decisions.attempts import AttemptRecord
-from tasks.market.prices import Prices
-from trainer.spec.deadline import deadline_at
-from trainer.spec.job import JobSpec
+from spotrun.tasks.deadlines.policy import Market, Situation
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.market.prices import Prices
+from spotrun.trainer.spec.deadline import deadline_at
+from spotrun.trainer.spec.job import JobSpec
 
 DEFAULT_RESTART_S = 120.0  # a start's cost until the job's history measures one (a local worker: ~10 s)
 

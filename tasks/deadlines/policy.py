@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tasks.market.fallback import FixedRule
-from tasks.providers.base import Market
+from spotrun.tasks.market.fallback import FixedRule
+from spotrun.tasks.providers.base import Market
 
 __all__ = ["POLICIES", "Decision", "FixedRule", "Policy", "Situation", "fixed"]
 

@@ -21,8 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tasks.deadlines.policy import Decision, Market, Policy, Situation
-from tasks.market.traces import Trace, best_zone
+from spotrun.tasks.deadlines.policy import Decision, Market, Policy, Situation
+from spotrun.tasks.market.traces import Trace, best_zone
 
 
 @dataclass(frozen=True)

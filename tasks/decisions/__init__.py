@@ -8,30 +8,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from tasks.decisions.attempts import AttemptRecord as AttemptRecord
-    from tasks.decisions.attempts import Outcome as Outcome
-    from tasks.decisions.lost_steps import kept_step as kept_step
-    from tasks.decisions.lost_steps import trained_at as trained_at
-    from tasks.decisions.lost_steps import walk as walk
-    from tasks.decisions.mtbf import estimate_mtbf as estimate_mtbf
-    from tasks.decisions.outcome import add_facts as add_facts
-    from tasks.decisions.outcome import classify as classify
-    from tasks.decisions.outcome import provision_failed_record as provision_failed_record
-    from tasks.decisions.outcome import resharded as resharded
-    from tasks.decisions.outcome import to_record as to_record
-    from tasks.decisions.policy import DuplicateRuns as DuplicateRuns
-    from tasks.decisions.policy import RetryPolicy as RetryPolicy
-    from tasks.decisions.policy import decide as decide
-    from tasks.decisions.promotion import KEPT as KEPT
-    from tasks.decisions.promotion import PROMOTED as PROMOTED
-    from tasks.decisions.promotion import PROMOTION_LABEL as PROMOTION_LABEL
-    from tasks.decisions.promotion import PromotionDecision as PromotionDecision
-    from tasks.decisions.promotion import decide_from_eval as decide_from_eval
-    from tasks.decisions.promotion import event_payload as event_payload
-    from tasks.decisions.promotion import promotion_for as promotion_for
+    from spotrun.tasks.decisions.attempts import AttemptRecord as AttemptRecord
+    from spotrun.tasks.decisions.attempts import Outcome as Outcome
+    from spotrun.tasks.decisions.lost_steps import kept_step as kept_step
+    from spotrun.tasks.decisions.lost_steps import trained_at as trained_at
+    from spotrun.tasks.decisions.lost_steps import walk as walk
+    from spotrun.tasks.decisions.mtbf import estimate_mtbf as estimate_mtbf
+    from spotrun.tasks.decisions.outcome import add_facts as add_facts
+    from spotrun.tasks.decisions.outcome import classify as classify
+    from spotrun.tasks.decisions.outcome import provision_failed_record as provision_failed_record
+    from spotrun.tasks.decisions.outcome import resharded as resharded
+    from spotrun.tasks.decisions.outcome import to_record as to_record
+    from spotrun.tasks.decisions.policy import DuplicateRuns as DuplicateRuns
+    from spotrun.tasks.decisions.policy import RetryPolicy as RetryPolicy
+    from spotrun.tasks.decisions.policy import decide as decide
+    from spotrun.tasks.decisions.promotion import KEPT as KEPT
+    from spotrun.tasks.decisions.promotion import PROMOTED as PROMOTED
+    from spotrun.tasks.decisions.promotion import PROMOTION_LABEL as PROMOTION_LABEL
+    from spotrun.tasks.decisions.promotion import PromotionDecision as PromotionDecision
+    from spotrun.tasks.decisions.promotion import decide_from_eval as decide_from_eval
+    from spotrun.tasks.decisions.promotion import event_payload as event_payload
+    from spotrun.tasks.decisions.promotion import promotion_for as promotion_for
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
 
 
 def kept_step(

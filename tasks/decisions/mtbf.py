@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
 
 PRIOR_WEIGHT = 1.0  # the prior counts as one observed reclaim
 RECLAIMS = (Outcome.PREEMPTED, Outcome.LOST)

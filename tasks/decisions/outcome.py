@@ -15,11 +15,18 @@ import signal
 from bisect import bisect_left
 from dataclasses import asdict
 
-from tasks.decisions import lost_steps as rule
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.watchdog import describe
-from tasks.providers.base import KillReason, NoticeKind, ProvisionError, StopCause, WatchResult, Worker
-from trainer.exitcodes import ExitCode
+from spotrun.tasks.decisions import lost_steps as rule
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.watchdog import describe
+from spotrun.tasks.providers.base import (
+    KillReason,
+    NoticeKind,
+    ProvisionError,
+    StopCause,
+    WatchResult,
+    Worker,
+)
+from spotrun.trainer.exitcodes import ExitCode
 
 # The trainer says retrying won't help: a bad job, a diverged loss, or another live writer on the
 # storage (held, or taken over mid-run): a second writer would corrupt it, so stop and say who holds it.

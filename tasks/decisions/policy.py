@@ -24,8 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
-from tasks.decisions.outcome import FATAL_CODES
+from spotrun.tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
+from spotrun.tasks.decisions.outcome import FATAL_CODES
 
 DuplicateRuns = Literal[
     "wait", "reject"

@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from trainer.checkpoint.completion import completed_eval
-from trainer.errors import ConfigError, StorageError
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import Promotion
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.completion import completed_eval
+from spotrun.trainer.errors import ConfigError, StorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import Promotion
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainer.spec.watchdog import SECTIONS, WatchdogOptions
+from spotrun.trainer.spec.watchdog import SECTIONS, WatchdogOptions
 
 HISTORY_ATTEMPTS = 10  # the newest attempts whose figures calibrate the next one
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from tasks.history.engine import default_url
-from tasks.history.models import AlertRow, AlertStatus, AttemptRow, JobRunRow, JobStatus, RejectionRow
-from tasks.history.store import HistoryStore, StoreUnavailable
+from spotrun.tasks.history.engine import default_url
+from spotrun.tasks.history.models import AlertRow, AlertStatus, AttemptRow, JobRunRow, JobStatus, RejectionRow
+from spotrun.tasks.history.store import HistoryStore, StoreUnavailable
 
 __all__ = [
     "AlertRow",

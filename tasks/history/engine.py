@@ -10,8 +10,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
-from trainer.errors import ConfigError
-from trainer.redact import redact
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.redact import redact
 
 
 def default_url(home: Path) -> str:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
-from tasks.history.ops import Op
-from trainer.storage.locks import flock_within
+from spotrun.tasks.history.ops import Op
+from spotrun.trainer.storage.locks import flock_within
 
 LOCK_WAIT_S = 60.0  # an append is a write and an fsync: a minute is a hung holder, not a slow one
 

@@ -27,7 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
-from tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun, JobStatus
+from spotrun.tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun, JobStatus
 
 Apply = Callable[[Session, dict[str, Any], bool], None]
 OPS: dict[str, Apply] = {}

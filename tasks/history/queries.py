@@ -9,8 +9,8 @@ from typing import TypeVar
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tasks.decisions.attempts import Outcome
-from tasks.history.models import (
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.history.models import (
     Alert,
     AlertRow,
     Attempt,

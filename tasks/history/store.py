@@ -27,14 +27,14 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history.engine import check_database_url, make_engine, one_line, shown_url, unreachable
-from tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
-from tasks.history.migrations import upgrade_to_head
-from tasks.history.models import AlertStatus, JobRun, JobStatus, KeyedRun
-from tasks.history.ops import OPS, Op, stamp
-from tasks.history.queries import HistoryReads
-from trainer.storage.locks import LockTimeout
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history.engine import check_database_url, make_engine, one_line, shown_url, unreachable
+from spotrun.tasks.history.journal import FileJournal, Journal, MemoryJournal, journal_path
+from spotrun.tasks.history.migrations import upgrade_to_head
+from spotrun.tasks.history.models import AlertStatus, JobRun, JobStatus, KeyedRun
+from spotrun.tasks.history.ops import OPS, Op, stamp
+from spotrun.tasks.history.queries import HistoryReads
+from spotrun.trainer.storage.locks import LockTimeout
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 DAY_S = 86_400.0
 # A zone that took capacity back this recently ranks below every other zone with capacity: drops

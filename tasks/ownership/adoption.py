@@ -28,14 +28,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.lost_steps import kept_step, lost_steps
-from tasks.history.models import AttemptRow, JobRunRow, JobStatus
-from tasks.providers.base import Worker
-from trainer.checkpoint.catalog import read_latest
-from trainer.errors import StorageError
-from trainer.spec.job import JobSpec
-from trainer.telemetry.heartbeat import read_heartbeat
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.lost_steps import kept_step, lost_steps
+from spotrun.tasks.history.models import AttemptRow, JobRunRow, JobStatus
+from spotrun.tasks.providers.base import Worker
+from spotrun.trainer.checkpoint.catalog import read_latest
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.heartbeat import read_heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from tasks.history.models import JobStatus
+from spotrun.tasks.history.models import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ def record_ending(flow: Any, flow_run: Any, state: Any) -> None:
 def close_job_run_of(job: str, flow_run_id: str, end: Ending) -> bool:
     """Give the job run that flow run `flow_run_id` controls its final status, if it is still `running`
     (a later controller that adopted it relinked it to itself, so it is left alone). True if closed."""
-    from tasks.history import HistoryStore
-    from tasks.settings import Settings
+    from spotrun.tasks.history import HistoryStore
+    from spotrun.tasks.settings import Settings
 
     settings = Settings.from_env()
     store = HistoryStore.open(settings.database_url, journal_dir=settings.journal_dir)

@@ -41,9 +41,9 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from tasks.decisions.policy import DuplicateRuns
-from tasks.ownership import adoption
-from tasks.settings import Settings
+from spotrun.tasks.decisions.policy import DuplicateRuns
+from spotrun.tasks.ownership import adoption
+from spotrun.tasks.settings import Settings
 
 LIMIT_PREFIX = "spotrun-job:"
 RUN_KEY_TAG = "run-key:"

@@ -32,7 +32,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.exceptions import ObjectNotFound
 
-from trainer.errors import SpotrunError
+from spotrun.trainer.errors import SpotrunError
 
 JOB_CRASHED = "spotrun.job.crashed"
 RESTART_TAG = "spotrun-restart"  # on every run recover-job started

@@ -11,7 +11,7 @@
   their parent (local trainers, a rehearsal's instances, spotrun's own Prefect server and worker).
 """
 
-from tasks.providers.base import (
+from spotrun.tasks.providers.base import (
     KillReason,
     NoticeKind,
     Provider,
@@ -22,7 +22,7 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from tasks.providers.registry import (
+from spotrun.tasks.providers.registry import (
     PROVIDERS,
     ProviderConfig,
     Registered,

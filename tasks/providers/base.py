@@ -1,6 +1,6 @@
 """The worker seam: provision a machine running one trainer attempt, watch it until it is gone, release it.
 
-A provider knows how to start `python -m trainer` somewhere and how that somewhere dies; it does not
+A provider knows how to start `python -m spotrun.trainer` somewhere and how that somewhere dies; it does not
 judge the outcome (tasks/decisions/outcome.py does, from the `WatchResult` and the completion marker) and it
 does not decide what happens next (tasks/decisions/policy.py). The caller owns cleanup:
 
@@ -19,9 +19,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from tasks.market.prices import Prices
-from trainer.telemetry.heartbeat import MAX_LOSSES
-from trainer.telemetry.records import (
+from spotrun.tasks.market.prices import Prices
+from spotrun.trainer.telemetry.heartbeat import MAX_LOSSES
+from spotrun.trainer.telemetry.records import (
     Durable,
     Exit,
     Hook,
@@ -42,7 +42,7 @@ Market = Literal["spot", "on-demand"]
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 StatusCallback = Callable[[Record], None]
 LogCallback = Callable[[str], None]
@@ -305,7 +305,7 @@ class ProviderSettings(Protocol):
 
     @property
     def python(self) -> str | None:
-        """The interpreter that runs `python -m trainer` (None: the flow's own)."""
+        """The interpreter that runs `python -m spotrun.trainer` (None: the flow's own)."""
         ...
 
     def workers_dir(self, default: Path) -> Path:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, TypeAdapter
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.local.config import LocalProviderConfig
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.local.config import LocalProviderConfig
 
 if TYPE_CHECKING:
-    from tasks.providers.base import Provider, ProviderSettings
+    from spotrun.tasks.providers.base import Provider, ProviderSettings
 
 # Every kind's settings: the flow's parameter type. A plain union (JSON schema anyOf), not a
 # discriminated one (oneOf): the Prefect UI offers anyOf as a choice, then that provider's form; oneOf it
@@ -42,8 +42,10 @@ class Registered:
 
 
 PROVIDERS: dict[str, Registered] = {
-    "local": Registered(LocalProviderConfig, "tasks.providers.local.provider", capacity="spot (simulated)"),
-    "aws": Registered(AwsProviderConfig, "tasks.providers.aws.factory"),
+    "local": Registered(
+        LocalProviderConfig, "spotrun.tasks.providers.local.provider", capacity="spot (simulated)"
+    ),
+    "aws": Registered(AwsProviderConfig, "spotrun.tasks.providers.aws.factory"),
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trainer.spec.job import EnvOptions, never_passed
+from spotrun.trainer.spec.job import EnvOptions, never_passed
 
 PASSED = frozenset(
     {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG",

@@ -9,29 +9,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from tasks.reports.goodput import GoodputReport as GoodputReport
-    from tasks.reports.goodput import RunInfo as RunInfo
-    from tasks.reports.goodput import compute as compute
-    from tasks.reports.goodput import progress as progress
-    from tasks.reports.goodput import summary_rows as summary_rows
-    from tasks.reports.prefect_sink import PrefectSink as PrefectSink
-    from tasks.reports.reporting import JOB_COMPLETED as JOB_COMPLETED
-    from tasks.reports.reporting import JOB_GAVE_UP as JOB_GAVE_UP
-    from tasks.reports.reporting import JOB_RESTARTED as JOB_RESTARTED
-    from tasks.reports.reporting import MODEL_PROMOTION as MODEL_PROMOTION
-    from tasks.reports.reporting import RESTARTED_LABEL as RESTARTED_LABEL
-    from tasks.reports.reporting import RESUME_CHECKED as RESUME_CHECKED
-    from tasks.reports.reporting import VERDICT_LABEL as VERDICT_LABEL
-    from tasks.reports.reporting import artifact_key as artifact_key
-    from tasks.reports.run_summary import Ending as Ending
-    from tasks.reports.run_summary import RunReport as RunReport
-    from tasks.reports.run_summary import Summary as Summary
-    from tasks.reports.run_tracking import RunTracking as RunTracking
-    from tasks.reports.timeline import AttemptTrace as AttemptTrace
-    from tasks.reports.timeline import plot_timeline as plot_timeline
+    from spotrun.tasks.reports.goodput import GoodputReport as GoodputReport
+    from spotrun.tasks.reports.goodput import RunInfo as RunInfo
+    from spotrun.tasks.reports.goodput import compute as compute
+    from spotrun.tasks.reports.goodput import progress as progress
+    from spotrun.tasks.reports.goodput import summary_rows as summary_rows
+    from spotrun.tasks.reports.prefect_sink import PrefectSink as PrefectSink
+    from spotrun.tasks.reports.reporting import JOB_COMPLETED as JOB_COMPLETED
+    from spotrun.tasks.reports.reporting import JOB_GAVE_UP as JOB_GAVE_UP
+    from spotrun.tasks.reports.reporting import JOB_RESTARTED as JOB_RESTARTED
+    from spotrun.tasks.reports.reporting import MODEL_PROMOTION as MODEL_PROMOTION
+    from spotrun.tasks.reports.reporting import RESTARTED_LABEL as RESTARTED_LABEL
+    from spotrun.tasks.reports.reporting import RESUME_CHECKED as RESUME_CHECKED
+    from spotrun.tasks.reports.reporting import VERDICT_LABEL as VERDICT_LABEL
+    from spotrun.tasks.reports.reporting import artifact_key as artifact_key
+    from spotrun.tasks.reports.run_summary import Ending as Ending
+    from spotrun.tasks.reports.run_summary import RunReport as RunReport
+    from spotrun.tasks.reports.run_summary import Summary as Summary
+    from spotrun.tasks.reports.run_tracking import RunTracking as RunTracking
+    from spotrun.tasks.reports.timeline import AttemptTrace as AttemptTrace
+    from spotrun.tasks.reports.timeline import plot_timeline as plot_timeline
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

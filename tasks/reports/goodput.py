@@ -43,8 +43,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.lost_steps import lost_steps, trained_at, walk
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.lost_steps import lost_steps, trained_at, walk
 
 RUNNING = "running"  # tasks.history.JobStatus.RUNNING (not imported: no SQLAlchemy here)
 

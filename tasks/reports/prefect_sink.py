@@ -10,8 +10,8 @@ from uuid import UUID
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.decisions.attempts import AttemptRecord
-from tasks.reports import reporting as report
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.reports import reporting as report
 
 _T = TypeVar("_T")
 
@@ -22,7 +22,7 @@ STEP_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 class PrefectSink:
-    """tasks.control.loop.Sink for a flow run (the run context must be active)."""
+    """spotrun.tasks.control.loop.Sink for a flow run (the run context must be active)."""
 
     def __init__(self) -> None:
         self._progress: UUID | None = None

@@ -18,9 +18,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.reports import goodput
-from tasks.reports.goodput import GoodputReport
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.reports import goodput
+from spotrun.tasks.reports.goodput import GoodputReport
 
 log = logging.getLogger(__name__)
 

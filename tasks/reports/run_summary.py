@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.decisions.attempts import AttemptRecord
-from tasks.providers.base import WatchResult, Worker
-from tasks.reports import goodput
-from tasks.reports import reporting as report
-from tasks.reports.run_tracking import resume_checks
-from tasks.reports.timeline import AttemptTrace, plot_timeline
-from tasks.tracking import TrackingInfo, worst_verdict
-from trainer.errors import StorageError
-from trainer.spec.job import JobSpec
-from trainer.storage import put_bytes
-from trainer.storage.registry import is_local
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.providers.base import WatchResult, Worker
+from spotrun.tasks.reports import goodput
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.reports.run_tracking import resume_checks
+from spotrun.tasks.reports.timeline import AttemptTrace, plot_timeline
+from spotrun.tasks.tracking import TrackingInfo, worst_verdict
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import put_bytes
+from spotrun.trainer.storage.registry import is_local
 
 
 @dataclass

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.providers.base import WatchResult, Worker
-from tasks.reports.reporting import RESUME_CHECKED, VERDICT_LABEL
-from tasks.tracking import ResumeCheck, ResumeChecker, Tracker, TrackingInfo, Where
-from trainer.checkpoint.format import checkpoint_uri
-from trainer.spec.job import JobSpec
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.providers.base import WatchResult, Worker
+from spotrun.tasks.reports.reporting import RESUME_CHECKED, VERDICT_LABEL
+from spotrun.tasks.tracking import ResumeCheck, ResumeChecker, Tracker, TrackingInfo, Where
+from spotrun.trainer.checkpoint.format import checkpoint_uri
+from spotrun.trainer.spec.job import JobSpec
 
 INTERRUPTED_TRACKING_S = 5.0  # a cancel or Ctrl-C waits this long for MLflow; the rest waits in storage
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from tasks.retraining.completion import after_completion as after_completion
-    from tasks.retraining.run_key_start import per_run_key as per_run_key
-    from tasks.retraining.run_keys import keyed_record as keyed_record
-    from tasks.retraining.run_keys import keys_to_run as keys_to_run
-    from tasks.retraining.run_keys import lineage_of as lineage_of
-    from tasks.retraining.run_keys import preview as preview
+    from spotrun.tasks.retraining.completion import after_completion as after_completion
+    from spotrun.tasks.retraining.run_key_start import per_run_key as per_run_key
+    from spotrun.tasks.retraining.run_keys import keyed_record as keyed_record
+    from spotrun.tasks.retraining.run_keys import keys_to_run as keys_to_run
+    from spotrun.tasks.retraining.run_keys import lineage_of as lineage_of
+    from spotrun.tasks.retraining.run_keys import preview as preview
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

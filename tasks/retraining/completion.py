@@ -14,13 +14,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tasks.decisions.promotion import event_payload, promotion_for
-from tasks.history.models import JobRunRow, JobStatus
-from tasks.reports import reporting as report
-from tasks.retraining.run_keys import MAX_RUNS_READ, pick_source
-from tasks.retraining.run_retention import RunRecord, lineage_keys, prune_runs
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import BEST
+from spotrun.tasks.decisions.promotion import event_payload, promotion_for
+from spotrun.tasks.history.models import JobRunRow, JobStatus
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.retraining.run_keys import MAX_RUNS_READ, pick_source
+from spotrun.tasks.retraining.run_retention import RunRecord, lineage_keys, prune_runs
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import BEST
 
 
 class Store(Protocol):
@@ -71,7 +71,7 @@ def after_completion(
 def _payload(
     decision: dict[str, Any], job: JobSpec, job_run_id: str, flow_run_id: str
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    from tasks.decisions.promotion import PromotionDecision
+    from spotrun.tasks.decisions.promotion import PromotionDecision
 
     made = PromotionDecision(**decision)
     return event_payload(made, run_key=job.run_key, job_run_id=job_run_id, flow_run_id=flow_run_id)

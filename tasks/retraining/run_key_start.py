@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 from typing import ParamSpec, TypeVar, cast
 from uuid import UUID
 
-from tasks.retraining.run_keys import Slot, resolve_job_run
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
+from spotrun.tasks.retraining.run_keys import Slot, resolve_job_run
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -83,10 +83,10 @@ def per_run_key(fn: Callable[P, R]) -> Callable[P, R]:
     from prefect.runtime import flow_run
     from prefect.states import Failed
 
-    from tasks.history import HistoryStore
-    from tasks.ownership.job_slot import run_key_tag
-    from tasks.ownership.recovery import recovered_run
-    from tasks.settings import Settings
+    from spotrun.tasks.history import HistoryStore
+    from spotrun.tasks.ownership.job_slot import run_key_tag
+    from spotrun.tasks.ownership.recovery import recovered_run
+    from spotrun.tasks.settings import Settings
 
     signature = inspect.signature(fn)
 

@@ -21,13 +21,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from tasks.history import StoreUnavailable
-from tasks.history.models import JobRunRow, JobStatus, KeyedRun
-from trainer.checkpoint.completion import completed_step
-from trainer.errors import ConfigError, StorageError, TransientStorageError
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import BEST, LATEST_COMPLETED, RunSource, key_problem
-from trainer.spec.templating import fill, fill_tree, pieces
+from spotrun.tasks.history import StoreUnavailable
+from spotrun.tasks.history.models import JobRunRow, JobStatus, KeyedRun
+from spotrun.trainer.checkpoint.completion import completed_step
+from spotrun.trainer.errors import ConfigError, StorageError, TransientStorageError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import BEST, LATEST_COMPLETED, RunSource, key_problem
+from spotrun.trainer.spec.templating import fill, fill_tree, pieces
 
 DATE, TIME = "%Y-%m-%d", "%Y%m%dT%H%M%S"
 # How each slot value reads back out of a literal key (`--run-key 2026-12-01`).

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import key_problem
-from trainer.storage import open_storage
-from trainer.storage.base import normalize_uri
-from trainer.storage.local import LOCK_SUFFIX, LocalStorage
-from trainer.storage.registry import is_local
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import key_problem
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage.base import normalize_uri
+from spotrun.trainer.storage.local import LOCK_SUFFIX, LocalStorage
+from spotrun.trainer.storage.registry import is_local
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _prune_one(
     if deleted:  # 0: pruned on an earlier night (the history keeps its row), or it never wrote anything
         report.objects += deleted
         report.pruned.append(run.run_key)
-    from tasks.ownership.job_slot import limit_name, slot_id
+    from spotrun.tasks.ownership.job_slot import limit_name, slot_id
 
     name = limit_name(slot_id(job, run.run_key))
     try:

@@ -7,7 +7,7 @@ job run; `ResumeChecker` compares what a lost attempt and its successor computed
 MLflow is imported lazily, in the tracker's thread only.
 """
 
-from tasks.tracking.fidelity import ResumeCheck, ResumeChecker, worst_verdict
-from tasks.tracking.tracker import Tracker, TrackingInfo, Where
+from spotrun.tasks.tracking.fidelity import ResumeCheck, ResumeChecker, worst_verdict
+from spotrun.tasks.tracking.tracker import Tracker, TrackingInfo, Where
 
 __all__ = ["ResumeCheck", "ResumeChecker", "Tracker", "TrackingInfo", "Where", "worst_verdict"]

@@ -24,8 +24,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tasks.tracking.fidelity import TREND_WINDOW
-from trainer.storage import Storage
+from spotrun.tasks.tracking.fidelity import TREND_WINDOW
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.providers.base import WatchResult, Worker
-from tasks.tracking.steps import StepMetrics, read_steps
-from trainer.storage import Storage
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.providers.base import WatchResult, Worker
+from spotrun.tasks.tracking.steps import StepMetrics, read_steps
+from spotrun.trainer.storage import Storage
 
 EXACT, CLOSE, MISMATCH = "exact", "close", "mismatch"
 VERDICTS = (EXACT, CLOSE, MISMATCH)  # best first

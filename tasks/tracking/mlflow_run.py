@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from tasks.tracking.steps import StepMetrics
-from trainer.redact import redact
-from trainer.spec.job import JobSpec
+from spotrun.tasks.tracking.steps import StepMetrics
+from spotrun.trainer.redact import redact
+from spotrun.trainer.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from trainer.checkpoint.catalog import list_checkpoints
-from trainer.storage import Storage, get_bytes
-from trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
+from spotrun.trainer.checkpoint.catalog import list_checkpoints
+from spotrun.trainer.storage import Storage, get_bytes
+from spotrun.trainer.telemetry.metrics_log import PREFIX, parse_metrics_key
 
 log = logging.getLogger(__name__)
 

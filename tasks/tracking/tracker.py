@@ -30,21 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.providers.registry import capacity
-from tasks.tracking.collect import Hold, collect
-from tasks.tracking.fidelity import ResumeCheck, worst_verdict
-from tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
-from tasks.tracking.steps import committed_step, metric_objects, read_steps
-from tasks.tracking.versions import finish_version, lineage_tags
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.completion import completed_step
-from trainer.checkpoint.format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
-from trainer.checkpoint.stateful import DCP_METADATA
-from trainer.errors import StorageError
-from trainer.redact import redact
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage, get_bytes, put_bytes
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.providers.registry import capacity
+from spotrun.tasks.tracking.collect import Hold, collect
+from spotrun.tasks.tracking.fidelity import ResumeCheck, worst_verdict
+from spotrun.tasks.tracking.mlflow_run import FIDELITY, RESUME_TAG, MlflowRun, embedded_store
+from spotrun.tasks.tracking.steps import committed_step, metric_objects, read_steps
+from spotrun.tasks.tracking.versions import finish_version, lineage_tags
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.completion import completed_step
+from spotrun.trainer.checkpoint.format import MANIFEST, MODEL_FILE, Manifest, checkpoint_uri
+from spotrun.trainer.checkpoint.stateful import DCP_METADATA
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.redact import redact
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def _gather_dcp(checkpoint: Path, listed: Collection[str], out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from trainer.checkpoint.safe_load import load_full_state
+    from spotrun.trainer.checkpoint.safe_load import load_full_state
 
     state = load_full_state(checkpoint, listed, keys=("model",))
     model = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}

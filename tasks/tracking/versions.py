@@ -15,11 +15,11 @@ import logging
 import time
 from typing import Any
 
-from tasks.decisions.promotion import PromotionDecision, decide_from_eval
-from tasks.tracking.mlflow_run import MlflowRun, import_mlflow
-from trainer.checkpoint.completion import completed_eval
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage
+from spotrun.tasks.decisions.promotion import PromotionDecision, decide_from_eval
+from spotrun.tasks.tracking.mlflow_run import MlflowRun, import_mlflow
+from spotrun.trainer.checkpoint.completion import completed_eval
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

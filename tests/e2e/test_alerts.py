@@ -32,15 +32,15 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
 )
 
-from deployments.apply import ALERT_DEPLOYMENT, DeployReport, deploy
-from deployments.automations import AlertRules, delete_automations, spotrun_automations
-from deployments.worker import LocalWorker
+from spotrun.deployments.apply import ALERT_DEPLOYMENT, DeployReport, deploy
+from spotrun.deployments.automations import AlertRules, delete_automations, spotrun_automations
+from spotrun.deployments.worker import LocalWorker
 from spotrun.server import flush_to_api, free_port, patched_environ
-from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history import AlertStatus, HistoryStore
-from tasks.reports import reporting as report
-from tasks.reports.prefect_sink import PrefectSink
+from spotrun.tasks.control.checkpoints import CHECKPOINT_UNVERIFIED
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history import AlertStatus, HistoryStore
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.reports.prefect_sink import PrefectSink
 from tests.e2e.test_flow import job, run_flow, schedule
 from tests.prefect_server import PrefectServer
 from tests.servers import SlackFake

@@ -22,21 +22,21 @@ from typing import Any
 
 import pytest
 
-from tasks.control.sweeping import flow_run_is_live
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.installation import installation_id
-from tasks.providers.aws.sweeper import sweep
+from spotrun.tasks.control.sweeping import flow_run_is_live
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.installation import installation_id
+from spotrun.tasks.providers.aws.sweeper import sweep
+from spotrun.trainer.checkpoint.catalog import fetch, read_latest
+from spotrun.trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, step_dir
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage, get_bytes, open_storage
+from spotrun.trainer.telemetry.heartbeat import read_heartbeat
 from tests.aws_backdoor import spot_interrupt
 from tests.conftest import Ec2World
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow
 from tests.fakes.imds import FakeIMDS
 from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.catalog import fetch, read_latest
-from trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, step_dir
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage, get_bytes, open_storage
-from trainer.telemetry.heartbeat import read_heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,9 +151,9 @@ def test_notice_checkpoints_then_another_zone_resumes_bitwise(
 
 FLOW_SCRIPT = """
 import sys
-from flows.resilient_training import resilient_training
-from tasks.providers.aws.config import AwsProviderConfig
-from trainer.spec.job import JobSpec
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.trainer.spec.job import JobSpec
 spec, cfg = JobSpec.model_validate_json(sys.argv[1]), AwsProviderConfig.model_validate_json(sys.argv[2])
 resilient_training(spec, cfg)
 """

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.trainer.checkpoint.format import step_dir
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.slow
 

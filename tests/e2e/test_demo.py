@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from spotrun.demo import TOTAL_STEPS
-from tasks.history import HistoryStore, default_url
+from spotrun.tasks.history import HistoryStore, default_url
+from spotrun.trainer.checkpoint.format import MANIFEST, step_dir
 from tests.integration.test_cli import table_rows
 from tests.prefect_server import seed
 from tests.trainer_runs import REPO
-from trainer.checkpoint.format import MANIFEST, step_dir
 
 
 @pytest.mark.slow

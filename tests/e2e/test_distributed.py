@@ -16,21 +16,21 @@ from typing import Any
 import pytest
 import torch
 
-from flows.resilient_training import resilient_training
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.trainer.checkpoint.catalog import list_checkpoints, read_latest
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, step_dir
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.launch.start import RANK_START
+from spotrun.trainer.preemption.lease import LEASE_KEY, Holder, read_lease
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
 from tests.fakes.fault_python import install
 from tests.integration.test_loopback_store import LOOPBACK, listeners_of
 from tests.procs import descendants, wait_gone
 from tests.trainer_runs import REPO, Trainer, assert_sharded_equal, losses, trainer
-from trainer.checkpoint.catalog import list_checkpoints, read_latest
-from trainer.checkpoint.format import MANIFEST, Manifest, step_dir
-from trainer.exitcodes import ExitCode
-from trainer.launch.start import RANK_START
-from trainer.preemption.lease import LEASE_KEY, Holder, read_lease
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
 
 DDP: dict[str, Any] = {
     "name": "ddpjob",
@@ -168,8 +168,11 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_a_damaged_shard_is_passed
     assert r.returncode == ExitCode.PREEMPTED, r.stderr[-3000:]
     stopping = _records(r.stdout, "stopping")
     assert len(stopping) == 1 and stopping[0]["step"] == 16  # rank 0 stopped with rank 1, on its word
-    assert "rank 0 trainer.session.loop: stopped on a stop request of another rank at step 16" in r.stderr
-    assert "rank 1 trainer.session.loop: stopped on SIGTERM at step 16" in r.stderr
+    assert (
+        "rank 0 spotrun.trainer.session.loop: stopped on a stop request of another rank at step 16"
+        in r.stderr
+    )
+    assert "rank 1 spotrun.trainer.session.loop: stopped on SIGTERM at step 16" in r.stderr
     m = Manifest.from_json((store / step_dir(16) / MANIFEST).read_bytes())
     assert m.world_size == 2 and m.sharded and {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(m.files)
     # rank 1's shard of the newest checkpoint goes bad; a fresh machine (no local copy) falls back to 12
@@ -301,7 +304,7 @@ def test_a_stolen_lease_stops_every_rank_with_rank_0(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr, r.stderr[-5000:]
     # rank 0 says why, once; rank 1 stopped on its verdict (not killed by the launcher)
     assert r.stderr.count("taken over by worker thief") == 1, r.stderr[-3000:]
-    assert "rank 1 trainer: stopping with rank 0 (LeaseLost" in r.stderr, r.stderr[-3000:]
+    assert "rank 1 spotrun.trainer: stopping with rank 0 (LeaseLost" in r.stderr, r.stderr[-3000:]
     (exit_rec,) = _records(r.stdout, "exit")
     assert exit_rec["name"] == "LEASE_LOST"
     assert read_latest(store) == latest_at_theft  # `latest` never moved again

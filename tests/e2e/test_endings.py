@@ -20,14 +20,14 @@ from prefect import get_client
 from prefect.states import Cancelling
 
 from spotrun.console import spotrun_command
-from tasks.history import HistoryStore
-from tasks.history.models import JobStatus
-from tasks.ownership import adoption
-from tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.history.models import JobStatus
+from spotrun.tasks.ownership import adoption
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.trainer.checkpoint.format import step_dir
 from tests.e2e import test_flow
 from tests.e2e.test_flow import FLOW_SCRIPT, job, reference_dir
 from tests.trainer_runs import REPO, assert_states_equal
-from trainer.checkpoint.format import step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 pg_database = test_flow.pg_database  # a fresh PostgreSQL database (URL), dropped afterwards
@@ -136,9 +136,9 @@ def test_cancel_stops_the_trainer_gracefully_and_is_recorded(
 
 PREEMPTING_FLOW = """
 import sys
-from flows.resilient_training import resilient_training
-from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from trainer.spec.job import JobSpec
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.trainer.spec.job import JobSpec
 plan = [PlannedPreemption(after_s=0.3, notice=True)] * 2
 spec = JobSpec.model_validate_json(sys.argv[1])
 resilient_training(spec, LocalProviderConfig(simulator=SpotSimulatorConfig(schedule=plan), notice_s=2))

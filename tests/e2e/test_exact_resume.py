@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from spotrun.trainer.checkpoint.catalog import fetch
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage.options import S3Options
 from tests.trainer_runs import assert_states_equal, losses, trainer, trainer_killed_after, write_spec
-from trainer.checkpoint.catalog import fetch
-from trainer.checkpoint.format import step_dir
-from trainer.exitcodes import ExitCode
-from trainer.storage import open_storage
-from trainer.storage.options import S3Options
 
 # 28 batches per epoch, checkpoints every 7 steps. Each chain mixes both kinds of death:
 #   sigkill@29 resumes from 28 (an epoch boundary), sigkill@45 from 42 (mid-epoch);

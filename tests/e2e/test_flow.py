@@ -15,15 +15,15 @@ from typing import Any
 import psycopg
 import pytest
 
-from flows.resilient_training import resilient_training
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.local import LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.spec.job import JobSpec
 from tests.fakes.fault_python import install
 from tests.procs import wait_gone
 from tests.trainer_runs import assert_states_equal, trainer
-from trainer.checkpoint.format import step_dir
-from trainer.spec.job import JobSpec
 
 PG = "postgresql://postgres@127.0.0.1:5432"
 
@@ -178,9 +178,9 @@ def test_hung_worker_is_detected_as_lost_and_killed(
 
 FLOW_SCRIPT = """
 import sys
-from flows.resilient_training import resilient_training
-from tasks.providers.local import LocalProviderConfig
-from trainer.spec.job import JobSpec
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.trainer.spec.job import JobSpec
 spec = JobSpec.model_validate_json(sys.argv[1])
 resilient_training(spec, LocalProviderConfig())
 """
@@ -203,7 +203,7 @@ def test_killed_flow_process_leaves_no_trainer_behind(prefect_api: str, home: Pa
 
 
 def _wait_for_trainer(job_dir: Path, flow_pid: int, timeout_s: float) -> int:
-    """The flow's trainer once it trains: a `python -m trainer ... job.yaml`, or a child of the flow's
+    """The flow's trainer once it trains: a `python -m spotrun.trainer ... job.yaml`, or a child of the flow's
     fork server named `trainer` (its command line is the server's)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -11,8 +11,8 @@ from prefect import get_client
 from prefect.flow_engine import run_flow
 from prefect.states import State
 
-from flows.resilient_training import resilient_training
-from tasks.admission.trust import Allowed, settings_path, write_allowed
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.admission.trust import Allowed, settings_path, write_allowed
 from tests.e2e.test_flow import job
 
 
@@ -26,7 +26,7 @@ def test_a_form_parameter_naming_another_interpreter_is_refused_in_one_line(
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(resilient_training)
         dep_id = client.create_deployment(
-            flow_id, "trust", entrypoint="flows/resilient_training.py:resilient_training"
+            flow_id, "trust", entrypoint="spotrun.flows.resilient_training:resilient_training"
         )
         flow_run = client.create_flow_run_from_deployment(dep_id, parameters=params)
     state = run_flow(resilient_training, flow_run=flow_run, return_type="state")

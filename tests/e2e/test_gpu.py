@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.checkpoint.state import Snapshotter, capture_rng, restore_rng
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import step_dir
-from trainer.checkpoint.state import Snapshotter, capture_rng, restore_rng
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
 
 pytestmark = [
     pytest.mark.gpu,

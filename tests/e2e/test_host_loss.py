@@ -27,13 +27,13 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
 
-from tasks.history import HistoryStore
-from tasks.ownership.recovery import JOB_CRASHED, RESTART_TAG, job_tag
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.ownership.recovery import JOB_CRASHED, RESTART_TAG, job_tag
+from spotrun.trainer.checkpoint.format import MANIFEST, step_dir
 from tests.e2e.test_flow import job, reference_dir
 from tests.prefect_server import PrefectServer
 from tests.procs import descendants
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import MANIFEST, step_dir
 
 pytestmark = pytest.mark.slow
 

@@ -13,18 +13,18 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.attempts import AttemptRecord
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.base import Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig
-from tasks.reports import reporting as report
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.attempts import AttemptRecord
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.base import Worker
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import reference_dir
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import step_dir
-from trainer.spec.job import JobSpec
 
 STEP_FLOOR_S = 3.0  # the steps take milliseconds: the calibrated timeout is this floor
 

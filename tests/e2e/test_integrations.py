@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments.apply import allowed_by_defaults
+from spotrun.deployments.apply import allowed_by_defaults
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import attempts, reference_dir, run_flow, schedule
 from tests.trainer_runs import trainer
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from spotrun.trainer.checkpoint.foreign import numpy_allowed
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import attempts, reference_dir, run_flow, schedule
 from tests.e2e.test_integrations import changed_lines, doc_block, shipped_spec
-from trainer.checkpoint.foreign import numpy_allowed
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
 

@@ -26,13 +26,13 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.flow_engine import run_flow
 from prefect.states import Scheduled, State
 
-from flows.recover_job import recover_job
-from flows.resilient_training import resilient_training
 from spotrun.cli import main
-from tasks.admission.trust import named, write_allowed
-from tasks.history import HistoryStore
+from spotrun.flows.recover_job import recover_job
+from spotrun.flows.resilient_training import resilient_training
+from spotrun.tasks.admission.trust import named, write_allowed
+from spotrun.tasks.history import HistoryStore
+from spotrun.trainer.checkpoint.format import step_dir
 from tests.trainer_runs import assert_states_equal, trainer
-from trainer.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ FLOW_PROCESS = """
 import sys
 from uuid import UUID
 from prefect.flow_engine import load_flow_run, run_flow
-from flows.resilient_training import resilient_training
+from spotrun.flows.resilient_training import resilient_training
 run_flow(resilient_training, flow_run=load_flow_run(UUID(sys.argv[1])), return_type="state")
 """
 
@@ -108,7 +108,7 @@ def test_three_nights(
         deployment = client.create_deployment(
             flow_id,
             "nightly",
-            entrypoint="flows/resilient_training.py:resilient_training",
+            entrypoint="spotrun.flows.resilient_training:resilient_training",
             parameters={"job": nightly(tmp_path, name)},
         )
 

@@ -18,14 +18,14 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.exceptions import ObjectNotFound
 
 from spotrun.server import flush_to_api
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.ownership import job_slot
-from tasks.ownership.job_slot import limit_name
-from tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.ownership import job_slot
+from spotrun.tasks.ownership.job_slot import limit_name
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.trainer.checkpoint.format import step_dir
 from tests.e2e.test_flow import attempts, job, reference_dir, run_flow, schedule
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import step_dir
 
 
 def active_slots(name: str) -> int:

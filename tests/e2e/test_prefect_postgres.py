@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 
-from deployments.automations import ZOMBIE, RecoveryRules, build_recovery_automations
+from spotrun.deployments.automations import ZOMBIE, RecoveryRules, build_recovery_automations
 from spotrun.server import flush_to_api
 from tests.e2e.test_flow import attempts, job
 from tests.fakes.fake_flow import fake_training

@@ -13,19 +13,19 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.base import Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig
-from tasks.reports import reporting as report
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.base import Worker
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig
+from spotrun.tasks.reports import reporting as report
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import open_storage
 from tests.trainer_runs import assert_states_equal, trainer
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import step_dir
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
 
 SPIKE_AT = 103  # the weights are scaled after this step: step 104's loss is the first spiked one
 

@@ -22,12 +22,12 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import State, WorkerStatus
 from prefect.states import Cancelling
 
-from deployments.worker import POOL
-from tasks.ownership.job_slot import limit_name
+from spotrun.deployments.worker import POOL
+from spotrun.tasks.ownership.job_slot import limit_name
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import job
 from tests.e2e.test_one_run_per_job import active_slots
 from tests.prefect_server import PrefectServer
-from trainer.spec.job import JobSpec
 
 ROOT = Path(__file__).parents[2]
 PID = re.compile(r"worker (\S+) (?:\(pid (\d+)\) runs|restarted \(pid (\d+)\))")

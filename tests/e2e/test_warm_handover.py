@@ -12,18 +12,23 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.control.warm import FROM_POOL, STANDBY_COPY, WARM
-from tasks.decisions.lost_steps import lost_steps, walk
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.base import Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.control.warm import FROM_POOL, STANDBY_COPY, WARM
+from spotrun.tasks.decisions.lost_steps import lost_steps, walk
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.base import Worker
+from spotrun.tasks.providers.local import (
+    LocalProvider,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+)
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import reference_dir
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import step_dir
-from trainer.spec.job import JobSpec
 
 
 class Counted(LocalProvider):

@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec
 from tests.e2e.test_flow import run_flow, schedule
 from tests.trainer_runs import assert_sharded_equal, assert_states_equal, losses, trainer
-from trainer.checkpoint.format import step_dir
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.slow
 

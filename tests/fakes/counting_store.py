@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.storage.base import ObjectInfo, Stamped
-from trainer.storage.local import LocalStorage
+from spotrun.trainer.storage.base import ObjectInfo, Stamped
+from spotrun.trainer.storage.local import LocalStorage
 
 
 @dataclass

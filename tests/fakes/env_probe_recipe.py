@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 
 def build(args: dict[str, Any], ctx: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from trainer.recipes import Parts, RecipeContext, digits
+from spotrun.trainer.recipes import Parts, RecipeContext, digits
 
 EXTRA = {"ema", "calls"}
 

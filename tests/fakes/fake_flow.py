@@ -26,18 +26,18 @@ from prefect import flow, tags
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from deployments.alert_parts import TRAINING_FLOW
-from deployments.automations import HEARTBEAT_TAG
-from tasks.control.loop import run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.ownership.endings import record_ending
-from tasks.ownership.job_slot import one_run_per_job
-from tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
-from tasks.reports.prefect_sink import PrefectSink
-from tasks.settings import Settings
+from spotrun.deployments.alert_parts import TRAINING_FLOW
+from spotrun.deployments.automations import HEARTBEAT_TAG
+from spotrun.tasks.control.loop import run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.ownership.endings import record_ending
+from spotrun.tasks.ownership.job_slot import one_run_per_job
+from spotrun.tasks.providers.base import LogCallback, StatusCallback, WatchResult, Worker
+from spotrun.tasks.reports.prefect_sink import PrefectSink
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Record, Step
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Record, Step
 
 
 class PacedProvider(FakeProvider):

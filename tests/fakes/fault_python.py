@@ -1,7 +1,7 @@
 """A stand-in for the worker's `python` that injects faults per attempt: a real process, no mocks.
 
 LocalProviderConfig(python=<an executable script running this>) makes the local provider start
-`<script> -m trainer ...`. The plan (JSON, path in SPOTRUN_TEST_FAULT_PLAN) maps an attempt number to
+`<script> -m spotrun.trainer ...`. The plan (JSON, path in SPOTRUN_TEST_FAULT_PLAN) maps an attempt number to
   {"args": [...]}             extra trainer arguments, e.g. ["--inject-fault", "hang@40"]
   {"corrupt_after": true}     after the trainer exits, flip a byte in the newest committed checkpoint's
                               model.safetensors: the damage a bad disk or a torn upload leaves behind

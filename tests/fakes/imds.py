@@ -17,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from trainer.preemption.notices import AWS_TOKEN_HEADER, AWS_TTL_HEADER
+from spotrun.trainer.preemption.notices import AWS_TOKEN_HEADER, AWS_TTL_HEADER
 
 Answer = tuple[int, str]
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.errors import ConfigError, PreconditionFailed
-from trainer.storage.base import CHUNK, ObjectInfo, Stamped
+from spotrun.trainer.errors import ConfigError, PreconditionFailed
+from spotrun.trainer.storage.base import CHUNK, ObjectInfo, Stamped
 
 
 @dataclass(frozen=True)

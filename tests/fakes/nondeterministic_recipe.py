@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainer.recipes import Parts, RecipeContext, digits
+from spotrun.trainer.recipes import Parts, RecipeContext, digits
 
 _NOISE = random.SystemRandom()
 

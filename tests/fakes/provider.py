@@ -25,8 +25,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.market.prices import Prices
-from tasks.providers.base import (
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.base import (
     KillReason,
     LogCallback,
     Market,
@@ -38,13 +38,13 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from trainer.checkpoint.completion import mark_completed
-from trainer.exitcodes import ExitCode
-from trainer.storage import open_storage
-from trainer.telemetry.records import Durable, Exit, Record, Started, Step, Stopping
+from spotrun.trainer.checkpoint.completion import mark_completed
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.telemetry.records import Durable, Exit, Record, Started, Step, Stopping
 
 if TYPE_CHECKING:
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 KILL = int(signal.SIGKILL)
 

@@ -13,8 +13,8 @@ import time
 from prefect import flow, tags
 from prefect.runtime import flow_run
 
-from deployments.alert_parts import TRAINING_FLOW
-from deployments.automations import HEARTBEAT_TAG
+from spotrun.deployments.alert_parts import TRAINING_FLOW
+from spotrun.deployments.automations import HEARTBEAT_TAG
 
 
 @flow(name=TRAINING_FLOW)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history import HistoryStore
-from tasks.history.engine import normalize_url
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.history.engine import normalize_url
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 T0 = 1_700_000_000.0  # epoch seconds; multiples of 1/4 s survive the datetime round trip exactly

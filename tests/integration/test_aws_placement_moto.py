@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from tasks.providers.aws import AwsProvider
-from tasks.providers.aws.policy import PlacementOutcome
+from spotrun.tasks.providers.aws import AwsProvider
+from spotrun.tasks.providers.aws.policy import PlacementOutcome
+from spotrun.trainer.spec.job import JobSpec
 from tests.conftest import Ec2World
 from tests.integration.test_aws_provider import beat, instance, job, make_provider, rec, watch
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 __all__ = ["job"]  # the fixture, shared with test_aws_provider.py
@@ -39,7 +39,7 @@ def test_a_refused_score_call_warns_once_and_keeps_the_configured_order(
 ) -> None:
     provider, _ = make_provider(ec2_world, placement_scores_ttl_s=0)  # ask at every provisioning
     asked = calls(provider, "GetSpotPlacementScores")
-    with caplog.at_level(logging.DEBUG, logger="tasks.providers.aws.sites"):
+    with caplog.at_level(logging.DEBUG, logger="spotrun.tasks.providers.aws.sites"):
         for attempt in (1, 2):
             worker = provider.provision(job[0], attempt, job[1], [])
             provider.release(worker)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.deadlines.plan import measure, submission_problem
-from tasks.market.prices import Prices
-from tasks.providers.aws.prices import ON_DEMAND_LIST_PRICES
+from spotrun.tasks.deadlines.plan import measure, submission_problem
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws.prices import ON_DEMAND_LIST_PRICES
+from spotrun.trainer.spec.job import JobSpec
 from tests.conftest import Ec2World
 from tests.integration.test_aws_placement_moto import calls
 from tests.integration.test_aws_provider import make_provider
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,23 +20,23 @@ from typing import Any
 import boto3
 import pytest
 
-from tasks.decisions.attempts import Outcome
-from tasks.decisions.outcome import classify
-from tasks.providers.aws import AwsProvider, make_ec2_client
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.errors import NO_CREDENTIALS
-from tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
-from tasks.providers.aws.policy import Placement, PlacementEvent, PlacementOutcome
-from tasks.providers.aws.sweeper import sweep
-from tasks.providers.aws.watch import SPOT_INTERRUPTION
-from tasks.providers.base import KillReason, Provider, ProvisionError, WatchResult, Worker
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.decisions.outcome import classify
+from spotrun.tasks.providers.aws import AwsProvider, make_ec2_client
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.errors import NO_CREDENTIALS
+from spotrun.tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
+from spotrun.tasks.providers.aws.policy import Placement, PlacementEvent, PlacementOutcome
+from spotrun.tasks.providers.aws.sweeper import sweep
+from spotrun.tasks.providers.aws.watch import SPOT_INTERRUPTION
+from spotrun.tasks.providers.base import KillReason, Provider, ProvisionError, WatchResult, Worker
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec, load_spec
+from spotrun.trainer.storage import LocalStorage, put_bytes
+from spotrun.trainer.telemetry.heartbeat import heartbeat_key
+from spotrun.trainer.telemetry.records import Record
 from tests import aws_backdoor
 from tests.conftest import Ec2World
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec, load_spec
-from trainer.storage import LocalStorage, put_bytes
-from trainer.telemetry.heartbeat import heartbeat_key
-from trainer.telemetry.records import Record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -387,7 +387,7 @@ json.dump(beat, open(path, "w"))
     assert json.loads(result.trainer_error) == [
         "-P",  # the worker's directory cannot shadow spotrun's packages
         "-m",
-        "trainer",
+        "spotrun.trainer",
         "--config",
         "job.yaml",
         "--worker-id",
@@ -547,7 +547,7 @@ def test_an_adopting_controller_terminates_the_dead_runs_instances_by_tag(
 ) -> None:
     """Host loss on EC2: the new controller runs elsewhere and has no file of the dead one's worker;
     the flow-run tag finds it (and the installation tag keeps another installation's apart)."""
-    from tasks.providers.aws.sweeper import sweep_flow_run
+    from spotrun.tasks.providers.aws.sweeper import sweep_flow_run
 
     ec2 = boto_session.client("ec2", endpoint_url=moto_server, region_name="ap-south-1")
 

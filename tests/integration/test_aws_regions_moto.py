@@ -12,14 +12,14 @@ from typing import Any
 import boto3
 import pytest
 
-from tasks.providers.aws import AwsProvider
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.policy import PlacementOutcome
-from tasks.providers.aws.provider import make_ec2_client, make_ec2_clients
+from spotrun.tasks.providers.aws import AwsProvider
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.policy import PlacementOutcome
+from spotrun.tasks.providers.aws.provider import make_ec2_client, make_ec2_clients
+from spotrun.trainer.spec.job import JobSpec
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from tests.integration.test_aws_provider import job, watch
-from trainer.spec.job import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 __all__ = ["job"]  # the fixture, shared with test_aws_provider.py

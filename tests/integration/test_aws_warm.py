@@ -19,22 +19,22 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.control.warm import FROM_POOL, WARM
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.aws import AwsProvider
-from tasks.providers.base import ProvisionError
-from tasks.reports.goodput import RunInfo, compute
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.control.warm import FROM_POOL, WARM
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.aws import AwsProvider
+from spotrun.tasks.providers.base import ProvisionError
+from spotrun.tasks.reports.goodput import RunInfo, compute
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.completion import mark_completed
+from spotrun.trainer.preemption.lease import read_handoff
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, put_bytes
+from spotrun.trainer.telemetry.heartbeat import heartbeat_key
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from tests.integration.test_aws_provider import instance, make_provider
-from trainer.checkpoint.completion import mark_completed
-from trainer.preemption.lease import read_handoff
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, put_bytes
-from trainer.telemetry.heartbeat import heartbeat_key
 
 pytestmark = pytest.mark.timeout(60)
 TOTAL = 40
@@ -258,7 +258,7 @@ def test_a_standby_goes_to_another_zone_and_a_single_zone_is_used_with_one_warni
         provider.release(worker)
 
     one, _ = warm_provider(ec2_world, subnets=ec2_world.subnets[:1])
-    caplog.set_level(logging.WARNING, logger="tasks.providers.aws.standby")
+    caplog.set_level(logging.WARNING, logger="spotrun.tasks.providers.aws.standby")
     workers = [one.provision(spec, 1, path, []) for _ in range(3)]
     try:
         assert len({w.handle.placement.az for w in workers}) == 1

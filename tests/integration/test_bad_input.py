@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from spotrun.trainer.exitcodes import ExitCode
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.exitcodes import ExitCode
 
 
 def _error_lines(stderr: str) -> list[str]:

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from spotrun.cli import main
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history import HistoryStore, default_url
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history import HistoryStore, default_url
+from spotrun.trainer.checkpoint.format import MANIFEST, step_dir
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage.options import S3Options
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.checkpoint.format import MANIFEST, step_dir
-from trainer.storage import open_storage
-from trainer.storage.options import S3Options
 
 STEPS = (28, 30)  # total_steps 30, a checkpoint every 7, keep 2: the final one and the one before
 

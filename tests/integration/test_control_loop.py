@@ -11,16 +11,21 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.history.models import JobStatus
-from tasks.ownership import adoption
-from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from tasks.settings import Settings
-from trainer.checkpoint.catalog import Catalog
-from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.history.models import JobStatus
+from spotrun.tasks.ownership import adoption
+from spotrun.tasks.providers.local import (
+    LocalProvider,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+)
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from trainer import recipes
-from trainer.checkpoint.catalog import Catalog, list_checkpoints, write_latest
-from trainer.checkpoint.format import MANIFEST, Manifest, sha256_file, step_dir
-from trainer.checkpoint.validate import Expectation
-from trainer.errors import ResumeIncompatible
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes
-from trainer.storage.digests import digest_file
-from trainer.storage.options import S3Options
-from trainer.telemetry.status import StatusReporter, parse_status_line
+from spotrun.trainer import recipes
+from spotrun.trainer.checkpoint.catalog import Catalog, list_checkpoints, write_latest
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, sha256_file, step_dir
+from spotrun.trainer.checkpoint.validate import Expectation
+from spotrun.trainer.errors import ResumeIncompatible
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, Storage, get_bytes, open_storage, put_bytes
+from spotrun.trainer.storage.digests import digest_file
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.telemetry.status import StatusReporter, parse_status_line
 
 SPEC = {
     "name": "matrix",

@@ -10,19 +10,19 @@ from typing import Any
 import pytest
 import torch
 
+from spotrun.trainer.checkpoint.format import MANIFEST, FileEntry, Manifest, load_part, step_dir
+from spotrun.trainer.checkpoint.state import RngState
+from spotrun.trainer.checkpoint.stateful import Expectation, Registry
+from spotrun.trainer.checkpoint.validate import validate_dir
+from spotrun.trainer.errors import ResumeIncompatible
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.recipes import RecipeContext
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.session.resume import load_state
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage.digests import digest_file
 from tests.fakes import extra_recipe
-from trainer.checkpoint.format import MANIFEST, FileEntry, Manifest, load_part, step_dir
-from trainer.checkpoint.state import RngState
-from trainer.checkpoint.stateful import Expectation, Registry
-from trainer.checkpoint.validate import validate_dir
-from trainer.errors import ResumeIncompatible
-from trainer.exitcodes import ExitCode
-from trainer.recipes import RecipeContext
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.session.resume import load_state
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
-from trainer.storage.digests import digest_file
 
 SPEC: dict[str, Any] = {
     "name": "extra",

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.checkpoint.completion import completed_for, mark_completed
+from spotrun.trainer.checkpoint.format import COMPLETED
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec, parse_spec
+from spotrun.trainer.storage import LocalStorage
 from tests.fakes.provider import FakeAttempt, FakeProvider
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.checkpoint.completion import completed_for, mark_completed
-from trainer.checkpoint.format import COMPLETED
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec, parse_spec
-from trainer.storage import LocalStorage
 
 BASE: dict[str, Any] = {
     "name": "done",

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.control.checkpoints import CONTROLLER_DISK_FULL, ResumePoint, check_integrity
-from tasks.control.loop import PlainSink, _check_checkpoints
-from trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage, open_storage, put_bytes
+from spotrun.tasks.control.checkpoints import CONTROLLER_DISK_FULL, ResumePoint, check_integrity
+from spotrun.tasks.control.loop import PlainSink, _check_checkpoints
+from spotrun.trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage, open_storage, put_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.providers.local import fork_server
-from tasks.providers.local.fork_server import ForkServer, ForkServerUnavailable, load_key
-from tasks.providers.processes import exited, kill_leftovers
+from spotrun.tasks.providers.local import fork_server
+from spotrun.tasks.providers.local.fork_server import ForkServer, ForkServerUnavailable, load_key
+from spotrun.tasks.providers.processes import exited, kill_leftovers
 from tests.procs import wait_gone
 
 REPO = Path(__file__).resolve().parents[2]

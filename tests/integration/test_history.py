@@ -20,8 +20,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, inspect
 
-from tasks.decisions.attempts import Outcome
-from tasks.history import (
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.history import (
     AlertStatus,
     HistoryStore,
     JobStatus,
@@ -29,16 +29,17 @@ from tasks.history import (
     database_url,
     default_url,
 )
-from tasks.history.engine import normalize_url
-from tasks.history.migrations import (
+from spotrun.tasks.history.engine import normalize_url
+from spotrun.tasks.history.migrations import (
     VERSION_TABLE,
     alembic_config,
     current_revision,
     head_revision,
     upgrade_to_head,
 )
-from tasks.history.models import Base, JobRun
-from tasks.history.store import ALERT_MESSAGE_MAX_CHARS, LOG_TAIL_MAX_BYTES
+from spotrun.tasks.history.models import Base, JobRun
+from spotrun.tasks.history.store import ALERT_MESSAGE_MAX_CHARS, LOG_TAIL_MAX_BYTES
+from spotrun.trainer.errors import ConfigError
 from tests.integration.databases import (
     T0,
     Outage,
@@ -50,10 +51,9 @@ from tests.integration.databases import (
     record,
     same_record,
 )
-from trainer.errors import ConfigError
 
 TABLES = {"job_runs", "attempts", "checkpoint_rejections", "alerts"}
-STORE_LOG = "tasks.history.store"
+STORE_LOG = "spotrun.tasks.history.store"
 
 
 def table_names(url: str) -> set[str]:
@@ -442,7 +442,7 @@ def test_concurrent_first_use_processes_on_one_sqlite_file(tmp_path: Path) -> No
     url, n = f"sqlite:///{tmp_path / 'history.db'}", 2
     code = (
         "import pathlib, sys, time\n"
-        "from tasks.history import HistoryStore\n"
+        "from spotrun.tasks.history import HistoryStore\n"
         "pathlib.Path(sys.argv[1]).touch()\n"
         f"while not pathlib.Path({str(tmp_path / 'go')!r}).exists(): time.sleep(0.002)\n"
         f"s = HistoryStore.open({url!r})\n"

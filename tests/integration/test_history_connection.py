@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from tasks.history.engine import (
+from spotrun.tasks.history.engine import (
     STATEMENT_TIMEOUT_MS,
     check_database_url,
     make_engine,
@@ -13,9 +13,9 @@ from tasks.history.engine import (
     pg_connect_args,
     sslmode,
 )
-from tasks.history.migrations import _lock
+from spotrun.tasks.history.migrations import _lock
+from spotrun.trainer.errors import ConfigError
 from tests.integration.databases import new_schema, pg_url
-from trainer.errors import ConfigError
 
 REMOTE = "postgresql://u:s3cret@db.example.com/h"
 

@@ -27,16 +27,16 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spotrun.cli import main
-from tasks.control.checkpoints import validate_newest
-from tasks.tracking.tracker import _final_weights
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, model_metadata, step_dir
-from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_full_state
-from trainer.checkpoint.validate import Expectation
-from trainer.session.resume import select
-from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
-from trainer.storage.options import S3Options
+from spotrun.tasks.control.checkpoints import validate_newest
+from spotrun.tasks.tracking.tracker import _final_weights
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, model_metadata, step_dir
+from spotrun.trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_full_state
+from spotrun.trainer.checkpoint.validate import Expectation
+from spotrun.trainer.session.resume import select
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage.options import S3Options
 
 GOOD, HOSTILE = 50, 100
 

@@ -21,17 +21,17 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
-from tasks.decisions.attempts import Outcome
-from tasks.history import AlertStatus, HistoryStore, JobStatus
-from tasks.history.engine import normalize_url
-from tasks.history.journal import FileJournal, journal_path
-from tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun
-from tasks.history.ops import Op, stamp
-from tasks.settings import Settings
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.history import AlertStatus, HistoryStore, JobStatus
+from spotrun.tasks.history.engine import normalize_url
+from spotrun.tasks.history.journal import FileJournal, journal_path
+from spotrun.tasks.history.models import Alert, Attempt, CheckpointRejection, JobRun
+from spotrun.tasks.history.ops import Op, stamp
+from spotrun.tasks.settings import Settings
 from tests.integration.databases import T0, Outage, new_run, record
 
 REPO = Path(__file__).resolve().parents[2]
-STORE_LOG, JOURNAL_LOG = "tasks.history.store", "tasks.history.journal"
+STORE_LOG, JOURNAL_LOG = "spotrun.tasks.history.store", "spotrun.tasks.history.journal"
 AT = stamp(datetime.fromtimestamp(T0, UTC))
 
 
@@ -249,8 +249,8 @@ CHILD = """
 import sys, time
 from datetime import UTC, datetime
 from pathlib import Path
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history import HistoryStore, JobStatus
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history import HistoryStore, JobStatus
 
 url, journal_dir = sys.argv[1], Path(sys.argv[2])
 store = HistoryStore.open(url, journal_dir=journal_dir, connect_timeout_s=2)
@@ -392,8 +392,8 @@ def test_a_hung_journal_holder_never_blocks_forever(tmp_path: Path, monkeypatch:
     wait, naming the holder, and the history store keeps the record in memory instead."""
     import fcntl
 
-    from tasks.history import journal as journal_module
-    from trainer.storage.locks import LockTimeout
+    from spotrun.tasks.history import journal as journal_module
+    from spotrun.trainer.storage.locks import LockTimeout
 
     monkeypatch.setattr(journal_module, "LOCK_WAIT_S", 0.2)
     journal = FileJournal(tmp_path / "j.jsonl")

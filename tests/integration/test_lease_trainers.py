@@ -16,16 +16,16 @@ import pytest
 
 from bench.chaos_checks import interleaved_writers, publog
 from bench.chaos_hook import PLAN_ENV, install
+from spotrun.trainer.checkpoint.catalog import list_checkpoints, read_latest
+from spotrun.trainer.checkpoint.format import step_dir
+from spotrun.trainer.errors import ConfigError, LeaseHeld
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.preemption.handover import read_standby
+from spotrun.trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
+from spotrun.trainer.storage import LocalStorage, Storage, open_storage
+from spotrun.trainer.storage.options import S3Options
 from tests.servers import FaultProxy
 from tests.trainer_runs import REPO, assert_states_equal, trainer, write_spec
-from trainer.checkpoint.catalog import list_checkpoints, read_latest
-from trainer.checkpoint.format import step_dir
-from trainer.errors import ConfigError, LeaseHeld
-from trainer.exitcodes import ExitCode
-from trainer.preemption.handover import read_standby
-from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
-from trainer.storage import LocalStorage, Storage, open_storage
-from trainer.storage.options import S3Options
 
 WAIT_S = 120  # generous: two cores shared with other test runs
 
@@ -35,7 +35,15 @@ def start(
 ) -> subprocess.Popen[bytes]:
     """A trainer with its stderr in work/stderr; `python`: another interpreter (the chaos hook's)."""
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python or sys.executable), "-m", "trainer", "--config", str(config), "--storage", storage]
+    cmd = [
+        str(python or sys.executable),
+        "-m",
+        "spotrun.trainer",
+        "--config",
+        str(config),
+        "--storage",
+        storage,
+    ]
     cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache"), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(work / "stderr", "wb") as err:  # the child keeps its own copy of the descriptor

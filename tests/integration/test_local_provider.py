@@ -15,24 +15,24 @@ from typing import Any
 
 import pytest
 
-from tasks.decisions.attempts import Outcome
-from tasks.decisions.outcome import add_facts, classify, to_record
-from tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
-from tasks.providers.local import (
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.decisions.outcome import add_facts, classify, to_record
+from spotrun.tasks.providers.base import Provider, ProvisionError, WatchResult, Worker
+from spotrun.tasks.providers.local import (
     LocalProvider,
     LocalProviderConfig,
     PlannedPreemption,
     SpotSimulatorConfig,
     worker_dir,
 )
+from spotrun.trainer.checkpoint.format import COMPLETED
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.preemption.lease import read_lease
+from spotrun.trainer.spec.job import JobSpec, load_spec
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.telemetry.records import Record, Step
 from tests.procs import gone, wait_gone
 from tests.trainer_runs import REPO, write_spec
-from trainer.checkpoint.format import COMPLETED
-from trainer.exitcodes import ExitCode
-from trainer.preemption.lease import read_lease
-from trainer.spec.job import JobSpec, load_spec
-from trainer.storage import LocalStorage
-from trainer.telemetry.records import Record, Step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,7 +132,7 @@ def test_a_trainer_py_where_the_worker_starts_does_not_shadow_spotruns(
 ) -> None:
     """A worker starts in the controller's directory, which holds a user's `trainer.py` (it raises when
     imported) and a module the loop imports; the entry point's module is elsewhere, on PYTHONPATH. The
-    worker (`python -P -m trainer`) imports spotrun's trainer, finds both modules and completes."""
+    worker (`python -P -m spotrun.trainer`) imports spotrun's trainer, finds both modules and completes."""
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir()
     elsewhere.mkdir()
@@ -315,8 +315,8 @@ def test_provision_errors_are_not_retryable(tmp_path: Path) -> None:
 PARENT = """
 import sys, time
 from pathlib import Path
-from tasks.providers.local import LocalProvider, LocalProviderConfig
-from trainer.spec.job import load_spec
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig
+from spotrun.trainer.spec.job import load_spec
 spec, workdir, python, forked = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "forked"
 provider = LocalProvider(LocalProviderConfig(workdir=workdir, python=python, fork_server=forked))
 worker = provider.provision(load_spec(spec), 1, spec, [])

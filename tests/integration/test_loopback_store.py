@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from trainer.distributed.agent import loopback_store
-from trainer.launch.start import STORE_FD, loopback_listener
+from spotrun.trainer.distributed.agent import loopback_store
+from spotrun.trainer.launch.start import STORE_FD, loopback_listener
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net has them

@@ -1,4 +1,4 @@
-"""A real `python -m trainer` against stand-in metadata services: a notice mid-training ends in an
+"""A real `python -m spotrun.trainer` against stand-in metadata services: a notice mid-training ends in an
 emergency checkpoint at exactly the step it stopped at (0 lost steps), exit PREEMPTED; a notice
 whose deadline is too close skips the save and says why; the storage heartbeat holds the exit."""
 
@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from spotrun.trainer.checkpoint.catalog import list_checkpoints, read_latest
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.telemetry.heartbeat import read_heartbeat
+from spotrun.trainer.telemetry.status import parse_status_line
 from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, FakeServer
 from tests.trainer_runs import REPO, write_spec
-from trainer.checkpoint.catalog import list_checkpoints, read_latest
-from trainer.exitcodes import ExitCode
-from trainer.storage import LocalStorage
-from trainer.telemetry.heartbeat import read_heartbeat
-from trainer.telemetry.status import parse_status_line
 
 
 @dataclass
@@ -59,7 +59,7 @@ def train_until_notice(
         **(fields or {}),
     )
     metrics, out, err = work / "metrics.jsonl", work / "stdout", work / "stderr"
-    cmd = [sys.executable, "-m", "trainer", "--config", str(spec), "--storage", str(work / "store")]
+    cmd = [sys.executable, "-m", "spotrun.trainer", "--config", str(spec), "--storage", str(work / "store")]
     cmd += ["--metrics", str(metrics), "--cache", str(work / "cache"), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPOTRUN_IMDS_ENDPOINT": fake.endpoint}
     with open(out, "w") as fo, open(err, "w") as fe:

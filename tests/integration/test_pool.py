@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from spotrun import pool_cmd
-from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server, pool
-from tasks.providers.local.pool import Place
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server, pool
+from spotrun.tasks.providers.local.pool import Place
+from spotrun.trainer.launch.pool import peer_refusal, peer_uid
 from tests.procs import wait_gone
-from trainer.launch.pool import peer_refusal, peer_uid
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(120)\n"
 CONTROLLER = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-    from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
+    from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
     fork_server.PRELOAD = ()
     home, mods, pause = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
     provider = LocalProvider(LocalProviderConfig(pool="shared", pool_idle_s=30), home=home)

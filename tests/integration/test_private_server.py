@@ -28,11 +28,11 @@ from spotrun.server import (
     server_home,
 )
 from spotrun.server import PrefectServer as Server  # what start() returns
+from spotrun.trainer.errors import TransientStorageError
+from spotrun.trainer.storage.local import LocalStorage
+from spotrun.trainer.storage.locks import LockTimeout, flock_within
 from tests.prefect_server import PrefectServer, seed
 from tests.trainer_runs import REPO, trainer, write_spec
-from trainer.errors import TransientStorageError
-from trainer.storage.local import LocalStorage
-from trainer.storage.locks import LockTimeout, flock_within
 
 OLD_KEY = Fernet.generate_key().decode()  # what Prefect generated into prefect.db before this version
 EVIL = "http://evil.example"
@@ -187,7 +187,8 @@ def test_server_start_on_a_database_it_cannot_use_is_refused_in_one_line(tmp_pat
 
 
 def test_a_fresh_home_made_by_the_trainer_is_private(tmp_path: Path) -> None:
-    """`python -m trainer` in a fresh SPOTRUN_HOME: its cache, checkpoints and logs there are private."""
+    """`python -m spotrun.trainer` in a fresh SPOTRUN_HOME: its cache, checkpoints and logs there are
+    private."""
     home = tmp_path / "fresh" / "home"
     spec = write_spec(tmp_path / "job.yaml", total_steps=7)
     env = {"SPOTRUN_HOME": str(home)}
@@ -239,7 +240,7 @@ def test_lock_waits_are_bounded(tmp_path: Path) -> None:
 
 
 def test_a_stuck_put_if_lock_is_a_retryable_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.storage.local as local
+    import spotrun.trainer.storage.local as local
 
     monkeypatch.setattr(local, "LOCK_WAIT_S", 0.2)
     store = LocalStorage(tmp_path / "store")

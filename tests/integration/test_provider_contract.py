@@ -18,22 +18,27 @@ from typing import Any
 
 import pytest
 
-from tasks.decisions.attempts import Outcome
-from tasks.decisions.outcome import classify
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.rehearsal import RehearsalProvider
-from tasks.providers.base import KillReason, Provider, StopCause, WatchResult, Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.decisions.outcome import classify
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.rehearsal import RehearsalProvider
+from spotrun.tasks.providers.base import KillReason, Provider, StopCause, WatchResult, Worker
+from spotrun.tasks.providers.local import (
+    LocalProvider,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+)
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec, load_spec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.telemetry.records import Durable, Exit, Notice, Record, Saving, Started, Step, Stopping
 from tests import aws_backdoor
 from tests.conftest import Ec2World
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
 from tests.integration.test_aws_provider import beat, make_provider
 from tests.trainer_runs import write_spec
-from trainer.checkpoint.catalog import Catalog
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec, load_spec
-from trainer.storage import open_storage
-from trainer.telemetry.records import Durable, Exit, Notice, Record, Saving, Started, Step, Stopping
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from spotrun.trainer.checkpoint.format import step_dir
 from tests.trainer_runs import REPO, assert_states_equal, trainer
-from trainer.checkpoint.format import step_dir
 
 DOC = REPO / "docs" / "recipes.md"
 STEPS = 90  # 1,000 points / 64 per batch = 15 steps an epoch: six epochs, the kill in the third

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import create_engine, update
 
 from spotrun.cli import main
-from tasks.decisions.attempts import Outcome
-from tasks.history import HistoryStore, JobStatus, default_url
-from tasks.history.engine import normalize_url
-from tasks.history.models import JobRun
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.history import HistoryStore, JobStatus, default_url
+from spotrun.tasks.history.engine import normalize_url
+from spotrun.tasks.history.models import JobRun
 from tests.unit.test_goodput import (
     ENDED,
     EXPECTED,

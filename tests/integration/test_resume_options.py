@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
+from spotrun.trainer.checkpoint.format import COMPLETED, load_part, step_dir
+from spotrun.trainer.errors import ConfigError, ResumeIncompatible
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.session.loop import AttemptOptions, ResumeSource, run_attempt
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.telemetry.status import StatusReporter, parse_status_line
 from tests.trainer_runs import assert_states_equal
-from trainer.checkpoint.format import COMPLETED, load_part, step_dir
-from trainer.errors import ConfigError, ResumeIncompatible
-from trainer.exitcodes import ExitCode
-from trainer.session.loop import AttemptOptions, ResumeSource, run_attempt
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
-from trainer.telemetry.status import StatusReporter, parse_status_line
 
 SPEC: dict[str, Any] = {
     "name": "opts",

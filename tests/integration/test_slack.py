@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pytest_httpserver import HTTPServer
 
-from tasks.alerts import (
+from spotrun.tasks.alerts import (
     AlertKind,
     AlertRequest,
     AlertStatus,
@@ -21,8 +21,8 @@ from tasks.alerts import (
     deliver,
     raise_alert,
 )
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.history import HistoryStore, JobStatus
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.history import HistoryStore, JobStatus
 
 HOOK = "/services/T000/B000/s3cretPath"
 FAST = 0.01  # seconds between retries of a 5xx or a refused connection

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST
-from trainer.checkpoint.state import capture_rng
-from trainer.preemption.handover import Advert, read_standby, write_standby
-from trainer.saving.peer import PeerReceiver, PeerSender, address_problem
-from trainer.storage import get_bytes, open_storage
-from trainer.telemetry.metrics_log import metrics_key
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST
+from spotrun.trainer.checkpoint.state import capture_rng
+from spotrun.trainer.preemption.handover import Advert, read_standby, write_standby
+from spotrun.trainer.saving.peer import PeerReceiver, PeerSender, address_problem
+from spotrun.trainer.storage import get_bytes, open_storage
+from spotrun.trainer.telemetry.metrics_log import metrics_key
 
 
 def _state(step: int) -> tuple[dict[str, Any], dict[str, Any]]:

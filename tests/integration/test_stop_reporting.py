@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from trainer.preemption.requests import StopRequest
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.spec.job import JobSpec
-from trainer.storage import open_storage
-from trainer.telemetry.records import Stopping
-from trainer.telemetry.status import StatusReporter, parse_status_line
+from spotrun.trainer.preemption.requests import StopRequest
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.telemetry.records import Stopping
+from spotrun.trainer.telemetry.status import StatusReporter, parse_status_line
 
 BATCHES_PER_EPOCH = 28  # digits: 1,797 samples, batch 64, the last partial batch dropped
 

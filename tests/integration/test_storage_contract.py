@@ -19,10 +19,8 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 
-from tests.fakes.memory_store import MemoryStorage
-from tests.servers import Fault, FaultProxy
-from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.storage import (
+from spotrun.trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
+from spotrun.trainer.storage import (
     Backend,
     LocalStorage,
     Storage,
@@ -34,9 +32,11 @@ from trainer.storage import (
     sha256_of,
     unregister_backend,
 )
-from trainer.storage.local import TMP_MARK
-from trainer.storage.options import S3Options
-from trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
+from spotrun.trainer.storage.local import TMP_MARK
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.storage.s3 import S3Storage, make_s3_client, map_s3_error, with_retries
+from tests.fakes.memory_store import MemoryStorage
+from tests.servers import Fault, FaultProxy
 
 MB = 1024 * 1024
 PREFIX = "runs/job-1"
@@ -289,7 +289,7 @@ def test_a_backend_is_one_module_and_one_registry_line(memory_scheme: None, tmp_
     """Through the registry: a name opened again sees the same objects, a reader's missing store is one
     line, messages list the new form; another process cannot open it, so its checkpoints stay in a
     thread (the store says so: `reopener`)."""
-    from trainer.saving.writer_proc import opener_of
+    from spotrun.trainer.saving.writer_proc import opener_of
 
     store = open_storage("memory://registry")
     put_bytes(store, "k", b"v")
@@ -312,8 +312,8 @@ def test_a_scheme_without_its_line_is_refused_in_one_line() -> None:
 def test_a_local_store_loads_no_other_backend(tmp_path: Path) -> None:
     """Backends are imported on their scheme's first open: a directory never loads boto3."""
     code = (
-        "import sys; from trainer.storage import open_storage; open_storage(sys.argv[1]); "
-        "print(sorted(m for m in sys.modules if m.startswith(('boto', 'trainer.storage.s3'))))"
+        "import sys; from spotrun.trainer.storage import open_storage; open_storage(sys.argv[1]); "
+        "print(sorted(m for m in sys.modules if m.startswith(('boto', 'spotrun.trainer.storage.s3'))))"
     )
     repo = Path(__file__).resolve().parents[2]
     run = subprocess.run(
@@ -511,8 +511,8 @@ def test_confirm_stored_checks_what_was_written(backend: Contract, tmp_path: Pat
     """After a put, `confirm_stored` accepts the object by its size and the backend's check on receipt
     (S3: a checksum S3 verified; a HEAD, no download) or its digest read back (local); a wrong size or
     digest is named; a missing object is FileNotFoundError."""
-    from trainer.storage import confirm_stored
-    from trainer.storage.digests import digest_file
+    from spotrun.trainer.storage import confirm_stored
+    from spotrun.trainer.storage.digests import digest_file
 
     for key, size in (("ckpt/small.bin", 1000), ("ckpt/big.bin", 12 * MB + 123)):  # single put, multipart
         src = write_random(tmp_path / key.replace("/", "-"), size)

@@ -15,20 +15,27 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tasks.tracking import Tracker, Where
-from tasks.tracking.collect import Hold, collect, collectable
-from tasks.tracking.fidelity import TREND_WINDOW
-from tasks.tracking.steps import committed_step, metric_objects
+from spotrun.tasks.tracking import Tracker, Where
+from spotrun.tasks.tracking.collect import Hold, collect, collectable
+from spotrun.tasks.tracking.fidelity import TREND_WINDOW
+from spotrun.tasks.tracking.steps import committed_step, metric_objects
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST, step_dir
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import (
+    Backend,
+    Storage,
+    open_storage,
+    put_bytes,
+    register_backend,
+    unregister_backend,
+)
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.storage.s3 import S3Storage, make_s3_client
+from spotrun.trainer.telemetry.metrics_log import PREFIX, MetricsLog, metrics_key
 from tests.aws_backdoor import seed_objects
 from tests.fakes.counting_store import CountingStorage, calls_at
 from tests.servers import FaultProxy
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST, step_dir
-from trainer.spec.job import JobSpec
-from trainer.storage import Backend, Storage, open_storage, put_bytes, register_backend, unregister_backend
-from trainer.storage.options import S3Options
-from trainer.storage.s3 import S3Storage, make_s3_client
-from trainer.telemetry.metrics_log import PREFIX, MetricsLog, metrics_key
 
 N = 10_000
 KEEP = 2

@@ -25,18 +25,23 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.local import LocalProvider, LocalProviderConfig, PlannedPreemption, SpotSimulatorConfig
-from tasks.settings import Settings
-from tasks.tracking import Tracker, Where
-from tasks.tracking import tracker as tracker_module
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.local import (
+    LocalProvider,
+    LocalProviderConfig,
+    PlannedPreemption,
+    SpotSimulatorConfig,
+)
+from spotrun.tasks.settings import Settings
+from spotrun.tasks.tracking import Tracker, Where
+from spotrun.tasks.tracking import tracker as tracker_module
+from spotrun.trainer.checkpoint.format import MANIFEST, MODEL_FILE, step_dir
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, put_bytes
+from spotrun.trainer.telemetry.metrics_log import MetricsLog
 from tests.fakes.fault_python import install
-from trainer.checkpoint.format import MANIFEST, MODEL_FILE, step_dir
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, put_bytes
-from trainer.telemetry.metrics_log import MetricsLog
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +81,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _client(uri: str) -> Any:
-    from tasks.tracking.mlflow_run import import_mlflow
+    from spotrun.tasks.tracking.mlflow_run import import_mlflow
 
     return import_mlflow().MlflowClient(uri)
 
@@ -96,7 +101,7 @@ def _reference(spec: JobSpec, tmp_path: Path) -> subprocess.Popen[str]:
     work.mkdir()
     cfg = work / "job.yaml"
     cfg.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "trainer", "--config", str(cfg), "--storage", str(work / "store")]
+    cmd = [sys.executable, "-m", "spotrun.trainer", "--config", str(cfg), "--storage", str(work / "store")]
     cmd += ["--metrics", str(work / "metrics.jsonl"), "--cache", str(work / "cache")]
     return subprocess.Popen(
         cmd,
@@ -326,7 +331,7 @@ def test_a_tracking_server_down_mid_run_gets_the_same_history_once_it_returns(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tasks.tracking.tracker")
+    caplog.set_level(logging.INFO, logger="spotrun.tasks.tracking.tracker")
     monkeypatch.setattr(tracker_module, "POLL_S", 0.5)  # notice the outage within an attempt
     monkeypatch.setattr(tracker_module, "RETRY_S", 0.5)
     _, port = mlflow_server
@@ -454,7 +459,7 @@ def test_the_embedded_store_writes_nothing_in_the_current_directory(
 
     from safetensors.torch import save_file
 
-    from tasks.tracking.mlflow_run import MlflowRun, embedded_store
+    from spotrun.tasks.tracking.mlflow_run import MlflowRun, embedded_store
 
     cwd, home = tmp_path / "cwd", tmp_path / "home"
     cwd.mkdir()

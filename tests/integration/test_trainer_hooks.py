@@ -1,4 +1,5 @@
-"""A job's hooks through a real `python -m trainer` (trainer/hooks/): `on_preempt` starts only once the
+"""A job's hooks through a real `python -m spotrun.trainer` (trainer/hooks/): `on_preempt` starts only once
+the
 emergency checkpoint is durable and, hung, is killed with its child at its timeout while the checkpoint
 stands; `on_stop` at --max-steps; `on_complete` that fails is recorded and the job still completes."""
 
@@ -10,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotrun.trainer.checkpoint.catalog import list_checkpoints, read_latest
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.telemetry.status import parse_status_line
 from tests.fakes.imds import FakeIMDS
 from tests.integration.test_notice_save import train_until_notice
 from tests.procs import wait_gone
 from tests.trainer_runs import trainer, write_spec
-from trainer.checkpoint.catalog import list_checkpoints, read_latest
-from trainer.exitcodes import ExitCode
-from trainer.telemetry.status import parse_status_line
 
 # what every hook does first: one JSON line of its SPOTRUN_* variables and its start time; then it exits
 # with the code given, or starts a child and hangs (the child's pid in the line)

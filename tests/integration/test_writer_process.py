@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.checkpoint.format import MANIFEST, Manifest, read_part, step_dir
-from trainer.checkpoint.state import capture_rng
-from trainer.checkpoint.stateful import spec_of
-from trainer.checkpoint.validate import validate_dir
-from trainer.errors import CheckpointError, LeaseLost
-from trainer.preemption.lease import LEASE_KEY, FencedStorage, Holder, Lease, LeaseDoc
-from trainer.saving.checkpointer import Checkpointer
-from trainer.storage import LocalStorage, get_bytes, open_storage, put_bytes
-from trainer.storage.options import S3Options
-from trainer.telemetry.metrics_log import metrics_key
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, read_part, step_dir
+from spotrun.trainer.checkpoint.state import capture_rng
+from spotrun.trainer.checkpoint.stateful import spec_of
+from spotrun.trainer.checkpoint.validate import validate_dir
+from spotrun.trainer.errors import CheckpointError, LeaseLost
+from spotrun.trainer.preemption.lease import LEASE_KEY, FencedStorage, Holder, Lease, LeaseDoc
+from spotrun.trainer.saving.checkpointer import Checkpointer
+from spotrun.trainer.storage import LocalStorage, get_bytes, open_storage, put_bytes
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.telemetry.metrics_log import metrics_key
 
 
 def make_state(step: int, width: int = 64) -> dict[str, Any]:
@@ -207,8 +207,8 @@ def test_the_writer_opens_s3_again_with_the_same_options(
 def test_a_failed_write_leaves_nothing_in_a_directory_store(tmp_path: Path) -> None:
     """Written in place, a checkpoint that fails half-way takes its files with it: a full disk must
     not stay full of them, and nothing of it is ever listed."""
-    from trainer.saving.checkpointer import persist
-    from trainer.storage.local import STAGING
+    from spotrun.trainer.saving.checkpointer import persist
+    from spotrun.trainer.storage.local import STAGING
 
     storage = LocalStorage(tmp_path / "store")
     snap = {"model": {"w": torch.ones(4)}, "optimizer": {"state": lambda: None}, "trainer": {"rank": 0}}
@@ -225,7 +225,7 @@ def test_the_update_waits_for_the_copy_of_what_it_changes(
     and backward; that step's update waits at the fence. With the copy slowed to 0.3 s, the stored
     checkpoint still holds the state at the save: the parameters before the update, and the running
     stats before the forward (a buffer: copied at the save itself)."""
-    from trainer.checkpoint.state import LaterCopies, update_only_views
+    from spotrun.trainer.checkpoint.state import LaterCopies, update_only_views
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 3))
@@ -275,7 +275,7 @@ def test_a_model_that_writes_its_weights_in_forward_loses_one_checkpoint_not_its
     """nn.Embedding(max_norm=...) renormalizes rows in place in forward: a copy left to the writer
     could hold the renormalized rows under the step before. The version counters tell: that
     checkpoint is skipped (nothing published, a warning), and every later one is copied at the save."""
-    from trainer.checkpoint.state import LaterCopies, update_only_views
+    from spotrun.trainer.checkpoint.state import LaterCopies, update_only_views
 
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(16, 8, max_norm=0.5)

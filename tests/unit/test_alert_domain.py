@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tasks.alerts import (
+from spotrun.tasks.alerts import (
     Action,
     AlertContext,
     AlertKind,
@@ -25,11 +25,11 @@ from tasks.alerts import (
     target_from_env,
     to_markdown,
 )
-from tasks.alerts.message import human_duration, slack_escape
-from tasks.alerts.service import AlertRequest, raise_alert
-from tasks.decisions.attempts import Outcome
-from tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore
-from trainer.errors import ConfigError
+from spotrun.tasks.alerts.message import human_duration, slack_escape
+from spotrun.tasks.alerts.service import AlertRequest, raise_alert
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.history import AlertRow, AlertStatus, AttemptRow, HistoryStore
+from spotrun.trainer.errors import ConfigError
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 NOW = T0 + 10_000
@@ -505,7 +505,7 @@ def test_mismatch_fallback_and_markdown() -> None:
 
 
 def test_replay_verdict_names_the_span_and_the_first_differing_values() -> None:
-    from tasks.tracking.fidelity import Value, replay_verdict
+    from spotrun.tasks.tracking.fidelity import Value, replay_verdict
 
     lost = {51: Value(0.5), 52: Value(0.25), 53: Value(0.125)}
     v = replay_verdict(lost, {**lost, 52: Value(0.3), 53: Value(0.2)}, rtol=1e-3)

@@ -8,24 +8,24 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.control.trainer_args import skip_args
-from tasks.control.watchdog import ProgressWatchdog
-from tasks.decisions.anomaly import (
+from spotrun.tasks.control.trainer_args import skip_args
+from spotrun.tasks.control.watchdog import ProgressWatchdog
+from spotrun.tasks.decisions.anomaly import (
     LossSpikes,
     Throughput,
     quarantined_by,
     rollback_target,
     skip_steps,
 )
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.outcome import classify
-from tasks.decisions.policy import RetryPolicy, decide
-from tasks.providers.base import StopCause, StopWorker, WatchResult
-from trainer.__main__ import _skip
-from trainer.errors import ConfigError
-from trainer.recipes.data import Position
-from trainer.spec.watchdog import WatchdogOptions
-from trainer.telemetry.records import Exit, Section, Started, Step
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.outcome import classify
+from spotrun.tasks.decisions.policy import RetryPolicy, decide
+from spotrun.tasks.providers.base import StopCause, StopWorker, WatchResult
+from spotrun.trainer.__main__ import _skip
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.recipes.data import Position
+from spotrun.trainer.spec.watchdog import WatchdogOptions
+from spotrun.trainer.telemetry.records import Exit, Section, Started, Step
 
 FLAT = [1.0, 0.9, 1.1, 1.0, 0.95, 1.05]
 SPIKE_CASES = [

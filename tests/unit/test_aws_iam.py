@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.iam import Scope, controller_policy, main, worker_policy
-from trainer.errors import ConfigError
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.iam import Scope, controller_policy, main, worker_policy
+from spotrun.trainer.errors import ConfigError
 
 ID = "0123456789abcdef"
 ACCOUNT = "123456789012"

@@ -13,11 +13,11 @@ from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
 from pydantic import ValidationError
 
-from tasks.market.traces import Trace, best_zone, reclaimed_within
-from tasks.providers.aws import launch
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.errors import scores_refusal
-from tasks.providers.aws.policy import (
+from spotrun.tasks.market.traces import Trace, best_zone, reclaimed_within
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.errors import scores_refusal
+from spotrun.tasks.providers.aws.policy import (
     Placement,
     PlacementEvent,
     PlacementOutcome,

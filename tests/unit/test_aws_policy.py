@@ -13,11 +13,11 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 from pydantic import ValidationError
 
-from tasks.providers.aws import launch
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.cost import Cost, attempt_cost
-from tasks.providers.aws.errors import NO_CREDENTIALS, ErrorKind, LaunchContext, classify_error
-from tasks.providers.aws.policy import (
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.cost import Cost, attempt_cost
+from spotrun.tasks.providers.aws.errors import NO_CREDENTIALS, ErrorKind, LaunchContext, classify_error
+from spotrun.tasks.providers.aws.policy import (
     Placement,
     PlacementEvent,
     PlacementOutcome,
@@ -26,9 +26,9 @@ from tasks.providers.aws.policy import (
     rank_placements,
     spot_shortage_since,
 )
-from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
-from tasks.providers.base import KillReason
-from trainer.storage import LocalStorage
+from spotrun.tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
+from spotrun.tasks.providers.base import KillReason
+from spotrun.trainer.storage import LocalStorage
 
 A, B, C = "subnet-0000000a", "subnet-0000000b", "subnet-0000000c"
 AZS = {A: "ca-central-1a", B: "ca-central-1b", C: "ca-central-1d"}
@@ -297,7 +297,8 @@ def test_user_data_is_valid_bash_carrying_the_spec() -> None:
     body = script.split("<<'SPOTRUN_JOB_B64'\n")[1].split("\nSPOTRUN_JOB_B64")[0]
     assert base64.b64decode(body).decode() == SPEC
     assert (
-        'exec "$@" /opt/venv/bin/python -P -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        'exec "$@" /opt/venv/bin/python -P -m spotrun.trainer --config job.yaml --worker-id '
+        '"$SPOTRUN_WORKER_ID" '
         "--max-steps 5 'it'\"'\"'s'" in script
     )
     assert "SPOTRUN_HOME='/opt/spot run'" in script
@@ -464,7 +465,7 @@ def test_attempt_cost(tmp_path: Any) -> None:
     ],
 )
 def test_spot_request_marked_for_interruption(code: str, marked: str | None) -> None:
-    from tasks.providers.aws.watch import spot_request_marked
+    from spotrun.tasks.providers.aws.watch import spot_request_marked
 
     assert spot_request_marked({"Status": {"Code": code}}) == marked
 
@@ -536,7 +537,7 @@ def test_user_data_of_each_node(
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
     assert home in script and all(s in script for s in says) and not any(s in script for s in not_says)
     assert (
-        'exec "$@" python3 -P -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
+        'exec "$@" python3 -P -m spotrun.trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID" '
         "--lease-takeover i-1" in script
     )
 
@@ -552,7 +553,9 @@ def test_node_address_already_set_wins(tmp_path: Any) -> None:
         attempt=1,
         node=launch.NodeRole(1, 2, "10.0.1.7"),
     )
-    show = peer.replace('exec "$@" true -P -m trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #')
+    show = peer.replace(
+        'exec "$@" true -P -m spotrun.trainer', 'echo "$SPOTRUN_NODE_RANK $SPOTRUN_MASTER_ADDR" #'
+    )
     env = {"PATH": "/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
     out = subprocess.run(["bash"], input=show, text=True, capture_output=True, env=env, check=True)
     assert out.stdout == "1 10.0.1.7\n"
@@ -581,7 +584,8 @@ STUBS = {  # stand-ins that record their arguments: the test must not add a user
                 "--shell /usr/sbin/nologin spotrun",
                 "chown -R spotrun: {h}",
                 "chmod 0700 {h}",
-                "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -P -m trainer "
+                "setpriv --reuid=spotrun --regid=spotrun --init-groups --no-new-privs python -P -m "
+                "spotrun.trainer "
                 "--config job.yaml --worker-id i-1",
             ],
             "{h}",
@@ -604,7 +608,7 @@ def test_user_data_runs_the_trainer_as_an_unprivileged_user(
         env["SPOTRUN_TRAINER_USER"] = trainer_user
     out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env, check=True)
     recorded = log.read_text().splitlines() if log.exists() else []
-    python = "python -P -m trainer --config job.yaml --worker-id i-1"
+    python = "python -P -m spotrun.trainer --config job.yaml --worker-id i-1"
     assert recorded == [c.format(h=h) for c in [*calls, python]]
     assert out.stdout == f"HOME={home.format(h=h)}\n"
 

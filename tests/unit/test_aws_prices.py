@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from tasks.market.prices import Prices
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.prices import ON_DEMAND_LIST_PRICES, cheapest, newest_spot, on_demand_price
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.prices import ON_DEMAND_LIST_PRICES, cheapest, newest_spot, on_demand_price
 
 
 def row(itype: str, az: str, price: str, hour: int) -> dict[str, Any]:

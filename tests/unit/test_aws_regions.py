@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.iam import Scope, controller_policy
-from tasks.providers.aws.policy import Placement, PlacementEvent, PlacementOutcome, rank_placements
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.iam import Scope, controller_policy
+from spotrun.tasks.providers.aws.policy import Placement, PlacementEvent, PlacementOutcome, rank_placements
 
 A1, A2, B1 = "subnet-000000a1", "subnet-000000a2", "subnet-000000b1"
 AZS = {A1: "ca-central-1a", A2: "ca-central-1b", B1: "us-east-1b"}

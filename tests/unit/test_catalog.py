@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
-from trainer.storage import LocalStorage, ObjectInfo, put_bytes
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST, REQUIRED_FILES, FileEntry, Manifest, step_dir
+from spotrun.trainer.storage import LocalStorage, ObjectInfo, put_bytes
 
 
 def _write(store: LocalStorage, step: int, state: str) -> None:
@@ -142,9 +142,9 @@ def test_validate_without_a_cache_says_what_is_missing(tmp_path: Path) -> None:
 def test_the_controller_hashes_down_to_the_newest_intact_checkpoint(
     tmp_path: Path, dirs: dict[int, str], checked: list[int], quarantined: list[int]
 ) -> None:
-    from tasks.control.checkpoints import check_integrity, validate_newest
-    from tasks.control.loop import PlainSink
-    from trainer.spec.job import JobSpec
+    from spotrun.tasks.control.checkpoints import check_integrity, validate_newest
+    from spotrun.tasks.control.loop import PlainSink
+    from spotrun.trainer.spec.job import JobSpec
 
     store = LocalStorage(tmp_path / "store")
     for step, state in dirs.items():
@@ -163,9 +163,9 @@ def test_the_controller_never_quarantines_what_it_cannot_verify(
 ) -> None:
     """A worker without SPOTRUN_MANIFEST_KEY wrote these: the controller with the key alerts and keeps
     them (retention would otherwise delete every quarantined one)."""
-    from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, check_integrity
-    from tasks.control.loop import PlainSink
-    from trainer.spec.job import JobSpec
+    from spotrun.tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, check_integrity
+    from spotrun.tasks.control.loop import PlainSink
+    from spotrun.trainer.spec.job import JobSpec
 
     class Recording(PlainSink):
         events: list[tuple[str, dict[str, object]]] = []

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer import recipes
-from trainer.errors import ConfigError
-from trainer.recipes import RecipeContext
-from trainer.recipes.charlm import CharLMConfig, CorpusWindows, param_count, read_corpus, state_bytes
+from spotrun.trainer import recipes
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.recipes import RecipeContext
+from spotrun.trainer.recipes.charlm import CharLMConfig, CorpusWindows, param_count, read_corpus, state_bytes
 
 TINY: dict[str, Any] = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "max_corpus_mb": 0.05}
 CTX = RecipeContext(seed=3, total_steps=10, batch_size=4, device=torch.device("cpu"))

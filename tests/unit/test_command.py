@@ -15,18 +15,18 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tasks.admission.trust import named
-from trainer.checkpoint.manifest import DIRECTORY, MANIFEST, step_dir
-from trainer.checkpoint.validate import validate_dir
-from trainer.command.layouts import MARKER, Found, Seen, find
-from trainer.command.link import CommandLink, read_steps, write_notice
-from trainer.command.publish import publish, restore
-from trainer.command.runner import _classify, _Follower
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
-from trainer.telemetry.status import StatusReporter
+from spotrun.tasks.admission.trust import named
+from spotrun.trainer.checkpoint.manifest import DIRECTORY, MANIFEST, step_dir
+from spotrun.trainer.checkpoint.validate import validate_dir
+from spotrun.trainer.command.layouts import MARKER, Found, Seen, find
+from spotrun.trainer.command.link import CommandLink, read_steps, write_notice
+from spotrun.trainer.command.publish import publish, restore
+from spotrun.trainer.command.runner import _classify, _Follower
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.telemetry.status import StatusReporter
 
 
 def hf(root: Path, step: int, state_step: int | None = None, state: str | None = None) -> Path:

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.history.models import JobStatus
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.history.models import JobStatus
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.spec.job import JobSpec
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider
-from trainer.exitcodes import ExitCode
-from trainer.spec.job import JobSpec
 
 
 def _job(tmp_path: Path) -> JobSpec:

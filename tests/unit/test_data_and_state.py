@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from spotrun.trainer.checkpoint.state import Snapshotter, capture_rng, host_copy, restore_rng
+from spotrun.trainer.recipes.data import EpochSampler, ResumableLoader, sample_generator
+from spotrun.trainer.saving.shm import SharedSnapshotter, rebuild
 from tests.procs import wait_gone
-from trainer.checkpoint.state import Snapshotter, capture_rng, host_copy, restore_rng
-from trainer.recipes.data import EpochSampler, ResumableLoader, sample_generator
-from trainer.saving.shm import SharedSnapshotter, rebuild
 
 
 class Noisy(Dataset[torch.Tensor]):
@@ -151,8 +151,9 @@ def test_the_arena_takes_a_new_layout_when_the_state_changes_shape() -> None:
 def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
     """safetensors orders several metadata keys per process; the one key spotrun writes cannot move."""
     code = (
-        "import sys, torch; from pathlib import Path; from trainer.checkpoint.format import write_part;"
-        "from trainer.checkpoint.stateful import Codec;"
+        "import sys, torch; from pathlib import Path;"
+        "from spotrun.trainer.checkpoint.format import write_part;"
+        "from spotrun.trainer.checkpoint.stateful import Codec;"
         "sd = {'b': torch.ones(2), 'a': torch.arange(6.).reshape(2, 3),"
         " 'h': torch.zeros(1, dtype=torch.float16)};"
         "print(write_part(Path(sys.argv[1]), Codec.SAFETENSORS, sd, step=1200).digest)"
@@ -167,7 +168,7 @@ def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> No
     assert len(digests) == 1, digests
     from safetensors import safe_open
 
-    from trainer.checkpoint.format import metadata_step
+    from spotrun.trainer.checkpoint.format import metadata_step
 
     with safe_open(str(tmp_path / "m0.safetensors"), framework="pt") as f:
         assert metadata_step(f.metadata()) == 1200
@@ -177,7 +178,7 @@ def test_the_model_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> No
 
 ORPHAN = """
 import multiprocessing, os, sys, time
-from trainer.recipes.data import _worker_init
+from spotrun.trainer.recipes.data import _worker_init
 
 def worker():
     time.sleep(0.5)  # the parent dies before this worker's start-up runs

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import torch
 
-from trainer.checkpoint.stateful import Registry
-from trainer.saving.sharded import DcpStateCache, dcp_state
+from spotrun.trainer.checkpoint.stateful import Registry
+from spotrun.trainer.saving.sharded import DcpStateCache, dcp_state
 
 
 def setup() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -76,7 +76,7 @@ def test_what_only_the_update_changes_is_copied_during_the_next_step() -> None:
     """A background save copies the parameters and optimizer state while the next step's forward and
     backward run (they only read them), and the update waits for that copy. A buffer that forward
     changes (BatchNorm's running stats) is copied at the step boundary, with the rest of the state."""
-    from trainer.saving.sharded import ShardStager
+    from spotrun.trainer.saving.sharded import ShardStager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
@@ -102,7 +102,7 @@ def test_what_only_the_update_changes_is_copied_during_the_next_step() -> None:
 
 
 def _flat(state: Any) -> dict[str, torch.Tensor]:
-    from trainer.checkpoint.state import iter_tensors
+    from spotrun.trainer.checkpoint.state import iter_tensors
 
     return dict(iter_tensors(state))
 
@@ -115,8 +115,8 @@ def test_the_fence_holds_the_update_until_the_copy_is_done() -> None:
 
     import pytest
 
-    from trainer.errors import CheckpointError
-    from trainer.saving.checkpointer import BackgroundSaver
+    from spotrun.trainer.errors import CheckpointError
+    from spotrun.trainer.saving.checkpointer import BackgroundSaver
 
     saver = BackgroundSaver(None, None)
     assert saver.fence() == 0.0  # nothing in flight
@@ -149,7 +149,7 @@ def test_a_copy_left_to_the_writer_is_torn_when_its_tensor_was_written_first() -
     the save and the writer's copy; an unchanged one is copied as it was."""
     import pytest
 
-    from trainer.checkpoint.state import LaterCopies, TornSnapshot, view_of
+    from spotrun.trainer.checkpoint.state import LaterCopies, TornSnapshot, view_of
 
     live = torch.arange(6.0)
     later = LaterCopies()
@@ -172,7 +172,7 @@ def test_what_is_left_to_the_writer_is_the_optimizers_own() -> None:
     """Deferred: the parameters the optimizer updates and its state. At the boundary: a parameter it
     does not hold (frozen, or an EMA copy a loss_fn updates), buffers, and tensors with no storage of
     their own to compare (sparse), which a snapshot still copies."""
-    from trainer.checkpoint.state import LaterCopies, update_only_views, view_of
+    from spotrun.trainer.checkpoint.state import LaterCopies, update_only_views, view_of
 
     torch.manual_seed(0)
     trained, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from tasks.deadlines.optimum import optimum_cost
-from tasks.deadlines.policy import POLICIES, Decision, FixedRule, Situation, fixed
-from tasks.deadlines.simulate import Job, simulate
-from tasks.market.traces import Trace, load, load_file
-from trainer.errors import ConfigError
+from spotrun.tasks.deadlines.optimum import optimum_cost
+from spotrun.tasks.deadlines.policy import POLICIES, Decision, FixedRule, Situation, fixed
+from spotrun.tasks.deadlines.simulate import Job, simulate
+from spotrun.tasks.market.traces import Trace, load, load_file
+from spotrun.trainer.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "data" / "spot-traces"
@@ -284,8 +284,8 @@ def test_the_benchmark_runs_on_the_tests_traces_and_ends_with_its_json(tmp_path:
 def test_a_deadline_is_a_time_with_its_zone_or_a_duration(text: str, problem: str | None) -> None:
     from pydantic import ValidationError
 
-    from trainer.spec.deadline import deadline_at
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.deadline import deadline_at
+    from spotrun.trainer.spec.job import JobSpec
 
     fields = {"name": "d", "recipe": "digits", "total_steps": 10, "deadline": text}
     if problem is None:

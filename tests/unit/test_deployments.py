@@ -19,9 +19,11 @@ from uuid import UUID, uuid4
 import pytest
 import yaml
 
-from deployments.alert_parts import AlertRules as PartsRules
-from deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
-from deployments.automations import (
+from spotrun.cli import main
+from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
+from spotrun.deployments.alert_parts import AlertRules as PartsRules
+from spotrun.deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
+from spotrun.deployments.automations import (
     AT_RISK,
     CRASHED,
     DISK_FULL,
@@ -40,28 +42,26 @@ from deployments.automations import (
     build_automations,
     build_recovery_automations,
 )
-from deployments.run_alerts import (
+from spotrun.deployments.run_alerts import (
     FAILED_WAIT_S,
     MISSED_RUN,
     PROMOTION,
     RUN_FAILED,
     build_missed_run_automations,
 )
-from deployments.schedules import ScheduledTraining, period_s, scheduled_training
-from spotrun.cli import main
-from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
-from tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
-from tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
-from tasks.control.market import DEADLINE_AT_RISK
-from tasks.decisions.policy import RetryPolicy
-from tasks.decisions.promotion import PROMOTION_LABEL, decide_promotion, event_payload
-from tasks.ownership.recovery import (
+from spotrun.deployments.schedules import ScheduledTraining, period_s, scheduled_training
+from spotrun.tasks.alerts.message import AlertKind, PromotionFacts, ResumeFacts
+from spotrun.tasks.control.checkpoints import CHECKPOINT_UNVERIFIED, CONTROLLER_DISK_FULL
+from spotrun.tasks.control.market import DEADLINE_AT_RISK
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.decisions.promotion import PROMOTION_LABEL, decide_promotion, event_payload
+from spotrun.tasks.ownership.recovery import (
     RecoveryError,
     RestartAction,
     decide_controller_restart,
     parse_flow_run_id,
 )
-from tasks.reports.reporting import (
+from spotrun.tasks.reports.reporting import (
     JOB_COMPLETED,
     JOB_GAVE_UP,
     JOB_RESTARTED,
@@ -71,19 +71,20 @@ from tasks.reports.reporting import (
     VERDICT_LABEL,
     job_resource,
 )
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import Promotion
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import Promotion
 
 DOC = yaml.safe_load(PREFECT_FILE.read_text())
 DEPLOYMENTS = {d["name"]: d for d in DOC["deployments"]}
 
 
 @pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
-def test_each_entrypoint_is_a_flow_relative_to_the_repository(name: str) -> None:
-    path, func = DEPLOYMENTS[name]["entrypoint"].split(":")
-    assert (REPO / path).is_file()
-    flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), func)
+def test_each_entrypoint_is_a_flow_of_the_installed_package(name: str) -> None:
+    """Module paths (`spotrun.flows.x:f`), not files of a checkout: a worker loads them from the wheel."""
+    module, func = DEPLOYMENTS[name]["entrypoint"].split(":")
+    assert module.startswith("spotrun.flows.")
+    flow = getattr(importlib.import_module(module), func)
     assert flow.name == func.replace("_", "-")  # DeployedNames relies on it
 
 
@@ -220,7 +221,7 @@ def _rendered(parameters: dict[str, Any], event: dict[str, Any], flow_run: Any) 
 def test_the_unverified_event_renders_into_the_alert_flows_parameters(in_a_run: bool) -> None:
     """The event as PrefectSink.event emits it (tasks/reports/reporting.py: the job's resource, the job in the
     payload) renders into parameters the restart-alert flow accepts: its step and problem, its run."""
-    from flows.restart_alert import restart_alert
+    from spotrun.flows.restart_alert import restart_alert
 
     problem = "cannot verify: signed with key id 'ab12', not held here & <not> in SPOTRUN_MANIFEST_KEYS_OLD"
     event = {
@@ -257,7 +258,7 @@ def test_the_disk_full_event_renders_into_the_alert_flows_parameters(
 ) -> None:
     """The event as tasks/control/loop.py emits it through PrefectSink.event renders into parameters the
     restart-alert flow accepts: where (the flow cache and its host), the OS error, the emitting run."""
-    from flows.restart_alert import restart_alert
+    from spotrun.flows.restart_alert import restart_alert
 
     event = {
         "event": CONTROLLER_DISK_FULL,
@@ -438,7 +439,7 @@ def test_deploy_without_a_server_is_one_line_error(
 def _training_schema() -> dict[str, Any]:
     from prefect.utilities.callables import parameter_schema
 
-    from flows.resilient_training import resilient_training
+    from spotrun.flows.resilient_training import resilient_training
 
     return parameter_schema(resilient_training).model_dump()
 
@@ -494,7 +495,7 @@ def _on_server(active_sweeper: bool, cron: str = "0 3 * * *") -> dict[str, Any]:
     ],
 )
 def test_redeploy_keeps_what_an_operator_set(existing: dict[str, Any], nightly: Any, sweeper: Any) -> None:
-    from deployments.apply import keep_operator_schedules
+    from spotrun.deployments.apply import keep_operator_schedules
 
     doc = keep_operator_schedules(DOC, existing)
     by_name = {d["name"]: d for d in doc["deployments"]}
@@ -504,7 +505,7 @@ def test_redeploy_keeps_what_an_operator_set(existing: dict[str, Any], nightly: 
 
 
 def test_a_changed_schedule_is_sent_with_the_operators_active_flag() -> None:
-    from deployments.apply import keep_operator_schedules
+    from spotrun.deployments.apply import keep_operator_schedules
 
     existing = _on_server(active_sweeper=True)
     existing[NIGHTLY]["nightly-0300-utc"] |= {"cron": "0 4 * * *", "active": False}  # paused, old time
@@ -514,7 +515,7 @@ def test_a_changed_schedule_is_sent_with_the_operators_active_flag() -> None:
 
 
 def test_workers_are_named_per_host() -> None:
-    from deployments.worker import LocalWorker, worker_name
+    from spotrun.deployments.worker import LocalWorker, worker_name
 
     assert worker_name("gpu-box-1") == "spotrun-gpu-box-1"
     assert LocalWorker(REPO / "w.log").name == LocalWorker(REPO / "x.log").name == worker_name()
@@ -523,10 +524,10 @@ def test_workers_are_named_per_host() -> None:
 COMPARABLE = """
 import json, sys, uuid
 import yaml
-from deployments.apply import PREFECT_FILE
-from deployments.automations import AlertRules, RecoveryRules, _comparable, build_automations
-from deployments.automations import build_recovery_automations
-from deployments.schedules import scheduled_training
+from spotrun.deployments.apply import PREFECT_FILE
+from spotrun.deployments.automations import AlertRules, RecoveryRules, _comparable, build_automations
+from spotrun.deployments.automations import build_recovery_automations
+from spotrun.deployments.schedules import scheduled_training
 wanted = build_recovery_automations(RecoveryRules(), uuid.UUID(int=7))
 scheduled = scheduled_training(yaml.safe_load(PREFECT_FILE.read_text()))
 wanted += build_automations(AlertRules(), uuid.UUID(int=8), scheduled)
@@ -556,7 +557,7 @@ def _alert_flow_accepts(params: dict[str, Any]) -> dict[str, Any]:
     while the flow does not take it yet (the lead adds it: see tasks/alerts/service.py AlertRequest)."""
     from pydantic import TypeAdapter
 
-    from flows.restart_alert import restart_alert
+    from spotrun.flows.restart_alert import restart_alert
 
     if "promotion" in params and "promotion" not in restart_alert.parameters.properties:
         rest = {k: v for k, v in params.items() if k != "promotion"}
@@ -721,7 +722,7 @@ def test_a_scheduled_run_not_ended_by_its_deadline_alerts_once() -> None:
     assert auto.trigger.within == timedelta(hours=6)
     deployment = {
         "name": "n",
-        "entrypoint": "flows/resilient_training.py:resilient_training",
+        "entrypoint": "spotrun.flows.resilient_training:resilient_training",
         "schedules": [{"cron": "0 2 * * *"}],
         "parameters": {"job": {"name": "n", "deadline": "8h"}},
     }
@@ -730,7 +731,7 @@ def test_a_scheduled_run_not_ended_by_its_deadline_alerts_once() -> None:
 
 
 def test_the_deadline_at_risk_event_renders_into_the_alert_flows_parameters() -> None:
-    from flows.restart_alert import restart_alert
+    from spotrun.flows.restart_alert import restart_alert
 
     payload = {"job": "digits", "deadline": "8h (2026-12-07 06:00 UTC)", "problem": "late by 0.50 h"}
     event = {"event": DEADLINE_AT_RISK, "resource": job_resource("digits"), "payload": payload}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.storage import direct_io
-from trainer.storage.direct_io import ALIGN, DirectFile
+from spotrun.trainer.storage import direct_io
+from spotrun.trainer.storage.direct_io import ALIGN, DirectFile
 
 
 @pytest.mark.parametrize(

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from prefect.exceptions import TerminationSignal
 
-from tasks.decisions.attempts import Outcome
-from tasks.decisions.outcome import classify
-from tasks.history.models import JobRunRow, JobStatus
-from tasks.ownership import adoption
-from tasks.ownership.adoption import ControllerInfo, ProcessRef, controller_gone
-from tasks.ownership.endings import ending_for, ending_for_state
-from tasks.providers.base import StopCause, WatchResult, stop_cause
-from trainer.telemetry.records import Exit
+from spotrun.tasks.decisions.attempts import Outcome
+from spotrun.tasks.decisions.outcome import classify
+from spotrun.tasks.history.models import JobRunRow, JobStatus
+from spotrun.tasks.ownership import adoption
+from spotrun.tasks.ownership.adoption import ControllerInfo, ProcessRef, controller_gone
+from spotrun.tasks.ownership.endings import ending_for, ending_for_state
+from spotrun.tasks.providers.base import StopCause, WatchResult, stop_cause
+from spotrun.trainer.telemetry.records import Exit
 
 
 @pytest.mark.parametrize(
@@ -195,8 +195,8 @@ def test_a_stopped_worker_is_cancelled(
 def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tasks.history import HistoryStore
-    from tasks.ownership.endings import Ending, close_job_run_of
+    from spotrun.tasks.history import HistoryStore
+    from spotrun.tasks.ownership.endings import Ending, close_job_run_of
 
     monkeypatch.setenv("SPOTRUN_HOME", str(tmp_path))
     monkeypatch.delenv("SPOTRUN_DATABASE_URL", raising=False)
@@ -223,7 +223,7 @@ def test_close_job_run_of_closes_only_a_running_run_of_that_flow_run(
     ],
 )  # fmt: skip  # a decision table, one case per row
 def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
-    from tasks.ownership.recovery import recovered_run
+    from spotrun.tasks.ownership.recovery import recovered_run
 
     assert recovered_run(tags) == crashed
 
@@ -231,8 +231,8 @@ def test_recovered_run_from_tags(tags: list[str], crashed: str) -> None:
 def test_attempts_lost_with_their_controller_do_not_use_up_the_error_budget() -> None:
     import random
 
-    from tasks.decisions.attempts import AttemptRecord
-    from tasks.decisions.policy import RetryPolicy, decide
+    from spotrun.tasks.decisions.attempts import AttemptRecord
+    from spotrun.tasks.decisions.policy import RetryPolicy, decide
 
     def lost(n: int) -> AttemptRecord:
         return adoption.lost_attempt(None, n, "dead", last_step=10, durable_step=5, now=float(n))

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from tasks.admission.entrypoint_check import entrypoint_refusal, import_fix, spotrun_root, worker_path
-from trainer.errors import ConfigError
-from trainer.spec.entrypoints import (
+from spotrun.tasks.admission.entrypoint_check import entrypoint_refusal, import_fix, spotrun_root, worker_path
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.entrypoints import (
     call_main,
     code_problem,
     entrypoint_problem,
@@ -23,7 +23,7 @@ from trainer.spec.entrypoints import (
     shadowing_problem,
     takes_args,
 )
-from trainer.spec.job import JobSpec
+from spotrun.trainer.spec.job import JobSpec
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 
-from trainer.__main__ import _classify
-from trainer.errors import CheckpointError, ConfigError, LeaseLost, SpotrunError, is_echo, mark_echo
-from trainer.exitcodes import ExitCode
+from spotrun.trainer.__main__ import _classify
+from spotrun.trainer.errors import CheckpointError, ConfigError, LeaseLost, SpotrunError, is_echo, mark_echo
+from spotrun.trainer.exitcodes import ExitCode
 
 
 def caused(e: Exception, cause: BaseException) -> Exception:
@@ -76,6 +76,6 @@ ROWS = [
 def test_the_exit_says_an_error_once(
     error: Exception, code: ExitCode, lines: list[tuple[int, str]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="trainer"):
+    with caplog.at_level(logging.INFO, logger="spotrun.trainer"):
         assert _classify(error) is code
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == lines

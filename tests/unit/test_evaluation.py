@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import recipes
-from trainer.recipes import Parts, RecipeContext
-from trainer.recipes.charlm import EVAL_BYTES, read_corpus
-from trainer.session.evaluation import evaluate_for_promotion, run_evaluate
-from trainer.spec.job import JobSpec
+from spotrun.trainer import recipes
+from spotrun.trainer.recipes import Parts, RecipeContext
+from spotrun.trainer.recipes.charlm import EVAL_BYTES, read_corpus
+from spotrun.trainer.session.evaluation import evaluate_for_promotion, run_evaluate
+from spotrun.trainer.spec.job import JobSpec
 
 CPU = torch.device("cpu")
 

@@ -11,11 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from trainer.checkpoint.format import MANIFEST, FileEntry, Manifest, model_metadata, write_checkpoint_dir
-from trainer.checkpoint.state import capture_rng
-from trainer.checkpoint.stateful import Expectation
-from trainer.checkpoint.validate import validate_dir
-from trainer.storage.digests import digest_file
+from spotrun.trainer.checkpoint.format import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    model_metadata,
+    write_checkpoint_dir,
+)
+from spotrun.trainer.checkpoint.state import capture_rng
+from spotrun.trainer.checkpoint.stateful import Expectation
+from spotrun.trainer.checkpoint.validate import validate_dir
+from spotrun.trainer.storage.digests import digest_file
 
 SHAPE_HASH = "h" * 8
 

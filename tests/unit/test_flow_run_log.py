@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, watch
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Durable
+from spotrun.tasks.control.loop import PlainSink, watch
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Durable
 
 JOB = JobSpec(name="digits", recipe="digits", total_steps=100)
 TRAINER_LINE = (
@@ -51,8 +51,8 @@ def test_each_durable_checkpoint_is_logged_once(
 
 
 def test_the_summary_shows_the_timeline_inline() -> None:
-    from tasks.reports.goodput import RunInfo, compute
-    from tasks.reports.reporting import summary_markdown
+    from spotrun.tasks.reports.goodput import RunInfo, compute
+    from spotrun.tasks.reports.reporting import summary_markdown
 
     png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
     rep = compute([], RunInfo("digits", "run-1", "completed", 12.0), now=12.0)

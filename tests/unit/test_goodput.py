@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.reports.goodput import GoodputReport, RunInfo, compute, markdown, progress, summary_rows
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.reports.goodput import GoodputReport, RunInfo, compute, markdown, progress, summary_rows
 
 T = 1_700_000_000.0  # whole seconds after it survive the SQL datetime round trip exactly
 JOB, RUN = "digits", "11111111-2222-3333-4444-555555555555"

@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from trainer.preemption.handover import ANNOUNCE_S, Handover, Standby, read_standby, stop_now, write_standby
-from trainer.storage import open_storage
+from spotrun.trainer.preemption.handover import (
+    ANNOUNCE_S,
+    Handover,
+    Standby,
+    read_standby,
+    stop_now,
+    write_standby,
+)
+from spotrun.trainer.storage import open_storage
 
 ME = "local-100"
 

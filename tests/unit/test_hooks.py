@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from tasks.control.hooks import HOOK_FAILED, HOOK_RAN, after_attempt
-from tasks.control.loop import PlainSink
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.outcome import add_facts
-from tasks.providers.base import WatchResult
+from spotrun.tasks.control.hooks import HOOK_FAILED, HOOK_RAN, after_attempt
+from spotrun.tasks.control.loop import PlainSink
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.outcome import add_facts
+from spotrun.tasks.providers.base import WatchResult
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.hooks.runner import run_hook
+from spotrun.trainer.hooks.worker import Ending, hook_env, hook_timeout, worker_event
+from spotrun.trainer.spec.job import JobSpec, parse_spec
+from spotrun.trainer.telemetry.records import Hook, parse_record
 from tests.procs import wait_gone
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.hooks.runner import run_hook
-from trainer.hooks.worker import Ending, hook_env, hook_timeout, worker_event
-from trainer.spec.job import JobSpec, parse_spec
-from trainer.telemetry.records import Hook, parse_record
 
 PY = sys.executable
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.mtbf import estimate_mtbf
-from trainer.errors import ConfigError
-from trainer.saving.interval import MAX_INTERVAL_S, MIN_INTERVAL_S, IntervalTuner, young_daly
-from trainer.spec.job import parse_spec
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.mtbf import estimate_mtbf
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.saving.interval import MAX_INTERVAL_S, MIN_INTERVAL_S, IntervalTuner, young_daly
+from spotrun.trainer.spec.job import parse_spec
 
 
 @pytest.mark.parametrize(

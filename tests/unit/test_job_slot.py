@@ -10,9 +10,9 @@ from prefect import flow
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.states import Completed, State
 
-from deployments.worker import RestartBackoff
-from tasks.decisions.policy import RetryPolicy
-from tasks.ownership.job_slot import (
+from spotrun.deployments.worker import RestartBackoff
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.ownership.job_slot import (
     ORPHAN_S,
     RunningRun,
     holder_of,
@@ -23,7 +23,7 @@ from tasks.ownership.job_slot import (
     server_busy,
     while_busy,
 )
-from trainer.spec.job import JobSpec
+from spotrun.trainer.spec.job import JobSpec
 
 
 @flow

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.launch.start import (
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.launch.start import (
     RANK_START,
     RankExit,
     combine,
@@ -15,8 +15,8 @@ from trainer.launch.start import (
     torchrun_args,
     write_rank_exit,
 )
-from trainer.session.faults import Fault
-from trainer.spec.job import DistributedOptions, parse_spec
+from spotrun.trainer.session.faults import Fault
+from spotrun.trainer.spec.job import DistributedOptions, parse_spec
 
 C, P, S, K, CFG, LH = (
     ExitCode.COMPLETED,
@@ -164,8 +164,8 @@ def test_the_trainer_resolves_storage_as_spotrun_run_does(
 ) -> None:
     from pathlib import Path
 
-    from trainer.__main__ import job_storage
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.__main__ import job_storage
+    from spotrun.trainer.spec.job import JobSpec
 
     home = Path(str(tmp_path))
     spec = JobSpec.model_validate({**BASE, "storage": storage})

@@ -3,8 +3,10 @@ no import cycle among first-party modules. Every import counts: at module level,
 under `if TYPE_CHECKING:` (a cycle of types is still two modules that cannot be understood apart).
 
 Layers, innermost first: trainer (runs on workers: no Prefect, no controller) < tasks < flows <
-deployments < spotrun (the CLI: anything). `spotrun/__init__.py` and `spotrun/integrations/` are the
-face a user's loop imports on a worker: the trainer, torch and the standard library only.
+deployments < spotrun (the CLI: anything). Each is installed under the one import package `spotrun`
+(`spotrun.trainer`, `spotrun.tasks`, ...; pyproject.toml), and nothing imports a bare `trainer`.
+`spotrun/__init__.py` and `spotrun/integrations/` are the face a user's loop imports on a worker: the
+trainer, torch and the standard library only.
 
 Rooms: trainer/ and tasks/ are packages named for a kind of change (each `__init__` says what it holds),
 over a floor of a few modules everything shares. `ROOMS` lists them bottom first: a room imports only
@@ -29,6 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("trainer", "tasks", "flows", "deployments", "spotrun", "bench")
+ROOMS_INSTALLED = ("trainer", "tasks", "flows", "deployments")  # installed as spotrun.<room>
 CONTROLLER = {"prefect", "mlflow", "sqlalchemy", "alembic", "slack_sdk"}
 FORBIDDEN = {
     "trainer": CONTROLLER | {"tasks", "flows", "deployments", "spotrun"},
@@ -36,7 +39,7 @@ FORBIDDEN = {
     "flows": {"deployments", "spotrun"},
     "deployments": {"spotrun"},
 }
-WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch", "numpy"}
+WORKER_FACE_MAY = set(sys.stdlib_module_names) | {"trainer", "torch", "numpy"}  # layers
 # an integration also imports its own framework, and no other
 FRAMEWORKS = {
     "spotrun.integrations.transformers": "transformers",
@@ -46,7 +49,7 @@ FRAMEWORKS = {
 # them is gone too (then delete its line).
 KNOWN_CYCLES: dict[frozenset[str], str] = {}  # a cycle that must stay for a while: its modules, and why
 # bottom first; "floor" is the package's top-level modules (errors, exit codes, settings...), "entry" its
-# entry points (`python -m trainer`, and a rank torchrun forks: trainer/rank.py)
+# entry points (`python -m spotrun.trainer`, and a rank torchrun forks: trainer/rank.py)
 ROOMS = {
     "trainer": [
         "floor",
@@ -91,8 +94,24 @@ CONTRACT = {"floor", "spec", "storage", "checkpoint", "telemetry", "preemption",
 
 
 def module_name(path: Path) -> str:
+    """The name a file is imported by: trainer/spec/job.py is `spotrun.trainer.spec.job`."""
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = ("spotrun", *parts) if parts[0] in ROOMS_INSTALLED else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(name: str) -> str:
+    """The layer (one of PACKAGES) module `name` belongs to, or its top-level name when it is not ours:
+    `spotrun.trainer.spec` -> trainer, `spotrun.cli` -> spotrun, `torch.nn` -> torch."""
+    top, _, rest = name.partition(".")
+    second = rest.partition(".")[0]
+    return second if top == "spotrun" and second in ROOMS_INSTALLED else top
+
+
+def within(name: str) -> str:
+    """`name` below its layer: `spotrun.trainer.spec.job` -> `spec.job`, `spotrun.cli` -> `cli`."""
+    parts = name.split(".")
+    return ".".join(parts[2:] if layer(name) in ROOMS_INSTALLED else parts[1:])
 
 
 @functools.cache
@@ -189,9 +208,9 @@ def test_a_package_imports_nothing_above_it(package: str) -> None:
     bad = [
         where(m, line, name)
         for m, found in imports().items()
-        if m.split(".")[0] == package
+        if layer(m) == package
         for line, name in found
-        if name.split(".")[0] in FORBIDDEN[package]
+        if layer(name) in FORBIDDEN[package]
     ]
     assert not bad, "\n".join(bad)
 
@@ -202,7 +221,7 @@ def test_the_worker_face_of_spotrun_imports_only_the_trainer() -> None:
         where(m, line, name)
         for m in face
         for line, name in imports()[m]
-        if name.split(".")[0] not in WORKER_FACE_MAY | {FRAMEWORKS.get(m)}
+        if layer(name) not in WORKER_FACE_MAY | {FRAMEWORKS.get(m)}
         and not name.startswith("spotrun.integrations")
     ]
     assert face and not bad, "\n".join(bad)
@@ -217,8 +236,8 @@ def test_no_import_cycle_but_the_known_ones() -> None:
 
 
 def room_of(module: str) -> str:
-    """`trainer.checkpoint.catalog` -> checkpoint; a top-level module of the floor -> floor."""
-    package, _, rest = module.partition(".")
+    """`spotrun.trainer.checkpoint.catalog` -> checkpoint; a top-level module of the floor -> floor."""
+    package, rest = layer(module), within(module)
     head = rest.split(".")[0]
     if not rest or head in FLOOR[package]:
         return "floor"
@@ -227,7 +246,7 @@ def room_of(module: str) -> str:
 
 @pytest.mark.parametrize("package", sorted(ROOMS))
 def test_every_module_is_in_a_room_or_the_floor(package: str) -> None:
-    stray = [m for m in sources() if m.split(".")[0] == package and room_of(m) not in ROOMS[package]]
+    stray = [m for m in sources() if layer(m) == package and room_of(m) not in ROOMS[package]]
     assert not stray, f"{stray}: put each in a room of {ROOMS[package]} (or add a room, with its place)"
 
 
@@ -237,9 +256,9 @@ def test_rooms_import_downward_only(package: str) -> None:
     bad = [
         f"{where(m, line, name)}: room {room_of(m)} imports room {room_of(target)}, which is not below it"
         for m, found in imports().items()
-        if m.split(".")[0] == package
+        if layer(m) == package
         for line, name in found
-        if (target := first_party(name)) and target.split(".")[0] == package
+        if (target := first_party(name)) and layer(target) == package
         if order[room_of(target)] > order[room_of(m)]
     ]
     assert not bad, "\n".join(bad)
@@ -249,16 +268,16 @@ def test_tasks_imports_only_the_trainers_contract_rooms() -> None:
     bad = [
         where(m, line, name)
         for m, found in imports().items()
-        if m.split(".")[0] == "tasks"
+        if layer(m) == "tasks"
         for line, name in found
-        if (target := first_party(name)) and target.split(".")[0] == "trainer"
+        if (target := first_party(name)) and layer(target) == "trainer"
         if room_of(target) not in CONTRACT
     ]
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize(
-    "room", [f"{p}.{r}" for p, rooms in ROOMS.items() for r in rooms if r not in {"floor", "entry"}]
+    "room", [f"spotrun.{p}.{r}" for p, rooms in ROOMS.items() for r in rooms if r not in {"floor", "entry"}]
 )
 def test_each_room_says_what_it_holds_and_exports_its_names(room: str) -> None:
     """A room's `__init__` has a docstring, and every name of its `__all__` resolves (re-exports are
@@ -272,19 +291,24 @@ def test_each_room_says_what_it_holds_and_exports_its_names(room: str) -> None:
 @pytest.mark.parametrize(
     ("source", "module", "is_package", "expected"),
     [
-        ("import torch.nn", "trainer.x", False, ["torch.nn"]),
-        ("def f():\n    from trainer import storage", "trainer.x", False, ["trainer.storage"]),
-        ("from trainer.storage import check_uri", "trainer.x", False, ["trainer.storage"]),
+        ("import torch.nn", "spotrun.trainer.x", False, ["torch.nn"]),
+        ("def f():\n    from spotrun.trainer import storage", "m", False, ["spotrun.trainer.storage"]),
+        ("from spotrun.trainer.storage import check_uri", "m", False, ["spotrun.trainer.storage"]),
         (
-            "if TYPE_CHECKING:\n    from trainer.spec.job import JobSpec",
-            "trainer.x",
+            "if TYPE_CHECKING:\n    from spotrun.trainer.spec.job import JobSpec",
+            "spotrun.trainer.x",
             False,
-            ["trainer.spec.job"],
+            ["spotrun.trainer.spec.job"],
         ),
-        ("from . import local", "trainer.storage", True, ["trainer.storage.local"]),
-        ("from .base import Storage", "trainer.storage.local", False, ["trainer.storage.base"]),
-        ("from .. import errors", "trainer.storage.local", False, ["trainer.errors"]),
-        ("try:\n    pass\nexcept E:\n    import prefect", "trainer.x", False, ["prefect"]),
+        ("from . import local", "spotrun.trainer.storage", True, ["spotrun.trainer.storage.local"]),
+        (
+            "from .base import Storage",
+            "spotrun.trainer.storage.local",
+            False,
+            ["spotrun.trainer.storage.base"],
+        ),
+        ("from .. import errors", "spotrun.trainer.storage.local", False, ["spotrun.trainer.errors"]),
+        ("try:\n    pass\nexcept E:\n    import prefect", "spotrun.trainer.x", False, ["prefect"]),
         ("class A:\n    def f(self):\n        with x:\n            import mlflow", "m", False, ["mlflow"]),
     ],
 )
@@ -292,3 +316,34 @@ def test_imports_are_read_wherever_they_are(
     source: str, module: str, is_package: bool, expected: list[str]
 ) -> None:
     assert [name for _, name in imports_of(source, module, is_package)] == expected
+
+
+BARE = {"trainer", "tasks", "flows", "deployments"}
+
+
+def test_nothing_imports_a_bare_room_name() -> None:
+    """Installed, the rooms are `spotrun.trainer`, `spotrun.tasks`, ...: an import of a bare `trainer` would
+    find a user's own `trainer.py`, or, from the checkout, load a second copy of spotrun's modules. The
+    tests and benchmarks are read too."""
+    files = [p for top in (*PACKAGES, "tests") for p in sorted((ROOT / top).rglob("*.py"))]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {name}"
+        for p in files
+        for line, name in imports_of(p.read_text(), module_name(p), p.name == "__init__.py")
+        if name.split(".")[0] in BARE
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("spotrun.trainer.spec.job", ("trainer", "spec.job")),
+        ("spotrun.cli", ("spotrun", "cli")),
+        ("spotrun.integrations.lightning", ("spotrun", "integrations.lightning")),
+        ("bench.chaos", ("bench", "chaos")),
+        ("torch.nn", ("torch", "nn")),
+    ],
+)
+def test_layer_of_a_module(name: str, expected: tuple[str, str]) -> None:
+    assert (layer(name), within(name)) == expected

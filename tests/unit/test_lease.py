@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.errors import ConfigError, LeaseHeld, LeaseLost
-from trainer.preemption.lease import (
+from spotrun.trainer.errors import ConfigError, LeaseHeld, LeaseLost
+from spotrun.trainer.preemption.lease import (
     LEASE_KEY,
     FencedStorage,
     Holder,
@@ -24,8 +24,8 @@ from trainer.preemption.lease import (
     next_fence,
     read_lease,
 )
-from trainer.storage import LocalStorage, get_bytes, put_bytes
-from trainer.storage.base import local_dir_name
+from spotrun.trainer.storage import LocalStorage, get_bytes, put_bytes
+from spotrun.trainer.storage.base import local_dir_name
 
 NS, OTHER_NS = "boot-a:pid:[1]", "boot-b:pid:[1]"
 ME = Holder("w-me", "run-2", "host-a", pid=200, pid_ns=NS)

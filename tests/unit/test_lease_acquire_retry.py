@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.errors import LeaseHeld, PreconditionFailed, TransientStorageError
-from trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
-from trainer.storage import LocalStorage
-from trainer.storage.base import Stamped
+from spotrun.trainer.errors import LeaseHeld, PreconditionFailed, TransientStorageError
+from spotrun.trainer.preemption.lease import LEASE_KEY, Holder, Lease, read_lease
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage.base import Stamped
 
 ME = Holder("w-me", "run-2", "host-a", pid=200, pid_ns="boot-a:pid:[1]")
 

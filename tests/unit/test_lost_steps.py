@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.lost_steps import kept_step, known_start, lost_steps, walk
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.lost_steps import kept_step, known_start, lost_steps, walk
 
 T = 1_700_000_000.0
 

@@ -11,8 +11,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpoint.format import Manifest
-from trainer.checkpoint.safe_names import contained, name_problem
+from spotrun.trainer.checkpoint.format import Manifest
+from spotrun.trainer.checkpoint.safe_names import contained, name_problem
 
 BASE = Path("/srv/cache/step_000000100")
 # names built from the pieces an attacker would use, and arbitrary text beside them

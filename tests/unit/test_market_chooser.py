@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.control.market import DEADLINE_AT_RISK, MARKET_CHOSEN, BackToSpot, MarketChooser
-from tasks.control.prewarm import Prewarm
-from tasks.deadlines.plan import DEFAULT_RESTART_S, measure, submission_problem
-from tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
-from tasks.decisions.outcome import classify
-from tasks.decisions.policy import RetryPolicy, decide
-from tasks.history import HistoryStore
-from tasks.market.prices import Prices
-from tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, WatchResult, Worker
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.control.market import DEADLINE_AT_RISK, MARKET_CHOSEN, BackToSpot, MarketChooser
+from spotrun.tasks.control.prewarm import Prewarm
+from spotrun.tasks.deadlines.plan import DEFAULT_RESTART_S, measure, submission_problem
+from spotrun.tasks.decisions.attempts import MARKET_MOVE, AttemptRecord, Outcome
+from spotrun.tasks.decisions.outcome import classify
+from spotrun.tasks.decisions.policy import RetryPolicy, decide
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.base import Market, ProvisionError, StopCause, StopWorker, WatchResult, Worker
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.spec.job import JobSpec
 from tests.fakes.provider import FakeAttempt, FakeProvider
-from trainer.spec.job import JobSpec
 
 H = 3600.0
 

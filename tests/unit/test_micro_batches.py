@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.recipes.data import EpochSampler
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.session.options import AttemptResult
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
 from tests.fakes import session_loops
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.recipes.data import EpochSampler
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.session.options import AttemptResult
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
 
 SEED = 3
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, unused_endpoint
-from trainer.checkpoint.catalog import list_checkpoints
-from trainer.errors import ConfigError
-from trainer.preemption.notices import (
+from spotrun.trainer.checkpoint.catalog import list_checkpoints
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.preemption.notices import (
     AWS_INSTANCE_ACTION,
     AWS_TOKEN,
     AWS_TTL_HEADER,
@@ -31,18 +30,19 @@ from trainer.preemption.notices import (
     parse_azure_events,
     parse_gcp_preempted,
 )
-from trainer.preemption.requests import StopRequest, plan_emergency_save
-from trainer.saving.checkpointer import Checkpointer, SaveTimings
-from trainer.spec.job import SHAPE_FIELDS, PreemptionOptions, parse_spec
-from trainer.storage import LocalStorage, put_bytes
-from trainer.telemetry.heartbeat import (
+from spotrun.trainer.preemption.requests import StopRequest, plan_emergency_save
+from spotrun.trainer.saving.checkpointer import Checkpointer, SaveTimings
+from spotrun.trainer.spec.job import SHAPE_FIELDS, PreemptionOptions, parse_spec
+from spotrun.trainer.storage import LocalStorage, put_bytes
+from spotrun.trainer.telemetry.heartbeat import (
     HeartbeatWriter,
     heartbeat_key,
     heartbeat_losses,
     heartbeat_records,
     read_heartbeat,
 )
-from trainer.telemetry.records import Durable, Exit, Started, Step
+from spotrun.trainer.telemetry.records import Durable, Exit, Started, Step
+from tests.fakes.imds import FakeAzureEvents, FakeGCPMetadata, FakeIMDS, unused_endpoint
 
 MB = 1_000_000
 NOW = 1_800_000_000.0
@@ -304,7 +304,7 @@ def test_aws_401_gets_a_new_token_and_retries(imds: FakeIMDS) -> None:
 
 def test_endpoint_down_warns_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     stop, url = StopRequest(), unused_endpoint()
-    with caplog.at_level(logging.WARNING, logger="trainer.preemption.notices"):
+    with caplog.at_level(logging.WARNING, logger="spotrun.trainer.preemption.notices"):
         w = AwsWatcher(url, stop, poll_s=0.02, timeout_s=0.5).start()
         assert wait_until(lambda: w._failures >= 5)
         w.close(wait_s=2)

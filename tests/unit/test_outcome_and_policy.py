@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.outcome import (
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.outcome import (
     classify,
     last_exception,
     lost_steps,
@@ -19,12 +19,17 @@ from tasks.decisions.outcome import (
     provision_failed_record,
     to_record,
 )
-from tasks.decisions.policy import RetryPolicy, backoff_delay, decide, normalize_error
-from tasks.providers.base import KillReason as KR
-from tasks.providers.base import NoticeKind as NK
-from tasks.providers.base import ProvisionError, WatchResult, Worker
-from tasks.providers.local import PlannedPreemption, SpotSimulatorConfig, plan_preemption, simulator_rng
-from trainer.telemetry.records import Exit, Started, Stopping
+from spotrun.tasks.decisions.policy import RetryPolicy, backoff_delay, decide, normalize_error
+from spotrun.tasks.providers.base import KillReason as KR
+from spotrun.tasks.providers.base import NoticeKind as NK
+from spotrun.tasks.providers.base import ProvisionError, WatchResult, Worker
+from spotrun.tasks.providers.local import (
+    PlannedPreemption,
+    SpotSimulatorConfig,
+    plan_preemption,
+    simulator_rng,
+)
+from spotrun.trainer.telemetry.records import Exit, Started, Stopping
 
 T0 = 1_000_000.0
 KILL, TERM = int(signal.SIGKILL), int(signal.SIGTERM)
@@ -299,8 +304,8 @@ def test_normalize_error_masks_numbers_but_keeps_the_step() -> None:
 
 def test_summary_compares_cost_with_on_demand() -> None:
     """The flow's summary carries the goodput report's figures (tasks/reports/goodput.py), cost included."""
-    from tasks.reports.goodput import RunInfo, compute
-    from tasks.reports.reporting import summary_markdown
+    from spotrun.tasks.reports.goodput import RunInfo, compute
+    from spotrun.tasks.reports.reporting import summary_markdown
 
     def rec(attempt: int, cost: dict[str, Any] | None) -> AttemptRecord:
         r = AttemptRecord(

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint.catalog import plan_retention, select_newest_valid
-from trainer.checkpoint.format import FileEntry, Manifest, parse_step_dir, step_dir
-from trainer.checkpoint.validate import Problem
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.session.faults import Fault
+from spotrun.trainer.checkpoint.catalog import plan_retention, select_newest_valid
+from spotrun.trainer.checkpoint.format import FileEntry, Manifest, parse_step_dir, step_dir
+from spotrun.trainer.checkpoint.validate import Problem
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.session.faults import Fault
 
 BAD = [Problem("integrity", "model.safetensors", "sha256 mismatch")]
 
@@ -116,7 +116,7 @@ def test_format_1_manifests_still_read_and_verify(tmp_path: Path) -> None:
     import hashlib
     import json
 
-    from trainer.checkpoint.validate import check_integrity
+    from spotrun.trainer.checkpoint.validate import check_integrity
 
     d = tmp_path / "step_000000005"
     d.mkdir()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tasks.providers.local.config import LocalProviderConfig, pool_name_refusal
+from spotrun.tasks.providers.local.config import LocalProviderConfig, pool_name_refusal
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from spotrun import prefect_db
 from spotrun.server import PrefectServer, configured_database
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize(

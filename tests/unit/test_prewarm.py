@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
-from tasks.providers.base import ProvisionError, Worker
+from spotrun.tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
+from spotrun.tasks.providers.base import ProvisionError, Worker
 
 
 class Released:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tasks.decisions.promotion import (
+from spotrun.tasks.decisions.promotion import (
     KEPT,
     PROMOTED,
     PROMOTION_LABEL,
@@ -20,12 +20,12 @@ from tasks.decisions.promotion import (
     event_payload,
     promotion_for,
 )
-from tasks.tracking.mlflow_run import MlflowRun, RunRef
-from tasks.tracking.versions import EVAL_TAG, description, finish_version, lineage_tags
-from trainer.checkpoint.completion import completed_eval
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import Promotion, RunSource
-from trainer.storage import LocalStorage, put_bytes
+from spotrun.tasks.tracking.mlflow_run import MlflowRun, RunRef
+from spotrun.tasks.tracking.versions import EVAL_TAG, description, finish_version, lineage_tags
+from spotrun.trainer.checkpoint.completion import completed_eval
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import Promotion, RunSource
+from spotrun.trainer.storage import LocalStorage, put_bytes
 
 CHAMP = RunSource(job="nightly", run_key="2026-12-04", storage="/s/nightly/2026-12-04", step=200, version="3")
 

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from pydantic import ValidationError
 
-from tasks.providers.registry import PROVIDERS, ProviderConfig, capacity, kinds, parse_provider_config
+from spotrun.tasks.providers.registry import PROVIDERS, ProviderConfig, capacity, kinds, parse_provider_config
 
 
 def test_the_registry_and_the_config_union_name_the_same_models() -> None:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.control.loop import PlainSink, run_job
-from tasks.decisions.policy import RetryPolicy
-from tasks.history import HistoryStore
-from tasks.providers.base import Market, Worker
-from tasks.settings import Settings
+from spotrun.tasks.control.loop import PlainSink, run_job
+from spotrun.tasks.decisions.policy import RetryPolicy
+from spotrun.tasks.history import HistoryStore
+from spotrun.tasks.providers.base import Market, Worker
+from spotrun.tasks.settings import Settings
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Notice, Record, Step
 from tests.fakes.provider import Ending, FakeAttempt, FakeProvider, _Clock, _Handle
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Notice, Record, Step
 
 
 class Rebalancing(FakeProvider):

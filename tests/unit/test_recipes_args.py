@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from trainer import recipes
-from trainer.errors import ConfigError
+from spotrun.trainer import recipes
+from spotrun.trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from trainer.telemetry.records import (
+from spotrun.trainer.telemetry.records import (
     Durable,
     Exit,
     MalformedRecord,
@@ -24,7 +24,7 @@ from trainer.telemetry.records import (
     parse_record,
     to_json,
 )
-from trainer.telemetry.status import PREFIX, StatusReporter, parse_status_line
+from spotrun.trainer.telemetry.status import PREFIX, StatusReporter, parse_status_line
 
 # (record, its line as the trainer wrote it before records were typed)
 LINES: list[tuple[Record, str]] = [

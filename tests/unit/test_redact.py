@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.redact import redact, redact_tree
-from trainer.spec.job import JobSpec
+from spotrun.trainer.redact import redact, redact_tree
+from spotrun.trainer.spec.job import JobSpec
 
 CASES = [  # (text, as shown)
     ("postgresql://u:s3cret@db.example/h", "postgresql://u:***@db.example/h"),

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tasks.history import StoreUnavailable
-from tasks.history.models import JobRunRow, JobStatus
-from tasks.retraining.run_keys import (
+from spotrun.tasks.history import StoreUnavailable
+from spotrun.tasks.history.models import JobRunRow, JobStatus
+from spotrun.tasks.retraining.run_keys import (
     Lineage,
     Slot,
     keyed_record,
@@ -20,10 +20,10 @@ from tasks.retraining.run_keys import (
     slot_values,
     values_for_key,
 )
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec, parse_spec
-from trainer.spec.runs import RunSource
-from trainer.spec.templating import fill
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec, parse_spec
+from spotrun.trainer.spec.runs import RunSource
+from spotrun.trainer.spec.templating import fill
 
 NIGHT = datetime(2026, 12, 5, 3, 0, tzinfo=UTC)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tasks.retraining.run_retention import (
+from spotrun.tasks.retraining.run_retention import (
     RunRecord,
     base_storage,
     champion_key,
@@ -21,10 +21,10 @@ from tasks.retraining.run_retention import (
     read_keys,
     runs_to_prune,
 )
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, open_storage, put_bytes
-from trainer.storage.options import S3Options
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, open_storage, put_bytes
+from spotrun.trainer.storage.options import S3Options
 
 BASE = "/data/ckpt/nightly"
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, default_planner, state_dict_loader
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer.checkpoint.safe_load import (
+from spotrun.trainer.checkpoint.safe_load import (
     SafeFullLoadPlanner,
     SafeLoadPlanner,
     UnsafePickle,

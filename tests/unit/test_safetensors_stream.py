@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from trainer import recipes
-from trainer.checkpoint import safetensors_stream
-from trainer.checkpoint.format import model_metadata
+from spotrun.trainer import recipes
+from spotrun.trainer.checkpoint import safetensors_stream
+from spotrun.trainer.checkpoint.format import model_metadata
 
 
 def streamed(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:

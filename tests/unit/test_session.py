@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 import spotrun
-from trainer.checkpoint.completion import completed_step
-from trainer.errors import ConfigError, TrainingDiverged
-from trainer.exitcodes import ExitCode
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.session.options import AttemptResult
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage
+from spotrun.trainer.checkpoint.completion import completed_step
+from spotrun.trainer.errors import ConfigError, TrainingDiverged
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.session.options import AttemptResult
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage
 
 
 def attempt(tmp_path: Path, loop: str, **spec: Any) -> AttemptResult:

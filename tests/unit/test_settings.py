@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import Settings, spotrun_home
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
-from trainer.storage import check_local_path, resolve_uri
+from spotrun.tasks.settings import Settings, spotrun_home
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import check_local_path, resolve_uri
 
 
 def test_home_defaults_to_the_users_not_the_current_directory(

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from trainer.checkpoint.catalog import read_latest, write_latest
-from trainer.checkpoint.format import LATEST, MANIFEST, FileEntry, Manifest, file_entry
-from trainer.checkpoint.signing import (
+from spotrun.trainer.checkpoint.catalog import read_latest, write_latest
+from spotrun.trainer.checkpoint.format import LATEST, MANIFEST, FileEntry, Manifest, file_entry
+from spotrun.trainer.checkpoint.signing import (
     KEY_ENV,
     OLD_KEYS_ENV,
     Key,
@@ -18,8 +18,8 @@ from trainer.checkpoint.signing import (
     marker_problem,
     sign_marker,
 )
-from trainer.checkpoint.validate import check_integrity
-from trainer.storage import LocalStorage, get_bytes, put_bytes
+from spotrun.trainer.checkpoint.validate import check_integrity
+from spotrun.trainer.storage import LocalStorage, get_bytes, put_bytes
 
 FILES = {"model.safetensors": b"weights", "optimizer.pt": b"o", "scheduler.pt": b"s", "trainer.pt": b"t"}
 
@@ -146,7 +146,7 @@ def test_a_forged_handoff_does_not_release_a_live_holder(key: str, tmp_path: Pat
     """`_handoff.json` lets a waiting trainer take a lease at once: only the controller's signed word."""
     import json
 
-    from trainer.preemption.lease import HANDOFF_KEY, read_handoff, write_handoff
+    from spotrun.trainer.preemption.lease import HANDOFF_KEY, read_handoff, write_handoff
 
     storage = LocalStorage(tmp_path)
     write_handoff(storage, "w1")
@@ -159,7 +159,7 @@ def test_a_forged_standby_hands_nothing_over(key: str, tmp_path: Path) -> None:
     """`_standby.json` tells a holder its replacement is ready: only a signed one counts."""
     import json
 
-    from trainer.preemption.handover import STANDBY_KEY, read_standby, write_standby
+    from spotrun.trainer.preemption.handover import STANDBY_KEY, read_standby, write_standby
 
     storage = LocalStorage(tmp_path)
     write_standby(storage, "w1", "waiting", "w2")

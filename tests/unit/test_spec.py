@@ -5,9 +5,9 @@ from typing import Any
 
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec, load_spec, parse_spec, spec_changes
-from trainer.spec.messages import explain_errors
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec, load_spec, parse_spec, spec_changes
+from spotrun.trainer.spec.messages import explain_errors
 
 BASE = {"name": "j", "recipe": "digits", "total_steps": 10}
 
@@ -180,7 +180,7 @@ def test_resume_allow_changes_is_off_by_default_and_no_change_itself() -> None:
 
 
 def test_built_in_recipes_declare_their_shape_args() -> None:
-    from trainer.recipes import shape_args
+    from spotrun.trainer.recipes import shape_args
 
     assert shape_args("digits") == {"hidden"}
     assert shape_args("charlm") == {"d_model", "n_layers", "n_heads", "seq_len"}
@@ -305,6 +305,6 @@ def test_the_entrypoint_is_shape() -> None:
     ],
 )
 def test_spec_shape_args(data: dict[str, Any], expected: frozenset[str] | None) -> None:
-    from trainer.recipes.job_shape import spec_shape_args
+    from spotrun.trainer.recipes.job_shape import spec_shape_args
 
     assert spec_shape_args(parse_spec(data)) == expected

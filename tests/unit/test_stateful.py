@@ -7,12 +7,19 @@ from typing import Any
 import pytest
 import torch
 
+from spotrun.trainer.checkpoint.format import REQUIRED_FILES, Manifest, rng_file
+from spotrun.trainer.checkpoint.state import RngState
+from spotrun.trainer.checkpoint.stateful import (
+    Expectation,
+    Registry,
+    Stateful,
+    check_compat,
+    reconcile,
+    spec_of_file,
+)
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.recipes.data import Position
 from tests.fakes.extra_recipe import Calls as Counter
-from trainer.checkpoint.format import REQUIRED_FILES, Manifest, rng_file
-from trainer.checkpoint.state import RngState
-from trainer.checkpoint.stateful import Expectation, Registry, Stateful, check_compat, reconcile, spec_of_file
-from trainer.errors import ConfigError
-from trainer.recipes.data import Position
 
 
 def _parts() -> dict[str, Any]:

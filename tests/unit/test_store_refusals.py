@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.errors import StorageError, TransientStorageError
-from trainer.saving.publish import refused
-from trainer.saving.sharded import Failed
-from trainer.storage import LocalStorage
+from spotrun.trainer.errors import StorageError, TransientStorageError
+from spotrun.trainer.saving.publish import refused
+from spotrun.trainer.saving.sharded import Failed
+from spotrun.trainer.storage import LocalStorage
 
 
 def _dcp(exc: BaseException) -> CheckpointException:

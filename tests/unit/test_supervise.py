@@ -6,7 +6,7 @@ import threading
 import time
 from pathlib import Path
 
-from deployments.worker import LocalWorker, RestartBackoff, WorkerStartError, supervise
+from spotrun.deployments.worker import LocalWorker, RestartBackoff, WorkerStartError, supervise
 
 
 class ScriptedWorker(LocalWorker):

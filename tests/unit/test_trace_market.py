@@ -12,10 +12,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tasks.market.traces import Trace, best_zone
-from tasks.providers.base import Market, ProvisionError
-from tasks.providers.local import LocalProviderConfig
-from tasks.providers.local.market import ON_DEMAND_ZONE, TraceMarket
+from spotrun.tasks.market.traces import Trace, best_zone
+from spotrun.tasks.providers.base import Market, ProvisionError
+from spotrun.tasks.providers.local import LocalProviderConfig
+from spotrun.tasks.providers.local.market import ON_DEMAND_ZONE, TraceMarket
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_000.0  # the fake clock's time at the first placement

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.providers.base import WatchResult, Worker
-from tasks.tracking.fidelity import (
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.providers.base import WatchResult, Worker
+from spotrun.tasks.tracking.fidelity import (
     ResumeChecker,
     Value,
     continuity_verdict,
@@ -21,17 +21,17 @@ from tasks.tracking.fidelity import (
     replayed,
     worst_verdict,
 )
-from tasks.tracking.mlflow_run import RunRef, flatten
-from tasks.tracking.steps import committed_step, read_steps
-from tasks.tracking.tracker import Where
+from spotrun.tasks.tracking.mlflow_run import RunRef, flatten
+from spotrun.tasks.tracking.steps import committed_step, read_steps
+from spotrun.tasks.tracking.tracker import Where
+from spotrun.trainer.checkpoint.catalog import apply_retention
+from spotrun.trainer.checkpoint.format import MANIFEST, step_dir
+from spotrun.trainer.saving.checkpointer import put_sidecars
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, put_bytes
+from spotrun.trainer.telemetry.metrics_log import MetricsLog, metrics_key, parse_metrics_key, prune_after
+from spotrun.trainer.telemetry.records import build
 from tests.trainer_runs import REPO
-from trainer.checkpoint.catalog import apply_retention
-from trainer.checkpoint.format import MANIFEST, step_dir
-from trainer.saving.checkpointer import put_sidecars
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, put_bytes
-from trainer.telemetry.metrics_log import MetricsLog, metrics_key, parse_metrics_key, prune_after
-from trainer.telemetry.records import build
 
 L = {1: Value(2.5, 1e-3), 2: Value(2.25, 1e-3), 3: Value(2.0, 9e-4)}
 
@@ -302,7 +302,7 @@ def _watched(resumed_from: int | None, progress: tuple[int, float] | None = None
 
 
 def _worker(metrics: Path | None) -> Worker:
-    args = ["python", "-m", "trainer"] + (["--metrics", str(metrics)] if metrics else [])
+    args = ["python", "-m", "spotrun.trainer"] + (["--metrics", str(metrics)] if metrics else [])
     return Worker("w", "p", 1, 0.0, handle=SimpleNamespace(proc=SimpleNamespace(args=args)))
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.providers.aws.launch import build_user_data
-from tasks.providers.trainer_env import passes, trainer_env
-from trainer.spec.job import EnvOptions
+from spotrun.tasks.providers.aws.launch import build_user_data
+from spotrun.tasks.providers.trainer_env import passes, trainer_env
+from spotrun.trainer.spec.job import EnvOptions
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.admission.trust import (
+from spotrun.tasks.admission.trust import (
     Allowed,
     named,
     read_allowed,
@@ -21,10 +21,10 @@ from tasks.admission.trust import (
     signing_refusal,
     write_allowed,
 )
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.local.config import LocalProviderConfig
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.local.config import LocalProviderConfig
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec
 
 OWN = "/venv/bin/python"  # the flow's own interpreter
 FILE = "/home/op/.spotrun/allowed.yaml"
@@ -214,7 +214,7 @@ def test_the_operators_own_file_is_trusted_as_written(tmp_path: Path) -> None:
 
 
 def test_spotrun_deploy_allows_what_the_deployments_defaults_name() -> None:
-    from deployments.apply import PREFECT_FILE, allowed_by_defaults
+    from spotrun.deployments.apply import PREFECT_FILE, allowed_by_defaults
 
     shipped = yaml.safe_load(PREFECT_FILE.read_text())
     # built-in recipes only; the nightly job's keep_runs is the least a form may keep; the two

@@ -8,8 +8,8 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
-from tasks.control.warm import (
+from spotrun.tasks.control.prewarm import PREWARM_WAIT_S, Prewarm
+from spotrun.tasks.control.warm import (
     FROM_POOL,
     NO_IDLE_LIMIT_S,
     WARM,
@@ -20,11 +20,11 @@ from tasks.control.warm import (
     standby_usd,
     warm_of,
 )
-from tasks.market.prices import Prices
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.base import WarmSettings, Worker
-from tasks.providers.local import LocalProvider, LocalProviderConfig
-from trainer.telemetry.records import Started
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.base import WarmSettings, Worker
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig
+from spotrun.trainer.telemetry.records import Started
 
 
 @pytest.mark.parametrize(

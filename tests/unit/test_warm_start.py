@@ -14,22 +14,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spotrun.trainer import recipes
+from spotrun.trainer.__main__ import _exit_code
+from spotrun.trainer.checkpoint.completion import completed_eval
+from spotrun.trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, file_entry, step_dir, write_part
+from spotrun.trainer.checkpoint.signing import KEY_ENV
+from spotrun.trainer.checkpoint.stateful import Codec
+from spotrun.trainer.errors import ConfigError, TransientStorageError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.recipes import Parts, RecipeContext
+from spotrun.trainer.session.loop import AttemptOptions, run_attempt
+from spotrun.trainer.session.warm_start import warm_start
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import LocalStorage, Storage
+from spotrun.trainer.telemetry.records import WarmStarted
+from spotrun.trainer.telemetry.status import StatusReporter, parse_status_line
 from tests.trainer_runs import assert_states_equal
-from trainer import recipes
-from trainer.__main__ import _exit_code
-from trainer.checkpoint.completion import completed_eval
-from trainer.checkpoint.format import COMPLETED, MANIFEST, Manifest, file_entry, step_dir, write_part
-from trainer.checkpoint.signing import KEY_ENV
-from trainer.checkpoint.stateful import Codec
-from trainer.errors import ConfigError, TransientStorageError
-from trainer.exitcodes import ExitCode
-from trainer.recipes import Parts, RecipeContext
-from trainer.session.loop import AttemptOptions, run_attempt
-from trainer.session.warm_start import warm_start
-from trainer.spec.job import JobSpec
-from trainer.storage import LocalStorage, Storage
-from trainer.telemetry.records import WarmStarted
-from trainer.telemetry.status import StatusReporter, parse_status_line
 
 STEPS = 8
 ARGS = {"hidden": 16, "holdout": 200}

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.control.watchdog import ProgressWatchdog, for_attempt
-from tasks.decisions.attempts import AttemptRecord, Outcome
-from tasks.decisions.watchdog import Limit, describe, history_figures, limit, limits, p99
-from tasks.providers.base import WatchResult
-from trainer.spec.job import JobSpec
-from trainer.spec.watchdog import WatchdogOptions
-from trainer.telemetry.records import Durable, Exit, Saving, Section, Started, Step, Stopping
+from spotrun.tasks.control.watchdog import ProgressWatchdog, for_attempt
+from spotrun.tasks.decisions.attempts import AttemptRecord, Outcome
+from spotrun.tasks.decisions.watchdog import Limit, describe, history_figures, limit, limits, p99
+from spotrun.tasks.providers.base import WatchResult
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.watchdog import WatchdogOptions
+from spotrun.trainer.telemetry.records import Durable, Exit, Saving, Section, Started, Step, Stopping
 
 MS = [0.002] * 19 + [0.004]  # 20 steps of 2 ms, one of 4 ms
 KW: dict[str, Any] = {

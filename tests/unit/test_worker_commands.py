@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from tasks.providers.aws import launch
-from tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
-from trainer.interpreter import child_env, python_m, spotrun_root, worker_path
-from trainer.launch.start import fresh_agent_args
-from trainer.saving import writer_proc
-from trainer.spec.job import load_spec
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
+from spotrun.trainer.interpreter import child_env, python_m, spotrun_root, worker_path
+from spotrun.trainer.launch.start import fresh_agent_args
+from spotrun.trainer.saving import writer_proc
+from spotrun.trainer.spec.job import load_spec
 
 RAISES = "raise RuntimeError('the user trainer.py was imported')\n"
 
@@ -29,7 +29,14 @@ class Started(Exception):
 
 
 def test_python_m_is_dash_p_dash_m() -> None:
-    assert python_m("trainer", "--config", "j") == [sys.executable, "-P", "-m", "trainer", "--config", "j"]
+    assert python_m("spotrun.trainer", "--config", "j") == [
+        sys.executable,
+        "-P",
+        "-m",
+        "spotrun.trainer",
+        "--config",
+        "j",
+    ]
     assert python_m("m", python="/opt/py") == ["/opt/py", "-P", "-m", "m"]
 
 
@@ -50,8 +57,8 @@ def test_a_local_worker_starts_with_dash_p_in_an_explicit_directory(
     provider = LocalProvider(LocalProviderConfig(workdir=str(tmp_path / "work"), python="/opt/py"))
     with pytest.raises(Started):
         provider.provision(load_spec(spec), 1, spec, ["--max-steps", "3"])
-    assert seen["cmd"] == python_m("trainer", *seen["args"], python="/opt/py")
-    assert seen["cmd"][:4] == ["/opt/py", "-P", "-m", "trainer"] and "--max-steps" in seen["args"]
+    assert seen["cmd"] == python_m("spotrun.trainer", *seen["args"], python="/opt/py")
+    assert seen["cmd"][:4] == ["/opt/py", "-P", "-m", "spotrun.trainer"] and "--max-steps" in seen["args"]
     assert seen["cwd"] == tmp_path
     # spotrun's root first, then the directory (a loop beside the job file), then the environment's own
     path = seen["env"]["PYTHONPATH"].split(os.pathsep)
@@ -68,7 +75,7 @@ def test_the_fork_server_and_its_children_are_dash_p(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(fork_server, "_popen", popen)
     with pytest.raises(Started):
         fork_server.ForkServer("/opt/py", {}, preload=("torch",))
-    assert seen[0][:4] == ["/opt/py", "-P", "-m", "trainer.launch.zygote"] and seen[0][-1] == "torch"
+    assert seen[0][:4] == ["/opt/py", "-P", "-m", "spotrun.trainer.launch.zygote"] and seen[0][-1] == "torch"
 
 
 def test_the_checkpoint_writer_is_dash_p(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,27 +88,32 @@ def test_the_checkpoint_writer_is_dash_p(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(writer_proc.subprocess, "Popen", popen)
     with pytest.raises(Started):
         writer_proc.WriterProcess(None, None, tmp_path, 1)  # type: ignore[arg-type]
-    assert seen["cmd"][:4] == [sys.executable, "-P", "-m", "trainer.saving.writer_proc"]
+    assert seen["cmd"][:4] == [sys.executable, "-P", "-m", "spotrun.trainer.saving.writer_proc"]
     assert seen["cwd"] == os.getcwd()
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(spotrun_root())
 
 
 def test_a_fresh_torchrun_and_its_ranks_are_dash_p() -> None:
-    """torchrun's `-m` would start each rank as `python -u -m trainer`: `--no-python` gets ours instead,
+    """torchrun's `-m` would start each rank as `python -u -m spotrun.trainer`: `--no-python` gets ours
+    instead,
     as torchrun's own parser reads it."""
     from torch.distributed.run import parse_args
 
     torchrun = ["--nproc_per_node=2", "--nnodes=1", "--rdzv_backend=static"]
     cmd = fresh_agent_args(torchrun, ["--config", "job.yaml"])
-    assert cmd[:4] == [sys.executable, "-P", "-m", "trainer.distributed.agent"]
+    assert cmd[:4] == [sys.executable, "-P", "-m", "spotrun.trainer.distributed.agent"]
     args = parse_args(cmd[4:])
     assert args.no_python and not args.module and not args.run_path
-    assert [args.training_script, *args.training_script_args] == python_m("trainer", "--config", "job.yaml")
+    assert [args.training_script, *args.training_script_args] == python_m(
+        "spotrun.trainer", "--config", "job.yaml"
+    )
 
 
 def test_ec2_user_data_starts_the_trainer_with_dash_p() -> None:
     script = launch.build_user_data("name: j\n", [], python="python3", workdir="/w", job="j", attempt=1)
-    assert 'exec "$@" python3 -P -m trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"' in script
+    assert (
+        'exec "$@" python3 -P -m spotrun.trainer --config job.yaml --worker-id "$SPOTRUN_WORKER_ID"' in script
+    )
 
 
 def test_a_trainer_py_in_the_directory_cannot_shadow_spotruns(tmp_path: Path) -> None:

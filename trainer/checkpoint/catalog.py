@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.format import (
+from spotrun.trainer.checkpoint.format import (
     LATEST,
     MANIFEST,
     REJECTED,
@@ -25,10 +25,10 @@ from trainer.checkpoint.format import (
     parse_step_dir,
     step_dir,
 )
-from trainer.checkpoint.safe_names import contained
-from trainer.checkpoint.signing import marker_problem, sign_marker
-from trainer.checkpoint.validate import Expectation, Problem, validate_dir
-from trainer.storage import Storage, get_bytes, put_bytes
+from spotrun.trainer.checkpoint.safe_names import contained
+from spotrun.trainer.checkpoint.signing import marker_problem, sign_marker
+from spotrun.trainer.checkpoint.validate import Expectation, Problem, validate_dir
+from spotrun.trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 

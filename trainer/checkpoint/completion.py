@@ -11,11 +11,11 @@ import logging
 import time
 from typing import Any
 
-from trainer.checkpoint.catalog import read_marker, read_marker_step, write_marker
-from trainer.checkpoint.format import COMPLETED
-from trainer.errors import ConfigError
-from trainer.spec.job import JobSpec, spec_changes
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.catalog import read_marker, read_marker_step, write_marker
+from spotrun.trainer.checkpoint.format import COMPLETED
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import JobSpec, spec_changes
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.manifest import Manifest
-from trainer.checkpoint.stateful import Kind
+from spotrun.trainer.checkpoint.manifest import Manifest
+from spotrun.trainer.checkpoint.stateful import Kind
 
 # HF's TrainingArguments, pickled whole: its digest is its check. Named by file, not by suffix: any
 # other `.bin` (a model's pytorch_model.bin) is a tensor file and loads weights-only.
@@ -57,7 +57,7 @@ def _check(path: Path, base: str, scan: bool) -> str | None:
     if base.endswith(TORCH_SUFFIXES) and base not in OPAQUE:
         import torch
 
-        from trainer.checkpoint.state import iter_tensors
+        from spotrun.trainer.checkpoint.state import iter_tensors
 
         with numpy_allowed():
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -75,7 +75,7 @@ def trained(obj: Any) -> Any:
 
 
 def _first_bad(tensors: Iterator[tuple[str, Any]]) -> str | None:
-    from trainer.checkpoint.state import all_finite
+    from spotrun.trainer.checkpoint.state import all_finite
 
     for key, t in tensors:
         if not all_finite(t):

@@ -38,14 +38,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.manifest import DIRECTORY, MANIFEST, SHARDED, FileEntry, Manifest, step_dir
-from trainer.checkpoint.manifest import REJECTED as REJECTED  # the manifest's names are read from here too
-from trainer.checkpoint.manifest import file_entry as file_entry
-from trainer.checkpoint.signing import keyring
-from trainer.checkpoint.stateful import STANDARD, Codec, spec_of, table
-from trainer.storage.digests import digest_file, new_hasher
-from trainer.storage.direct_io import DirectFile
-from trainer.storage.local import fsync_dir
+from spotrun.trainer.checkpoint.manifest import DIRECTORY, MANIFEST, SHARDED, FileEntry, Manifest, step_dir
+from spotrun.trainer.checkpoint.manifest import (
+    REJECTED as REJECTED,  # the manifest's names are read from here too
+)
+from spotrun.trainer.checkpoint.manifest import file_entry as file_entry
+from spotrun.trainer.checkpoint.signing import keyring
+from spotrun.trainer.checkpoint.stateful import STANDARD, Codec, spec_of, table
+from spotrun.trainer.storage.digests import digest_file, new_hasher
+from spotrun.trainer.storage.direct_io import DirectFile
+from spotrun.trainer.storage.local import fsync_dir
 
 # torch and safetensors.torch are imported where a part is read or written: listing, integrity checks and
 # the controller's reads of manifests never need them (`import torch` is ~2 s of a CLI command's start)
@@ -148,13 +150,13 @@ def write_part(path: Path, codec: Codec, state: Any, *, step: int, direct: bool 
     """Write one part's state in its codec, fsynced and hashed as it is written, and say whether its
     tensors are all finite (checked here, in the writer, so that validation on the resume's critical
     path need not read every value: one aminmax per tensor, 1 GB in 0.04 s)."""
-    from trainer.checkpoint.state import all_finite, iter_tensors
+    from spotrun.trainer.checkpoint.state import all_finite, iter_tensors
 
     finite = all(all_finite(t) for _, t in iter_tensors(state))
     w = _HashingWriter(path, direct)
     try:
         if codec is Codec.SAFETENSORS:
-            from trainer.checkpoint import safetensors_stream
+            from spotrun.trainer.checkpoint import safetensors_stream
 
             safetensors_stream.write(w, state, model_metadata(step))
         else:

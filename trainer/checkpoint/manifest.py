@@ -13,9 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.safe_names import name_problem
-from trainer.checkpoint.signing import KEYED_DIGEST, Key, Keyring, Verdict, keyring, signing_block, verify
-from trainer.storage.digests import DIGEST, DIGESTS, digest_files, new_hasher
+from spotrun.trainer.checkpoint.safe_names import name_problem
+from spotrun.trainer.checkpoint.signing import (
+    KEYED_DIGEST,
+    Key,
+    Keyring,
+    Verdict,
+    keyring,
+    signing_block,
+    verify,
+)
+from spotrun.trainer.storage.digests import DIGEST, DIGESTS, digest_files, new_hasher
 
 # 2: a `layout` (single | sharded) and an xxh3-128 digest per file; 1: single only, SHA-256 (still read)
 FORMAT_VERSION = 2

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from trainer.checkpoint.safe_names import name_problem
+from spotrun.trainer.checkpoint.safe_names import name_problem
 
 DCP_METADATA = ".metadata"
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

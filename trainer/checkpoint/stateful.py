@@ -30,16 +30,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from trainer.errors import ConfigError
-from trainer.spec.job import describe_changes, spec_changes
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import describe_changes, spec_changes
 
 # torch is imported by the functions that touch tensors: the registry's table, its files and a manifest's
 # checks are read by the controller and the CLI too, which never load a tensor
 if TYPE_CHECKING:
     import torch
 
-    from trainer.checkpoint.manifest import Manifest
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.checkpoint.manifest import Manifest
+    from spotrun.trainer.spec.job import JobSpec
 
 Kind = Literal["integrity", "unverified", "structure", "content", "compat"]
 Finding = tuple[Kind, str]
@@ -140,7 +140,7 @@ Check = Callable[[Any, "Manifest", Expectation | None, bool], list[Finding]]
 
 def check_finite(state: Any, m: Manifest, expect: Expectation | None, scan: bool = True) -> list[Finding]:
     """No NaN/Inf in any tensor of the state: the check every part gets at least."""
-    from trainer.checkpoint.state import all_finite, iter_tensors
+    from spotrun.trainer.checkpoint.state import all_finite, iter_tensors
 
     if not scan:
         return []
@@ -150,7 +150,7 @@ def check_finite(state: Any, m: Manifest, expect: Expectation | None, scan: bool
 def check_model(
     state: Mapping[str, torch.Tensor], m: Manifest, expect: Expectation | None, scan: bool = True
 ) -> list[Finding]:
-    from trainer.checkpoint.state import all_finite
+    from spotrun.trainer.checkpoint.state import all_finite
 
     out: list[Finding] = []
     keys = set(state)
@@ -173,7 +173,7 @@ def check_optimizer(sd: Any, m: Manifest, expect: Expectation | None, scan: bool
         return [("structure", "not an optimizer state_dict")]
     import torch
 
-    from trainer.checkpoint.state import all_finite
+    from spotrun.trainer.checkpoint.state import all_finite
 
     n_params = sum(len(g["params"]) for g in sd["param_groups"])
     shapes = expect.param_shapes if expect is not None else None

@@ -24,8 +24,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from trainer.checkpoint.foreign import check_files
-from trainer.checkpoint.format import (
+from spotrun.trainer.checkpoint.foreign import check_files
+from spotrun.trainer.checkpoint.format import (
     MANIFEST,
     FileEntry,
     Manifest,
@@ -34,10 +34,10 @@ from trainer.checkpoint.format import (
     parse_step_dir,
     required_files,
 )
-from trainer.checkpoint.manifest import DIRECTORY
-from trainer.checkpoint.safe_names import contained
-from trainer.checkpoint.signing import KEYED_DIGEST, Key
-from trainer.checkpoint.stateful import (
+from spotrun.trainer.checkpoint.manifest import DIRECTORY
+from spotrun.trainer.checkpoint.safe_names import contained
+from spotrun.trainer.checkpoint.signing import KEYED_DIGEST, Key
+from spotrun.trainer.checkpoint.stateful import (
     DCP_METADATA,
     Codec,
     Expectation,
@@ -47,7 +47,7 @@ from trainer.checkpoint.stateful import (
     reconcile,
     spec_of_file,
 )
-from trainer.storage.digests import digest_file, digest_files
+from spotrun.trainer.storage.digests import digest_file, digest_files
 
 __all__ = ["Expectation", "Kind", "Problem", "check_integrity", "read_manifest", "validate_dir"]
 
@@ -190,7 +190,7 @@ def _open_part(
         yield int(obj["step"]), obj["state"]
         return
     if codec is Codec.DCP:
-        from trainer.checkpoint.safe_load import read_dcp_metadata
+        from spotrun.trainer.checkpoint.safe_load import read_dcp_metadata
 
         yield None, read_dcp_metadata(path.parent, listed)
         return

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.command.layouts import MARKER as MARKER
-    from trainer.command.layouts import Found as Found
-    from trainer.command.layouts import find as find
-    from trainer.command.link import CommandLink as CommandLink
-    from trainer.command.publish import restore as restore
-    from trainer.command.runner import run_command as run_command
+    from spotrun.trainer.command.layouts import MARKER as MARKER
+    from spotrun.trainer.command.layouts import Found as Found
+    from spotrun.trainer.command.layouts import find as find
+    from spotrun.trainer.command.link import CommandLink as CommandLink
+    from spotrun.trainer.command.publish import restore as restore
+    from spotrun.trainer.command.runner import run_command as run_command
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.safe_names import MAX_DEPTH, name_problem
+from spotrun.trainer.checkpoint.safe_names import MAX_DEPTH, name_problem
 
 MARKER = "SPOTRUN_COMPLETE"
 HF_STATE = "trainer_state.json"

@@ -15,16 +15,16 @@ import os
 import shutil
 from pathlib import Path
 
-from trainer.checkpoint.catalog import Catalog, Selection, apply_retention, write_latest
-from trainer.checkpoint.format import fsync_file
-from trainer.checkpoint.manifest import DIRECTORY, MANIFEST, FileEntry, Manifest, file_entry, step_dir
-from trainer.checkpoint.safe_names import contained
-from trainer.checkpoint.signing import keyring
-from trainer.command.layouts import Found
-from trainer.errors import ConfigError
-from trainer.saving.publish import Sidecars, upload, verify_remote
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage, get_bytes
+from spotrun.trainer.checkpoint.catalog import Catalog, Selection, apply_retention, write_latest
+from spotrun.trainer.checkpoint.format import fsync_file
+from spotrun.trainer.checkpoint.manifest import DIRECTORY, MANIFEST, FileEntry, Manifest, file_entry, step_dir
+from spotrun.trainer.checkpoint.safe_names import contained
+from spotrun.trainer.checkpoint.signing import keyring
+from spotrun.trainer.command.layouts import Found
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.saving.publish import Sidecars, upload, verify_remote
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage, get_bytes
 
 log = logging.getLogger(__name__)
 

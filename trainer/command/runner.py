@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.checkpoint.completion import completed_for, mark_completed
-from trainer.command.layouts import Found, Seen, find
-from trainer.command.link import (
+from spotrun.trainer.checkpoint.completion import completed_for, mark_completed
+from spotrun.trainer.command.layouts import Found, Seen, find
+from spotrun.trainer.command.link import (
     CHECKPOINT_DIR,
     NOTICE_FILE,
     RESUME_STEP,
@@ -40,15 +40,15 @@ from trainer.command.link import (
     read_steps,
     write_notice,
 )
-from trainer.command.publish import publish, restore
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.parent_death import arm_pdeathsig
-from trainer.session.options import AttemptOptions, AttemptResult
-from trainer.spec.job import JobSpec
-from trainer.spec.templating import fill
-from trainer.storage import Storage
-from trainer.telemetry.metrics_log import MetricsLog, prune_after
+from spotrun.trainer.command.publish import publish, restore
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.parent_death import arm_pdeathsig
+from spotrun.trainer.session.options import AttemptOptions, AttemptResult
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.templating import fill
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.metrics_log import MetricsLog, prune_after
 
 log = logging.getLogger(__name__)
 

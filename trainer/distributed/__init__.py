@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.distributed.agent import run_forked as run_forked
-    from trainer.distributed.ranks import Ranks as Ranks
-    from trainer.distributed.ranks import rank_env as rank_env
-    from trainer.distributed.ranks import wrap as wrap
-    from trainer.distributed.rendezvous import LOOPBACK as LOOPBACK
-    from trainer.distributed.rendezvous import STORE_FD as STORE_FD
+    from spotrun.trainer.distributed.agent import run_forked as run_forked
+    from spotrun.trainer.distributed.ranks import Ranks as Ranks
+    from spotrun.trainer.distributed.ranks import rank_env as rank_env
+    from spotrun.trainer.distributed.ranks import wrap as wrap
+    from spotrun.trainer.distributed.rendezvous import LOOPBACK as LOOPBACK
+    from spotrun.trainer.distributed.rendezvous import STORE_FD as STORE_FD
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

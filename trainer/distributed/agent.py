@@ -1,4 +1,4 @@
-"""torchrun without its traceback: `python -m trainer.distributed.agent ARGS` is
+"""torchrun without its traceback: `python -m spotrun.trainer.distributed.agent ARGS` is
 `python -m torch.distributed.run ARGS`.
 
 When a rank fails, or a SIGTERM arrives, torchrun ends in an uncaught exception (ChildFailedError,
@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
-from trainer.distributed.rendezvous import LOOPBACK, STORE_FD
+from spotrun.trainer.distributed.rendezvous import LOOPBACK, STORE_FD
 
 
 class _NoTraceback(logging.Filter):

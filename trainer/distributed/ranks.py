@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
-from trainer.spec.job import DistributedOptions
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.job import DistributedOptions
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Ranks:
         if world != expected:
             raise ConfigError(
                 f"distributed: the spec makes {expected} rank(s), torchrun started {world}; "
-                "run `python -m trainer` without torchrun and let it start the ranks"
+                "run `python -m spotrun.trainer` without torchrun and let it start the ranks"
             )
         local = int(env.get("LOCAL_RANK", "0"))
         if device_type == "cuda":

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from trainer.parent_death import arm_pdeathsig
+from spotrun.trainer.parent_death import arm_pdeathsig
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The worker's hooks: which one an attempt's ending fires, what its environment says, and its record.
 
-Run by `python -m trainer` after the attempt is over (trainer/__main__.py): the final, max-steps or
+Run by `python -m spotrun.trainer` after the attempt is over (trainer/__main__.py): the final, max-steps or
 emergency checkpoint is durable, the storage lease given back (a replacement may already resume), and
 only the exit record is left to write. So a hook never delays the emergency checkpoint; `on_preempt`'s
 timeout is what the notice leaves (less EXIT_RESERVE_S for the exit record), at most `timeout_s`.
@@ -26,13 +26,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trainer.checkpoint.format import checkpoint_uri
-from trainer.exitcodes import ExitCode
-from trainer.hooks.runner import HookRun, run_hook
-from trainer.preemption.requests import StopRequest
-from trainer.spec.job import JobSpec
-from trainer.telemetry.records import Notice, Record, Stopping
-from trainer.telemetry.status import StatusReporter
+from spotrun.trainer.checkpoint.format import checkpoint_uri
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.hooks.runner import HookRun, run_hook
+from spotrun.trainer.preemption.requests import StopRequest
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.telemetry.records import Notice, Record, Stopping
+from spotrun.trainer.telemetry.status import StatusReporter
 
 log = logging.getLogger(__name__)
 

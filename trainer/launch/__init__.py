@@ -1,4 +1,4 @@
-"""How trainer processes start: `python -m trainer` for a distributed job (this machine's ranks under
+"""How trainer processes start: `python -m spotrun.trainer` for a distributed job (this machine's ranks under
 torchrun, forked from a process that imported torch once), a forked rank's entry, and the fork server that
 the local provider asks for trainers.
 
@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.launch.start import LAUNCHER_ID as LAUNCHER_ID
-    from trainer.launch.start import RANK_EXITS as RANK_EXITS
-    from trainer.launch.start import RankExit as RankExit
-    from trainer.launch.start import die_with_agent as die_with_agent
-    from trainer.launch.start import relay as relay
-    from trainer.launch.start import start_ranks as start_ranks
-    from trainer.launch.start import under_torchrun as under_torchrun
-    from trainer.launch.start import write_rank_exit as write_rank_exit
-    from trainer.launch.zygote import MAX_PACKET as MAX_PACKET
-    from trainer.launch.zygote import send as send
+    from spotrun.trainer.launch.start import LAUNCHER_ID as LAUNCHER_ID
+    from spotrun.trainer.launch.start import RANK_EXITS as RANK_EXITS
+    from spotrun.trainer.launch.start import RankExit as RankExit
+    from spotrun.trainer.launch.start import die_with_agent as die_with_agent
+    from spotrun.trainer.launch.start import relay as relay
+    from spotrun.trainer.launch.start import start_ranks as start_ranks
+    from spotrun.trainer.launch.start import under_torchrun as under_torchrun
+    from spotrun.trainer.launch.start import write_rank_exit as write_rank_exit
+    from spotrun.trainer.launch.zygote import MAX_PACKET as MAX_PACKET
+    from spotrun.trainer.launch.zygote import send as send
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -2,7 +2,7 @@
 this user on the host that names the pool, reached through a Unix socket in a 0700 directory.
 
 The controller that finds no server binds the socket (holding the pool's lock file, so that two
-starting at once end with one server) and hands it to `python -P -m trainer.launch.zygote --pool`,
+starting at once end with one server) and hands it to `python -P -m spotrun.trainer.launch.zygote --pool`,
 which leaves its starter at once: it outlives the controller that started it. It serves only peers of
 its own uid (SO_PEERCRED), kills the trainers of a connection that closes (a controller that dies still
 takes its trainers along), and ends once it has had no request and no trainer for `idle_s`, or when

@@ -1,7 +1,7 @@
-"""`python -m trainer` for a job with a `distributed` spec: this machine's ranks under torchrun.
+"""`python -m spotrun.trainer` for a job with a `distributed` spec: this machine's ranks under torchrun.
 
 The process the provider started stays the worker's one voice: it runs `python -P -m
-torch.distributed.run ... --no-python python -P -m trainer <the same arguments>` (through
+torch.distributed.run ... --no-python python -P -m spotrun.trainer <the same arguments>` (through
 trainer/distributed/agent.py, which only silences torchrun's closing traceback; `-P`:
 trainer/interpreter.py), relays rank 0's status records on its
 own stdout (and to the storage heartbeat), and ends with one `exit` record whose code combines
@@ -43,14 +43,14 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from trainer.distributed.rendezvous import LOOPBACK, STORE_FD
-from trainer.exitcodes import ExitCode
-from trainer.interpreter import child_env, python_m
-from trainer.parent_death import arm_pdeathsig, die_with
-from trainer.preemption.requests import StopRequest
-from trainer.spec.job import DistributedOptions
-from trainer.telemetry.records import Exit
-from trainer.telemetry.status import StatusReporter, parse_status_line
+from spotrun.trainer.distributed.rendezvous import LOOPBACK, STORE_FD
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.interpreter import child_env, python_m
+from spotrun.trainer.parent_death import arm_pdeathsig, die_with
+from spotrun.trainer.preemption.requests import StopRequest
+from spotrun.trainer.spec.job import DistributedOptions
+from spotrun.trainer.telemetry.records import Exit
+from spotrun.trainer.telemetry.status import StatusReporter, parse_status_line
 
 log = logging.getLogger(__name__)
 
@@ -260,10 +260,13 @@ def start_ranks(
 
 
 def fresh_agent_args(torchrun: Sequence[str], argv: Sequence[str]) -> list[str]:
-    """A fresh torchrun (trainer/distributed/agent.py) whose ranks run `python -P -m trainer ARGV`:
-    torchrun's own `-m` would start them as `python -u -m trainer`, the working directory first on their
+    """A fresh torchrun (trainer/distributed/agent.py) whose ranks run `python -P -m spotrun.trainer ARGV`:
+    torchrun's own `-m` would start them as `python -u -m spotrun.trainer`, the working directory first on
+    their
     path, so `--no-python` hands it the whole command instead (stdout unbuffered: PYTHONUNBUFFERED)."""
-    return python_m("trainer.distributed.agent", *torchrun, "--no-python", *python_m("trainer", *argv))
+    return python_m(
+        "spotrun.trainer.distributed.agent", *torchrun, "--no-python", *python_m("spotrun.trainer", *argv)
+    )
 
 
 def relay(launched: Launched, reporter: StatusReporter) -> tuple[ExitCode, str]:
@@ -356,7 +359,7 @@ class ForkedAgent:
                     signal.signal(sig, signal.SIG_DFL)
                 os.environ.clear()
                 os.environ.update(env)
-                from trainer.distributed.agent import run_forked
+                from spotrun.trainer.distributed.agent import run_forked
 
                 code = run_forked(args)
             except BaseException:  # the child's boundary: say why, never return into the parent's stack

@@ -5,7 +5,8 @@ took 1.9 s and `torch._dynamo` (which every optimizer's first `step()` imports) 
 cold start (measured with -X importtime). A worker reclaimed without notice pays that again before its
 replacement trains one step. Forked from this server, a trainer starts with both already imported.
 
-`python -P -m trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair, MODULES a
+`python -P -m spotrun.trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair,
+MODULES a
 comma list to import before serving. One JSON object per packet:
 
     <- {"op": "ready", "preload_s": S}                      once, after the imports
@@ -54,8 +55,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.launch.pool import Pool, kill_session, peer_refusal, peer_uid
-from trainer.parent_death import arm_pdeathsig
+from spotrun.trainer.launch.pool import Pool, kill_session, peer_refusal, peer_uid
+from spotrun.trainer.parent_death import arm_pdeathsig
 
 PR_SET_NAME = 15
 MAX_PACKET = 1 << 20  # a request is argv + environment: a few KB
@@ -298,12 +299,19 @@ def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int], server_pid: 
     return pid
 
 
+def _comm(module: str) -> bytes:
+    """The process name for `module` (at most 15 bytes, the kernel's limit): `spotrun.trainer` is
+    `trainer`."""
+    return module.removeprefix("spotrun.").encode()[:15]
+
+
 def _become_child(server_pid: int, module: str) -> None:
-    """Its own session, its module's name as the process name (`ps -o comm`, `pgrep -x trainer`; the
-    command line stays the server's), and SIGKILL when the server dies (PR_SET_PDEATHSIG, Linux)."""
+    """Its own session, its module's name without the package as the process name (`ps -o comm`,
+    `pgrep -x trainer`; the command line stays the server's), and SIGKILL when the server dies
+    (PR_SET_PDEATHSIG, Linux)."""
     os.setsid()
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(module.encode()[:15]), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(_comm(module)), 0, 0, 0)
         arm_pdeathsig()
         if os.getppid() != server_pid:  # the server died before prctl: no signal would ever come
             os._exit(1)

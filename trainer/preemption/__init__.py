@@ -14,29 +14,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.preemption.handover import ANNOUNCE_S as ANNOUNCE_S
-    from trainer.preemption.handover import write_standby as write_standby
-    from trainer.preemption.lease import DEFAULT_TTL_S as DEFAULT_TTL_S
-    from trainer.preemption.lease import FencedStorage as FencedStorage
-    from trainer.preemption.lease import Holder as Holder
-    from trainer.preemption.lease import Lease as Lease
-    from trainer.preemption.lease import LeaseView as LeaseView
-    from trainer.preemption.lease import held as held
-    from trainer.preemption.lease import needs_lease as needs_lease
-    from trainer.preemption.lease import write_handoff as write_handoff
-    from trainer.preemption.notices import Notice as Notice
-    from trainer.preemption.notices import make_watcher as make_watcher
-    from trainer.preemption.requests import SavePlan as SavePlan
-    from trainer.preemption.requests import StopRequest as StopRequest
-    from trainer.preemption.requests import install_signal_handlers as install_signal_handlers
-    from trainer.preemption.stopping import HandoverGate as HandoverGate
-    from trainer.preemption.stopping import HandoverOptions as HandoverOptions
-    from trainer.preemption.stopping import SaveCost as SaveCost
-    from trainer.preemption.stopping import agreed_plan as agreed_plan
-    from trainer.preemption.stopping import emergency_plan as emergency_plan
+    from spotrun.trainer.preemption.handover import ANNOUNCE_S as ANNOUNCE_S
+    from spotrun.trainer.preemption.handover import write_standby as write_standby
+    from spotrun.trainer.preemption.lease import DEFAULT_TTL_S as DEFAULT_TTL_S
+    from spotrun.trainer.preemption.lease import FencedStorage as FencedStorage
+    from spotrun.trainer.preemption.lease import Holder as Holder
+    from spotrun.trainer.preemption.lease import Lease as Lease
+    from spotrun.trainer.preemption.lease import LeaseView as LeaseView
+    from spotrun.trainer.preemption.lease import held as held
+    from spotrun.trainer.preemption.lease import needs_lease as needs_lease
+    from spotrun.trainer.preemption.lease import write_handoff as write_handoff
+    from spotrun.trainer.preemption.notices import Notice as Notice
+    from spotrun.trainer.preemption.notices import make_watcher as make_watcher
+    from spotrun.trainer.preemption.requests import SavePlan as SavePlan
+    from spotrun.trainer.preemption.requests import StopRequest as StopRequest
+    from spotrun.trainer.preemption.requests import install_signal_handlers as install_signal_handlers
+    from spotrun.trainer.preemption.stopping import HandoverGate as HandoverGate
+    from spotrun.trainer.preemption.stopping import HandoverOptions as HandoverOptions
+    from spotrun.trainer.preemption.stopping import SaveCost as SaveCost
+    from spotrun.trainer.preemption.stopping import agreed_plan as agreed_plan
+    from spotrun.trainer.preemption.stopping import emergency_plan as emergency_plan
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

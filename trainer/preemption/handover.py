@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.checkpoint.signing import marker_problem, sign_marker
-from trainer.errors import StorageError
-from trainer.storage import Storage, get_bytes, put_bytes
+from spotrun.trainer.checkpoint.signing import marker_problem, sign_marker
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.storage import Storage, get_bytes, put_bytes
 
 log = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from trainer.checkpoint.format import COMPLETED, LATEST, MANIFEST
-from trainer.checkpoint.signing import marker_problem, sign_marker
-from trainer.errors import (
+from spotrun.trainer.checkpoint.format import COMPLETED, LATEST, MANIFEST
+from spotrun.trainer.checkpoint.signing import marker_problem, sign_marker
+from spotrun.trainer.errors import (
     ConfigError,
     LeaseHeld,
     LeaseLost,
@@ -63,10 +63,10 @@ from trainer.errors import (
     StorageError,
     TransientStorageError,
 )
-from trainer.preemption.handover import STANDBY_KEY, Advert, write_standby
-from trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
-from trainer.storage.base import Stamped
-from trainer.telemetry.heartbeat import WORKERS_DIR
+from spotrun.trainer.preemption.handover import STANDBY_KEY, Advert, write_standby
+from spotrun.trainer.storage import ObjectInfo, Storage, get_bytes, put_bytes
+from spotrun.trainer.storage.base import Stamped
+from spotrun.trainer.telemetry.heartbeat import WORKERS_DIR
 
 log = logging.getLogger(__name__)
 

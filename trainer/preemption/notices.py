@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.preemption.requests import StopRequest
-from trainer.spec.job import PreemptionOptions
+from spotrun.trainer.preemption.requests import StopRequest
+from spotrun.trainer.spec.job import PreemptionOptions
 
 log = logging.getLogger(__name__)
 

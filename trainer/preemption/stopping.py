@@ -14,20 +14,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer.distributed.ranks import Ranks
-from trainer.preemption.handover import POLL_S as HANDOVER_POLL_S
-from trainer.preemption.handover import Handover
-from trainer.preemption.requests import (
+from spotrun.trainer.distributed.ranks import Ranks
+from spotrun.trainer.preemption.handover import POLL_S as HANDOVER_POLL_S
+from spotrun.trainer.preemption.handover import Handover
+from spotrun.trainer.preemption.requests import (
     DEFAULT_UPLOAD_BPS,
     DEFAULT_WRITE_BPS,
     SavePlan,
     StopRequest,
     plan_emergency_save,
 )
-from trainer.storage import Storage
-from trainer.telemetry.status import StatusReporter
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.status import StatusReporter
 
-log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("spotrun.trainer.session.loop")  # the loop's log name, which log readers match
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from trainer.checkpoint.stateful import Stateful
-from trainer.errors import ConfigError
+from spotrun.trainer.checkpoint.stateful import Stateful
+from spotrun.trainer.errors import ConfigError
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Evaluate = Callable[[torch.nn.Module], dict[str, float]]
@@ -152,8 +152,8 @@ def shape_args(name: str) -> frozenset[str] | None:
 
 
 BUILTIN = {
-    "digits": "trainer.recipes.digits:build",
-    "charlm": "trainer.recipes.charlm:build",
+    "digits": "spotrun.trainer.recipes.digits:build",
+    "charlm": "spotrun.trainer.recipes.charlm:build",
 }
 
 Recipe = Callable[[dict[str, Any], RecipeContext], Parts]

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.recipes import Evaluate, Parts, RecipeContext, arg, evaluating, recipe, warmup_cosine
-from trainer.recipes.data import sample_generator
+from spotrun.trainer.recipes import Evaluate, Parts, RecipeContext, arg, evaluating, recipe, warmup_cosine
+from spotrun.trainer.recipes.data import sample_generator
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.parent_death import die_with
+from spotrun.trainer.parent_death import die_with
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:

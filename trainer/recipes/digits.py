@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.errors import ConfigError
-from trainer.recipes import Evaluate, Parts, RecipeContext, arg, evaluating, recipe, warmup_cosine
-from trainer.recipes.data import epoch_generator
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.recipes import Evaluate, Parts, RecipeContext, arg, evaluating, recipe, warmup_cosine
+from spotrun.trainer.recipes.data import epoch_generator
 
 ARGS = {"hidden", "dropout", "lr", "noise", "warmup", "holdout", "partition", "fail_at_step"}
 EVAL_BATCH = 512

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.saving.checkpointer import Checkpointer as Checkpointer
-    from trainer.saving.interval import Choice as Choice
-    from trainer.saving.interval import IntervalTuner as IntervalTuner
-    from trainer.saving.sharded import ShardedCheckpointer as ShardedCheckpointer
-    from trainer.saving.sharded import dcp_state as dcp_state
-    from trainer.saving.sharded import load_sharded as load_sharded
+    from spotrun.trainer.saving.checkpointer import Checkpointer as Checkpointer
+    from spotrun.trainer.saving.interval import Choice as Choice
+    from spotrun.trainer.saving.interval import IntervalTuner as IntervalTuner
+    from spotrun.trainer.saving.sharded import ShardedCheckpointer as ShardedCheckpointer
+    from spotrun.trainer.saving.sharded import dcp_state as dcp_state
+    from spotrun.trainer.saving.sharded import load_sharded as load_sharded
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -28,16 +28,18 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.catalog import apply_retention, prune_local
-from trainer.checkpoint.state import Snapshotter, TornSnapshot, state_nbytes
-from trainer.errors import CheckpointError, LeaseLost
-from trainer.saving.publish import Sidecars, persist
-from trainer.saving.publish import put_sidecars as put_sidecars  # read from here by sharded.py and tests
-from trainer.saving.publish import refused as refused
-from trainer.saving.publish import verify_remote as verify_remote
-from trainer.saving.shm import SharedSnapshotter
-from trainer.saving.writer_proc import WriterProcess, opener_of
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.catalog import apply_retention, prune_local
+from spotrun.trainer.checkpoint.state import Snapshotter, TornSnapshot, state_nbytes
+from spotrun.trainer.errors import CheckpointError, LeaseLost
+from spotrun.trainer.saving.publish import Sidecars, persist
+from spotrun.trainer.saving.publish import (
+    put_sidecars as put_sidecars,  # read from here by sharded.py and tests
+)
+from spotrun.trainer.saving.publish import refused as refused
+from spotrun.trainer.saving.publish import verify_remote as verify_remote
+from spotrun.trainer.saving.shm import SharedSnapshotter
+from spotrun.trainer.saving.writer_proc import WriterProcess, opener_of
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -51,15 +51,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
-from trainer.checkpoint.safe_names import name_problem
-from trainer.checkpoint.state import Snapshotter, state_nbytes
-from trainer.errors import StorageError
-from trainer.preemption.handover import Advert, read_standby
-from trainer.saving.publish import upload
-from trainer.storage import Storage
-from trainer.telemetry.metrics_log import parse_metrics_key
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
+from spotrun.trainer.checkpoint.safe_names import name_problem
+from spotrun.trainer.checkpoint.state import Snapshotter, state_nbytes
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.preemption.handover import Advert, read_standby
+from spotrun.trainer.saving.publish import upload
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.metrics_log import parse_metrics_key
 
 log = logging.getLogger(__name__)
 

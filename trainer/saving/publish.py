@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.catalog import write_latest
-from trainer.checkpoint.format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
-from trainer.errors import CheckpointError, LeaseLost, StorageError, TransientStorageError
-from trainer.storage import Storage, confirm_stored, put_bytes
-from trainer.storage.local import unwritable
+from spotrun.trainer.checkpoint.catalog import write_latest
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, step_dir, write_checkpoint_dir
+from spotrun.trainer.errors import CheckpointError, LeaseLost, StorageError, TransientStorageError
+from spotrun.trainer.storage import Storage, confirm_stored, put_bytes
+from spotrun.trainer.storage.local import unwritable
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.checkpoint.catalog import apply_retention, prune_local, write_latest
-from trainer.checkpoint.format import (
+from spotrun.trainer.checkpoint.catalog import apply_retention, prune_local, write_latest
+from spotrun.trainer.checkpoint.format import (
     MANIFEST,
     SHARDED,
     FileEntry,
@@ -47,9 +47,9 @@ from trainer.checkpoint.format import (
     step_dir,
     write_part,
 )
-from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
-from trainer.checkpoint.signing import keyring
-from trainer.checkpoint.state import (
+from spotrun.trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from spotrun.trainer.checkpoint.signing import keyring
+from spotrun.trainer.checkpoint.state import (
     LaterCopies,
     Snapshotter,
     TornSnapshot,
@@ -59,10 +59,10 @@ from trainer.checkpoint.state import (
     update_only_views,
     view_of,
 )
-from trainer.checkpoint.stateful import DCP_METADATA, Registry, spec_of
-from trainer.distributed.ranks import Ranks
-from trainer.errors import CheckpointError, LeaseLost, StorageError
-from trainer.saving.checkpointer import (
+from spotrun.trainer.checkpoint.stateful import DCP_METADATA, Registry, spec_of
+from spotrun.trainer.distributed.ranks import Ranks
+from spotrun.trainer.errors import CheckpointError, LeaseLost, StorageError
+from spotrun.trainer.saving.checkpointer import (
     BackgroundSaver,
     OnDurable,
     SaveTimings,
@@ -72,8 +72,8 @@ from trainer.saving.checkpointer import (
     refused,
     verify_remote,
 )
-from trainer.storage import Storage
-from trainer.storage.local import fsync_dir
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage.local import fsync_dir
 
 log = logging.getLogger(__name__)
 

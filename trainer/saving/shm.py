@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.state import LaterCopies, _map_tensors
+from spotrun.trainer.checkpoint.state import LaterCopies, _map_tensors
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ SIGKILL when the parent dies (PR_SET_PDEATHSIG). It opens its own storage from a
 store gives (`opener_of`, `Reopenable`): a boto3 client cannot cross a process. Fencing is kept: writes go
 through a `FencedStorage` whose lease check reads the lease object (`lease.LeaseView`) before every write.
 
-Started with `python -P -m trainer.saving.writer_proc FD`, not multiprocessing's spawn, which would import the
+Started with `python -P -m spotrun.trainer.saving.writer_proc FD`, not multiprocessing's spawn, which would
+import the
 trainer's `__main__` module (the whole training stack) in the child.
 """
 
@@ -37,10 +38,10 @@ from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import CheckpointError, LeaseLost
-from trainer.interpreter import child_env, python_m
-from trainer.parent_death import arm_pdeathsig
-from trainer.storage import Reopenable, Storage
+from spotrun.trainer.errors import CheckpointError, LeaseLost
+from spotrun.trainer.interpreter import child_env, python_m
+from spotrun.trainer.parent_death import arm_pdeathsig
+from spotrun.trainer.storage import Reopenable, Storage
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def opener_of(storage: Any) -> tuple[Opener, tuple[str, int] | None] | None:
     """A picklable way to open `storage` again in another process (the store's own answer,
     `Reopenable.reopener`), and the lease's fencing token that fences it; None for a storage that cannot
     be reopened (a test double, an in-memory store): its checkpoints stay in a thread."""
-    from trainer.preemption.lease import FencedStorage, Lease
+    from spotrun.trainer.preemption.lease import FencedStorage, Lease
 
     fence = None
     if isinstance(storage, FencedStorage):
@@ -110,7 +111,7 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         cwd = os.getcwd()  # `python -P`: spotrun's packages from PYTHONPATH, never a trainer.py here
         self.proc = subprocess.Popen(
-            python_m("trainer.saving.writer_proc", str(theirs.fileno()), str(os.getpid())),
+            python_m("spotrun.trainer.saving.writer_proc", str(theirs.fileno()), str(os.getpid())),
             cwd=cwd,
             env=child_env(cwd=cwd),
             pass_fds=(theirs.fileno(),),
@@ -176,7 +177,7 @@ class WriterProcess:
 
 class _Writer:
     def __init__(self, init: Init) -> None:
-        from trainer.preemption.lease import FencedStorage, LeaseView
+        from spotrun.trainer.preemption.lease import FencedStorage, LeaseView
 
         storage = init.opener()
         if init.lease_fence is not None:
@@ -192,9 +193,9 @@ class _Writer:
         os.close(fd)
 
     def run(self, job: Job) -> Done:
-        from trainer.checkpoint.catalog import apply_retention, prune_local
-        from trainer.saving.publish import persist
-        from trainer.saving.shm import rebuild
+        from spotrun.trainer.checkpoint.catalog import apply_retention, prune_local
+        from spotrun.trainer.saving.publish import persist
+        from spotrun.trainer.saving.shm import rebuild
 
         if self.buf is None:
             raise CheckpointError("a job came before its arena")
@@ -278,6 +279,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     # run as the module proper, not `__main__`: the parent pickles trainer.saving.writer_proc.Job, and
     # isinstance against a second copy of the class (this file as __main__) would never match
-    from trainer.saving import writer_proc
+    from spotrun.trainer.saving import writer_proc
 
     sys.exit(writer_proc.main(sys.argv[1:]))

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.session.context import SessionEnded as SessionEnded
-    from trainer.session.context import UserSession as UserSession
-    from trainer.session.context import session as session
-    from trainer.session.core import Session as Session
-    from trainer.session.options import AttemptOptions as AttemptOptions
-    from trainer.session.options import AttemptResult as AttemptResult
+    from spotrun.trainer.session.context import SessionEnded as SessionEnded
+    from spotrun.trainer.session.context import UserSession as UserSession
+    from spotrun.trainer.session.context import session as session
+    from spotrun.trainer.session.core import Session as Session
+    from spotrun.trainer.session.options import AttemptOptions as AttemptOptions
+    from spotrun.trainer.session.options import AttemptResult as AttemptResult
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.stateful import Stateful
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.recipes.job_shape import spec_shape_args
-from trainer.session.core import Session
-from trainer.session.options import AttemptOptions, AttemptResult, seed_everything
-from trainer.session.parts import wrapped
-from trainer.spec.entrypoints import call_main, resolve_entrypoint, takes_args
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.stateful import Stateful
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.recipes.job_shape import spec_shape_args
+from spotrun.trainer.session.core import Session
+from spotrun.trainer.session.options import AttemptOptions, AttemptResult, seed_everything
+from spotrun.trainer.session.parts import wrapped
+from spotrun.trainer.spec.entrypoints import call_main, resolve_entrypoint, takes_args
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 Evaluate = Callable[[torch.nn.Module], dict[str, float]]
@@ -172,7 +172,7 @@ def session(
         raise ConfigError(
             "spotrun.session() runs inside a spotrun job: name this function in a job file "
             "(entrypoint: module:function) and run it with `spotrun run job.yaml` or "
-            "`python -m trainer --config job.yaml`"
+            "`python -m spotrun.trainer --config job.yaml`"
         )
     if ctx.opened:
         raise ConfigError("spotrun.session() was already opened in this job; open it once per run")

@@ -26,21 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint.completion import mark_completed
-from trainer.checkpoint.state import state_nbytes
-from trainer.errors import ConfigError, TrainingDiverged
-from trainer.exitcodes import ExitCode
-from trainer.preemption.stopping import SaveCost, agreed_plan, emergency_plan
-from trainer.recipes.data import ResumableLoader
-from trainer.session.evaluation import evaluate_for_promotion
-from trainer.session.opening import open_session
-from trainer.session.options import AttemptResult
-from trainer.session.state import SessionState
+from spotrun.trainer.checkpoint.completion import mark_completed
+from spotrun.trainer.checkpoint.state import state_nbytes
+from spotrun.trainer.errors import ConfigError, TrainingDiverged
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.preemption.stopping import SaveCost, agreed_plan, emergency_plan
+from spotrun.trainer.recipes.data import ResumableLoader
+from spotrun.trainer.session.evaluation import evaluate_for_promotion
+from spotrun.trainer.session.opening import open_session
+from spotrun.trainer.session.options import AttemptResult
+from spotrun.trainer.session.state import SessionState
 
 if TYPE_CHECKING:
     pass
 
-log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("spotrun.trainer.session.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
 
 

@@ -31,12 +31,18 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.stateful import unwrap
-from trainer.errors import TransientStorageError
-from trainer.recipes import Evaluate, Parts, evaluating
-from trainer.session.warm_start import OpenStore, SourceUnusable, load_parts, read_final, source_opener
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import RunSource
+from spotrun.trainer.checkpoint.stateful import unwrap
+from spotrun.trainer.errors import TransientStorageError
+from spotrun.trainer.recipes import Evaluate, Parts, evaluating
+from spotrun.trainer.session.warm_start import (
+    OpenStore,
+    SourceUnusable,
+    load_parts,
+    read_final,
+    source_opener,
+)
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import RunSource
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
-from trainer import recipes
-from trainer.checkpoint.completion import completed_for
-from trainer.checkpoint.format import COMPLETED
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.recipes import Parts, RecipeContext
-from trainer.recipes.job_shape import spec_shape_args
-from trainer.session.context import run_entrypoint
-from trainer.session.core import Session
-from trainer.session.options import AttemptOptions, AttemptResult, job_device, seed_everything
-from trainer.session.parts import wrapped
-from trainer.session.resume import ResumeSource
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage
+from spotrun.trainer import recipes
+from spotrun.trainer.checkpoint.completion import completed_for
+from spotrun.trainer.checkpoint.format import COMPLETED
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.recipes import Parts, RecipeContext
+from spotrun.trainer.recipes.job_shape import spec_shape_args
+from spotrun.trainer.session.context import run_entrypoint
+from spotrun.trainer.session.core import Session
+from spotrun.trainer.session.options import AttemptOptions, AttemptResult, job_device, seed_everything
+from spotrun.trainer.session.parts import wrapped
+from spotrun.trainer.session.resume import ResumeSource
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -15,24 +15,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.checkpoint.state import state_nbytes, update_only_views
-from trainer.checkpoint.validate import Expectation
-from trainer.errors import ConfigError
-from trainer.saving.checkpointer import Checkpointer
-from trainer.saving.interval import IntervalTuner
-from trainer.saving.peer import PeerReceiver, receiver_for, sender_for
-from trainer.session.options import rank_seed, seed_everything
-from trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
-from trainer.session.resume import Restored, durable_here, load_state, select_together
-from trainer.session.state import SessionState
-from trainer.session.warm_start import warm_start
-from trainer.spec.job import Change, describe_changes
-from trainer.telemetry.metrics_log import MetricsLog
+from spotrun.trainer.checkpoint.state import state_nbytes, update_only_views
+from spotrun.trainer.checkpoint.validate import Expectation
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.saving.checkpointer import Checkpointer
+from spotrun.trainer.saving.interval import IntervalTuner
+from spotrun.trainer.saving.peer import PeerReceiver, receiver_for, sender_for
+from spotrun.trainer.session.options import rank_seed, seed_everything
+from spotrun.trainer.session.parts import Meter, drop_lost_metrics, prior_cost_s
+from spotrun.trainer.session.resume import Restored, durable_here, load_state, select_together
+from spotrun.trainer.session.state import SessionState
+from spotrun.trainer.session.warm_start import warm_start
+from spotrun.trainer.spec.job import Change, describe_changes
+from spotrun.trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
-    from trainer.saving import sharded
+    from spotrun.trainer.saving import sharded
 
-log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("spotrun.trainer.session.loop")  # the loop's log name, which log readers match
 
 
 def open_session(s: SessionState) -> None:
@@ -135,7 +135,7 @@ def checkpointer(s: SessionState, durable: int | None) -> Checkpointer | sharded
     spec, opts = s.spec, s.opts
     pin = s.device.type == "cuda"
     if spec.distributed is not None:
-        from trainer.saving.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
+        from spotrun.trainer.saving.sharded import ShardedCheckpointer  # DCP: ~1 s of imports only ranks pay
 
         return ShardedCheckpointer(
             s.storage,
@@ -197,7 +197,7 @@ def restore(s: SessionState, path: Path) -> Restored:
     """Load every part but the RNG, which waits for the data iterator. A resharded resume re-derives
     each rank's RNG from (seed, rank, step) instead."""
     if s.state.sharded:
-        from trainer.saving.sharded import load_sharded
+        from spotrun.trainer.saving.sharded import load_sharded
 
         load_sharded(path, s.state, s.ranks)
     restored = load_state(path, s.state, skip=("rng",) if s.resharded_from is not None else ())

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.distributed.ranks import Ranks
-from trainer.errors import ConfigError
-from trainer.exitcodes import ExitCode
-from trainer.preemption.handover import ANNOUNCE_S, Advert
-from trainer.preemption.requests import StopRequest
-from trainer.session.faults import Fault
-from trainer.session.resume import ResumeSource
-from trainer.spec.job import Change, JobSpec
-from trainer.storage import Storage
-from trainer.telemetry.status import StatusReporter
+from spotrun.trainer.distributed.ranks import Ranks
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.exitcodes import ExitCode
+from spotrun.trainer.preemption.handover import ANNOUNCE_S, Advert
+from spotrun.trainer.preemption.requests import StopRequest
+from spotrun.trainer.session.faults import Fault
+from spotrun.trainer.session.resume import ResumeSource
+from spotrun.trainer.spec.job import Change, JobSpec
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.status import StatusReporter
 
 
 @dataclass(frozen=True)  # built once; what arrives later (the claimed storage) belongs to the session

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.distributed.ranks import wrap
-from trainer.errors import LeaseLost
-from trainer.session.options import AttemptOptions, rank_seed, seed_everything
-from trainer.spec.job import JobSpec
-from trainer.storage import Storage
-from trainer.telemetry.metrics_log import prune_after
+from spotrun.trainer.distributed.ranks import wrap
+from spotrun.trainer.errors import LeaseLost
+from spotrun.trainer.session.options import AttemptOptions, rank_seed, seed_everything
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.metrics_log import prune_after
 
 if TYPE_CHECKING:
     pass
 
-log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("spotrun.trainer.session.loop")  # the loop's log name, which log readers match
 
 
 class Meter:

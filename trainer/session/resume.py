@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint.catalog import Catalog, Selection
-from trainer.checkpoint.format import MANIFEST, Manifest, read_part
-from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
-from trainer.checkpoint.stateful import Codec, Registry, reconcile
-from trainer.checkpoint.validate import Expectation
-from trainer.errors import ConfigError, ResumeIncompatible, mark_echo
-from trainer.storage import Storage
+from spotrun.trainer.checkpoint.catalog import Catalog, Selection
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, read_part
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
+from spotrun.trainer.checkpoint.stateful import Codec, Registry, reconcile
+from spotrun.trainer.checkpoint.validate import Expectation
+from spotrun.trainer.errors import ConfigError, ResumeIncompatible, mark_echo
+from spotrun.trainer.storage import Storage
 
 if TYPE_CHECKING:
-    from trainer.distributed.ranks import (
+    from spotrun.trainer.distributed.ranks import (
         Ranks,  # imports torch.distributed: the controller reads this module too
     )
 

@@ -12,27 +12,27 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint.state import RngState
-from trainer.checkpoint.stateful import Registry, Stateful
-from trainer.errors import ConfigError, ResumeIncompatible
-from trainer.preemption.requests import SavePlan
-from trainer.preemption.stopping import HandoverGate, HandoverOptions
-from trainer.recipes import Parts
-from trainer.recipes.data import Position
-from trainer.saving.checkpointer import Checkpointer
-from trainer.saving.interval import Choice, IntervalTuner
-from trainer.session.options import AttemptOptions
-from trainer.session.parts import Meter
-from trainer.session.resume import Restored
-from trainer.spec.job import Change, JobSpec, spec_changes
-from trainer.storage import Storage
-from trainer.telemetry.metrics_log import MetricsLog
+from spotrun.trainer.checkpoint.state import RngState
+from spotrun.trainer.checkpoint.stateful import Registry, Stateful
+from spotrun.trainer.errors import ConfigError, ResumeIncompatible
+from spotrun.trainer.preemption.requests import SavePlan
+from spotrun.trainer.preemption.stopping import HandoverGate, HandoverOptions
+from spotrun.trainer.recipes import Parts
+from spotrun.trainer.recipes.data import Position
+from spotrun.trainer.saving.checkpointer import Checkpointer
+from spotrun.trainer.saving.interval import Choice, IntervalTuner
+from spotrun.trainer.session.options import AttemptOptions
+from spotrun.trainer.session.parts import Meter
+from spotrun.trainer.session.resume import Restored
+from spotrun.trainer.spec.job import Change, JobSpec, spec_changes
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.metrics_log import MetricsLog
 
 if TYPE_CHECKING:
-    from trainer.saving import sharded
-    from trainer.saving.peer import PeerSender
+    from spotrun.trainer.saving import sharded
+    from spotrun.trainer.saving.peer import PeerSender
 
-log = logging.getLogger("trainer.session.loop")  # the loop's log name, which log readers match
+log = logging.getLogger("spotrun.trainer.session.loop")  # the loop's log name, which log readers match
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer")
 
 

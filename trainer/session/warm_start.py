@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.catalog import Catalog
-from trainer.checkpoint.format import MANIFEST, Manifest, read_part
-from trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
-from trainer.checkpoint.stateful import Expectation, spec_of, unwrap
-from trainer.errors import ConfigError, StorageError, TransientStorageError
-from trainer.recipes import Parts
-from trainer.spec.job import JobSpec
-from trainer.spec.runs import RunSource
-from trainer.storage import Storage
-from trainer.telemetry.records import WarmStarted
+from spotrun.trainer.checkpoint.catalog import Catalog
+from spotrun.trainer.checkpoint.format import MANIFEST, Manifest, read_part
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
+from spotrun.trainer.checkpoint.stateful import Expectation, spec_of, unwrap
+from spotrun.trainer.errors import ConfigError, StorageError, TransientStorageError
+from spotrun.trainer.recipes import Parts
+from spotrun.trainer.spec.job import JobSpec
+from spotrun.trainer.spec.runs import RunSource
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.records import WarmStarted
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,9 @@ def _load_files(
     """The validated checkpoint's parts, read safely; a sharded one's optimizer state re-keyed by index."""
     manifest = Manifest.from_json((path / MANIFEST).read_bytes())
     if manifest.sharded:
-        from trainer.checkpoint.safe_load import load_full_state  # DCP's imports: only for a sharded source
+        from spotrun.trainer.checkpoint.safe_load import (
+            load_full_state,  # DCP's imports: only for a sharded source
+        )
 
         full = load_full_state(path, manifest.files, keys=tuple(want))
         state: dict[str, Any] = {"model": full["model"]}

@@ -13,34 +13,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.spec.entrypoints import call_main as call_main
-    from trainer.spec.entrypoints import resolve_entrypoint as resolve_entrypoint
-    from trainer.spec.entrypoints import shadowing_problem as shadowing_problem
-    from trainer.spec.entrypoints import split_entrypoint as split_entrypoint
-    from trainer.spec.entrypoints import takes_args as takes_args
-    from trainer.spec.hooks import HookOptions as HookOptions
-    from trainer.spec.job import Change as Change
-    from trainer.spec.job import CheckpointPolicy as CheckpointPolicy
-    from trainer.spec.job import DistributedOptions as DistributedOptions
-    from trainer.spec.job import EnvOptions as EnvOptions
-    from trainer.spec.job import JobSpec as JobSpec
-    from trainer.spec.job import PreemptionOptions as PreemptionOptions
-    from trainer.spec.job import describe_changes as describe_changes
-    from trainer.spec.job import load_spec as load_spec
-    from trainer.spec.job import never_passed as never_passed
-    from trainer.spec.job import parse_spec as parse_spec
-    from trainer.spec.job import spec_changes as spec_changes
-    from trainer.spec.runs import BEST as BEST
-    from trainer.spec.runs import LATEST_COMPLETED as LATEST_COMPLETED
-    from trainer.spec.runs import Promotion as Promotion
-    from trainer.spec.runs import RunSource as RunSource
-    from trainer.spec.runs import key_problem as key_problem
-    from trainer.spec.templating import fill as fill
-    from trainer.spec.templating import fill_tree as fill_tree
-    from trainer.spec.templating import pieces as pieces
+    from spotrun.trainer.spec.entrypoints import call_main as call_main
+    from spotrun.trainer.spec.entrypoints import resolve_entrypoint as resolve_entrypoint
+    from spotrun.trainer.spec.entrypoints import shadowing_problem as shadowing_problem
+    from spotrun.trainer.spec.entrypoints import split_entrypoint as split_entrypoint
+    from spotrun.trainer.spec.entrypoints import takes_args as takes_args
+    from spotrun.trainer.spec.hooks import HookOptions as HookOptions
+    from spotrun.trainer.spec.job import Change as Change
+    from spotrun.trainer.spec.job import CheckpointPolicy as CheckpointPolicy
+    from spotrun.trainer.spec.job import DistributedOptions as DistributedOptions
+    from spotrun.trainer.spec.job import EnvOptions as EnvOptions
+    from spotrun.trainer.spec.job import JobSpec as JobSpec
+    from spotrun.trainer.spec.job import PreemptionOptions as PreemptionOptions
+    from spotrun.trainer.spec.job import describe_changes as describe_changes
+    from spotrun.trainer.spec.job import load_spec as load_spec
+    from spotrun.trainer.spec.job import never_passed as never_passed
+    from spotrun.trainer.spec.job import parse_spec as parse_spec
+    from spotrun.trainer.spec.job import spec_changes as spec_changes
+    from spotrun.trainer.spec.runs import BEST as BEST
+    from spotrun.trainer.spec.runs import LATEST_COMPLETED as LATEST_COMPLETED
+    from spotrun.trainer.spec.runs import Promotion as Promotion
+    from spotrun.trainer.spec.runs import RunSource as RunSource
+    from spotrun.trainer.spec.runs import key_problem as key_problem
+    from spotrun.trainer.spec.templating import fill as fill
+    from spotrun.trainer.spec.templating import fill_tree as fill_tree
+    from spotrun.trainer.spec.templating import pieces as pieces
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -21,8 +21,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
-from trainer.spec.templating import uses_templates
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.templating import uses_templates
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT = re.compile(rf"^{_NAME}(\.{_NAME})*:{_NAME}$")

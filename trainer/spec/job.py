@@ -16,24 +16,24 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer.errors import ConfigError
-from trainer.redact import redact_tree
-from trainer.spec.deadline import deadline_problem
-from trainer.spec.entrypoints import code_problem, command_problem, entrypoint_problem
-from trainer.spec.hooks import HookOptions
-from trainer.spec.messages import explain_errors
-from trainer.spec.runs import (
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.redact import redact_tree
+from spotrun.trainer.spec.deadline import deadline_problem
+from spotrun.trainer.spec.entrypoints import code_problem, command_problem, entrypoint_problem
+from spotrun.trainer.spec.hooks import HookOptions
+from spotrun.trainer.spec.messages import explain_errors
+from spotrun.trainer.spec.runs import (
     JOB_NAME,
     Promotion,
     WarmStart,
     check_run_key_template,
     keyed_problem,
 )
-from trainer.spec.templating import uses_templates
-from trainer.spec.watchdog import WatchdogOptions
-from trainer.storage import Storage, open_storage
-from trainer.storage.options import S3Options
-from trainer.storage.registry import backend_for
+from spotrun.trainer.spec.templating import uses_templates
+from spotrun.trainer.spec.watchdog import WatchdogOptions
+from spotrun.trainer.storage import Storage, open_storage
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.storage.registry import backend_for
 
 # The fields `shape_hash` covers: a checkpoint's identity as tools see it without building a recipe
 # (`spotrun checkpoints --spec`). Unchanged since format 1, so old checkpoints keep their hash; an entry
@@ -518,7 +518,7 @@ class JobSpec(BaseModel):
     @field_validator("storage")
     @classmethod
     def _storage_form(cls, v: str) -> str:
-        from trainer.storage.registry import check_uri  # the registry imports nothing of the spec
+        from spotrun.trainer.storage.registry import check_uri  # the registry imports nothing of the spec
 
         return check_uri(v)
 

@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainer.errors import ConfigError
-from trainer.spec.templating import placeholders
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.spec.templating import placeholders
 
 JOB_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RUN_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,63}$"  # one path component, safe in a storage key

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 # name: what it is. The first four are filled by the controller from the flow run that starts a key
 # (tasks/retraining/run_keys.py).

@@ -7,8 +7,8 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.errors import ConfigError
-from trainer.storage.base import (
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.storage.base import (
     ObjectInfo,
     Reopenable,
     Storage,
@@ -18,9 +18,9 @@ from trainer.storage.base import (
     put_bytes,
     sha256_of,
 )
-from trainer.storage.local import LocalStorage, check_local_path
-from trainer.storage.options import S3Options
-from trainer.storage.registry import (
+from spotrun.trainer.storage.local import LocalStorage, check_local_path
+from spotrun.trainer.storage.options import S3Options
+from spotrun.trainer.storage.registry import (
     Backend,
     check_uri,
     checked_backend,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from trainer.storage.digests import DIGEST, digest_chunks
-from trainer.storage.registry import backend_for
+from spotrun.trainer.storage.digests import DIGEST, digest_chunks
+from spotrun.trainer.storage.registry import backend_for
 
 CHUNK = 1 << 20
 

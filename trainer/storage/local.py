@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
-from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
-from trainer.storage.locks import flock_waiting
-from trainer.storage.registry import is_local
+from spotrun.trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
+from spotrun.trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
+from spotrun.trainer.storage.locks import flock_waiting
+from spotrun.trainer.storage.registry import is_local
 
 TMP_MARK = ".spotrun-tmp-"
 # Under the root: checkpoints written in place by the writer, then renamed into their keys (adopt).

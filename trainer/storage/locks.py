@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainer.errors import SpotrunError
+from spotrun.trainer.errors import SpotrunError
 
 POLL_S = 0.1
 PRIVATE_UMASK = 0o077  # files 0600, directories 0700

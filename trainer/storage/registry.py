@@ -107,7 +107,7 @@ def bucket_and_prefix(uri: str) -> str | None:
     return None
 
 
-register_backend(Backend(LOCAL, "trainer.storage.local", "file:///dir", check=local_form, local=True))
+register_backend(Backend(LOCAL, "spotrun.trainer.storage.local", "file:///dir", check=local_form, local=True))
 register_backend(
-    Backend("s3", "trainer.storage.s3", "s3://bucket/prefix", check=bucket_and_prefix, options="s3")
+    Backend("s3", "spotrun.trainer.storage.s3", "s3://bucket/prefix", check=bucket_and_prefix, options="s3")
 )

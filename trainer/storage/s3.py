@@ -28,11 +28,11 @@ from boto3.s3.transfer import TransferConfig
 from botocore import exceptions as bce
 from botocore.config import Config
 
-from trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
-from trainer.redact import redact
-from trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
-from trainer.storage.local import TMP_MARK
-from trainer.storage.options import S3Options
+from spotrun.trainer.errors import ConfigError, PreconditionFailed, StorageError, TransientStorageError
+from spotrun.trainer.redact import redact
+from spotrun.trainer.storage.base import CHUNK, ObjectInfo, Stamped, Storage
+from spotrun.trainer.storage.local import TMP_MARK
+from spotrun.trainer.storage.options import S3Options
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -217,7 +217,7 @@ class S3Storage:
 
     def reopener(self) -> Callable[[], Storage] | None:
         """Its URI and options opened again (a boto3 client cannot cross a process); None for a subclass."""
-        from trainer.storage import open_storage
+        from spotrun.trainer.storage import open_storage
 
         return functools.partial(open_storage, self.uri, self.opts) if type(self) is S3Storage else None
 

@@ -9,32 +9,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.exports import lazy_exports
+from spotrun.trainer.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S as HEARTBEAT_EVERY_S
-    from trainer.telemetry.heartbeat import MAX_LOSSES as MAX_LOSSES
-    from trainer.telemetry.heartbeat import WORKERS_DIR as WORKERS_DIR
-    from trainer.telemetry.heartbeat import HeartbeatWriter as HeartbeatWriter
-    from trainer.telemetry.heartbeat import heartbeat_losses as heartbeat_losses
-    from trainer.telemetry.heartbeat import heartbeat_records as heartbeat_records
-    from trainer.telemetry.heartbeat import read_heartbeat as read_heartbeat
-    from trainer.telemetry.metrics_log import PREFIX as PREFIX
-    from trainer.telemetry.metrics_log import MetricsLog as MetricsLog
-    from trainer.telemetry.metrics_log import parse_metrics_key as parse_metrics_key
-    from trainer.telemetry.metrics_log import prune_after as prune_after
-    from trainer.telemetry.records import Durable as Durable
-    from trainer.telemetry.records import Exit as Exit
-    from trainer.telemetry.records import Interval as Interval
-    from trainer.telemetry.records import Notice as Notice
-    from trainer.telemetry.records import Record as Record
-    from trainer.telemetry.records import Started as Started
-    from trainer.telemetry.records import Step as Step
-    from trainer.telemetry.records import Stopping as Stopping
-    from trainer.telemetry.records import WarmStarted as WarmStarted
-    from trainer.telemetry.status import StatusReporter as StatusReporter
-    from trainer.telemetry.status import open_status as open_status
-    from trainer.telemetry.status import parse_status_line as parse_status_line
+    from spotrun.trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S as HEARTBEAT_EVERY_S
+    from spotrun.trainer.telemetry.heartbeat import MAX_LOSSES as MAX_LOSSES
+    from spotrun.trainer.telemetry.heartbeat import WORKERS_DIR as WORKERS_DIR
+    from spotrun.trainer.telemetry.heartbeat import HeartbeatWriter as HeartbeatWriter
+    from spotrun.trainer.telemetry.heartbeat import heartbeat_losses as heartbeat_losses
+    from spotrun.trainer.telemetry.heartbeat import heartbeat_records as heartbeat_records
+    from spotrun.trainer.telemetry.heartbeat import read_heartbeat as read_heartbeat
+    from spotrun.trainer.telemetry.metrics_log import PREFIX as PREFIX
+    from spotrun.trainer.telemetry.metrics_log import MetricsLog as MetricsLog
+    from spotrun.trainer.telemetry.metrics_log import parse_metrics_key as parse_metrics_key
+    from spotrun.trainer.telemetry.metrics_log import prune_after as prune_after
+    from spotrun.trainer.telemetry.records import Durable as Durable
+    from spotrun.trainer.telemetry.records import Exit as Exit
+    from spotrun.trainer.telemetry.records import Interval as Interval
+    from spotrun.trainer.telemetry.records import Notice as Notice
+    from spotrun.trainer.telemetry.records import Record as Record
+    from spotrun.trainer.telemetry.records import Started as Started
+    from spotrun.trainer.telemetry.records import Step as Step
+    from spotrun.trainer.telemetry.records import Stopping as Stopping
+    from spotrun.trainer.telemetry.records import WarmStarted as WarmStarted
+    from spotrun.trainer.telemetry.status import StatusReporter as StatusReporter
+    from spotrun.trainer.telemetry.status import open_status as open_status
+    from spotrun.trainer.telemetry.status import parse_status_line as parse_status_line
 
 # name: the module of this room that defines it (imported when the name is first read)
 _WHERE = {

@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer.errors import ConfigError
-from trainer.storage import Storage, get_bytes, put_bytes
-from trainer.telemetry.records import KINDS, Durable, Record, Step, parse_record
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.storage import Storage, get_bytes, put_bytes
+from spotrun.trainer.telemetry.records import KINDS, Durable, Record, Step, parse_record
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.storage import Storage
+from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from trainer.errors import ConfigError
-from trainer.telemetry.records import Durable, Record, Step, build, parse_record
+from spotrun.trainer.errors import ConfigError
+from spotrun.trainer.telemetry.records import Durable, Record, Step, build, parse_record
 
 log = logging.getLogger(__name__)
 

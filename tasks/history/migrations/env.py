@@ -8,8 +8,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-from tasks.history.migrations import VERSION_TABLE
-from tasks.history.models import Base
+from spotrun.tasks.history.migrations import VERSION_TABLE
+from spotrun.tasks.history.models import Base
 
 
 def run(connection: Connection) -> None:

@@ -24,15 +24,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tasks.providers.aws.config import AwsProviderConfig, LaunchTemplateRef
-from tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
-from tasks.providers.aws.sweeper import sweep, sweep_flow_run
+from spotrun.tasks.providers.aws.config import AwsProviderConfig, LaunchTemplateRef
+from spotrun.tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
+from spotrun.tasks.providers.aws.sweeper import sweep, sweep_flow_run
 
 if TYPE_CHECKING:
-    from tasks.providers.aws.clients import ec2_client, make_ec2_client
-    from tasks.providers.aws.factory import build
-    from tasks.providers.aws.provider import AwsProvider
-    from tasks.providers.aws.rehearsal import RehearsalProvider
+    from spotrun.tasks.providers.aws.clients import ec2_client, make_ec2_client
+    from spotrun.tasks.providers.aws.factory import build
+    from spotrun.tasks.providers.aws.provider import AwsProvider
+    from spotrun.tasks.providers.aws.rehearsal import RehearsalProvider
 
 _LAZY = {
     "AwsProvider": "provider",

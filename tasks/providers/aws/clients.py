@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import boto3
 from botocore.config import Config
 
-from tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

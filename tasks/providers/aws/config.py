@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainer.checkpoint.signing import KEY_ENV
+from spotrun.trainer.checkpoint.signing import KEY_ENV
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 RESERVED_TAG_PREFIX = "spotrun:"
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
@@ -251,7 +251,9 @@ class AwsProviderConfig(BaseModel):
         description="rehearsal against a test endpoint (moto): run each instance's user data as a local "
         "process, since such an endpoint starts nothing; never set it against AWS",
     )
-    python: str = Field(default="python3", description="interpreter on the AMI that runs `-P -m trainer`")
+    python: str = Field(
+        default="python3", description="interpreter on the AMI that runs `-P -m spotrun.trainer`"
+    )
     manifest_key_file: str | None = Field(
         default=None,
         description="a root-readable file on the instance (baked into the AMI, or written by its own boot "

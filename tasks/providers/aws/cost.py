@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.policy import Market, Placement
-from tasks.providers.aws.watch import AwsWorkerState
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.policy import Market, Placement
+from spotrun.tasks.providers.aws.watch import AwsWorkerState
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

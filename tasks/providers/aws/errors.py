@@ -18,7 +18,7 @@ from enum import StrEnum
 from botocore import exceptions as bce
 from botocore.parsers import ResponseParserError
 
-from tasks.providers.base import ProvisionError
+from spotrun.tasks.providers.base import ProvisionError
 
 
 class ErrorKind(StrEnum):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.installation import installation_id
-from tasks.providers.aws.provider import AwsProvider
-from tasks.providers.aws.rehearsal import RehearsalProvider
-from tasks.providers.base import Provider
-from trainer.home import spotrun_home
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.installation import installation_id
+from spotrun.tasks.providers.aws.provider import AwsProvider
+from spotrun.tasks.providers.aws.rehearsal import RehearsalProvider
+from spotrun.tasks.providers.base import Provider
+from spotrun.trainer.home import spotrun_home
 
 
 def build(cfg: AwsProviderConfig, workdir: Path, flow_run_id: str | None) -> Provider:

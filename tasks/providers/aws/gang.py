@@ -20,13 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.providers.aws import launch
-from tasks.providers.aws.errors import BOTO_ERRORS, ErrorKind, classify_code, classify_error, error_code
-from tasks.providers.aws.groups import PlacementGroups
-from tasks.providers.aws.instances import landed, terminate, terminate_on_error
-from tasks.providers.aws.policy import Market, Placement, PlacementEvent, PlacementOutcome
-from tasks.providers.aws.sites import Sites
-from tasks.providers.base import ProvisionError
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.aws.errors import (
+    BOTO_ERRORS,
+    ErrorKind,
+    classify_code,
+    classify_error,
+    error_code,
+)
+from spotrun.tasks.providers.aws.groups import PlacementGroups
+from spotrun.tasks.providers.aws.instances import landed, terminate, terminate_on_error
+from spotrun.tasks.providers.aws.policy import Market, Placement, PlacementEvent, PlacementOutcome
+from spotrun.tasks.providers.aws.sites import Sites
+from spotrun.tasks.providers.base import ProvisionError
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
-from tasks.providers.aws import launch
-from tasks.providers.aws.errors import BOTO_ERRORS, classify_error, error_code
-from tasks.providers.aws.instances import all_terminated
-from tasks.providers.aws.sites import Sites
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.aws.errors import BOTO_ERRORS, classify_error, error_code
+from spotrun.tasks.providers.aws.instances import all_terminated
+from spotrun.tasks.providers.aws.sites import Sites
 
 log = logging.getLogger(__name__)
 

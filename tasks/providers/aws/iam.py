@@ -29,9 +29,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.launch import TAG_INSTALLATION, TAG_JOB, TAG_LEASE
-from trainer.errors import ConfigError
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.launch import TAG_INSTALLATION, TAG_JOB, TAG_LEASE
+from spotrun.trainer.errors import ConfigError
 
 Statement = dict[str, Any]
 _ACCOUNT = re.compile(r"^\d{12}$")
@@ -365,8 +365,8 @@ def _provider(path: Path) -> AwsProviderConfig:
 
 
 def _scope(args: argparse.Namespace) -> Scope:
-    from tasks.providers.aws.installation import installation_id
-    from trainer.home import spotrun_home
+    from spotrun.tasks.providers.aws.installation import installation_id
+    from spotrun.trainer.home import spotrun_home
 
     home = spotrun_home()
     return Scope(

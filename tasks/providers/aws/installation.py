@@ -13,7 +13,7 @@ import re
 import secrets
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from spotrun.trainer.errors import ConfigError
 
 INSTALLATION_FILE = "aws-installation-id"
 _ID = re.compile(r"^[0-9a-f]{16}$")

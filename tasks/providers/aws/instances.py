@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tasks.providers.aws.errors import BOTO_ERRORS, error_code
-from tasks.providers.aws.policy import Placement
+from spotrun.tasks.providers.aws.errors import BOTO_ERRORS, error_code
+from spotrun.tasks.providers.aws.policy import Placement
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.policy import Market, Placement
-from tasks.providers.base import ProvisionError
-from trainer.interpreter import python_m
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.policy import Market, Placement
+from spotrun.tasks.providers.base import ProvisionError
+from spotrun.trainer.interpreter import python_m
 
 if TYPE_CHECKING:
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 USER_DATA_LIMIT = 16 * 1024  # bytes EC2 accepts before base64
 IMDS = "http://169.254.169.254/latest"
@@ -127,7 +127,7 @@ def build_user_data(
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
     which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
     # `python -P`: the trainer imports spotrun's packages from the image, never a trainer.py in $SPOTRUN_HOME
-    start = shlex.join(python_m("trainer", "--config", "job.yaml", python=python))
+    start = shlex.join(python_m("spotrun.trainer", "--config", "job.yaml", python=python))
     trainer = f'exec "$@" {start} --worker-id "$SPOTRUN_WORKER_ID"'
     trainer += extra  # "$@": the switch to TRAINER_USER
     return f"""#!/bin/bash

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
-from tasks.market.fallback import FixedRule
-from tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.market.fallback import FixedRule
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
 
 Market = Literal["spot", "on-demand"]
 NEVER = float("-inf")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.market.prices import Prices
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.errors import LaunchContext, classify_error
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.errors import LaunchContext, classify_error
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

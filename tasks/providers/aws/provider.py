@@ -39,22 +39,28 @@ from typing import TYPE_CHECKING, Any
 
 import boto3
 
-from tasks.market.prices import Prices
-from tasks.providers.aws import launch
-from tasks.providers.aws.clients import ec2_client, make_ec2_client, make_ec2_clients
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.cost import Cost, attempt_cost, launch_prices
-from tasks.providers.aws.errors import BOTO_ERRORS
-from tasks.providers.aws.gang import Gang, Launches, Plan
-from tasks.providers.aws.groups import GROUP_WAIT_S, PlacementGroups
-from tasks.providers.aws.instances import terminate, terminate_on_error
-from tasks.providers.aws.policy import Market, PlacementEvent, PlacementOutcome, apart_from, choose_market
-from tasks.providers.aws.prices import quote
-from tasks.providers.aws.sites import Sites
-from tasks.providers.aws.standby import LiveWorkers
-from tasks.providers.aws.sweeper import sweep_flow_run
-from tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
-from tasks.providers.base import (
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws import launch
+from spotrun.tasks.providers.aws.clients import ec2_client, make_ec2_client, make_ec2_clients
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.cost import Cost, attempt_cost, launch_prices
+from spotrun.tasks.providers.aws.errors import BOTO_ERRORS
+from spotrun.tasks.providers.aws.gang import Gang, Launches, Plan
+from spotrun.tasks.providers.aws.groups import GROUP_WAIT_S, PlacementGroups
+from spotrun.tasks.providers.aws.instances import terminate, terminate_on_error
+from spotrun.tasks.providers.aws.policy import (
+    Market,
+    PlacementEvent,
+    PlacementOutcome,
+    apart_from,
+    choose_market,
+)
+from spotrun.tasks.providers.aws.prices import quote
+from spotrun.tasks.providers.aws.sites import Sites
+from spotrun.tasks.providers.aws.standby import LiveWorkers
+from spotrun.tasks.providers.aws.sweeper import sweep_flow_run
+from spotrun.tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, ExitStatus, WorkerWatch
+from spotrun.tasks.providers.base import (
     LogCallback,
     ProvisionError,
     StatusCallback,
@@ -63,15 +69,15 @@ from tasks.providers.base import (
     WatchResult,
     Worker,
 )
-from trainer.storage import Storage
-from trainer.storage.registry import is_local
-from trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S
-from trainer.telemetry.records import Notice, Record
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage.registry import is_local
+from spotrun.trainer.telemetry.heartbeat import HEARTBEAT_EVERY_S
+from spotrun.trainer.telemetry.records import Notice, Record
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
 
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 __all__ = ["HANDOVER_S", "AwsProvider", "ec2_client", "make_ec2_client", "make_ec2_clients"]
 

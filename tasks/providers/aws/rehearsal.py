@@ -18,11 +18,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tasks.market.prices import Prices
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.provider import AwsProvider
-from tasks.providers.aws.watch import AwsWorkerState
-from tasks.providers.base import (
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.provider import AwsProvider
+from spotrun.tasks.providers.aws.watch import AwsWorkerState
+from spotrun.tasks.providers.base import (
     LogCallback,
     Market,
     StatusCallback,
@@ -31,9 +31,9 @@ from tasks.providers.base import (
     WatchResult,
     Worker,
 )
-from tasks.providers.processes import die_with_parent, on_spawner_thread
-from tasks.providers.trainer_env import trainer_env
-from trainer.spec.job import EnvOptions, JobSpec
+from spotrun.tasks.providers.processes import die_with_parent, on_spawner_thread
+from spotrun.tasks.providers.trainer_env import trainer_env
+from spotrun.trainer.spec.job import EnvOptions, JobSpec
 
 log = logging.getLogger(__name__)
 

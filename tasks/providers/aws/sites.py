@@ -19,8 +19,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.errors import (
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.errors import (
     BOTO_ERRORS,
     SCORES_ERRORS,
     LaunchContext,
@@ -28,7 +28,7 @@ from tasks.providers.aws.errors import (
     classify_error,
     scores_refusal,
 )
-from tasks.providers.aws.policy import Market, Placement, PlacementEvent, rank_placements, zone_scores
+from spotrun.tasks.providers.aws.policy import Market, Placement, PlacementEvent, rank_placements, zone_scores
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

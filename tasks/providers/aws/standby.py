@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from tasks.providers.aws.errors import BOTO_ERRORS
-from tasks.providers.aws.launch import TAG_LEASE, lease_value
-from tasks.providers.aws.sites import Sites
-from tasks.providers.aws.watch import AwsWorkerState
+from spotrun.tasks.providers.aws.errors import BOTO_ERRORS
+from spotrun.tasks.providers.aws.launch import TAG_LEASE, lease_value
+from spotrun.tasks.providers.aws.sites import Sites
+from spotrun.tasks.providers.aws.watch import AwsWorkerState
 
 log = logging.getLogger(__name__)
 

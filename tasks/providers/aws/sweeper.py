@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.providers.aws.launch import TAG_FLOW_RUN, TAG_INSTALLATION, TAG_LEASE
+from spotrun.tasks.providers.aws.launch import TAG_FLOW_RUN, TAG_INSTALLATION, TAG_LEASE
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

@@ -43,15 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 from botocore import exceptions as bce
 
-from tasks.providers.aws.config import AwsProviderConfig
-from tasks.providers.aws.errors import error_code
-from tasks.providers.aws.launch import TAG_LEASE, lease_value
-from tasks.providers.aws.policy import Placement
-from tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
-from trainer.errors import StorageError
-from trainer.storage import Storage
-from trainer.telemetry.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat
-from trainer.telemetry.records import Durable, Exit, Record, Started, Step
+from spotrun.tasks.providers.aws.config import AwsProviderConfig
+from spotrun.tasks.providers.aws.errors import error_code
+from spotrun.tasks.providers.aws.launch import TAG_LEASE, lease_value
+from spotrun.tasks.providers.aws.policy import Placement
+from spotrun.tasks.providers.base import KillReason, NoticeKind, StatusCallback, WatchResult, Worker
+from spotrun.trainer.errors import StorageError
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.telemetry.heartbeat import heartbeat_losses, heartbeat_records, read_heartbeat
+from spotrun.trainer.telemetry.records import Durable, Exit, Record, Started, Step
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

@@ -1,4 +1,5 @@
-"""The `local` provider (`kind: local`): each worker is a `python -m trainer` subprocess on this machine,
+"""The `local` provider (`kind: local`): each worker is a `python -m spotrun.trainer` subprocess on this
+machine,
 reclaimed on a plan by a spot-market simulator, so that a job's recovery is rehearsed before anyone pays
 for GPUs.
 
@@ -11,14 +12,14 @@ for GPUs.
 - `fork_server`: trainers forked from a server that imported torch once (seconds less per attempt).
 """
 
-from tasks.providers.local.config import (
+from spotrun.tasks.providers.local.config import (
     LocalProviderConfig,
     PlannedPreemption,
     SpotSimulatorConfig,
     plan_preemption,
     simulator_rng,
 )
-from tasks.providers.local.provider import OMP_WAIT, LocalProvider, build, worker_dir
+from spotrun.tasks.providers.local.provider import OMP_WAIT, LocalProvider, build, worker_dir
 
 __all__ = [
     "OMP_WAIT",

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tasks.market.prices import Prices
-from tasks.market.traces import load
-from tasks.providers.trainer_env import trainer_env
-from trainer.checkpoint.signing import KEY_ENV
-from trainer.errors import ConfigError
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.market.traces import load
+from spotrun.tasks.providers.trainer_env import trainer_env
+from spotrun.trainer.checkpoint.signing import KEY_ENV
+from spotrun.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 
 class PlannedPreemption(BaseModel):
@@ -66,7 +66,8 @@ class LocalProviderConfig(BaseModel):
     kind: Literal["local"] = Field(default="local", description="the provider: local subprocesses")
     python: str | None = Field(
         default=None,  # not sys.executable: a default is baked into the deployment on the deploying machine
-        description="Python interpreter that runs `python -P -m trainer` (3.11+, torch and this project "
+        description="Python interpreter that runs `python -P -m spotrun.trainer` (3.11+, torch and this "
+        "project "
         "installed); empty: the one running the flow",
     )
     workdir: str | None = Field(
@@ -106,7 +107,7 @@ class LocalProviderConfig(BaseModel):
         description="fork each trainer from a server process that has imported torch and the training "
         "stack once (seconds less per attempt: what a replacement after a reclaim without notice waits "
         "for); only when `python` is empty or the flow's own interpreter; false: every trainer is a fresh "
-        "`python -m trainer`",
+        "`python -m spotrun.trainer`",
     )
     pool: str | None = Field(
         default=None,

@@ -28,16 +28,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from tasks.providers.processes import die_with_parent, on_spawner_thread
-from trainer.interpreter import python_m
-from trainer.launch.zygote import MAX_PACKET, LoadKey, load_key, send
+from spotrun.tasks.providers.processes import die_with_parent, on_spawner_thread
+from spotrun.trainer.interpreter import python_m
+from spotrun.trainer.launch.zygote import MAX_PACKET, LoadKey, load_key, send
 
 log = logging.getLogger(__name__)
 
 # What the trainer imports before it can train a step: torch (1.9 s on a 2-core VM), torch._dynamo (1.25 s;
 # the first optimizer step imports it) and the training stack (0.3 s). Recipes stay per child: a user's
 # recipe module may change between runs, and the built-in ones import in milliseconds.
-PRELOAD = ("torch", "torch._dynamo", "trainer.__main__")
+PRELOAD = ("torch", "torch._dynamo", "spotrun.trainer.__main__")
 READY_TIMEOUT_S = 120.0  # the imports on a cold page cache of a slow disk
 SPAWN_TIMEOUT_S = 30.0
 
@@ -207,7 +207,9 @@ class ForkServer(ServerConnection):
 
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = python_m("trainer.launch.zygote", str(theirs.fileno()), ",".join(preload), python=python)
+        cmd = python_m(
+            "spotrun.trainer.launch.zygote", str(theirs.fileno()), ",".join(preload), python=python
+        )
         try:
             proc = on_spawner_thread(lambda: _popen(cmd, dict(env), theirs.fileno()))
         finally:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.market.traces import Trace, best_zone, load
-from tasks.providers.base import Market, ProvisionError
+from spotrun.tasks.market.traces import Trace, best_zone, load
+from spotrun.tasks.providers.base import Market, ProvisionError
 
 if TYPE_CHECKING:
-    from tasks.providers.local.config import LocalProviderConfig
+    from spotrun.tasks.providers.local.config import LocalProviderConfig
 
 ON_DEMAND_ZONE = ""  # on-demand has no zone in the replay: it is always there
 

@@ -32,17 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.providers.local import fork_server
-from tasks.providers.local.fork_server import (
+from spotrun.tasks.providers.local import fork_server
+from spotrun.tasks.providers.local.fork_server import (
     ForkedProcess,
     ForkServerUnavailable,
     ServerConnection,
     load_key,
 )
-from trainer.interpreter import python_m
-from trainer.launch.pool import peer_uid
-from trainer.launch.zygote import LOAD_TIME_PREFIXES, MAX_PACKET, LoadKey, send
-from trainer.storage.locks import LockTimeout, flock_within
+from spotrun.trainer.interpreter import python_m
+from spotrun.trainer.launch.pool import peer_uid
+from spotrun.trainer.launch.zygote import LOAD_TIME_PREFIXES, MAX_PACKET, LoadKey, send
+from spotrun.trainer.storage.locks import LockTimeout, flock_within
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def _start(
         os.chmod(place.socket, 0o600)
         listener.listen(BACKLOG)
         cmd = python_m(
-            "trainer.launch.zygote",
+            "spotrun.trainer.launch.zygote",
             "--pool",
             str(listener.fileno()),
             str(place.socket),

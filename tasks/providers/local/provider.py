@@ -1,4 +1,5 @@
-"""The local provider: each worker is a `python -P -m trainer` subprocess, watched by a spot-market simulator.
+"""The local provider: each worker is a `python -P -m spotrun.trainer` subprocess, watched by a spot-market
+simulator.
 
 The simulator rehearses what a spot market does to a job before anyone pays for GPUs: after a planned
 time of training it sends a notice (SIGTERM to the trainer's process group) and, if the trainer is still
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from tasks.market.prices import Prices
-from tasks.providers.base import (
+from spotrun.tasks.market.prices import Prices
+from spotrun.tasks.providers.base import (
     KillReason,
     LogCallback,
     Market,
@@ -49,14 +50,14 @@ from tasks.providers.base import (
     Worker,
     stop_cause,
 )
-from tasks.providers.local import fork_server, pool
-from tasks.providers.local.config import (
+from spotrun.tasks.providers.local import fork_server, pool
+from spotrun.tasks.providers.local.config import (
     LocalProviderConfig,
     plan_preemption,
     simulator_rng,
 )
-from tasks.providers.local.market import TraceMarket
-from tasks.providers.processes import (
+from spotrun.tasks.providers.local.market import TraceMarket
+from spotrun.tasks.providers.processes import (
     Proc,
     die_with_parent,
     exited,
@@ -64,15 +65,15 @@ from tasks.providers.processes import (
     on_spawner_thread,
     signal_group,
 )
-from tasks.providers.trainer_env import trainer_env
-from trainer.home import spotrun_home
-from trainer.interpreter import python_m, worker_path
-from trainer.storage.base import local_dir_name
-from trainer.telemetry.records import Durable, Record, Started, Step
-from trainer.telemetry.status import parse_status_line
+from spotrun.tasks.providers.trainer_env import trainer_env
+from spotrun.trainer.home import spotrun_home
+from spotrun.trainer.interpreter import python_m, worker_path
+from spotrun.trainer.storage.base import local_dir_name
+from spotrun.trainer.telemetry.records import Durable, Record, Started, Step
+from spotrun.trainer.telemetry.status import parse_status_line
 
 if TYPE_CHECKING:
-    from trainer.spec.job import JobSpec
+    from spotrun.trainer.spec.job import JobSpec
 
 __all__ = ["OMP_WAIT", "LocalProvider", "build", "worker_dir"]
 
@@ -156,9 +157,9 @@ class LocalProvider:
         # The controller's directory, as before, but named: `python -P` leaves it off sys.path, and
         # PYTHONPATH puts it after spotrun's root (a trainer.py there cannot shadow spotrun's trainer)
         cwd = Path.cwd()
-        cmd = python_m("trainer", *args, python=self.cfg.python)
+        cmd = python_m("spotrun.trainer", *args, python=self.cfg.python)
         env = _child_env(job, self.flow_run_id, cwd)
-        proc = self._start(cmd, "trainer", args, env=env, cwd=cwd)
+        proc = self._start(cmd, "spotrun.trainer", args, env=env, cwd=cwd)
         handle = _Handle(proc, queue.Queue(), [], time.monotonic(), market=self.market, clock=self.clock)
         for pipe, stream in ((proc.stdout, "out"), (proc.stderr, "err")):
             t = threading.Thread(target=_read_lines, args=(pipe, stream, handle.events), daemon=True)
