@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -38,8 +39,11 @@ from spotrun.deployments.schedules import scheduled_training
 from spotrun.tasks.admission.trust import Allowed, named, write_allowed
 from spotrun.trainer.errors import SpotrunError
 
-REPO = Path(__file__).resolve().parents[1]
-PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
+# What the package ships (in the wheel as spotrun/deployments/...; tests/e2e/test_package.py checks it):
+# prefect.yaml, and the example jobs and scripts its deployments run.
+SHIPPED = Path(str(resources.files("spotrun.deployments")))
+PREFECT_FILE = SHIPPED / "prefect.yaml"
+SHIPPED_PREFIX = "deployments/jobs/"  # how prefect.yaml names a shipped script in a job's `command:`
 ALERT_DEPLOYMENT = "restart-alert/restart-alert"
 RECOVER_DEPLOYMENT = "recover-job/recover-job"
 DEPLOY_TIMEOUT_S = 300
@@ -162,29 +166,46 @@ def server_schedules(client: SyncPrefectClient, names: list[str]) -> dict[str, S
     return out
 
 
-def run_prefect_deploy(
-    api_url: str, prefect_file: Path = PREFECT_FILE, existing: dict[str, Schedules] | None = None
-) -> None:
-    """`prefect deploy --all` from the repository root, where the entrypoints are relative to; with
-    `existing`, the file rewritten by `keep_operator_schedules` first."""
-    if existing:
-        doc = keep_operator_schedules(yaml.safe_load(prefect_file.read_text()), existing)
-        with tempfile.TemporaryDirectory(prefix="spotrun-deploy-") as tmp:
-            kept = Path(tmp) / prefect_file.name
-            kept.write_text(yaml.safe_dump(doc, sort_keys=False))
-            return run_prefect_deploy(api_url, kept)
+def with_shipped_paths(doc: dict[str, Any]) -> dict[str, Any]:
+    """The shipped prefect.yaml with each `deployments/jobs/...` word of a job's command made the absolute
+    path of that file in the installed package, pure: a run starts in the directory `spotrun deploy`
+    ran in, not in a checkout."""
+    doc = copy.deepcopy(doc)
+    for d in doc.get("deployments", []):
+        job = (d.get("parameters") or {}).get("job") or {}
+        if isinstance(job.get("command"), list):
+            job["command"] = [_shipped(word) for word in job["command"]]
+    return doc
+
+
+def _shipped(word: Any) -> Any:
+    if isinstance(word, str) and word.startswith(SHIPPED_PREFIX):
+        return str(SHIPPED / word.removeprefix("deployments/"))
+    return word
+
+
+def run_prefect_deploy(api_url: str, doc: dict[str, Any], *, workdir: Path, source: Path) -> None:
+    """`prefect deploy --all` of `doc` (read from `source`, named in errors) from `workdir`: the entrypoints
+    are module paths of the installed package, and `workdir` becomes every run's working directory."""
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file"]
-    cmd.append(str(prefect_file))
     env = {**os.environ, "PREFECT_API_URL": api_url}
-    try:
-        done = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as e:
-        raise DeployError(f"`prefect deploy` did not finish within {DEPLOY_TIMEOUT_S} s") from e
+    with tempfile.TemporaryDirectory(prefix="spotrun-deploy-") as tmp:
+        written = Path(tmp) / "prefect.yaml"
+        written.write_text(yaml.safe_dump(doc, sort_keys=False))
+        try:
+            done = subprocess.run(
+                [*cmd, str(written)],
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=DEPLOY_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise DeployError(f"`prefect deploy` did not finish within {DEPLOY_TIMEOUT_S} s") from e
     if done.returncode != 0:
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-        raise DeployError(f"`prefect deploy` failed ({done.returncode}) for {prefect_file}: {tail}")
+        raise DeployError(f"`prefect deploy` failed ({done.returncode}) for {source}: {tail}")
 
 
 def allowed_by_defaults(doc: dict[str, Any]) -> Allowed:
@@ -201,16 +222,20 @@ def deploy(
     prefect_file: Path = PREFECT_FILE,
     recovery: RecoveryRules | None = None,
     home: Path | None = None,
+    workdir: Path | None = None,
 ) -> DeployReport:
     """Apply pools, deployments and automations to the server PREFECT_API_URL names; with `home`, write
-    what their defaults name to this host's trust settings (`home`/allowed.yaml) once they are applied."""
+    what their defaults name to this host's trust settings (`home`/allowed.yaml) once they are applied.
+    `workdir` (default: this process's directory): where the deployments' runs start."""
     recovery = recovery or RecoveryRules()
     url = api_url()
     names = DeployedNames.read(prefect_file)
     doc = yaml.safe_load(prefect_file.read_text())
+    doc = with_shipped_paths(doc) if prefect_file == PREFECT_FILE else doc
     with get_client(sync_client=True) as client:
         created = [p for p in sorted(set(names.pools.values()) - {""}) if ensure_work_pool(client, p)]
-        run_prefect_deploy(url, prefect_file, server_schedules(client, list(names.pools)))
+        kept = keep_operator_schedules(doc, server_schedules(client, list(names.pools)))
+        run_prefect_deploy(url, kept, workdir=workdir or Path.cwd(), source=prefect_file)
         ids = {name: client.read_deployment_by_name(name).id for name in names.pools}
         for needed in (ALERT_DEPLOYMENT, RECOVER_DEPLOYMENT):
             if needed not in ids:

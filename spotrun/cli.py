@@ -29,6 +29,7 @@ from spotrun.console import (
     wide_console,
 )
 from spotrun.deploy_cmd import add_deploy, add_serve
+from spotrun.init_cmd import add_init
 from spotrun.pool_cmd import add_pool
 from spotrun.report_cmd import add_report
 from spotrun.run_cmd import add_run
@@ -100,6 +101,7 @@ def _add_history(sub: Subparsers) -> None:
 # ---- the command registry ----
 
 COMMANDS: dict[str, Callable[[Subparsers], None]] = {
+    "init": add_init,
     "checkpoints": add_checkpoints,
     "run": add_run,
     "history": _add_history,

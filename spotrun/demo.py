@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from spotrun import prefect_db, run_cmd
 from spotrun.console import spotrun_command, wide_console
 from spotrun.demo_alerts import alerting, show_alert, wait_for_alert
+from spotrun.deployments.apply import SHIPPED
 from spotrun.live import metrics_record
 from spotrun.server import PrefectApi, prefect_api, running_server, server_home
 from spotrun.tasks.decisions.attempts import Outcome
@@ -60,8 +61,7 @@ from spotrun.trainer.spec.job import JobSpec, load_spec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.storage.locks import private_home
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_JOB = REPO / "deployments" / "jobs" / "digits.yaml"
+DEMO_JOB = SHIPPED / "jobs" / "digits.yaml"  # in the installed package
 REFERENCE_TIMEOUT_S = 300.0
 # The demo trains digits.yaml for TOTAL_STEPS, reclaiming each of the first three attempts after
 # SCHEDULE's seconds of training (counted from its first step). Seconds, not steps, because that is
@@ -84,7 +84,9 @@ def prepare(home: Path) -> tuple[Path, JobSpec]:
     shutil.rmtree(home / "demo", ignore_errors=True)
     (home / "demo").mkdir(parents=True)
     if not DEMO_JOB.is_file():
-        raise SpotrunError(f"demo job {DEMO_JOB} not found; run the demo from a checkout of spotrun")
+        raise SpotrunError(
+            f"demo job {DEMO_JOB} not found: reinstall spotrun (pip install --force-reinstall)"
+        )
     data = yaml.safe_load(DEMO_JOB.read_text())
     data["storage"], data["total_steps"] = str(home / "demo" / "checkpoints"), TOTAL_STEPS
     path = home / "demo" / "digits.yaml"
@@ -97,11 +99,7 @@ def start_reference(job: Path, root: Path) -> subprocess.Popen[bytes]:
     root.mkdir(parents=True)
     cmd = python_m("spotrun.trainer", "--config", str(job), "--storage", str(root / "checkpoints"))
     cmd += ["--cache", str(root / "cache"), "--metrics", str(root / "metrics.jsonl")]
-    env = {
-        **OMP_WAIT,  # as the flow's workers: threads that sleep while they wait (tasks/providers/local/)
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    env = {**OMP_WAIT, **os.environ}  # as the flow's workers: threads that sleep while they wait
     with open(root / "trainer.log", "wb") as log:
         return subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 

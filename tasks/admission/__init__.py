@@ -27,5 +27,4 @@ _WHERE = {
     "signing_refusal": "trust",
     "write_allowed": "trust",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

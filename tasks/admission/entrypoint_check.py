@@ -16,16 +16,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from spotrun.tasks.providers.trainer_env import trainer_env
-from spotrun.trainer.interpreter import SAFE_PATH, spotrun_root, worker_path
-from spotrun.trainer.spec.entrypoints import shadowing_problem, split_entrypoint
+from spotrun.trainer.interpreter import SAFE_PATH, worker_path
+from spotrun.trainer.spec.entrypoints import split_entrypoint
 from spotrun.trainer.spec.job import JobSpec
 
 CHECK_TIMEOUT_S = 120.0  # the module's imports (torch: 1-5 s) and its top-level code
 _MARK = "spotrun-entrypoint-check: "  # the check's own line among whatever the module prints
 # Run as `python -P -c _CHECK MARK MODULE FUNCTION`: -P keeps the working directory off sys.path, so the
-# path is exactly PYTHONPATH's, a local worker's (trainer/interpreter.py `worker_path`: spotrun's root, the
-# working directory, then PYTHONPATH's entries), as a worker started with `python -P -m spotrun.trainer` has
-# it.
+# path is exactly PYTHONPATH's, a local worker's (trainer/interpreter.py `worker_path`: the working
+# directory, then PYTHONPATH's entries), as a worker started with `python -P -m spotrun.trainer` has it.
 _CHECK = """\
 import importlib, sys
 mark, module, function = sys.argv[1:4]
@@ -93,16 +92,13 @@ def import_problem(
 def entrypoint_refusal(
     spec: JobSpec, python: str | None, environ: Mapping[str, str], cwd: Path
 ) -> str | None:
-    """Why a local job's entry point cannot run, in one line (None: it imports, or the job has none): a
-    module beside it named like spotrun's packages, or the import's own error. `python`: the provider's
-    interpreter (None: this one); `environ`: what the trainer environment is drawn from."""
+    """Why a local job's entry point cannot run, in one line (None: it imports, or the job has none): the
+    import's own error. `python`: the provider's interpreter (None: this one); `environ`: what the
+    trainer environment is drawn from."""
     if spec.entrypoint is None:
         return None
     env = trainer_env(environ, spec.env)
-    ours = spotrun_root()
-    path = worker_path(cwd, env.get("PYTHONPATH"), ours)
-    if why := shadowing_problem(spec.entrypoint, path, ours):
-        return why
+    path = worker_path(cwd, env.get("PYTHONPATH"))
     interpreter = python or sys.executable
     why = import_problem(spec.entrypoint, interpreter, path, env=env, cwd=cwd)
     if why is None:

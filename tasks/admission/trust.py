@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import ipaddress
+import logging
 import os
 import shlex
 import stat
@@ -36,6 +37,7 @@ from spotrun.trainer.errors import ConfigError
 from spotrun.trainer.spec.job import JobSpec
 
 ALLOWED_FILE = "allowed.yaml"
+log = logging.getLogger(__name__)
 OPERATOR, DEPLOYMENTS = "allow", "deployments"  # the file's sections: the operator's, spotrun deploy's
 HEADER = f"""\
 # What a deployment run's parameters (the Prefect UI form, the API, an automation) may name on this
@@ -83,7 +85,19 @@ class Allowed:
         if not isinstance(loopback, bool):
             raise ConfigError(f"{where}.loopback: use true or false")
         lists = {k: _strings(doc.get(k), f"{where}.{k}") for k in known - {"loopback"}}
-        return cls(loopback=loopback, **lists)
+        return cls(loopback=loopback, **lists | {"recipes": _renamed_recipes(lists["recipes"], where)})
+
+
+OLD_ROOT = "trainer.recipes."  # spotrun 0.1's spelling of its recipe modules (CHANGELOG.md, 0.2.0)
+
+
+def _renamed_recipes(recipes: frozenset[str], where: str) -> frozenset[str]:
+    """`recipes` with each entry spelt the 0.1 way (`trainer.recipes...`) allowed as
+    `spotrun.trainer.recipes...` too, with a warning: what the operator wrote stays allowed, under both."""
+    old = sorted(r for r in recipes if r.startswith(OLD_ROOT))
+    if old:
+        log.warning("%s.recipes: %s is spelt as before spotrun 0.2; write spotrun.%s", where, old[0], old[0])
+    return recipes | {f"spotrun.{r}" for r in old}
 
 
 def _strings(v: Any, where: str) -> frozenset[str]:

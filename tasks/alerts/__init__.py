@@ -6,38 +6,22 @@ No Prefect here, except `tasks.alerts.secrets` (Secret blocks), which nothing he
 
 from __future__ import annotations
 
-from spotrun.tasks.alerts.decide import Action, Decision, decide
-from spotrun.tasks.alerts.message import (
-    AlertContext,
-    AlertKind,
-    PromotionFacts,
-    ResumeFacts,
-    SlackMessage,
-    build_message,
-    to_markdown,
-)
-from spotrun.tasks.alerts.service import AlertRequest, AlertResult, raise_alert
-from spotrun.tasks.alerts.slack import Delivery, SlackConfigError, SlackTarget, deliver, target_from_env
-from spotrun.tasks.history import AlertStatus
-
-__all__ = [
-    "Action",
-    "AlertContext",
-    "AlertKind",
-    "AlertRequest",
-    "AlertResult",
-    "AlertStatus",
-    "Decision",
-    "Delivery",
-    "PromotionFacts",
-    "ResumeFacts",
-    "SlackConfigError",
-    "SlackMessage",
-    "SlackTarget",
-    "build_message",
-    "decide",
-    "deliver",
-    "raise_alert",
-    "target_from_env",
-    "to_markdown",
-]
+from spotrun.tasks.alerts.decide import Action as Action
+from spotrun.tasks.alerts.decide import Decision as Decision
+from spotrun.tasks.alerts.decide import decide as decide
+from spotrun.tasks.alerts.message import AlertContext as AlertContext
+from spotrun.tasks.alerts.message import AlertKind as AlertKind
+from spotrun.tasks.alerts.message import PromotionFacts as PromotionFacts
+from spotrun.tasks.alerts.message import ResumeFacts as ResumeFacts
+from spotrun.tasks.alerts.message import SlackMessage as SlackMessage
+from spotrun.tasks.alerts.message import build_message as build_message
+from spotrun.tasks.alerts.message import to_markdown as to_markdown
+from spotrun.tasks.alerts.service import AlertRequest as AlertRequest
+from spotrun.tasks.alerts.service import AlertResult as AlertResult
+from spotrun.tasks.alerts.service import raise_alert as raise_alert
+from spotrun.tasks.alerts.slack import Delivery as Delivery
+from spotrun.tasks.alerts.slack import SlackConfigError as SlackConfigError
+from spotrun.tasks.alerts.slack import SlackTarget as SlackTarget
+from spotrun.tasks.alerts.slack import deliver as deliver
+from spotrun.tasks.alerts.slack import target_from_env as target_from_env
+from spotrun.tasks.history import AlertStatus as AlertStatus

@@ -30,5 +30,4 @@ _WHERE = {
     "run_job": "loop",
     "sweep_instances": "sweeping",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

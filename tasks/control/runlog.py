@@ -38,12 +38,6 @@ from spotrun.trainer.errors import ConfigError, StorageError
 from spotrun.trainer.spec.job import JobSpec
 from spotrun.trainer.telemetry.records import Started
 
-__all__ = [
-    "JobRunLog",
-    "ReportSink",
-    "Summary",
-]  # Summary: what the flow returns (tasks/reports/run_summary.py)
-
 
 class ReportSink(Protocol):
     """What the run log reports through (tasks/control/loop.py's Sink is one)."""

@@ -38,8 +38,6 @@ from typing import Literal
 from spotrun.tasks.market.fallback import FixedRule
 from spotrun.tasks.providers.base import Market
 
-__all__ = ["POLICIES", "Decision", "FixedRule", "Policy", "Situation", "fixed"]
-
 Choice = Literal["spot", "on-demand", "wait"]
 
 

@@ -57,5 +57,4 @@ _WHERE = {
     "trained_at": "lost_steps",
     "walk": "lost_steps",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -6,21 +6,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from spotrun.tasks.history.engine import default_url
-from spotrun.tasks.history.models import AlertRow, AlertStatus, AttemptRow, JobRunRow, JobStatus, RejectionRow
-from spotrun.tasks.history.store import HistoryStore, StoreUnavailable
-
-__all__ = [
-    "AlertRow",
-    "AlertStatus",
-    "AttemptRow",
-    "HistoryStore",
-    "JobRunRow",
-    "JobStatus",
-    "RejectionRow",
-    "StoreUnavailable",
-    "database_url",
-    "default_url",
-]
+from spotrun.tasks.history.models import AlertRow as AlertRow
+from spotrun.tasks.history.models import AlertStatus as AlertStatus
+from spotrun.tasks.history.models import AttemptRow as AttemptRow
+from spotrun.tasks.history.models import JobRunRow as JobRunRow
+from spotrun.tasks.history.models import JobStatus as JobStatus
+from spotrun.tasks.history.models import RejectionRow as RejectionRow
+from spotrun.tasks.history.store import HistoryStore as HistoryStore
+from spotrun.tasks.history.store import StoreUnavailable as StoreUnavailable
 
 URL_SETTING = "SPOTRUN_DATABASE_URL"
 

@@ -59,5 +59,4 @@ _WHERE = {
     "run_key_tag": "job_slot",
     "slot_id": "job_slot",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

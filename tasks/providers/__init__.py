@@ -11,38 +11,17 @@
   their parent (local trainers, a rehearsal's instances, spotrun's own Prefect server and worker).
 """
 
-from spotrun.tasks.providers.base import (
-    KillReason,
-    NoticeKind,
-    Provider,
-    ProviderSettings,
-    ProvisionError,
-    StopCause,
-    WatchResult,
-    Worker,
-    stop_cause,
-)
-from spotrun.tasks.providers.registry import (
-    PROVIDERS,
-    ProviderConfig,
-    Registered,
-    build_provider,
-    parse_provider_config,
-)
-
-__all__ = [
-    "PROVIDERS",
-    "KillReason",
-    "NoticeKind",
-    "Provider",
-    "ProviderConfig",
-    "ProviderSettings",
-    "ProvisionError",
-    "Registered",
-    "StopCause",
-    "WatchResult",
-    "Worker",
-    "build_provider",
-    "parse_provider_config",
-    "stop_cause",
-]
+from spotrun.tasks.providers.base import KillReason as KillReason
+from spotrun.tasks.providers.base import NoticeKind as NoticeKind
+from spotrun.tasks.providers.base import Provider as Provider
+from spotrun.tasks.providers.base import ProviderSettings as ProviderSettings
+from spotrun.tasks.providers.base import ProvisionError as ProvisionError
+from spotrun.tasks.providers.base import StopCause as StopCause
+from spotrun.tasks.providers.base import WatchResult as WatchResult
+from spotrun.tasks.providers.base import Worker as Worker
+from spotrun.tasks.providers.base import stop_cause as stop_cause
+from spotrun.tasks.providers.registry import PROVIDERS as PROVIDERS
+from spotrun.tasks.providers.registry import ProviderConfig as ProviderConfig
+from spotrun.tasks.providers.registry import Registered as Registered
+from spotrun.tasks.providers.registry import build_provider as build_provider
+from spotrun.tasks.providers.registry import parse_provider_config as parse_provider_config

@@ -56,5 +56,4 @@ _WHERE = {
     "progress": "goodput",
     "summary_rows": "goodput",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -27,5 +27,4 @@ _WHERE = {
     "per_run_key": "run_key_start",
     "preview": "run_keys",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

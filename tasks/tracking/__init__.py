@@ -7,7 +7,9 @@ job run; `ResumeChecker` compares what a lost attempt and its successor computed
 MLflow is imported lazily, in the tracker's thread only.
 """
 
-from spotrun.tasks.tracking.fidelity import ResumeCheck, ResumeChecker, worst_verdict
-from spotrun.tasks.tracking.tracker import Tracker, TrackingInfo, Where
-
-__all__ = ["ResumeCheck", "ResumeChecker", "Tracker", "TrackingInfo", "Where", "worst_verdict"]
+from spotrun.tasks.tracking.fidelity import ResumeCheck as ResumeCheck
+from spotrun.tasks.tracking.fidelity import ResumeChecker as ResumeChecker
+from spotrun.tasks.tracking.fidelity import worst_verdict as worst_verdict
+from spotrun.tasks.tracking.tracker import Tracker as Tracker
+from spotrun.tasks.tracking.tracker import TrackingInfo as TrackingInfo
+from spotrun.tasks.tracking.tracker import Where as Where

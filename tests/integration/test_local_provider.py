@@ -109,7 +109,7 @@ def test_run_without_preemption_completes(tmp_path: Path) -> None:
 
 
 SHADOW_LOOP = """\
-import torch, spotrun, trainer, beside_5e2
+import torch, spotrun, spotrun.trainer, trainer, beside_5e2
 
 def main():
     open(beside_5e2.MARK, "w").write(trainer.__file__)
@@ -127,17 +127,17 @@ def main():
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
-def test_a_trainer_py_where_the_worker_starts_does_not_shadow_spotruns(
+def test_a_trainer_py_where_the_worker_starts_is_the_users(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
 ) -> None:
-    """A worker starts in the controller's directory, which holds a user's `trainer.py` (it raises when
-    imported) and a module the loop imports; the entry point's module is elsewhere, on PYTHONPATH. The
-    worker (`python -P -m spotrun.trainer`) imports spotrun's trainer, finds both modules and completes."""
+    """A worker starts in the controller's directory, which holds a user's `trainer.py` and a module the
+    loop imports; the entry point's module is elsewhere, on PYTHONPATH. The worker (`python -P -m
+    spotrun.trainer`) runs spotrun's trainer, and the loop's `import trainer` gets the user's module."""
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir()
     elsewhere.mkdir()
     mark = tmp_path / "imported-trainer"
-    (here / "trainer.py").write_text("raise RuntimeError('the user trainer.py was imported')\n")
+    (here / "trainer.py").write_text("OWNER = 'user'\n")
     (here / "beside_5e2.py").write_text(f"MARK = {str(mark)!r}\n")
     (elsewhere / "shadow_loop_5e2.py").write_text(SHADOW_LOOP)
     spec = tmp_path / "job.yaml"
@@ -151,7 +151,7 @@ def test_a_trainer_py_where_the_worker_starts_does_not_shadow_spotruns(
     worker = provider.provision(load_spec(spec), 1, spec, [])
     result, _, logs = _watch(provider, worker)
     assert result.exit_code == 0 and result.trainer_code == "COMPLETED", "\n".join(logs[-20:])
-    assert mark.read_text() == str(REPO / "trainer" / "__init__.py")
+    assert mark.read_text() == str(here / "trainer.py")
 
 
 def test_reclaim_with_notice_exits_preempted(tmp_path: Path) -> None:

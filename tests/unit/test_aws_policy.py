@@ -28,6 +28,7 @@ from spotrun.tasks.providers.aws.policy import (
 )
 from spotrun.tasks.providers.aws.watch import SPOT_INTERRUPTION, AwsWorkerState, end_of_instance, gang_end
 from spotrun.tasks.providers.base import KillReason
+from spotrun.trainer.interpreter import spotrun_version
 from spotrun.trainer.storage import LocalStorage
 
 A, B, C = "subnet-0000000a", "subnet-0000000b", "subnet-0000000c"
@@ -564,6 +565,7 @@ def test_node_address_already_set_wins(tmp_path: Any) -> None:
     assert out.stdout == "1 127.0.0.1\n" and (tmp_path / "node1" / "job.yaml").read_text() == SPEC
 
 
+PROBE_OK = '[ "$2" = -c ] && exit 0  # the version check: this image has the controller\'s spotrun'
 STUBS = {  # stand-ins that record their arguments: the test must not add a user to this host
     "id": "exit 1",  # no such user yet
     "useradd": "",
@@ -599,7 +601,7 @@ def test_user_data_runs_the_trainer_as_an_unprivileged_user(
     """Run the user data with recording stand-ins for the commands that touch users and modes."""
     stubs, log, h = tmp_path / "bin", tmp_path / "calls.log", str(tmp_path / "w")
     stubs.mkdir()
-    for name, body in {**STUBS, "python": 'echo "HOME=$HOME"'}.items():
+    for name, body in {**STUBS, "python": f'{PROBE_OK}\necho "HOME=$HOME"'}.items():
         (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n{body}\n')
         (stubs / name).chmod(0o755)
     script = launch.build_user_data(SPEC, [], python="python", workdir=h, job="d", attempt=1)
@@ -609,7 +611,8 @@ def test_user_data_runs_the_trainer_as_an_unprivileged_user(
     out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env, check=True)
     recorded = log.read_text().splitlines() if log.exists() else []
     python = "python -P -m spotrun.trainer --config job.yaml --worker-id i-1"
-    assert recorded == [c.format(h=h) for c in [*calls, python]]
+    probe = f"python -P -c {launch.VERSION_PROBE} {spotrun_version()}"  # as root, before the switch
+    assert recorded == [probe, *(c.format(h=h) for c in [*calls, python])]
     assert out.stdout == f"HOME={home.format(h=h)}\n"
 
 
@@ -659,3 +662,31 @@ def test_multi_node_attempt_cost_counts_every_instance(tmp_path: Any) -> None:
     assert attempt_cost(state, 1800) == Cost(
         usd=0.36, price_per_h=0.72, market="spot", on_demand_usd=1.2, hours=0.5
     )
+
+
+@pytest.mark.parametrize(("installed", "starts"), [("same", True), ("0.0.1", False), ("none", False)])
+def test_user_data_refuses_an_image_with_another_spotrun(
+    tmp_path: Path, installed: str, starts: bool
+) -> None:
+    """The image's spotrun is the worker's code: another version (or none) is named with the one needed,
+    and no trainer starts."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    version = {"same": spotrun_version(), "0.0.1": "0.0.1", "none": ""}[installed]
+    probe = f'[ "$2" = -c ] && {{ [ "$4" = "{version}" ]; exit $?; }}'  # $4: the version the check wants
+    (stubs / "python").write_text(f"#!/bin/bash\n{probe}\necho TRAINER\n")
+    (stubs / "python").chmod(0o755)
+    script = launch.build_user_data(
+        SPEC, [], python="python", workdir=str(tmp_path / "w"), job="d", attempt=1
+    )
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SPOTRUN_WORKER_ID": "i-1", "SPOTRUN_TRAINER_USER": ""}
+    out = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env, check=False)
+    if starts:
+        assert out.returncode == 0 and out.stdout == "TRAINER\n", out.stderr
+    else:
+        assert out.returncode == 3 and "TRAINER" not in out.stdout
+        need = spotrun_version()
+        assert (
+            f"this worker needs spotrun {need} on the image (python): pip install spotrun=={need}"
+            in out.stderr
+        )

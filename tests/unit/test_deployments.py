@@ -22,7 +22,7 @@ import yaml
 from spotrun.cli import main
 from spotrun.deploy_cmd import alert_rules, duration_s, recovery_rules
 from spotrun.deployments.alert_parts import AlertRules as PartsRules
-from spotrun.deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, REPO, DeployedNames
+from spotrun.deployments.apply import ALERT_DEPLOYMENT, PREFECT_FILE, RECOVER_DEPLOYMENT, DeployedNames
 from spotrun.deployments.automations import (
     AT_RISK,
     CRASHED,
@@ -75,6 +75,7 @@ from spotrun.trainer.errors import ConfigError
 from spotrun.trainer.spec.job import JobSpec
 from spotrun.trainer.spec.runs import Promotion
 
+REPO = Path(__file__).resolve().parents[2]
 DOC = yaml.safe_load(PREFECT_FILE.read_text())
 DEPLOYMENTS = {d["name"]: d for d in DOC["deployments"]}
 
@@ -86,6 +87,21 @@ def test_each_entrypoint_is_a_flow_of_the_installed_package(name: str) -> None:
     assert module.startswith("spotrun.flows.")
     flow = getattr(importlib.import_module(module), func)
     assert flow.name == func.replace("_", "-")  # DeployedNames relies on it
+
+
+def test_the_shipped_scripts_run_from_the_installed_package() -> None:
+    """`spotrun deploy` writes a shipped script's absolute path: runs start where it ran, in no checkout."""
+    from spotrun.deployments.apply import SHIPPED, with_shipped_paths
+
+    resolved = {d["name"]: d for d in with_shipped_paths(DOC)["deployments"]}
+    for name in ("transformers-example", "lightning-example"):
+        raw, command = (
+            DEPLOYMENTS[name]["parameters"]["job"]["command"],
+            resolved[name]["parameters"]["job"]["command"],
+        )
+        assert raw[1].startswith("deployments/jobs/scripts/") and command[1] == str(SHIPPED / raw[1][12:])
+        assert Path(command[1]).is_file() and command[2:] == raw[2:]
+    assert DOC["deployments"][0] == resolved[DOC["deployments"][0]["name"]]  # no command: unchanged
 
 
 TRAINING = ["resilient-training", "nightly-retraining", "transformers-example", "lightning-example"]

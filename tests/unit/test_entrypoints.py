@@ -1,6 +1,6 @@
-"""A job's entry point (trainer/spec/entrypoints.py, tasks/admission/entrypoint_check.py): its form, the
-modules beside it that would clash with spotrun's packages, how it is called, and `spotrun run`'s import check
-in a subprocess (one real one)."""
+"""A job's entry point (trainer/spec/entrypoints.py, tasks/admission/entrypoint_check.py): its form, how it
+is called, and `spotrun run`'s import check in a subprocess (real ones), which a project's own modules
+named like spotrun's rooms (`trainer.py`, `tasks/`) pass: spotrun's own are all under `spotrun.`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 
-from spotrun.tasks.admission.entrypoint_check import entrypoint_refusal, import_fix, spotrun_root, worker_path
+from spotrun.tasks.admission.entrypoint_check import entrypoint_refusal, import_fix, worker_path
 from spotrun.trainer.errors import ConfigError
 from spotrun.trainer.spec.entrypoints import (
     call_main,
     code_problem,
     entrypoint_problem,
-    module_root,
     resolve_entrypoint,
-    shadowing_problem,
     takes_args,
 )
 from spotrun.trainer.spec.job import JobSpec
@@ -60,56 +58,6 @@ def test_entrypoint_form(value: str, problem: str | None) -> None:
 def test_exactly_one_way_in(given: dict[str, bool], problem: str | None) -> None:
     got = code_problem(given)
     assert got is None if problem is None else (got is not None and problem in got and "\n" not in got)
-
-
-def tree(root: Path, *files: str) -> Path:
-    """Files (and their directories) under `root`, empty."""
-    for f in files:
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        (root / f).write_text("")
-    return root
-
-
-def test_module_root_is_where_the_import_system_finds_the_top_package(tmp_path: Path) -> None:
-    a = tree(tmp_path / "a", "mypkg/train.py", "solo/x.py")  # two namespace directories
-    b = tree(tmp_path / "b", "mypkg/__init__.py", "train.py")
-    c = tree(tmp_path / "c", "solo/y.py")
-    assert module_root("mypkg.train", [a, b]) == b  # a regular package wins over an earlier namespace
-    assert module_root("train", [a, b]) == b  # a plain module
-    assert module_root("solo.x", [a, c]) == a  # namespace portions only: the first
-    assert module_root("installed.mod", [a, b]) is None
-
-
-OURS = Path("/opt/spotrun")  # where spotrun's packages live in these cases
-
-
-@pytest.mark.parametrize(
-    ("files", "entrypoint", "problem"),
-    [
-        (["mypkg/__init__.py", "mypkg/train.py"], "mypkg.train:main", None),
-        (["mypkg/__init__.py", "trainer.py"], "mypkg.train:main", "trainer.py has the name of spotrun's own"),
-        (
-            ["train.py", "tasks/__init__.py"],
-            "train:main",
-            "tasks has the name of spotrun's own package 'tasks'",
-        ),
-        (["train.py", "spotrun/__init__.py"], "train:main", "rename it (e.g. my_spotrun) and its imports"),
-        (["flows/__init__.py", "flows/loop.py"], "flows.loop:main", "flows has the name"),  # itself
-        (["train.py", "deployments/prefect.yaml"], "train:main", None),  # a plain directory: no module
-        (["elsewhere.py", "trainer.py"], "installed.loop:main", None),  # not from this directory
-    ],
-)
-def test_a_module_named_like_spotruns_packages_beside_the_loop_is_refused(
-    tmp_path: Path, files: list[str], entrypoint: str, problem: str | None
-) -> None:
-    root = tree(tmp_path, *files)
-    got = shadowing_problem(entrypoint, [root], OURS)
-    assert got is None if problem is None else (got is not None and problem in got and "\n" not in got)
-
-
-def test_a_loop_kept_in_spotruns_own_tree_clashes_with_nothing(tmp_path: Path) -> None:
-    root = tree(tmp_path, "trainer/__init__.py", "examples/__init__.py", "examples/loop.py")
-    assert shadowing_problem("examples.loop:main", [root], root) is None
 
 
 def no_args() -> str:
@@ -171,13 +119,39 @@ def test_resolve_refuses_in_one_line(entrypoint: str, message: str) -> None:
     assert resolve_entrypoint("json:dumps")([1]) == "[1]"
 
 
-def test_the_worker_path_is_spotrun_then_its_directory_then_pythonpath(tmp_path: Path) -> None:
-    """spotrun's root first: a trainer.py in the worker's directory cannot shadow spotrun's trainer."""
-    ours = spotrun_root()
-    assert (ours / "trainer" / "__init__.py").is_file()
-    assert worker_path(tmp_path, f"/x{os.pathsep}/y", ours) == [str(ours), str(tmp_path), "/x", "/y"]
-    assert worker_path(tmp_path, None, ours) == [str(ours), str(tmp_path)]
-    assert worker_path(ours, f"{ours}{os.pathsep}{os.pathsep}/x") == [str(ours), "/x"]  # each once
+def test_the_worker_path_is_its_directory_then_pythonpath(tmp_path: Path) -> None:
+    """As `python -m` in that directory would have it; nothing of spotrun's: it is an installed package."""
+    assert worker_path(tmp_path, f"/x{os.pathsep}/y") == [str(tmp_path), "/x", "/y"]
+    assert worker_path(tmp_path, None) == [str(tmp_path)]
+    assert worker_path(tmp_path, f"{tmp_path}{os.pathsep}{os.pathsep}/x") == [
+        str(tmp_path),
+        "/x",
+    ]  # each once
+    assert worker_path(None, None) == []
+
+
+PROJECT = {
+    "trainer.py": "OWNER = 'project'\n",
+    "tasks/__init__.py": "REGISTRY = {'a': 1}\n",
+    "flows/__init__.py": "",
+    "deployments/__init__.py": "",
+    "utils.py": "HELPER = 2\n",
+    "own_loop_4d2.py": (
+        "import deployments, flows, utils\nfrom tasks import REGISTRY\nfrom trainer import OWNER\n"
+        "import spotrun.trainer\nassert OWNER == 'project' and REGISTRY and utils.HELPER == 2\n"
+        "def main():\n    pass\n"
+    ),
+}
+
+
+def test_a_project_with_its_own_trainer_and_tasks_modules_is_accepted(tmp_path: Path) -> None:
+    """The loop imports the project's `trainer`, `tasks`, `flows` and `deployments`, and spotrun's own
+    `spotrun.trainer` beside them: the import check (a real `python -P`, as a worker) passes."""
+    for name, text in PROJECT.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    spec = JobSpec(name="j", entrypoint="own_loop_4d2:main", total_steps=1)
+    assert entrypoint_refusal(spec, None, {"PATH": os.environ.get("PATH", "")}, tmp_path) is None
 
 
 def test_spotrun_run_imports_the_entrypoint_in_a_subprocess(tmp_path: Path) -> None:

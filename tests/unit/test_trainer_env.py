@@ -57,7 +57,9 @@ def test_ec2_user_data_exports_the_jobs_env_set_quoted(tmp_path: Path) -> None:
     """The user data run by bash with a stand-in `python` that prints what it was given."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "python").write_text('#!/bin/bash\necho "WANDB_PROJECT=$WANDB_PROJECT"\necho "ODD=$ODD"\n')
+    (stubs / "python").write_text(
+        '#!/bin/bash\n[ "$2" = -c ] && exit 0\necho "WANDB_PROJECT=$WANDB_PROJECT"\necho "ODD=$ODD"\n'
+    )
     (stubs / "python").chmod(0o755)
     spec = "name: d\nrecipe: digits\ntotal_steps: 1\n"
     env = {"WANDB_PROJECT": "nightly", "ODD": "it's $HOME; `x`"}
@@ -73,7 +75,7 @@ def test_ec2_user_data_reads_the_manifest_key_from_the_instances_file(tmp_path: 
     """The key is read on the instance, before the switch to the trainer's user; never in user data."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "python").write_text('#!/bin/bash\necho "KEY=$SPOTRUN_MANIFEST_KEY"\n')
+    (stubs / "python").write_text('#!/bin/bash\n[ "$2" = -c ] && exit 0\necho "KEY=$SPOTRUN_MANIFEST_KEY"\n')
     (stubs / "python").chmod(0o755)
     (tmp_path / "key").write_text("s3cret\n")
     script = build_user_data(

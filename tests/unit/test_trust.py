@@ -3,6 +3,7 @@ table by table, and the host's settings file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
@@ -257,3 +258,18 @@ def test_a_controller_that_verifies_needs_workers_that_sign(
     job = JobSpec(name="j", recipe="digits", total_steps=10, storage="s3://b/j")
     why = signing_refusal(job, provider, {"PATH": "/usr/bin", **env})
     assert (why is None) if says is None else (says in str(why))
+
+
+def test_recipes_spelt_as_before_0_2_are_allowed_under_both_names(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings_path(tmp_path).write_text("allow:\n  recipes: [trainer.recipes.charlm:build, team.m:build]\n")
+    settings_path(tmp_path).chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="spotrun.tasks.admission.trust"):
+        allowed = read_allowed(tmp_path)
+    assert allowed.recipes == {
+        "trainer.recipes.charlm:build",
+        "spotrun.trainer.recipes.charlm:build",
+        "team.m:build",
+    }
+    assert "write spotrun.trainer.recipes.charlm:build" in caplog.text

@@ -1,8 +1,8 @@
 """Every process spotrun starts to run its own code is `python -P -m MODULE` (trainer/interpreter.py): the
 local provider's trainer, the fork server, the checkpoint writer, a fresh torchrun and its ranks, EC2's user
 data. The commands are read where they are built (the start itself replaced); one real start shows that a
-user's `trainer.py` in the working directory cannot shadow spotrun's trainer, while modules beside it and
-on PYTHONPATH still import."""
+user's `trainer.py` in the working directory is the user's `trainer`, beside spotrun's `spotrun.trainer`,
+and that modules beside it and on PYTHONPATH import."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 
+import spotrun.trainer
 from spotrun.tasks.providers.aws import launch
 from spotrun.tasks.providers.local import LocalProvider, LocalProviderConfig, fork_server
-from spotrun.trainer.interpreter import child_env, python_m, spotrun_root, worker_path
+from spotrun.trainer.interpreter import child_env, python_m, worker_path
 from spotrun.trainer.launch.start import fresh_agent_args
 from spotrun.trainer.saving import writer_proc
 from spotrun.trainer.spec.job import load_spec
-
-RAISES = "raise RuntimeError('the user trainer.py was imported')\n"
 
 
 class Started(Exception):
@@ -60,9 +59,9 @@ def test_a_local_worker_starts_with_dash_p_in_an_explicit_directory(
     assert seen["cmd"] == python_m("spotrun.trainer", *seen["args"], python="/opt/py")
     assert seen["cmd"][:4] == ["/opt/py", "-P", "-m", "spotrun.trainer"] and "--max-steps" in seen["args"]
     assert seen["cwd"] == tmp_path
-    # spotrun's root first, then the directory (a loop beside the job file), then the environment's own
+    # the directory (a loop beside the job file), then the environment's own; spotrun is installed
     path = seen["env"]["PYTHONPATH"].split(os.pathsep)
-    assert path == [str(spotrun_root()), str(tmp_path), "/from/env"]
+    assert path == [str(tmp_path), "/from/env"]
 
 
 def test_the_fork_server_and_its_children_are_dash_p(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +89,7 @@ def test_the_checkpoint_writer_is_dash_p(tmp_path: Path, monkeypatch: pytest.Mon
         writer_proc.WriterProcess(None, None, tmp_path, 1)  # type: ignore[arg-type]
     assert seen["cmd"][:4] == [sys.executable, "-P", "-m", "spotrun.trainer.saving.writer_proc"]
     assert seen["cwd"] == os.getcwd()
-    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(spotrun_root())
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == os.getcwd()
 
 
 def test_a_fresh_torchrun_and_its_ranks_are_dash_p() -> None:
@@ -116,33 +115,29 @@ def test_ec2_user_data_starts_the_trainer_with_dash_p() -> None:
     )
 
 
-def test_a_trainer_py_in_the_directory_cannot_shadow_spotruns(tmp_path: Path) -> None:
-    """A real start through the helper, as a worker's: in a directory holding a user's `trainer.py` (which
-    raises when imported), with the entry point's module in another directory on PYTHONPATH. spotrun's
-    trainer is imported; the module elsewhere and a module beside the `trainer.py` both import."""
+def test_a_trainer_py_in_the_directory_is_the_users_beside_spotruns(tmp_path: Path) -> None:
+    """A real start through the helper, as a worker's: in a directory holding a user's `trainer.py`, with
+    the entry point's module in another directory on PYTHONPATH. `import trainer` is the user's module,
+    `spotrun.trainer` is spotrun's; the module elsewhere and a module beside the `trainer.py` both import."""
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir()
     elsewhere.mkdir()
-    (here / "trainer.py").write_text(RAISES)
+    (here / "trainer.py").write_text("OWNER = 'user'\n")
     (here / "beside_7c1.py").write_text("VALUE = 'beside'\n")
     (elsewhere / "loop_7c1.py").write_text(
-        "import beside_7c1, trainer, trainer.interpreter\n"
-        "print(trainer.__file__, beside_7c1.VALUE, __name__)\n"
+        "import beside_7c1, trainer, spotrun.trainer.interpreter\n"
+        "print(trainer.__file__, trainer.OWNER, spotrun.trainer.__file__, beside_7c1.VALUE, __name__)\n"
     )
     env = child_env({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(elsewhere)}, cwd=here)
     done = subprocess.run(
         python_m("loop_7c1"), cwd=here, env=env, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(spotrun_root() / "trainer" / "__init__.py"), "beside", "__main__"]
-    # without -P the same start imports the user's trainer.py: what the flag is for
-    plain = [sys.executable, "-m", "loop_7c1"]
-    done = subprocess.run(plain, cwd=here, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode != 0 and "the user trainer.py was imported" in done.stderr
+    ours = spotrun.trainer.__file__
+    assert done.stdout.split() == [str(here / "trainer.py"), "user", ours, "beside", "__main__"]
 
 
-def test_the_worker_path_is_spotrun_then_the_directory_then_pythonpath(tmp_path: Path) -> None:
-    ours = str(spotrun_root())
-    assert worker_path(tmp_path, f"/a{os.pathsep}{ours}") == [ours, str(tmp_path), "/a"]
-    assert worker_path(None, None) == [ours]
-    assert child_env({"X": "1"}, cwd=tmp_path) == {"X": "1", "PYTHONPATH": f"{ours}{os.pathsep}{tmp_path}"}
+def test_the_worker_path_is_the_directory_then_pythonpath(tmp_path: Path) -> None:
+    assert worker_path(tmp_path, f"/a{os.pathsep}{tmp_path}") == [str(tmp_path), "/a"]
+    assert worker_path(None, None) == []
+    assert child_env({"X": "1"}, cwd=tmp_path) == {"X": "1", "PYTHONPATH": str(tmp_path)}

@@ -145,5 +145,4 @@ _WHERE = {
     "write_latest": "catalog",
     "write_part": "format",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -49,8 +49,6 @@ from spotrun.trainer.checkpoint.stateful import (
 )
 from spotrun.trainer.storage.digests import digest_file, digest_files
 
-__all__ = ["Expectation", "Kind", "Problem", "check_integrity", "read_manifest", "validate_dir"]
-
 
 @dataclass(frozen=True)
 class Problem:

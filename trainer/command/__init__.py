@@ -30,5 +30,4 @@ _WHERE = {
     "restore": "publish",
     "run_command": "runner",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

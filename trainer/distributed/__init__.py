@@ -27,5 +27,4 @@ _WHERE = {
     "run_forked": "agent",
     "wrap": "ranks",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

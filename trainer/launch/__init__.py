@@ -36,5 +36,4 @@ _WHERE = {
     "under_torchrun": "start",
     "write_rank_exit": "start",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -55,6 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from spotrun.trainer.interpreter import spotrun_version
 from spotrun.trainer.launch.pool import Pool, kill_session, peer_refusal, peer_uid
 from spotrun.trainer.parent_death import arm_pdeathsig
 
@@ -65,6 +66,7 @@ LOAD_TIME_PREFIXES = (
     "TORCH", "PYTORCH_", "CUDA_",
 )  # fmt: skip  # a packed list of names, grouped by purpose
 LoadKey = tuple[str, tuple[tuple[str, str], ...]]
+VERSION_KEY = "spotrun version"  # in a load key beside the variables: no variable has a space
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,12 @@ class Request:
 
 
 def load_key(python: str, env: Mapping[str, str]) -> LoadKey:
-    """What a child's start-up depends on: the interpreter and the load-time variables (the variables a
-    process reads once at start-up: `PYTHON*`, OpenMP's and BLAS's thread settings, `LD_*`, locale,
-    torch's import-time switches)."""
-    return python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)))
+    """What a child's start-up depends on: the interpreter, spotrun's version (a pool's server outlives
+    the job that started it, and would fork the code of before an upgrade) and the load-time variables
+    (those a process reads once at start-up: `PYTHON*`, OpenMP's and BLAS's thread settings, `LD_*`,
+    locale, torch's import-time switches)."""
+    loaded = ((k, v) for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES))
+    return python, tuple(sorted([*loaded, (VERSION_KEY, spotrun_version())]))
 
 
 def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:

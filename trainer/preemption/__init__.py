@@ -61,5 +61,4 @@ _WHERE = {
     "write_handoff": "lease",
     "write_standby": "handover",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -29,5 +29,4 @@ _WHERE = {
     "dcp_state": "sharded",
     "load_sharded": "sharded",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

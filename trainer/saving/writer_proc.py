@@ -109,7 +109,7 @@ class WriterProcess:
 
     def __init__(self, opener: Opener, lease_fence: tuple[str, int] | None, cache: Path, keep: int) -> None:
         ours, theirs = socket.socketpair()
-        cwd = os.getcwd()  # `python -P`: spotrun's packages from PYTHONPATH, never a trainer.py here
+        cwd = os.getcwd()  # first on its path, as `python -m` here would have it
         self.proc = subprocess.Popen(
             python_m("spotrun.trainer.saving.writer_proc", str(theirs.fileno()), str(os.getpid())),
             cwd=cwd,

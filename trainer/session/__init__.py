@@ -31,5 +31,4 @@ _WHERE = {
     "UserSession": "context",
     "session": "context",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

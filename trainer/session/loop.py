@@ -24,13 +24,12 @@ from spotrun.trainer.session.context import run_entrypoint
 from spotrun.trainer.session.core import Session
 from spotrun.trainer.session.options import AttemptOptions, AttemptResult, job_device, seed_everything
 from spotrun.trainer.session.parts import wrapped
-from spotrun.trainer.session.resume import ResumeSource
+from spotrun.trainer.session.resume import ResumeSource as ResumeSource
 from spotrun.trainer.spec.job import JobSpec
 from spotrun.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttemptOptions", "AttemptResult", "ResumeSource", "run_attempt"]
 _device = job_device  # the entry point's name for it
 
 

@@ -18,7 +18,6 @@ from spotrun.trainer.exports import lazy_exports
 if TYPE_CHECKING:
     from spotrun.trainer.spec.entrypoints import call_main as call_main
     from spotrun.trainer.spec.entrypoints import resolve_entrypoint as resolve_entrypoint
-    from spotrun.trainer.spec.entrypoints import shadowing_problem as shadowing_problem
     from spotrun.trainer.spec.entrypoints import split_entrypoint as split_entrypoint
     from spotrun.trainer.spec.entrypoints import takes_args as takes_args
     from spotrun.trainer.spec.hooks import HookOptions as HookOptions
@@ -65,10 +64,8 @@ _WHERE = {
     "parse_spec": "job",
     "pieces": "templating",
     "resolve_entrypoint": "entrypoints",
-    "shadowing_problem": "entrypoints",
     "spec_changes": "job",
     "split_entrypoint": "entrypoints",
     "takes_args": "entrypoints",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -1,14 +1,14 @@
-"""A job's own training loop, named as `entrypoint: package.module:function`: its form, the names it must
-not share with spotrun's packages, and how the trainer finds and calls it.
+"""A job's own training loop, named as `entrypoint: package.module:function`: its form, and how the trainer
+finds and calls it.
 
 The job file names the code a job runs one way only (`recipe` or `entrypoint`, and later `command`): the
 spec's validator refuses both and neither with `code_problem`. Nothing here imports user code except
 `resolve_entrypoint`, which the trainer calls on the worker; `spotrun run` imports the module in a
 subprocess instead (tasks/admission/entrypoint_check.py), so the controller never loads user code or torch.
 
-Name clashes run both ways: spotrun's top-level packages (`RESERVED`) can be shadowed by a user's module
-of the same name beside their loop, or shadow it. `shadowing_problem` refuses such a module root in one
-line before anything runs.
+spotrun's own code is all under the `spotrun` package, so a loop's modules may have any other names
+(`trainer.py`, `tasks/`, `utils.py` beside it): they are imported as Python would, from the directory the
+worker starts in.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping
-from importlib.machinery import EXTENSION_SUFFIXES
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from spotrun.trainer.errors import ConfigError
@@ -26,7 +24,6 @@ from spotrun.trainer.spec.templating import uses_templates
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT = re.compile(rf"^{_NAME}(\.{_NAME})*:{_NAME}$")
-RESERVED = ("trainer", "tasks", "flows", "deployments", "spotrun")  # spotrun's own top-level packages
 # What each way in is, for the message that asks for one of them (the order is CODE_FIELDS' in the spec).
 WAYS_IN = {
     "recipe": "recipe: digits, charlm or package.module:function (a build(args, ctx) returning Parts)",
@@ -117,45 +114,3 @@ def takes_args(fn: Callable[..., Any], entrypoint: str) -> bool:
 def call_main(fn: Callable[..., Any], args: dict[str, Any], entrypoint: str) -> Any:
     """Call the entry point: `main(args)` when it takes an argument, else `main()`."""
     return fn(args) if takes_args(fn, entrypoint) else fn()
-
-
-# ---- names spotrun's packages hold ----
-
-
-def _module_file(d: Path, name: str) -> Path | None:
-    """The regular module or package `name` in directory `d` (a plain directory is no module: a regular
-    one anywhere on the path wins over it)."""
-    candidates = [d / name / "__init__.py", d / f"{name}.py", *(d / f"{name}{s}" for s in EXTENSION_SUFFIXES)]
-    return next((c for c in candidates if c.is_file()), None)
-
-
-def module_root(module: str, path: Iterable[str | Path]) -> Path | None:
-    """The directory on `path` (in order) that provides `module`'s top-level package, as the import
-    system would find it: the first regular module or package, else the first namespace directory.
-    None: no directory on `path` holds it (it is installed, or missing)."""
-    top, portions = module.partition(".")[0], []
-    for entry in path:
-        d = Path(entry or ".")
-        if _module_file(d, top) is not None:
-            return d
-        if (d / top).is_dir():
-            portions.append(d)
-    return portions[0] if portions else None
-
-
-def shadowing_problem(entrypoint: str, path: Iterable[str | Path], ours: Path) -> str | None:
-    """Why the directory that provides the entry point's top-level package must not be on a trainer's path
-    (None: it may): it holds a module or package named like one of spotrun's (RESERVED), which would
-    shadow ours or be shadowed by it. `ours`: the directory that provides spotrun's packages (a loop kept
-    beside them, in spotrun's own tree, clashes with nothing)."""
-    root = module_root(split_entrypoint(entrypoint)[0], path)
-    if root is None or root.resolve() == ours.resolve():
-        return None
-    for name in RESERVED:
-        if (found := _module_file(root, name)) is not None:
-            shown = found.parent if found.name == "__init__.py" else found
-            return (
-                f"entrypoint {entrypoint!r}: {shown} has the name of spotrun's own package {name!r}, so one "
-                f"would shadow the other; rename it (e.g. my_{name}) and its imports"
-            )
-    return None

@@ -8,47 +8,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spotrun.trainer.errors import ConfigError
-from spotrun.trainer.storage.base import (
-    ObjectInfo,
-    Reopenable,
-    Storage,
-    confirm_stored,
-    digest_of,
-    get_bytes,
-    put_bytes,
-    sha256_of,
-)
-from spotrun.trainer.storage.local import LocalStorage, check_local_path
-from spotrun.trainer.storage.options import S3Options
-from spotrun.trainer.storage.registry import (
-    Backend,
-    check_uri,
-    checked_backend,
-    is_local,
-    register_backend,
-    unregister_backend,
-)
-
-__all__ = [
-    "Backend",
-    "LocalStorage",
-    "ObjectInfo",
-    "Reopenable",
-    "S3Options",
-    "Storage",
-    "check_local_path",
-    "check_uri",
-    "confirm_stored",
-    "digest_of",
-    "get_bytes",
-    "is_local",
-    "open_storage",
-    "put_bytes",
-    "register_backend",
-    "resolve_uri",
-    "sha256_of",
-    "unregister_backend",
-]
+from spotrun.trainer.storage.base import ObjectInfo as ObjectInfo
+from spotrun.trainer.storage.base import Reopenable as Reopenable
+from spotrun.trainer.storage.base import Storage
+from spotrun.trainer.storage.base import confirm_stored as confirm_stored
+from spotrun.trainer.storage.base import digest_of as digest_of
+from spotrun.trainer.storage.base import get_bytes as get_bytes
+from spotrun.trainer.storage.base import put_bytes as put_bytes
+from spotrun.trainer.storage.base import sha256_of as sha256_of
+from spotrun.trainer.storage.local import LocalStorage as LocalStorage
+from spotrun.trainer.storage.local import check_local_path as check_local_path
+from spotrun.trainer.storage.options import S3Options as S3Options
+from spotrun.trainer.storage.registry import Backend as Backend
+from spotrun.trainer.storage.registry import check_uri, checked_backend, is_local
+from spotrun.trainer.storage.registry import register_backend as register_backend
+from spotrun.trainer.storage.registry import unregister_backend as unregister_backend
 
 
 def resolve_uri(uri: str, home: Path) -> str:

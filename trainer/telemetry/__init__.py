@@ -62,5 +62,4 @@ _WHERE = {
     "prune_after": "metrics_log",
     "read_heartbeat": "heartbeat",
 }
-__all__ = sorted(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -24,15 +24,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from spotrun.tasks.providers.aws.config import AwsProviderConfig, LaunchTemplateRef
-from spotrun.tasks.providers.aws.installation import INSTALLATION_FILE, installation_id
-from spotrun.tasks.providers.aws.sweeper import sweep, sweep_flow_run
+from spotrun.tasks.providers.aws.config import AwsProviderConfig as AwsProviderConfig
+from spotrun.tasks.providers.aws.config import LaunchTemplateRef as LaunchTemplateRef
+from spotrun.tasks.providers.aws.installation import INSTALLATION_FILE as INSTALLATION_FILE
+from spotrun.tasks.providers.aws.installation import installation_id as installation_id
+from spotrun.tasks.providers.aws.sweeper import sweep as sweep
+from spotrun.tasks.providers.aws.sweeper import sweep_flow_run as sweep_flow_run
 
 if TYPE_CHECKING:
-    from spotrun.tasks.providers.aws.clients import ec2_client, make_ec2_client
-    from spotrun.tasks.providers.aws.factory import build
-    from spotrun.tasks.providers.aws.provider import AwsProvider
-    from spotrun.tasks.providers.aws.rehearsal import RehearsalProvider
+    from spotrun.tasks.providers.aws.clients import ec2_client as ec2_client
+    from spotrun.tasks.providers.aws.clients import make_ec2_client as make_ec2_client
+    from spotrun.tasks.providers.aws.factory import build as build
+    from spotrun.tasks.providers.aws.provider import AwsProvider as AwsProvider
+    from spotrun.tasks.providers.aws.rehearsal import RehearsalProvider as RehearsalProvider
 
 _LAZY = {
     "AwsProvider": "provider",
@@ -41,20 +45,6 @@ _LAZY = {
     "RehearsalProvider": "rehearsal",
     "build": "factory",
 }
-
-__all__ = [
-    "INSTALLATION_FILE",
-    "AwsProvider",
-    "AwsProviderConfig",
-    "LaunchTemplateRef",
-    "RehearsalProvider",
-    "build",
-    "ec2_client",
-    "installation_id",
-    "make_ec2_client",
-    "sweep",
-    "sweep_flow_run",
-]
 
 
 def __getattr__(name: str) -> Any:

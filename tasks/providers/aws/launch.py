@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from spotrun.tasks.providers.aws.config import AwsProviderConfig
 from spotrun.tasks.providers.aws.policy import Market, Placement
 from spotrun.tasks.providers.base import ProvisionError
-from spotrun.trainer.interpreter import python_m
+from spotrun.trainer.interpreter import SAFE_PATH, python_m, spotrun_version
 
 if TYPE_CHECKING:
     from spotrun.trainer.spec.job import JobSpec
@@ -97,6 +97,13 @@ fi
 """
 
 
+# exits 0 only where `python` imports spotrun of exactly this version
+VERSION_PROBE = (
+    "import sys, importlib.metadata as m, importlib.util as u; "
+    'sys.exit(u.find_spec("spotrun") is None or m.version("spotrun") != sys.argv[1])'
+)
+
+
 def _env_lines(env: Mapping[str, str] | None) -> str:
     """Bash: export the job's `env.set` (names checked by the job spec, values quoted)."""
     return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in (env or {}).items())
@@ -126,7 +133,6 @@ def build_user_data(
     spec_b64 = base64.encodebytes(spec_yaml.encode()).decode().rstrip("\n")
     extra = "".join(" " + shlex.quote(a) for a in extra_args)
     which = f", node {node.rank} of {node.nnodes}" if node is not None else ""
-    # `python -P`: the trainer imports spotrun's packages from the image, never a trainer.py in $SPOTRUN_HOME
     start = shlex.join(python_m("spotrun.trainer", "--config", "job.yaml", python=python))
     trainer = f'exec "$@" {start} --worker-id "$SPOTRUN_WORKER_ID"'
     trainer += extra  # "$@": the switch to TRAINER_USER
@@ -140,8 +146,21 @@ cd "$SPOTRUN_HOME"
 base64 -d > job.yaml <<'SPOTRUN_JOB_B64'
 {spec_b64}
 SPOTRUN_JOB_B64
-{_env_lines(env)}{_key_lines(manifest_key_file)}{_as_trainer_user()}{trainer}
+{_version_check(python)}{_env_lines(env)}{_key_lines(manifest_key_file)}{_as_trainer_user()}{trainer}
 """
+
+
+def _version_check(python: str, wanted: str | None = None) -> str:
+    """Bash: refuse to start a trainer of another spotrun version than the controller's (the image's
+    spotrun is the worker's code), saying which version the worker needs; nothing for an uninstalled tree."""
+    wanted = wanted or spotrun_version()
+    if wanted == "0+unknown":
+        return ""
+    probe = shlex.join([python, SAFE_PATH, "-c", VERSION_PROBE, wanted])
+    need = shlex.quote(
+        f"spotrun: this worker needs spotrun {wanted} on the image ({python}): pip install spotrun=={wanted}"
+    )
+    return f"if ! {probe}; then echo {need} >&2; exit 3; fi\n"
 
 
 def _key_lines(path: str | None) -> str:

@@ -41,7 +41,8 @@ import boto3
 
 from spotrun.tasks.market.prices import Prices
 from spotrun.tasks.providers.aws import launch
-from spotrun.tasks.providers.aws.clients import ec2_client, make_ec2_client, make_ec2_clients
+from spotrun.tasks.providers.aws.clients import ec2_client as ec2_client
+from spotrun.tasks.providers.aws.clients import make_ec2_client, make_ec2_clients
 from spotrun.tasks.providers.aws.config import AwsProviderConfig
 from spotrun.tasks.providers.aws.cost import Cost, attempt_cost, launch_prices
 from spotrun.tasks.providers.aws.errors import BOTO_ERRORS
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
 
     from spotrun.trainer.spec.job import JobSpec
 
-__all__ = ["HANDOVER_S", "AwsProvider", "ec2_client", "make_ec2_client", "make_ec2_clients"]
 
 log = logging.getLogger(__name__)
 

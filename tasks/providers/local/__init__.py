@@ -12,23 +12,12 @@ for GPUs.
 - `fork_server`: trainers forked from a server that imported torch once (seconds less per attempt).
 """
 
-from spotrun.tasks.providers.local.config import (
-    LocalProviderConfig,
-    PlannedPreemption,
-    SpotSimulatorConfig,
-    plan_preemption,
-    simulator_rng,
-)
-from spotrun.tasks.providers.local.provider import OMP_WAIT, LocalProvider, build, worker_dir
-
-__all__ = [
-    "OMP_WAIT",
-    "LocalProvider",
-    "LocalProviderConfig",
-    "PlannedPreemption",
-    "SpotSimulatorConfig",
-    "build",
-    "plan_preemption",
-    "simulator_rng",
-    "worker_dir",
-]
+from spotrun.tasks.providers.local.config import LocalProviderConfig as LocalProviderConfig
+from spotrun.tasks.providers.local.config import PlannedPreemption as PlannedPreemption
+from spotrun.tasks.providers.local.config import SpotSimulatorConfig as SpotSimulatorConfig
+from spotrun.tasks.providers.local.config import plan_preemption as plan_preemption
+from spotrun.tasks.providers.local.config import simulator_rng as simulator_rng
+from spotrun.tasks.providers.local.provider import OMP_WAIT as OMP_WAIT
+from spotrun.tasks.providers.local.provider import LocalProvider as LocalProvider
+from spotrun.tasks.providers.local.provider import build as build
+from spotrun.tasks.providers.local.provider import worker_dir as worker_dir

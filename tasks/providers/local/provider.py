@@ -75,7 +75,6 @@ from spotrun.trainer.telemetry.status import parse_status_line
 if TYPE_CHECKING:
     from spotrun.trainer.spec.job import JobSpec
 
-__all__ = ["OMP_WAIT", "LocalProvider", "build", "worker_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +153,8 @@ class LocalProvider:
             window = f"{self.cfg.notice_s:g}"
             args += ["--handover-s", window, "--sigterm-window-s", window]
         work.mkdir(parents=True, exist_ok=True)
-        # The controller's directory, as before, but named: `python -P` leaves it off sys.path, and
-        # PYTHONPATH puts it after spotrun's root (a trainer.py there cannot shadow spotrun's trainer)
+        # The controller's directory, named: `python -P` leaves it off sys.path and PYTHONPATH puts it
+        # first, as `python -m` there would (trainer/interpreter.py)
         cwd = Path.cwd()
         cmd = python_m("spotrun.trainer", *args, python=self.cfg.python)
         env = _child_env(job, self.flow_run_id, cwd)
@@ -464,8 +463,8 @@ OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 def _child_env(job: JobSpec, flow_run_id: str | None = None, cwd: Path | None = None) -> dict[str, str]:
     """The flow's environment as a trainer may see it (allow-list and the job's `env`, trainer_env.py),
-    a worker's PYTHONPATH (spotrun's root, then `cwd`, where a loop beside the job file lives, then the
-    environment's own: trainer/interpreter.py), unbuffered output (lines are heartbeats), OpenMP threads
+    a worker's PYTHONPATH (`cwd`, where a loop beside the job file lives, then the environment's own:
+    trainer/interpreter.py), unbuffered output (lines are heartbeats), OpenMP threads
     that sleep while they wait (unless the environment says otherwise)."""
     env = trainer_env(os.environ, job.env)
     path = os.pathsep.join(worker_path(cwd, env.get("PYTHONPATH")))
