@@ -4,8 +4,10 @@ outside the checkout, driving a project of the user's own that holds its own `tr
 
 The wheel holds one import package, `spotrun`; from the project's directory `import trainer` is the
 user's module; `spotrun run job.yaml` with one reclaim without notice and one with notice completes and
-ends bitwise equal to the same job trained without interruption. The venv installs torch from the local
-CPU wheel and the rest from the index (uv's cache on these machines: about 5 s).
+ends bitwise equal to the same job trained without interruption; `spotrun deploy` from that directory
+applies deployments that load their flows from the installed package and start their runs there. The
+venv installs torch from the local CPU wheel and the rest from the index (uv's cache here: about 5 s).
+A server of this module's own: `spotrun deploy` applies automations, which must not see other tests.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from spotrun.trainer.checkpoint.format import step_dir
+from tests.prefect_server import PrefectServer
 from tests.trainer_runs import assert_states_equal
 
 pytestmark = pytest.mark.slow
@@ -136,6 +140,26 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return wheel, venv
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    server = PrefectServer(tmp_path_factory.mktemp("prefect")).start()
+    try:
+        with server.clients():
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """The user's project, as PROJECT lays it out."""
+    root = tmp_path / "project"
+    for name, text in PROJECT.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
 def test_the_wheel_holds_one_import_package(installed: tuple[Path, Path]) -> None:
     wheel, venv = installed
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
@@ -147,13 +171,9 @@ def test_the_wheel_holds_one_import_package(installed: tuple[Path, Path]) -> Non
 
 
 def test_a_users_project_runs_as_it_is_and_resumes_bitwise(
-    installed: tuple[Path, Path], prefect_api: str, tmp_path: Path
+    installed: tuple[Path, Path], server: PrefectServer, project: Path, tmp_path: Path
 ) -> None:
     _, venv = installed
-    project = tmp_path / "project"
-    for name, text in PROJECT.items():
-        (project / name).parent.mkdir(parents=True, exist_ok=True)
-        (project / name).write_text(text)
     job = {
         "name": "users-own",
         "entrypoint": "train:main",
@@ -167,7 +187,7 @@ def test_a_users_project_runs_as_it_is_and_resumes_bitwise(
         "tracking": {"mlflow": False},
     }
     (project / "job.yaml").write_text(yaml.safe_dump(job))
-    env = _clean_env(venv) | {"PREFECT_API_URL": prefect_api, "SPOTRUN_HOME": str(tmp_path / "home")}
+    env = _clean_env(venv) | server.env() | {"SPOTRUN_HOME": str(tmp_path / "home")}
     run = {"cwd": project, "env": env, "capture_output": True, "text": True, "timeout": 600}
 
     mine = subprocess.run(["python", "-c", "import trainer; print(trainer.__file__)"], **run)
@@ -190,3 +210,27 @@ def test_a_users_project_runs_as_it_is_and_resumes_bitwise(
     assert attempts.returncode == 0, attempts.stderr[-2000:]
     outcomes = [a["outcome"] for a in yaml.safe_load(attempts.stdout)]
     assert outcomes == ["preempted", "preempted", "completed"], outcomes
+
+
+def test_spotrun_deploy_works_from_the_wheel_in_any_directory(
+    installed: tuple[Path, Path], server: PrefectServer, project: Path, tmp_path: Path
+) -> None:
+    """No checkout: the flows are the package's modules, the runs start in the directory `spotrun deploy`
+    ran in, and a shipped example script is named by its path in the installed package."""
+    from prefect import get_client
+
+    _, venv = installed
+    env = _clean_env(venv) | server.env() | {"SPOTRUN_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        ["spotrun", "deploy", "--json"], cwd=project, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    (site,) = (venv / "lib").glob("python3.*/site-packages")
+    with get_client(sync_client=True) as client:
+        training = client.read_deployment_by_name("resilient-training/resilient-training")
+        example = client.read_deployment_by_name("resilient-training/transformers-example")
+    assert training.entrypoint == "spotrun.flows.resilient_training:resilient_training"
+    where = {"prefect.deployments.steps.set_working_directory": {"directory": str(project)}}
+    assert training.pull_steps == [where]
+    script = example.parameters["job"]["command"][1]
+    assert script == str(site / "spotrun" / "deployments" / "jobs" / "scripts" / "hf_train.py")

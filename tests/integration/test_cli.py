@@ -375,7 +375,8 @@ def test_run_bad_input_is_one_line_error(
     ("files", "entrypoint", "fragment"),
     [
         ([], "nosuch_loop_41c.train:main", "ModuleNotFoundError: No module named 'nosuch_loop_41c'"),
-        (["myloop.py", "trainer.py"], "myloop:main", "trainer.py has the name of spotrun's own package"),
+        # a trainer.py beside it is the project's own (no refusal for its name): the missing main is
+        (["myloop.py", "trainer.py"], "myloop:main", "has no attribute 'main'"),
     ],
 )
 def test_run_refuses_an_entrypoint_that_cannot_run(
