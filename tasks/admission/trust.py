@@ -22,7 +22,7 @@ import os
 import shlex
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 OPERATOR, DEPLOYMENTS = "allow", "deployments"  # the file's sections: the operator's, spotrun deploy's
 HEADER = f"""\
 # What a deployment run's parameters (the Prefect UI form, the API, an automation) may name on this
-# worker host, beyond built-in recipes, the flow's own interpreter, https endpoints and the default
-# environment. `{DEPLOYMENTS}:` is what the deployments' defaults name: `spotrun deploy` rewrites it.
+# worker host, beyond built-in recipes, the flow's own interpreter, local directories and the default
+# environment. Endpoints, S3 storage and warm-start sources are listed, https or not.
+# `{DEPLOYMENTS}:` is what the deployments' defaults name: `spotrun deploy` rewrites it.
 # `{OPERATOR}:` is yours: `spotrun deploy` keeps it. Keep this file 0600: whoever can edit it can run code.
 """
 
@@ -58,7 +59,10 @@ class Allowed:
     # too (`python -c ...`), so the exact command is allowed, never a program with any arguments
     commands: frozenset[str] = frozenset()
     env: frozenset[str] = frozenset()  # names in env.pass and env.set
-    endpoints: frozenset[str] = frozenset()  # s3.endpoint_url, provider.endpoint_url beyond https
+    # s3.endpoint_url, provider.endpoint_url: where a run may send data, each scheme://host[:port]
+    endpoints: frozenset[str] = frozenset()
+    storage: frozenset[str] = frozenset()  # s3://bucket[/prefix]: a run's store is one of them or below one
+    init_from: frozenset[str] = frozenset()  # jobs a run may warm-start from, beyond its own
     tracking: frozenset[str] = frozenset()  # tracking.uri
     keep_runs: frozenset[str] = frozenset()  # keep_runs values: a run may keep as many or more
     loopback: bool = False  # http endpoints on 127.0.0.1, ::1 or localhost (tests, moto)
@@ -147,13 +151,8 @@ def refusal(
         for name in names:  # passing a variable that passes anyway changes nothing; setting one may
             if name not in allowed.env and not (where == "env.pass" and passes(name)):
                 return f"{where}: {name} is not a variable this host lets a deployment run name; {fix('env')}"
-    endpoints = {"s3.endpoint_url": job.s3.endpoint_url, **provider.endpoints()}
-    for field, url in endpoints.items():
-        if url is not None and not endpoint_allowed(url, allowed):
-            return (
-                f"{field}: {url!r} is not https; {fix('endpoints')} "
-                f"(a loopback test server: {OPERATOR}.loopback: true)"
-            )
+    if why := _where_data_goes(job, provider, allowed, fix):
+        return why
     if why := provider.deployment_refusal(is_loopback):
         return why
     if why := _keyed_refusal(job, allowed, fix("keep_runs")):
@@ -165,6 +164,46 @@ def refusal(
             f"{fix('tracking')}"
         )
     return None
+
+
+def _where_data_goes(
+    job: JobSpec, provider: ProviderConfig, allowed: Allowed, fix: Callable[[str], str]
+) -> str | None:
+    """A form may send checkpoints (and the model a warm start reads) only where this host said: the
+    endpoints and S3 stores the settings list (default: the deployments' own), and a warm start from the
+    job itself or a listed job. Local directories are the worker's own disk: not checked
+    (docs/security.md)."""
+    endpoints = {"s3.endpoint_url": job.s3.endpoint_url, **provider.endpoints()}
+    for field, url in endpoints.items():
+        if url is not None and not endpoint_allowed(url, allowed):
+            return (
+                f"{field}: {url!r} is not an endpoint this host lets a deployment run send data to; "
+                f"{fix('endpoints')} (a loopback test server: {OPERATOR}.loopback: true)"
+            )
+    if job.storage.startswith("s3://") and not storage_allowed(job.storage, allowed.storage):
+        return (
+            f"storage: {job.storage!r} is not a store this host lets a deployment run write; {fix('storage')}"
+        )
+    source = job.init_from.job if job.init_from is not None else None
+    if source is not None and source != job.name and source not in allowed.init_from:
+        return (
+            f"init_from.job: {source!r} is another job, whose model this host does not let a deployment run "
+            f"read; {fix('init_from')}"
+        )
+    return None
+
+
+def storage_allowed(uri: str, patterns: Collection[str]) -> bool:
+    """`uri` is a listed store or below one (`s3://b/team` allows `s3://b/team/x`, not `s3://b/teamx`)."""
+    here = uri.rstrip("/")
+    return any(here == p.rstrip("/") or here.startswith(p.rstrip("/") + "/") for p in patterns)
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url.strip())
+    return (
+        f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}{f':{parts.port}' if parts.port else ''}"
+    )
 
 
 def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
@@ -189,9 +228,13 @@ def _keyed_refusal(job: JobSpec, allowed: Allowed, fix: str) -> str | None:
 
 
 def endpoint_allowed(url: str, allowed: Allowed) -> bool:
-    """https, listed, or (where the settings allow it) on loopback."""
-    if urlsplit(url).scheme == "https" or url.rstrip("/") in {e.rstrip("/") for e in allowed.endpoints}:
-        return True
+    """Listed (by scheme, host and port: https is no permission, since anyone can serve it), or (where
+    the settings allow it) on loopback."""
+    try:
+        if _origin(url) in {_origin(e) for e in allowed.endpoints}:
+            return True
+    except ValueError:  # a port out of range: no endpoint of anyone's
+        return False
     return allowed.loopback and is_loopback(url)
 
 
@@ -209,15 +252,20 @@ def named(params: Mapping[str, Any]) -> Allowed:
     """What a deployment's default parameters (`job`, `provider`, as prefect.yaml holds them) name, pure."""
     job, provider = _dict(params.get("job")), _dict(params.get("provider"))
     env = _dict(job.get("env"))
-    recipe = job.get("recipe")
+    recipe, storage = job.get("recipe"), job.get("storage")
     endpoints = [_dict(job.get("s3")).get("endpoint_url"), provider.get("endpoint_url")]
+    s3 = [storage] if isinstance(storage, str) and storage.startswith("s3://") else []
     return Allowed(
         python=_present([provider.get("python")]),
         recipes=_present([recipe] if isinstance(recipe, str) and ":" in recipe else []),
         entrypoints=_present([job.get("entrypoint")]),
         commands=_present([_joined(job.get("command")), *_hook_commands(job.get("hooks"))]),
         env=_present([*(env.get("pass") or []), *_dict(env.get("set"))]),
-        endpoints=_present(e for e in endpoints if isinstance(e, str) and urlsplit(e).scheme != "https"),
+        endpoints=_present(e for e in endpoints if isinstance(e, str)),
+        storage=_present(s3),
+        init_from=_present(
+            [source] if (source := _dict(job.get("init_from")).get("job")) != job.get("name") else []
+        ),
         tracking=_present([_dict(job.get("tracking")).get("uri")]),
         keep_runs=_present([str(job["keep_runs"])] if isinstance(job.get("keep_runs"), int) else []),
     )

@@ -48,9 +48,12 @@ ALLOWED = Allowed(
     python=frozenset({"/opt/team/bin/python"}),
     recipes=frozenset({"team.models:build"}),
     env=frozenset({"HF_TOKEN", "WANDB_PROJECT"}),
-    endpoints=frozenset({"http://minio.internal:9000"}),
+    endpoints=frozenset({"http://minio.internal:9000", "https://s3.team.example.com"}),
+    storage=frozenset({"s3://team-models/runs"}),
+    init_from=frozenset({"base-model"}),
     tracking=frozenset({"https://mlflow.internal"}),
 )
+NOT_OURS = "is not an endpoint this host lets a deployment run send data to"
 
 # (case, job, provider, allowed, the refusal's start or None)
 CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
@@ -91,19 +94,38 @@ CASES: list[tuple[str, JobSpec, Any, Allowed, str | None]] = [
     ("env.set of a default name", job(env={"set": {"PATH": "/tmp/evil"}}), LOCAL, ALLOWED,
      "env.set: PATH is not a variable"),
     ("env.set allowed", job(env={"set": {"WANDB_PROJECT": "x"}}), LOCAL, ALLOWED, None),
-    ("https endpoint", job(s3={"endpoint_url": "https://s3.example.com"}), LOCAL, Allowed(), None),
+    ("an https endpoint is not a permission", job(s3={"endpoint_url": "https://s3.example.com"}), LOCAL,
+     ALLOWED, f"s3.endpoint_url: 'https://s3.example.com' {NOT_OURS}"),
+    ("https endpoint listed", job(s3={"endpoint_url": "https://S3.team.example.com:443/x"}), LOCAL, ALLOWED,
+     f"s3.endpoint_url: 'https://S3.team.example.com:443/x' {NOT_OURS}"),  # :443 named is another origin
+    ("https endpoint listed, its path aside", job(s3={"endpoint_url": "https://s3.team.example.com/x"}),
+     LOCAL, ALLOWED, None),
     ("http endpoint refused", job(s3={"endpoint_url": "http://s3.example.com"}), LOCAL, Allowed(),
-     "s3.endpoint_url: 'http://s3.example.com' is not https"),
+     f"s3.endpoint_url: 'http://s3.example.com' {NOT_OURS}"),
     ("http endpoint listed", job(s3={"endpoint_url": "http://minio.internal:9000/"}), LOCAL, ALLOWED, None),
+    ("a listed host on another port", job(s3={"endpoint_url": "http://minio.internal:9001"}), LOCAL, ALLOWED,
+     f"s3.endpoint_url: 'http://minio.internal:9001' {NOT_OURS}"),
     ("loopback without the setting", job(s3={"endpoint_url": MOTO}), LOCAL, Allowed(),
-     "s3.endpoint_url: 'http://127.0.0.1:5000' is not https"),
+     f"s3.endpoint_url: 'http://127.0.0.1:5000' {NOT_OURS}"),
     ("loopback with the setting", job(s3={"endpoint_url": MOTO}), LOCAL, Allowed(loopback=True), None),
     ("EC2 endpoint over http", job(), aws(endpoint_url="http://ec2.example.com"), Allowed(),
-     "provider.endpoint_url: 'http://ec2.example.com' is not https"),
+     f"provider.endpoint_url: 'http://ec2.example.com' {NOT_OURS}"),
+    ("EC2 endpoint over https, unlisted", job(), aws(endpoint_url="https://ec2.example.com"), Allowed(),
+     f"provider.endpoint_url: 'https://ec2.example.com' {NOT_OURS}"),
+    ("a local directory store", job(storage="/data/ckpt/j"), LOCAL, Allowed(), None),
+    ("an S3 store not listed", job(storage="s3://attacker/exfil"), LOCAL, ALLOWED,
+     "storage: 's3://attacker/exfil' is not a store this host lets a deployment run write"),
+    ("a prefix that only starts like a listed one", job(storage="s3://team-models/runsx"), LOCAL, ALLOWED,
+     "storage: 's3://team-models/runsx' is not a store"),
+    ("an S3 store below a listed one", job(storage="s3://team-models/runs/j"), LOCAL, ALLOWED, None),
+    ("a warm start from another job", job(init_from={"job": "someone-elses"}), LOCAL, ALLOWED,
+     "init_from.job: 'someone-elses' is another job, whose model this host does not let a deployment run"),
+    ("a warm start from a listed job", job(init_from={"job": "base-model"}), LOCAL, ALLOWED, None),
     ("rehearse_locally against AWS", job(), aws(rehearse_locally=True), Allowed(),
      "provider.rehearse_locally: only against a loopback test endpoint"),
     ("rehearse_locally against a remote https endpoint", job(),
-     aws(rehearse_locally=True, endpoint_url="https://ec2.example.com"), Allowed(),
+     aws(rehearse_locally=True, endpoint_url="https://ec2.example.com"),
+     Allowed(endpoints=frozenset({"https://ec2.example.com"})),
      "provider.rehearse_locally: only against a loopback test endpoint"),
     ("rehearse_locally against moto", job(), aws(rehearse_locally=True, endpoint_url=MOTO),
      Allowed(loopback=True), None),
@@ -155,9 +177,12 @@ def test_what_a_deployments_defaults_name() -> None:
         python=frozenset({"/opt/py"}),
         recipes=frozenset({"team.models:build"}),
         env=frozenset({"HF_TOKEN", "A"}),
-        endpoints=frozenset({"http://minio:9000"}),  # https needs no listing
+        endpoints=frozenset({"http://minio:9000", "https://ec2.example.com"}),  # https too
         tracking=frozenset({"sqlite:///t.db"}),
     )
+    nightly = {"job": {"name": "n", "storage": "s3://b/n", "init_from": {"job": "base"}}}
+    assert named(nightly) == Allowed(storage=frozenset({"s3://b/n"}), init_from=frozenset({"base"}))
+    assert named({"job": {"storage": "checkpoints/n"}}) == Allowed()  # a directory needs no listing
     assert named({"job": {"recipe": "digits"}}) == Allowed()  # built-ins need no listing
     loop = {"job": {"entrypoint": "team.loop:main", "shape_args": ["hidden"]}}
     assert named(loop) == Allowed(entrypoints=frozenset({"team.loop:main"}))
@@ -187,7 +212,8 @@ def test_the_settings_file_is_0600_and_keeps_the_operators_section(tmp_path: Pat
         (
             "allow: {pythons: [/x]}\n",
             0o600,
-            "allow: unknown key 'pythons'; use commands, endpoints, entrypoints, env, keep_runs, loopback",
+            "allow: unknown key 'pythons'; use commands, endpoints, entrypoints, env, init_from, keep_runs, "
+            "loopback",
         ),
         ("allow: {python: /x}\n", 0o600, "allow.python: use a list of strings"),
         ("allow: [\n", 0o600, "is not valid YAML"),
