@@ -371,6 +371,18 @@ def signing_refusal(job: JobSpec, provider: ProviderConfig, environ: Mapping[str
     return provider.signing_refusal(job, environ)  # how the key reaches the workers is the provider's
 
 
+def unsigned_warning(job: JobSpec, environ: Mapping[str, str]) -> str | None:
+    """What a run without a signing key leaves open, in one line, for its start (None: it signs)."""
+    if keyring(environ).signing is not None:
+        return None
+    return (
+        f"{job.name}'s checkpoints are not signed ({KEY_ENV} is not set): whoever can write "
+        f"{job.storage or 'its storage'} can change the weights, optimizer state and markers a resume reads "
+        "without it being detected (digests catch damage, not an adversary); set a key of 32 bytes or "
+        "more on the controller and the workers (docs/security.md)"
+    )
+
+
 # ---- at a flow's start ----
 
 
@@ -414,6 +426,8 @@ def refuse_untrusted_parameters(fn: Callable[P, R]) -> Callable[P, R]:
         if why is not None:
             get_run_logger().error("refused: %s", why)
             return cast(R, Failed(message=f"refused: {why}"))
+        if warning := unsigned_warning(job, os.environ):  # once per run, where its log is read
+            get_run_logger().warning(warning)
         return fn(*args, **kwargs)
 
     checked.__signature__ = signature  # type: ignore[attr-defined]

@@ -299,3 +299,13 @@ def test_recipes_spelt_as_before_0_2_are_allowed_under_both_names(
         "team.m:build",
     }
     assert "write spotrun.trainer.recipes.charlm:build" in caplog.text
+
+
+def test_a_run_without_a_key_says_what_a_bucket_writer_can_do() -> None:
+    from spotrun.tasks.admission.trust import unsigned_warning
+
+    said = unsigned_warning(job(storage="s3://team/j"), {})
+    assert said is not None and "\n" not in said
+    assert said.startswith("j's checkpoints are not signed (SPOTRUN_MANIFEST_KEY is not set): whoever can")
+    assert "write s3://team/j can change the weights" in said and "32 bytes or more" in said
+    assert unsigned_warning(job(), {"SPOTRUN_MANIFEST_KEY": "k" * 32}) is None

@@ -114,7 +114,11 @@ def _shown(args: tuple[Any, ...]) -> str:
     return f"({', '.join(type(a).__name__ for a in args[:4])}{', ...' if len(args) > 4 else ''})"
 
 
-class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+# the pure-Python unpickler, whose opcode table a subclass can replace (the C one's is fixed)
+_PyUnpickler: Any = pickle._Unpickler  # type: ignore[attr-defined]
+
+
+class RestrictedUnpickler(_PyUnpickler):
     """An unpickler that builds DCP's index and nothing else. The pure-Python unpickler, whose opcode
     table this class overrides: `find_class` alone filters which globals load, not what is done with
     them. A BUILD sets attributes only on an instance of one of the index's dataclasses, and only its
@@ -122,7 +126,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     a call (REDUCE, NEWOBJ) is made only of an allowed callable with arguments of checked types and
     sizes (`bytearray(10**12)` would allocate at will); the protocol-0 object opcodes are refused."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch = dict(_PyUnpickler.dispatch)
 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
@@ -212,10 +216,10 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 def read_dcp_metadata(checkpoint: Path, listed: Collection[str] | None = None) -> Metadata:
     """A DCP checkpoint's `.metadata`, unpickled with the allow-list, and every storage key it names
     checked: a plain name, and one of `listed` (the manifest's files) when given."""
-    path = checkpoint / DCP_METADATA
-    if path.stat().st_size > MAX_METADATA_BYTES:
-        raise UnsafePickle(f"{DCP_METADATA} is {path.stat().st_size:,} bytes, over {MAX_METADATA_BYTES:,}")
-    data = path.read_bytes()
+    index = checkpoint / DCP_METADATA
+    if (size := index.stat().st_size) > MAX_METADATA_BYTES:
+        raise UnsafePickle(f"{DCP_METADATA} is {size:,} bytes, over {MAX_METADATA_BYTES:,}")
+    data = index.read_bytes()
     try:
         metadata = RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafePickle:

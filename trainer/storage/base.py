@@ -151,9 +151,27 @@ def put_bytes(storage: Storage, key: str, data: bytes) -> None:
         storage.put(key, p)
 
 
+# What a marker or record (`latest`, `_standby.json`, a heartbeat, a manifest, a step's metrics) may weigh:
+# spotrun's own are bytes to a few MB; a bucket writer's 30 GB `_standby.json` must not OOM the readers.
+SMALL_OBJECT_MAX = 64 * 2**20
+
+
+class ObjectTooLarge(ValueError):
+    """A small object (a marker, a record) over SMALL_OBJECT_MAX: not one spotrun wrote; readers that
+    take a malformed marker as absent take this one so too."""
+
+
 def get_bytes(storage: Storage, key: str) -> bytes:
-    """Fetch a small object into memory."""
-    return b"".join(storage.read(key))
+    """Fetch a small object into memory, reading no more than SMALL_OBJECT_MAX (ObjectTooLarge)."""
+    limit, size, chunks = SMALL_OBJECT_MAX, 0, []
+    for chunk in storage.read(key):
+        size += len(chunk)
+        if size > limit:
+            raise ObjectTooLarge(
+                f"{key} in {storage.uri} is over {limit:,} bytes: no marker or record of spotrun's"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def digest_of(storage: Storage, key: str, algo: str = DIGEST) -> tuple[str, int]:
