@@ -21,7 +21,7 @@ from spotrun.trainer.checkpoint.validate import validate_dir
 from spotrun.trainer.command.layouts import MARKER, Found, Seen, find
 from spotrun.trainer.command.link import CommandLink, read_steps, write_notice
 from spotrun.trainer.command.publish import publish, restore
-from spotrun.trainer.command.runner import _classify, _Follower
+from spotrun.trainer.command.runner import _classify, _Follower, script_environ
 from spotrun.trainer.errors import ConfigError
 from spotrun.trainer.exitcodes import ExitCode
 from spotrun.trainer.spec.job import JobSpec
@@ -359,3 +359,15 @@ def test_an_evaluation_the_script_reports_is_a_section_record_and_no_step(tmp_pa
         ("section", False, 7),
     ]
     assert follower.step == 7
+
+
+def test_the_script_never_holds_the_manifest_keys() -> None:
+    """The trainer signs what it publishes of the script's checkpoints; the script (and whatever it loads)
+    gets the rest of the environment, not the keys."""
+    environ = {
+        "SPOTRUN_MANIFEST_KEY": "k" * 32,
+        "SPOTRUN_MANIFEST_KEYS_OLD": "o" * 32,
+        "HF_HOME": "/h",
+        "PATH": "/b",
+    }
+    assert script_environ(environ) == {"HF_HOME": "/h", "PATH": "/b"}

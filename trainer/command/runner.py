@@ -23,12 +23,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from spotrun.trainer.checkpoint.completion import completed_for, mark_completed
+from spotrun.trainer.checkpoint.signing import KEY_ENV, OLD_KEYS_ENV
 from spotrun.trainer.command.layouts import Found, Seen, find
 from spotrun.trainer.command.link import (
     CHECKPOINT_DIR,
@@ -138,6 +139,16 @@ class _Follower:
         self.opts.reporter.emit("durable", step=found.step)
 
 
+# What the trainer holds and the script must not: the manifest keys sign what the trainer publishes of the
+# script's checkpoints; a script (its dependencies, a `trust_remote_code` model) holding them could sign too.
+WITHHELD = (KEY_ENV, OLD_KEYS_ENV)
+
+
+def script_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The trainer's environment as the script gets it: everything but WITHHELD."""
+    return {k: v for k, v in environ.items() if k not in WITHHELD}
+
+
 def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> AttemptResult:
     """Restore, run the script, publish what it writes, forward a notice, classify its exit."""
     assert spec.command is not None
@@ -179,7 +190,7 @@ def run_command(spec: JobSpec, storage: Storage, opts: AttemptOptions) -> Attemp
     }
     argv = [fill(a, values, f"command[{i}]") for i, a in enumerate(spec.command)]
     env = {
-        **os.environ,
+        **script_environ(os.environ),
         CHECKPOINT_DIR: str(ckpt_dir),
         RESUME_STEP: "" if selection.step is None else str(selection.step),
         TOTAL_STEPS: str(spec.total_steps),
