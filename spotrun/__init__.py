@@ -16,7 +16,6 @@ notice. Names are loaded when first read: `spotrun --help` imports neither torch
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,13 +45,12 @@ _WHERE = {
 }
 __all__ = ["__version__", *sorted(_WHERE)]
 
-try:
-    __version__ = version("spotrun")
-except PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
-
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read when asked: every worker process imports this package at start
+        from spotrun.trainer.interpreter import spotrun_version
+
+        return spotrun_version()
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'spotrun' has no attribute {name!r}")
@@ -60,4 +58,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE})
+    return sorted({*globals(), *_WHERE, "__version__"})

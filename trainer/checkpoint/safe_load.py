@@ -25,15 +25,17 @@ import io
 import math
 import pathlib
 import pickle
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -69,13 +71,12 @@ class UnsafePickle(ValueError):
     """Stored bytes asked for something other than plain data."""
 
 
-def _records() -> dict[type, frozenset[str]]:
+def _record_fields() -> dict[type, frozenset[str]]:
     """The index's dataclasses -> the attribute names a BUILD may set on one of their instances."""
-    from torch.distributed.checkpoint import metadata
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     classes = [
-        getattr(metadata, n) for n in sorted(_ALLOWED[_DCP_METADATA_MODULE]) if n != "_MEM_FORMAT_ENCODING"
+        getattr(dcp_metadata, n)
+        for n in sorted(_ALLOWED[_DCP_METADATA_MODULE])
+        if n != "_MEM_FORMAT_ENCODING"
     ]
     return {c: frozenset(f.name for f in dataclasses.fields(c)) for c in [*classes, _StorageInfo]}
 
@@ -127,20 +128,19 @@ class RestrictedUnpickler(_PyUnpickler):
     sizes (`bytearray(10**12)` would allocate at will); the protocol-0 object opcodes are refused."""
 
     dispatch = dict(_PyUnpickler.dispatch)
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self._records = _records()
-        self._calls: dict[Any, Any] = {
-            torch.Size: _shape,
-            torch.serialization._get_layout: _words,
-            pathlib.PosixPath: _words,
-            pathlib.PurePosixPath: _words,
-            pathlib.Path: _words,
-            collections.OrderedDict: _nothing,
-            set: _hashables,
-            frozenset: _hashables,
-        }
+    _records = _record_fields()  # each record type -> the fields a BUILD may set
+    # each callable a REDUCE may call -> the check of its arguments
+    _calls: dict[Any, Callable[[tuple[Any, ...], str], None]] = {
+        torch.Size: _shape,
+        torch.serialization._get_layout: _words,
+        pathlib.PosixPath: _words,
+        pathlib.PurePosixPath: _words,
+        pathlib.Path: _words,
+        collections.OrderedDict: _nothing,
+        set: _hashables,
+        frozenset: _hashables,
+        dcp_metadata._MEM_FORMAT_ENCODING: _small_int,
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), _TORCH_VALUES)):
@@ -151,9 +151,7 @@ class RestrictedUnpickler(_PyUnpickler):
 
     def _call(self, func: Any, args: tuple[Any, ...]) -> Any:
         what = getattr(func, "__qualname__", type(func).__name__)
-        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
-
-        check = _small_int if func is _MEM_FORMAT_ENCODING else self._calls.get(func)
+        check = self._calls.get(func)
         if check is None:
             raise UnsafePickle(f"refused to call {what} while unpickling (not part of DCP's index)")
         check(args, what)
@@ -163,20 +161,19 @@ class RestrictedUnpickler(_PyUnpickler):
         args = self.stack.pop()
         self.stack[-1] = self._call(self.stack[-1], tuple(args))
 
-    def load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        if cls not in self._records or args:
-            raise UnsafePickle(f"refused to make a {getattr(cls, '__qualname__', cls)!s} while unpickling")
-        self.append(cls.__new__(cls))
-
-    def load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
+    def _make(self, cls: Any, args: Any, kwargs: Any = None) -> None:
+        """NEWOBJ's `cls.__new__(cls, *args, **kwargs)`: only one of the index's records, from nothing."""
         if cls not in self._records or args or kwargs:
             raise UnsafePickle(f"refused to make a {getattr(cls, '__qualname__', cls)!s} while unpickling")
         self.append(cls.__new__(cls))
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        self._make(self.stack.pop(), args)
+
+    def load_newobj_ex(self) -> None:
+        kwargs, args = self.stack.pop(), self.stack.pop()
+        self._make(self.stack.pop(), args, kwargs)
 
     def load_build(self) -> None:
         state = self.stack.pop()

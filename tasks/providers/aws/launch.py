@@ -150,10 +150,10 @@ SPOTRUN_JOB_B64
 """
 
 
-def _version_check(python: str, wanted: str | None = None) -> str:
+def _version_check(python: str) -> str:
     """Bash: refuse to start a trainer of another spotrun version than the controller's (the image's
     spotrun is the worker's code), saying which version the worker needs; nothing for an uninstalled tree."""
-    wanted = wanted or spotrun_version()
+    wanted = spotrun_version()
     if wanted == "0+unknown":
         return ""
     probe = shlex.join([python, SAFE_PATH, "-c", VERSION_PROBE, wanted])
