@@ -36,8 +36,7 @@ SQL history, the trainers' own per-step times in storage, the provider's simulat
   recovery_ratio          median recovery (death seen by the flow -> first resumed step) over all
                           reclaims / a cold start of the same trainer: provision -> first step of a
                           fresh `python -m spotrun.trainer` on empty storage (run C: the provider's fork
-                          server
-                          off, as a naive restart pays it). Goal <= 1.0. Also printed, not a goal: the
+                          server off, as a naive restart pays it). Goal <= 1.0. Also printed, not a goal: the
                           same recovery over the forked first attempts' start (the fork server's best
                           case, which has no checkpoint to load)
   recovery_no_notice_s    per reclaim without notice in B (with its standby): death seen by the flow ->

@@ -1,9 +1,8 @@
 """Run `python -m spotrun.trainer` in subprocesses and read back what it produced: shared by the e2e tests.
 
 The trainers fork from a fork server (trainer/launch/zygote.py), as the local provider's do by default: a
-fresh `python -m spotrun.trainer` spends ~2.3 s of CPU in `import torch` and `torch._dynamo` before its
-first step,
-and these helpers start about a hundred trainers in the suite (most of them references and killed
+fresh `python -m spotrun.trainer` spends ~2.3 s of CPU in `import torch` and `torch._dynamo` before its first
+step, and these helpers start about a hundred trainers in the suite (most of them references and killed
 attempts). Where no server can start, the trainer starts as a fresh process, as the provider's would.
 """
 

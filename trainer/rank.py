@@ -1,7 +1,6 @@
-"""One rank forked by torchrun (`--run-path`, trainer/launch/start.py): `python -m spotrun.trainer` with
-torch and the
-training stack already imported. torchrun runs this file as `__main__` in the forked child and takes
-a normal return as success; a non-zero exit code leaves as SystemExit, as a fresh rank's would.
+"""One rank forked by torchrun (`--run-path`, trainer/launch/start.py): `python -m spotrun.trainer` with torch
+and the training stack already imported. torchrun runs this file as `__main__` in the forked child and takes a
+normal return as success; a non-zero exit code leaves as SystemExit, as a fresh rank's would.
 
 What a fresh rank would have from its start-up is set here: OpenMP's thread count (read from
 OMP_NUM_THREADS once, when torch was imported in the worker, so the launcher's value would be ignored

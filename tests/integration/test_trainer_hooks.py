@@ -1,6 +1,5 @@
 """A job's hooks through a real `python -m spotrun.trainer` (trainer/hooks/): `on_preempt` starts only once
-the
-emergency checkpoint is durable and, hung, is killed with its child at its timeout while the checkpoint
+the emergency checkpoint is durable and, hung, is killed with its child at its timeout while the checkpoint
 stands; `on_stop` at --max-steps; `on_complete` that fails is recorded and the job still completes."""
 
 from __future__ import annotations

@@ -94,8 +94,7 @@ def test_the_checkpoint_writer_is_dash_p(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_a_fresh_torchrun_and_its_ranks_are_dash_p() -> None:
     """torchrun's `-m` would start each rank as `python -u -m spotrun.trainer`: `--no-python` gets ours
-    instead,
-    as torchrun's own parser reads it."""
+    instead, as torchrun's own parser reads it."""
     from torch.distributed.run import parse_args
 
     torchrun = ["--nproc_per_node=2", "--nnodes=1", "--rdzv_backend=static"]

@@ -262,8 +262,7 @@ def start_ranks(
 def fresh_agent_args(torchrun: Sequence[str], argv: Sequence[str]) -> list[str]:
     """A fresh torchrun (trainer/distributed/agent.py) whose ranks run `python -P -m spotrun.trainer ARGV`:
     torchrun's own `-m` would start them as `python -u -m spotrun.trainer`, the working directory first on
-    their
-    path, so `--no-python` hands it the whole command instead (stdout unbuffered: PYTHONUNBUFFERED)."""
+    their path, so `--no-python` hands it the whole command instead (stdout unbuffered: PYTHONUNBUFFERED)."""
     return python_m(
         "spotrun.trainer.distributed.agent", *torchrun, "--no-python", *python_m("spotrun.trainer", *argv)
     )

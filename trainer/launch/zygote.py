@@ -6,8 +6,7 @@ cold start (measured with -X importtime). A worker reclaimed without notice pays
 replacement trains one step. Forked from this server, a trainer starts with both already imported.
 
 `python -P -m spotrun.trainer.launch.zygote FD MODULES`: FD is this end of a SOCK_SEQPACKET socketpair,
-MODULES a
-comma list to import before serving. One JSON object per packet:
+MODULES a comma list to import before serving. One JSON object per packet:
 
     <- {"op": "ready", "preload_s": S}                      once, after the imports
     -> {"op": "spawn", "id": N, "module": M, "argv": [...], "env": {...}, "cwd": D}   + 2 fds (stdout, stderr)

@@ -17,8 +17,7 @@ store gives (`opener_of`, `Reopenable`): a boto3 client cannot cross a process. 
 through a `FencedStorage` whose lease check reads the lease object (`lease.LeaseView`) before every write.
 
 Started with `python -P -m spotrun.trainer.saving.writer_proc FD`, not multiprocessing's spawn, which would
-import the
-trainer's `__main__` module (the whole training stack) in the child.
+import the trainer's `__main__` module (the whole training stack) in the child.
 """
 
 from __future__ import annotations

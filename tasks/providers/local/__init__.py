@@ -1,7 +1,6 @@
 """The `local` provider (`kind: local`): each worker is a `python -m spotrun.trainer` subprocess on this
-machine,
-reclaimed on a plan by a spot-market simulator, so that a job's recovery is rehearsed before anyone pays
-for GPUs.
+machine, reclaimed on a plan by a spot-market simulator, so that a job's recovery is rehearsed before anyone
+pays for GPUs.
 
 - `config`: its settings (`LocalProviderConfig`) and the simulator's plan (`SpotSimulatorConfig`,
   `PlannedPreemption`, `plan_preemption`, `simulator_rng`).
